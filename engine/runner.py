@@ -1,0 +1,115 @@
+"""Runs the stock `transformers` model over Baton's KV layouts.
+
+`prefill` runs one prompt (optionally continuing from a cached prefix KV) and returns its KV;
+`decode` runs one step for every occupied row of a BATON batch, one token per row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+from engine import attention
+from engine.attention import DecodeAttention, PrefillAttention
+from engine.batch_kv import BatchKV
+from engine.kv import SequenceKV
+from engine.model import LoadedModel
+
+
+class _BatchCache(Cache):
+    """Hands the model the batch KV window; the step's new keys land in the opened column."""
+
+    def __init__(self, batch: BatchKV, column: int):
+        super().__init__(layers=[])
+        self.batch = batch
+        self.column = column
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # key_states, value_states: [rows, kv_heads, 1, head_dim]
+        self.batch.write_column(layer_idx, self.column, key_states[:, :, 0], value_states[:, :, 0])
+        return self.batch.layer_view(layer_idx)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.batch.length
+
+
+class _PrefillCache(Cache):
+    """Starts from a cached prefix KV (or nothing) and keeps the prompt's full KV per layer."""
+
+    def __init__(self, prefix: SequenceKV | None, num_layers: int):
+        super().__init__(layers=[])
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.prefix = prefix
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # key_states, value_states: [1, kv_heads, new_tokens, head_dim]
+        if self.prefix is not None and self.prefix.num_tokens:
+            key_states = torch.cat([self.prefix.keys(layer_idx)[None].to(key_states), key_states], dim=2)
+            value_states = torch.cat([self.prefix.values(layer_idx)[None].to(value_states), value_states], dim=2)
+        self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.prefix.num_tokens if self.prefix is not None else 0
+
+    def sequence_kv(self) -> SequenceKV:
+        return SequenceKV(torch.stack([torch.stack([k[0], v[0]]) for k, v in zip(self.keys, self.values)]))
+
+
+@dataclass
+class PrefillOutput:
+    logits: torch.Tensor  # [vocab] float32: next-token logits after the prompt
+    kv: SequenceKV  # the whole prompt's KV, prefix included
+    computed_tokens: int  # prompt tokens run through the model (the rest came from the prefix)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, attention_backend: str = "auto"):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.backend = attention.resolve_backend(attention_backend, loaded.device)
+        attention.register()
+        self.model.set_attn_implementation(attention.ATTENTION_NAME)
+        # Counted, so tests and metrics can prove where each kind of token was computed.
+        self.prompt_tokens_forwarded = 0
+        self.decode_tokens_forwarded = 0
+        self.decode_steps = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.loaded.device
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: list[int], prefix: SequenceKV | None = None) -> PrefillOutput:
+        cached = prefix.num_tokens if prefix is not None else 0
+        if not 0 <= cached < len(token_ids):
+            raise ValueError(f"a prefix of {cached} tokens must be shorter than the {len(token_ids)}-token prompt")
+        new_ids = torch.tensor([token_ids[cached:]], device=self.device)
+        positions = torch.arange(cached, len(token_ids), device=self.device)[None]
+        cache = _PrefillCache(prefix, self.loaded.kv_shape.num_layers)
+        out = self.model(
+            input_ids=new_ids, position_ids=positions, past_key_values=cache, use_cache=True,
+            logits_to_keep=1, baton=PrefillAttention(cached, self.backend),
+        )
+        self.prompt_tokens_forwarded += new_ids.shape[1]
+        return PrefillOutput(out.logits[0, -1].float(), cache.sequence_kv(), new_ids.shape[1])
+
+    @torch.inference_mode()
+    def decode(self, batch: BatchKV, input_ids: list[int]) -> torch.Tensor:
+        """One step: feeds input_ids[i] to row i, returns next-token logits [rows, vocab] float32."""
+        rows = batch.num_rows
+        if len(input_ids) != rows:
+            raise ValueError(f"decode needs one token per occupied row: {rows} rows, {len(input_ids)} tokens")
+        positions = torch.tensor([[batch.row_tokens(r)] for r in range(rows)], device=self.device)
+        column = batch.append_column()
+        starts = torch.tensor(batch.starts, dtype=torch.int32, device=self.device)
+        out = self.model(
+            input_ids=torch.tensor(input_ids, device=self.device)[:, None], position_ids=positions,
+            past_key_values=_BatchCache(batch, column), use_cache=True,
+            baton=DecodeAttention(starts, self.backend),
+        )
+        self.decode_tokens_forwarded += rows
+        self.decode_steps += 1
+        return out.logits[:, -1].float()

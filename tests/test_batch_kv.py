@@ -1,0 +1,77 @@
+"""The BATON batch KV layout: embedding, left growth, column release, row reuse, accounting."""
+import torch
+
+from engine.batch_kv import BatchKV, BatchKVFull
+from engine.kv import KVShape, SequenceKV
+
+SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+
+
+def kv_of(tokens: int, fill: float) -> SequenceKV:
+    data = torch.arange(tokens, dtype=torch.float32).view(1, 1, 1, tokens, 1) + fill
+    return SequenceKV(data.expand(2, 2, 2, tokens, 4).contiguous())
+
+
+def row_kv(batch: BatchKV, row: int) -> torch.Tensor:
+    return batch.extract(row).data
+
+
+def test_embed_end_aligned_and_grow_left():
+    batch = BatchKV(SHAPE, max_rows=3, max_columns=64, initial_columns=4)
+    a, b = kv_of(3, 100.0), kv_of(7, 200.0)
+    assert batch.embed(a) == 0
+    assert (batch.length, batch.starts) == (3, [0])
+    assert batch.embed(b) == 1  # longer than the window: grows on the left
+    assert batch.length == 7 and batch.starts == [4, 0]
+    assert torch.equal(row_kv(batch, 0), a.data) and torch.equal(row_kv(batch, 1), b.data)
+    assert batch.reallocations >= 1
+
+
+def test_append_release_and_leading_columns():
+    batch = BatchKV(SHAPE, max_rows=2, max_columns=64, initial_columns=8)
+    batch.embed(kv_of(6, 0.0))
+    batch.embed(kv_of(2, 50.0))
+    col = batch.append_column()
+    keys = torch.full((2, 2, 4), 9.0)
+    for layer in range(2):
+        batch.write_column(layer, col, keys, keys)
+    assert batch.row_tokens(0) == 7 and batch.row_tokens(1) == 3
+    useful = batch.useful_bytes()
+    assert useful == 10 * SHAPE.bytes_per_token()
+    assert batch.window_bytes() == 2 * 7 * SHAPE.bytes_per_token()
+    moved = batch.release(0)  # the long row leaves; the short row moves into row 0
+    assert moved == 1
+    assert batch.length == 3 and batch.starts == [0]  # padding columns released
+    assert torch.equal(row_kv(batch, 0)[..., :2, :], kv_of(2, 50.0).data)
+    assert torch.all(row_kv(batch, 0)[..., 2, :] == 9.0)
+
+
+def test_batch_empties_back_to_initial_allocation():
+    batch = BatchKV(SHAPE, max_rows=2, max_columns=256, initial_columns=4)
+    start = batch.allocated_bytes()
+    batch.embed(kv_of(40, 0.0))
+    for _ in range(30):
+        batch.append_column()
+    assert batch.allocated_bytes() > start
+    batch.release(0)
+    assert batch.allocated_bytes() == start and batch.length == 0
+
+
+def test_limits_refuse_instead_of_overallocating():
+    batch = BatchKV(SHAPE, max_rows=1, max_columns=8, initial_columns=4)
+    try:
+        batch.embed(kv_of(9, 0.0))
+        raise AssertionError("a 9-column KV must not fit 8 columns")
+    except BatchKVFull:
+        pass
+    batch.embed(kv_of(8, 0.0))
+    try:
+        batch.embed(kv_of(1, 0.0))
+        raise AssertionError("no free row")
+    except BatchKVFull:
+        pass
+    try:
+        batch.append_column()
+        raise AssertionError("window at its limit")
+    except BatchKVFull:
+        pass

@@ -1,0 +1,49 @@
+"""The decode scheduler's policy, without a model: admission, row reuse, release, limits."""
+import pytest
+
+from decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
+
+
+def seq(rid: str, prompt: int = 4, max_new: int = 3) -> DecodeSequence:
+    return DecodeSequence(rid, prompt_len=prompt, max_new_tokens=max_new, output_ids=[7])
+
+
+def test_admits_while_rows_free_and_reuses_released_rows():
+    sched = DecodeScheduler(SchedulerConfig(max_rows=2, max_columns=100))
+    for i in range(3):
+        sched.add_staged(seq(f"r{i}"))
+    out = sched.schedule()
+    assert [s.request_id for s in out.admitted] == ["r0", "r1"]
+    assert [s.row for s in out.running] == [0, 1]
+    sched.append_tokens([8, 9])
+    assert sched.rows[0].output_ids == [7, 8]
+    moved = sched.finish(sched.rows[0], Status.FINISHED_STOPPED)
+    assert moved == 1 and sched.rows[0].request_id == "r1" and sched.rows[0].row == 0
+    out = sched.schedule()
+    assert [s.request_id for s in out.admitted] == ["r2"] and out.admitted[0].row == 1
+
+
+def test_admission_is_first_come_first_served():
+    sched = DecodeScheduler(SchedulerConfig(max_rows=1, max_columns=20))
+    for rid in ("a", "b", "c"):
+        sched.add_staged(seq(rid, prompt=15, max_new=5))  # 19 columns each: fits one row
+    order = []
+    while sched.has_work():
+        out = sched.schedule()
+        order += [s.request_id for s in out.admitted]
+        sched.finish(out.running[0], Status.FINISHED_LENGTH)
+    assert order == ["a", "b", "c"]
+
+
+def test_request_that_can_never_fit_is_refused_with_advice():
+    sched = DecodeScheduler(SchedulerConfig(max_rows=1, max_columns=10))
+    with pytest.raises(ValueError, match="lower max_tokens"):
+        sched.add_staged(seq("x", prompt=9, max_new=5))
+
+
+def test_finishing_a_staged_request_removes_it():
+    sched = DecodeScheduler(SchedulerConfig(max_rows=1, max_columns=10))
+    a = seq("a")
+    sched.add_staged(a)
+    assert sched.finish(a, Status.FINISHED_ABORTED) is None
+    assert not sched.has_work() and a.finish_reason == "abort"
