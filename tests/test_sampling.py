@@ -1,0 +1,189 @@
+import json
+import math
+
+import pytest
+import torch
+
+from engine.sampling import RequestSampler, SamplingParams, sample
+
+
+def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _draws(params: SamplingParams, logits_row: torch.Tensor, count: int) -> list[int]:
+    """`count` independent draws from one logits row: one seeded request per draw, one batch."""
+    samplers = [RequestSampler(SamplingParams(**{**params.to_dict(), "seed": s})) for s in range(count)]
+    return sample(logits_row.expand(count, -1).contiguous(), samplers)
+
+
+# --- greedy -----------------------------------------------------------------------------------
+
+def test_greedy_is_argmax_with_first_index_on_ties():
+    logits = _logits(5, 50, seed=0)
+    logits[2, 7] = logits[2, 30] = logits[2].max() + 1  # a tie: argmax takes the first
+    samplers = [RequestSampler(SamplingParams()) for _ in range(5)]
+    assert sample(logits, samplers) == torch.argmax(logits, dim=-1).tolist()
+    assert sample(logits, [RequestSampler(SamplingParams()) for _ in range(5)])[2] == 7
+
+
+def test_greedy_rows_in_a_mixed_batch_are_still_argmax():
+    logits = _logits(4, 50, seed=1)
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=3),
+              SamplingParams(), SamplingParams(temperature=0.8, top_k=5, seed=4)]
+    tokens = sample(logits, [RequestSampler(p) for p in params])
+    argmax = torch.argmax(logits, dim=-1).tolist()
+    assert tokens[0] == argmax[0] and tokens[2] == argmax[2]
+
+
+def test_greedy_matches_transformers_generate():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=None, pad_token_id=0, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    prompt = torch.tensor([[1, 17, 42, 99, 5]])
+    with torch.no_grad():
+        expected = model.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1]:].tolist()
+        sampler, ids = RequestSampler(SamplingParams(max_tokens=12)), prompt
+        for _ in range(12):
+            token = sample(model(ids).logits[:, -1, :], [sampler])[0]
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    assert ids[0, prompt.shape[1]:].tolist() == expected
+
+
+# --- seeded reproducibility -------------------------------------------------------------------
+
+def _run_steps(target: SamplingParams, companions: list[SamplingParams], row: int, steps: int) -> list[int]:
+    """Tokens of `target` over `steps` steps while it sits at `row` among `companions`."""
+    target_sampler = RequestSampler(target)
+    others = [RequestSampler(p) for p in companions]
+    out = []
+    for step in range(steps):
+        batch = others[:row] + [target_sampler] + others[row:]
+        logits = _logits(len(batch), 200, seed=1000 + step)
+        logits[row] = _logits(1, 200, seed=step)[0]  # the target's logits depend only on the step
+        out.append(sample(logits, batch)[row])
+    return out
+
+
+@pytest.mark.parametrize("target", [
+    SamplingParams(temperature=1.0, seed=1234),
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=99),
+])
+def test_seeded_request_is_independent_of_batch_and_row(target):
+    alone = _run_steps(target, [], row=0, steps=20)
+    crowd = [SamplingParams(), SamplingParams(temperature=1.3, seed=5),
+             SamplingParams(temperature=0.5, top_p=0.5), SamplingParams(temperature=2.0, top_k=3, seed=8)]
+    assert _run_steps(target, crowd, row=0, steps=20) == alone
+    assert _run_steps(target, crowd[::-1], row=3, steps=20) == alone
+    assert _run_steps(target, crowd[:1], row=1, steps=20) == alone
+
+
+def test_different_seeds_give_different_tokens():
+    a = _run_steps(SamplingParams(temperature=1.0, seed=1), [], row=0, steps=20)
+    b = _run_steps(SamplingParams(temperature=1.0, seed=2), [], row=0, steps=20)
+    assert a != b
+
+
+def test_each_step_draws_fresh_randomness():
+    sampler, row = RequestSampler(SamplingParams(temperature=1.0, seed=5)), torch.zeros(1, 50)
+    assert len({sample(row, [sampler])[0] for _ in range(30)}) > 10
+
+
+def test_a_worker_taking_over_continues_the_same_random_stream():
+    params = SamplingParams(temperature=1.0, seed=77)
+    logits = [_logits(1, 200, seed=step) for step in range(10)]
+    one_process = RequestSampler(params)
+    expected = [sample(row, [one_process])[0] for row in logits]
+    first = sample(logits[0], [RequestSampler(params)])[0]  # e.g. the prefill worker's token
+    taken_over = RequestSampler(params, tokens_generated=1)
+    assert [first] + [sample(row, [taken_over])[0] for row in logits[1:]] == expected
+
+
+def test_unseeded_requests_draw_their_own_seed():
+    a, b = RequestSampler(SamplingParams(temperature=1.0)), RequestSampler(SamplingParams(temperature=1.0))
+    assert a.seed != b.seed and 0 <= a.seed < 2**63
+
+
+# --- temperature, top-k, top-p -----------------------------------------------------------------
+
+def test_top_k_one_and_tiny_top_p_equal_greedy():
+    logits = _logits(6, 300, seed=3)
+    logits[4, 10] = logits[4, 250] = logits[4].max() + 1  # a tie: the filtered path must pick 10
+    greedy = torch.argmax(logits, dim=-1).tolist()
+    for params in (SamplingParams(temperature=5.0, top_k=1), SamplingParams(temperature=5.0, top_p=1e-6)):
+        samplers = [RequestSampler(SamplingParams(**{**params.to_dict(), "seed": i})) for i in range(6)]
+        assert sample(logits, samplers) == greedy
+
+
+def test_top_k_restricts_support_to_the_k_best():
+    row = _logits(1, 30, seed=4)[0]
+    tokens = _draws(SamplingParams(temperature=3.0, top_k=3), row, 2000)
+    assert set(tokens) == set(torch.topk(row, 3).indices.tolist())
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    row = torch.log(torch.tensor([0.1, 0.5, 0.05, 0.3, 0.05]))
+    # sorted: 0.5, 0.3, 0.1, ... -> mass before token 3 is 0.5 < 0.6 (kept), before token 0 is 0.8
+    assert set(_draws(SamplingParams(temperature=1.0, top_p=0.6), row, 2000)) == {1, 3}
+    assert set(_draws(SamplingParams(temperature=1.0, top_p=0.85), row, 2000)) == {0, 1, 3}
+
+
+def test_top_p_applies_after_top_k_renormalises():
+    row = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    # top_k=2 renormalises to 4/7, 3/7, so top_p=0.5 keeps token 0 alone
+    assert set(_draws(SamplingParams(temperature=1.0, top_k=2, top_p=0.5), row, 500)) == {0}
+
+
+def test_temperature_reshapes_the_distribution():
+    probs = torch.tensor([0.7, 0.2, 0.1])
+    n = 4000
+    tokens = _draws(SamplingParams(temperature=2.0), torch.log(probs), n)
+    expected = probs.sqrt() / probs.sqrt().sum()  # p^(1/T), renormalised
+    for token in range(3):
+        assert abs(tokens.count(token) / n - expected[token].item()) < 0.03
+
+
+def test_sample_refuses_mismatched_rows():
+    with pytest.raises(ValueError, match="one row per sampler"):
+        sample(torch.zeros(2, 10), [RequestSampler(SamplingParams())])
+
+
+# --- validation and transport ------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_tokens": 0}, r"max_tokens must be an integer >= 1 \(got 0\); ask for at least one"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"temperature": math.inf}, "temperature"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": math.nan}, "top_p"),
+    ({"top_k": -1}, "top_k must be an integer >= 0"),
+    ({"seed": -1}, "seed must be an integer in 0..2\\*\\*63-1"),
+    ({"seed": 2**63}, "seed"),
+    ({"stop": ("",)}, "non-empty string"),
+    ({"stop": tuple(f"s{i}" for i in range(17))}, "at most 16 stop strings"),
+    ({"stop": ("x" * 257,)}, "at most 256 characters"),
+    ({"stop": (3,)}, "non-empty string"),
+    ({"stop_token_ids": (5, -2)}, "stop_token_ids must be integers >= 0"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"priority": 1.5}, "priority"),
+])
+def test_validation_says_what_to_change(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_json_round_trip_and_normalisation():
+    params = SamplingParams(max_tokens=9, temperature=0.5, top_k=4, top_p=0.9, seed=3,
+                            stop=("\n\n", "END"), stop_token_ids=(7,), ignore_eos=True, priority=2)
+    assert SamplingParams.from_dict(json.loads(json.dumps(params.to_dict()))) == params
+    assert SamplingParams.from_dict({"stop": "END", "temperature": 1}).stop == ("END",)
+    assert SamplingParams.from_dict({}) == SamplingParams()
+    with pytest.raises(ValueError, match="unknown sampling parameter.*topk"):
+        SamplingParams.from_dict({"topk": 3})
