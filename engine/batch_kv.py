@@ -31,7 +31,11 @@ class BatchKV:
         self.starts: list[int] = []  # per occupied row: first valid window column
         self.offset = 0  # buffer column where the window begins
         self.length = 0  # window columns
+        # Counted so tests and metrics can see the layout at work.
         self.reallocations = 0
+        self.left_growths = 0
+        self.released_columns = 0
+        self.embeds = 0
         self.buffer = self._allocate(self.initial_columns)
 
     # buffer: [layers, 2, max_rows, kv_heads, capacity, head_dim]
@@ -82,6 +86,7 @@ class BatchKV:
         # data: [layers, 2, kv_heads, tokens, head_dim] -> row slot, end-aligned
         self.buffer[:, :, row, :, first:first + tokens].copy_(kv.data.to(self.device, non_blocking=True))
         self.starts.append(start)
+        self.embeds += 1
         return row
 
     def append_column(self) -> int:
@@ -131,6 +136,7 @@ class BatchKV:
             self.offset += drop
             self.length -= drop
             self.starts = [s - drop for s in self.starts]
+            self.released_columns += drop
         return drop
 
     def extract(self, row: int) -> SequenceKV:
@@ -147,6 +153,7 @@ class BatchKV:
             self._relayout(extra_left=extra, extra_right=0)
         self.offset -= extra
         self.length += extra
+        self.left_growths += 1
         self.starts = [s + extra for s in self.starts]
 
     def _relayout(self, extra_left: int, extra_right: int) -> None:

@@ -81,7 +81,7 @@ class ModelRunner:
     def device(self) -> torch.device:
         return self.loaded.device
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def prefill(self, token_ids: list[int], prefix: SequenceKV | None = None) -> PrefillOutput:
         cached = prefix.num_tokens if prefix is not None else 0
         if not 0 <= cached < len(token_ids):
@@ -96,7 +96,7 @@ class ModelRunner:
         self.prompt_tokens_forwarded += new_ids.shape[1]
         return PrefillOutput(out.logits[0, -1].float(), cache.sequence_kv(), new_ids.shape[1])
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def decode(self, batch: BatchKV, input_ids: list[int]) -> torch.Tensor:
         """One step: feeds input_ids[i] to row i, returns next-token logits [rows, vocab] float32."""
         rows = batch.num_rows

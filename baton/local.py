@@ -1,0 +1,75 @@
+"""Prefill and BATON decode in one process: the local engine behind `baton generate --local`.
+
+Prefill never runs inside the decode batch: each iteration prefills just enough waiting prompts
+to fill the rows that are free, stages their KV, and the decode core embeds them at its next
+iteration while the other rows keep decoding.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+from decode_worker.core import DecodeConfig, DecodeCore
+from engine.model import LoadedModel
+from engine.request import GenerationRequest, RequestError, RequestOutput, validate_prompt
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from prefill_worker.core import PrefillCore
+
+
+class LocalEngine:
+    def __init__(self, loaded: LoadedModel, decode_config: DecodeConfig = DecodeConfig(),
+                 attention_backend: str = "auto", max_waiting: int = 100_000):
+        self.loaded = loaded
+        self.runner = ModelRunner(loaded, attention_backend)  # one model serves both phases
+        self.prefill = PrefillCore(self.runner)
+        self.decode = DecodeCore(self.runner, decode_config)
+        self.max_waiting = max_waiting
+        self.waiting: deque[GenerationRequest] = deque()
+        self._ids = itertools.count()
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams = SamplingParams(),
+               request_id: str | None = None) -> str:
+        """Queue a prompt; raises RequestError (nothing queued) if it cannot be served."""
+        validate_prompt(prompt_token_ids, params, max_context=self.loaded.max_context,
+                        vocab_size=self.loaded.config.vocab_size)
+        self.decode.check_fits(len(prompt_token_ids), params)
+        if len(self.waiting) >= self.max_waiting:
+            raise RequestError(f"{self.max_waiting} requests are already waiting; retry later")
+        request_id = request_id or f"local-{next(self._ids)}"
+        request = GenerationRequest(request_id, list(prompt_token_ids), params)
+        request.trace.mark("arrived")
+        self.waiting.append(request)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        for request in self.waiting:
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                return RequestOutput(request_id, request.prompt_token_ids, [], "", "", "abort", request.trace)
+        return self.decode.abort(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.decode.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Prefill for the free rows, then one decode iteration; returns every output produced."""
+        outputs = []
+        sched = self.decode.scheduler
+        free_rows = sched.config.max_rows - sched.num_running - sched.num_staged
+        for _ in range(min(free_rows, len(self.waiting))):
+            outputs.append(self.decode.add(self.prefill.prefill(self.waiting.popleft())))
+        outputs.extend(self.decode.step())
+        return outputs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion; final outputs in the order given."""
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.submit(p, sp) for p, sp in zip(prompts, per_prompt)]
+        finals: dict[str, RequestOutput] = {}
+        while self.has_work():
+            for out in self.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        return [finals[i] for i in ids]

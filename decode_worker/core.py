@@ -1,0 +1,153 @@
+"""The decode worker without networking: staged KV in, one BATON iteration per `step`, outputs out.
+
+Single-threaded by design: the transport layer feeds `add`/`abort` from its own threads only
+through a queue drained by the loop that calls `step`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
+from engine.batch_kv import BatchKV
+from engine.kv import SequenceKV
+from engine.request import PrefilledRequest, RequestError, RequestOutput, effective_max_tokens
+from engine.runner import ModelRunner
+from engine.sampling import RequestSampler, SamplingParams, sample
+from engine.stopping import FinishReason, StopChecker
+
+DEFAULT_KV_BUDGET_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    max_rows: int = 8
+    kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES  # the batch KV may never exceed this
+    initial_columns: int = 256
+
+    def __post_init__(self):
+        if self.max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1 (got {self.max_rows})")
+        if self.kv_budget_bytes < 1:
+            raise ValueError(f"kv_budget_bytes must be >= 1 (got {self.kv_budget_bytes})")
+
+
+@dataclass
+class _Live:
+    """Everything the core keeps for one request between arrival and finish."""
+
+    seq: DecodeSequence
+    prefilled: PrefilledRequest
+    sampler: RequestSampler
+    checker: StopChecker
+    kv: SequenceKV | None  # until embedded
+
+
+_STATUS = {FinishReason.STOP: Status.FINISHED_STOPPED, FinishReason.LENGTH: Status.FINISHED_LENGTH}
+
+
+class DecodeCore:
+    def __init__(self, runner: ModelRunner, config: DecodeConfig = DecodeConfig()):
+        self.runner = runner
+        self.config = config
+        loaded = runner.loaded
+        shape = loaded.kv_shape
+        max_columns = min(loaded.max_context, config.kv_budget_bytes // (config.max_rows * shape.bytes_per_token()))
+        if max_columns < 2:
+            raise ValueError(f"kv_budget_bytes={config.kv_budget_bytes} is too small for {config.max_rows} rows; "
+                             f"each row needs {shape.bytes_per_token()} bytes per token")
+        self.batch = BatchKV(shape, config.max_rows, max_columns=max_columns,
+                             initial_columns=config.initial_columns, device=loaded.device)
+        self.scheduler = DecodeScheduler(SchedulerConfig(config.max_rows, max_columns))
+        self.live: dict[str, _Live] = {}
+
+    @property
+    def max_columns(self) -> int:
+        return self.scheduler.config.max_columns
+
+    def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        """Refuse early a request whose KV could never fit this worker's batch."""
+        max_new = effective_max_tokens(prompt_len, params, self.runner.loaded.max_context)
+        if prompt_len + max_new - 1 > self.max_columns:
+            raise RequestError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({max_new}) needs {prompt_len + max_new - 1} KV "
+                f"columns but this decode worker allows {self.max_columns}; lower max_tokens or shorten the prompt"
+            )
+
+    def add(self, prefilled: PrefilledRequest) -> RequestOutput:
+        """Take a prefilled request; returns its first output (already final if one token was enough)."""
+        req = prefilled.request
+        if req.request_id in self.live:
+            raise RequestError(f"request id {req.request_id!r} is already being decoded here")
+        loaded = self.runner.loaded
+        prompt_len = len(req.prompt_token_ids)
+        self.check_fits(prompt_len, req.params)
+        checker = StopChecker(req.params, loaded.decode, eos_token_ids=loaded.eos_token_ids,
+                              prompt_ids=req.prompt_token_ids, max_model_len=loaded.max_context)
+        step = checker.append(prefilled.first_token)
+        req.trace.mark("staged")
+        seq = DecodeSequence(req.request_id, prompt_len,
+                             effective_max_tokens(prompt_len, req.params, loaded.max_context),
+                             [prefilled.first_token], priority=req.params.priority)
+        # Continue the random stream the prefill's first draw started.
+        sampler = RequestSampler(replace(req.params, seed=prefilled.seed), tokens_generated=1)
+        live = _Live(seq, prefilled, sampler, checker, prefilled.kv)
+        if step.finish_reason is not None:
+            req.trace.mark("admitted")
+            req.trace.mark("finished")
+            return self._output(live, step.text_delta, step.finish_reason.value)
+        self.live[req.request_id] = live
+        self.scheduler.add_staged(seq)
+        return self._output(live, step.text_delta, None)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request wherever it is; its row and KV are freed at once."""
+        live = self.live.get(request_id)
+        if live is None:
+            return None
+        self._finish(live, Status.FINISHED_ABORTED)
+        return self._output(live, "", "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """One BATON iteration: embed newly admitted KV, decode every row once, release finished rows."""
+        plan = self.scheduler.schedule()
+        for seq in plan.admitted:
+            live = self.live[seq.request_id]
+            live.prefilled.request.trace.mark("admit_start")
+            row = self.batch.embed(live.kv)
+            assert row == seq.row, f"batch row {row} != scheduler row {seq.row}"
+            live.kv = None
+            live.prefilled.request.trace.mark("admitted")
+        if not plan.running:
+            return []
+        logits = self.runner.decode(self.batch, [s.next_input for s in plan.running])
+        lives = [self.live[s.request_id] for s in plan.running]
+        tokens = sample(logits, [live.sampler for live in lives])
+        self.scheduler.append_tokens(tokens)
+        outputs = []
+        for live, token in zip(lives, tokens):
+            step = live.checker.append(token)
+            reason = step.finish_reason
+            if reason is not None:
+                live.prefilled.request.trace.mark("finished")
+                self._finish(live, _STATUS[reason])
+            outputs.append(self._output(live, step.text_delta, reason.value if reason else None))
+        return outputs
+
+    def _finish(self, live: _Live, status: Status) -> None:
+        seq = live.seq
+        row = seq.row
+        moved = self.scheduler.finish(seq, status)
+        if row is not None:
+            moved_in_batch = self.batch.release(row)
+            assert moved == moved_in_batch, "scheduler and batch disagree on row compaction"
+        live.kv = None
+        del self.live[seq.request_id]
+
+    def _output(self, live: _Live, delta: str, finish_reason: str | None) -> RequestOutput:
+        req = live.prefilled.request
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(live.checker.token_ids),
+                             live.checker.text, delta, finish_reason, req.trace)
+

@@ -1,0 +1,41 @@
+"""Shared fixtures: the real default model, a tiny random model, and transformers' own generate."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model import LoadedModel, load_model
+
+
+class Reference:
+    """`transformers` generate on a separate copy of the same weights: the ground truth."""
+
+    def __init__(self, name: str):
+        self.loaded = load_model(name)
+        self.loaded.model.set_attn_implementation("sdpa")
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        model = self.loaded.model
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=model.generation_config.pad_token_id)
+        return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def default_model() -> LoadedModel:
+    return load_model("default")
+
+
+@pytest.fixture(scope="session")
+def default_reference() -> Reference:
+    return Reference("default")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> LoadedModel:
+    return load_model("tiny-random")
+
+
+@pytest.fixture(scope="session")
+def tiny_reference() -> Reference:
+    return Reference("tiny-random")

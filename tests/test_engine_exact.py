@@ -1,0 +1,93 @@
+"""The BATON contract: greedy tokens through the re-batching engine equal transformers' generate.
+
+Prompts of mixed lengths (a few tokens to over 500) arrive at random iterations into a batch
+with fewer rows than prompts; the run must grow the batch KV on the left, release leading
+columns, reuse rows many times and let the batch empty and refill.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from baton.local import LocalEngine
+from decode_worker.core import DecodeConfig
+from engine.sampling import SamplingParams
+
+WORDS = ("river stone lantern quiet harbor engine violet market thunder paper garden orbit copper "
+         "silent meadow signal winter candle forest bridge planet whisper mirror shadow").split()
+TOPICS = ["Hi", "What is 2+2?", "Name three colors.", "Why is the sky blue?", "Write a haiku about rain.",
+          "Explain gravity to a child.", "List two fruits.", "What is the capital of Italy?"]
+
+
+def mixed_prompts(model, count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(count):
+        if i % 3 == 0:
+            prompts.append(model.encode_chat([{"role": "user", "content": rng.choice(TOPICS)}]))
+        else:
+            words = (2 if i == 1 else rng.randint(1, 40)) if i % 3 == 1 else rng.randint(420, 520)
+            text = " ".join(rng.choice(WORDS) for _ in range(words))
+            prompts.append(model.encode_text(text))
+    rng.shuffle(prompts)
+    # A long prompt right after short ones makes the batch KV grow on the left.
+    short = min(range(count), key=lambda i: len(prompts[i]))
+    prompts.insert(0, prompts.pop(short))
+    longest = max(range(count), key=lambda i: len(prompts[i]))
+    prompts.insert(2, prompts.pop(longest))
+    return prompts
+
+
+def run_with_random_arrivals(engine: LocalEngine, prompts, params, seed: int) -> dict[int, list[int]]:
+    """Submit prompts at random iterations, with one pause that lets the batch empty."""
+    rng = random.Random(seed)
+    pending = list(enumerate(prompts))
+    ids: dict[str, int] = {}
+    finals: dict[int, list[int]] = {}
+    empties = 0
+    half = len(prompts) // 2
+    while pending or engine.has_work():
+        hold = empties == 0 and len(ids) >= half  # the second half waits until the batch is empty
+        if pending and not (hold and engine.has_work()) and (not engine.has_work() or rng.random() < 0.3):
+            for _ in range(min(len(pending), rng.randint(1, 3))):
+                index, prompt = pending.pop(0)
+                ids[engine.submit(prompt, params)] = index
+        for out in engine.step():
+            if out.finished:
+                finals[ids[out.request_id]] = out.token_ids
+        if not engine.has_work() and pending:
+            empties += 1
+    assert empties >= 1, "the batch never emptied and refilled"
+    return finals
+
+
+def check_engine_matches_generate(model, reference, count: int, max_tokens: int, max_rows: int):
+    prompts = mixed_prompts(model, count, seed=7)
+    assert min(map(len, prompts)) <= 8 and max(map(len, prompts)) > 500
+    engine = LocalEngine(model, DecodeConfig(max_rows=max_rows, initial_columns=64))
+    start_bytes = engine.decode.batch.allocated_bytes()
+    finals = run_with_random_arrivals(engine, prompts, SamplingParams(max_tokens=max_tokens), seed=11)
+    mismatches = []
+    for index, prompt in enumerate(prompts):
+        expected = reference.greedy(prompt, max_tokens)
+        if finals[index] != expected:
+            mismatches.append((index, len(prompt), finals[index], expected))
+    assert not mismatches, f"{len(mismatches)} prompts differ from generate: {mismatches[:3]}"
+
+    batch, runner = engine.decode.batch, engine.runner
+    assert batch.left_growths > 0, "no embedded KV was longer than the batch KV"
+    assert batch.released_columns > 0, "leading padding columns were never released"
+    assert batch.embeds == count and count >= 3 * max_rows, "rows were not reused many times"
+    # One token per occupied row per step: every generated token but the prefill's first was fed once.
+    assert runner.decode_tokens_forwarded == sum(len(t) - 1 for t in finals.values())
+    assert batch.allocated_bytes() == start_bytes and batch.num_rows == 0
+
+
+def test_tiny_model_matches_generate(tiny_model, tiny_reference):
+    check_engine_matches_generate(tiny_model, tiny_reference, count=32, max_tokens=24, max_rows=4)
+
+
+@pytest.mark.slow
+def test_default_model_matches_generate(default_model, default_reference):
+    check_engine_matches_generate(default_model, default_reference, count=30, max_tokens=20, max_rows=5)
