@@ -2,6 +2,7 @@
 or a tiny random-weight model for tests. Every loaded model carries a fingerprint."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -127,8 +128,9 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str
             )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    with _quiet_progress():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     return _finish(model, tokenizer, name if name != DEFAULT_MODEL else "SmolLM2-135M-Instruct", torch_dtype, device)
 
 
@@ -161,6 +163,20 @@ def tiny_random_model(seed: int = 0):
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+@contextlib.contextmanager
+def _quiet_progress():
+    """Loading a converted model takes a second: no progress bar for that."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def default_tokenizer():

@@ -1,0 +1,112 @@
+"""The `baton` command line. Bad input exits with status 2 and a message saying what to change."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from engine.request import RequestError
+from engine.sampling import SamplingParams
+
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """Bad input from the command line; printed without a traceback, exit status 2."""
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+
+def sampling_from_args(args) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default",
+                        help="'default' (SmolLM2-135M-Instruct), 'tiny-random', or a Hugging Face model directory")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+
+
+def result_record(prompt: str, output) -> dict:
+    return {"prompt": prompt, "prompt_token_ids": output.prompt_token_ids, "token_ids": output.token_ids,
+            "text": output.text, "finish_reason": output.finish_reason}
+
+
+def print_results(prompts: list[str], outputs, as_json: bool) -> None:
+    for prompt, out in zip(prompts, outputs):
+        if as_json:
+            print(json.dumps(result_record(prompt, out)), flush=True)
+        else:
+            print(f"### {prompt}\n{out.text}\n[{out.finish_reason}, {len(out.token_ids)} tokens]\n", flush=True)
+
+
+def cmd_generate(args) -> int:
+    if not args.prompts or any(not p.strip() for p in args.prompts):
+        raise UsageError("every prompt must be non-empty text; pass prompts as arguments")
+    params = sampling_from_args(args)
+    if args.max_rows < 1:
+        raise UsageError(f"--max-rows must be >= 1 (got {args.max_rows})")
+    if args.router:
+        from client.cli_support import generate_via_router
+
+        outputs = generate_via_router(args.router, args.prompts, params, raw=args.raw, insecure=True)
+        print_results(args.prompts, outputs, args.json)
+        return 0
+    from baton.local import LocalEngine
+    from decode_worker.core import DecodeConfig
+    from engine.model import load_model
+
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    engine = LocalEngine(loaded, DecodeConfig(max_rows=args.max_rows), attention_backend=args.attention_backend)
+    prompt_ids = [loaded.encode_text(p) if args.raw else loaded.encode_chat([{"role": "user", "content": p}])
+                  for p in args.prompts]
+    print_results(args.prompts, engine.generate(prompt_ids, params), args.json)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="baton", description="Disaggregated prefill/decode LLM serving.")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts, locally or through a router")
+    where = gen.add_mutually_exclusive_group()
+    where.add_argument("--local", action="store_true", help="run prefill and decode in this process (default)")
+    where.add_argument("--router", metavar="HOST:PORT", help="send the prompts to a running Baton router")
+    gen.add_argument("--max-rows", type=int, default=8, help="decode batch rows (default 8)")
+    gen.add_argument("--raw", action="store_true", help="send prompts as raw text, without the chat template")
+    gen.add_argument("--json", action="store_true", help="one JSON line per prompt")
+    add_model_args(gen)
+    add_sampling_args(gen)
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format='{"time":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}')
+    try:
+        return args.func(args)
+    except (UsageError, RequestError, ValueError) as exc:
+        print(f"baton {args.command}: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
