@@ -6,7 +6,6 @@ the cached prefix length for a prefill.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,17 +28,22 @@ class PrefillAttention:
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
-    """Triton on CUDA (or when the interpreter is forced), the torch path on CPU."""
+    """Triton on CUDA, the torch path on CPU; 'triton' on CPU runs the kernels in Triton's interpreter
+    (TRITON_INTERPRET=1, set before triton is imported), which only tests use."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    if name != "auto":
-        return name
-    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        from engine.kernels import triton_available
+    if name == "auto":
+        return "triton" if device.type == "cuda" and _triton_ready() else "torch"
+    if name == "triton" and not _triton_ready():
+        raise ValueError("the triton attention backend needs CUDA (or TRITON_INTERPRET=1 set before start); "
+                         "use 'torch' on this machine")
+    return name
 
-        if triton_available():
-            return "triton"
-    return "torch"
+
+def _triton_ready() -> bool:
+    from engine.kernels import triton_available
+
+    return triton_available()
 
 
 def baton_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, baton=None, **_):

@@ -1,0 +1,52 @@
+"""Attention kernels for the BATON batch KV layout, with torch references.
+
+- `decode_attention`: split-K grouped-query decode over ragged, left-padded rows.
+- `prefill_attention` / `prefill_attention_varlen`: causal attention of new tokens over a
+  cached prefix plus themselves (chunked prefill, prefix reuse).
+- `prefix_shared_decode_attention`: BatchLLM-style decode where rows of a group share one
+  prefix KV, read once per group, merged with each row's own KV by log-sum-exp.
+- `reference`: the same contracts in plain torch (CPU path and test oracle).
+
+The Triton modules are imported lazily, on first use of a kernel name, because
+`triton.jit` decides at decoration time whether a kernel is interpreted: importing this
+package (for `triton_available` or the references) must not fix that choice before a test
+sets TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+from engine.kernels.reference import (decode_attention_ref, prefill_attention_ref, prefill_attention_varlen_ref,
+                                      prefix_shared_decode_attention_ref)
+
+_LAZY = {
+    "decode_attention": "engine.kernels.decode",
+    "prefill_attention": "engine.kernels.prefill",
+    "prefill_attention_varlen": "engine.kernels.prefill",
+    "prefix_shared_decode_attention": "engine.kernels.prefix_shared",
+}
+
+__all__ = [*_LAZY, "triton_available", "decode_attention_ref", "prefill_attention_ref",
+           "prefill_attention_varlen_ref", "prefix_shared_decode_attention_ref"]
+
+
+def triton_available() -> bool:
+    """True when the Triton kernels can run here: triton imports and CUDA is present, or the
+    interpreter is requested with TRITON_INTERPRET=1."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # a broken install is as good as none for backend selection
+        return False
+    if os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes"):
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine.kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,77 @@
+"""Compile every kernel for sm_90 without a GPU: `python -m engine.kernels.compile_check [bf16 fp32 fp16]`.
+
+The interpreter accepts programs the compiler rejects (types, loop-carried values, layouts),
+and it never runs the native fp16/bf16 dot path. Compiling to a cubin with the ptxas that ships
+in the triton wheel catches those errors on a CPU-only machine. Must run in a process where
+TRITON_INTERPRET is unset, since the kernels must be decorated as compiled functions.
+Exit status: 0 all compiled, 1 a kernel failed, 3 no CUDA backend in this triton install.
+"""
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.compiler import ASTSource
+
+from engine.kernels import _common, decode, prefill, prefix_shared
+
+SCALARS = {"qk_scale": "fp32"}
+
+
+def _signature(kernel, pointers: dict[str, str], constexprs: dict[str, object]) -> dict[str, str]:
+    # every argument that is neither a pointer nor a constexpr is an int (strides, lengths)
+    return {name: "constexpr" if name in constexprs else pointers.get(name, SCALARS.get(name, "i32"))
+            for name in kernel.arg_names}
+
+
+def _specs(dtype: str, upcast: bool):
+    kv = {name: f"*{dtype}" for name in ("Q", "K", "V", "PK", "PV")}
+    idx = {name: "*i32" for name in ("Starts", "CuQ", "CuK", "PrefixLens", "RowPtr", "GroupRows")}
+    mid = {"Out": "*fp32", "Lse": "*fp32"}
+    yield "decode", decode._decode_split_kernel, {**kv, **idx, **mid}, dict(
+        GROUP=3, HEAD_DIM=64, BLOCK_G=16, BLOCK_D=64, BLOCK_N=decode.BLOCK_N, WRITE_LSE=True,
+        UPCAST=upcast)
+    yield "prefill", prefill._prefill_kernel, {**kv, **idx, "Out": f"*{dtype}"}, dict(
+        GROUP=8, HEAD_DIM=128, BLOCK_M=prefill.BLOCK_M, BLOCK_N=prefill.BLOCK_N, BLOCK_D=128, UPCAST=upcast)
+    yield "prefix_shared", prefix_shared._prefix_shared_kernel, {**kv, **idx, **mid}, dict(
+        NUM_KV_HEADS=3, GROUP=3, HEAD_DIM=64, BLOCK_M=64, BLOCK_G=16, BLOCK_D=64,
+        BLOCK_N=decode.BLOCK_N, UPCAST=upcast)
+    yield "merge", _common._merge_kernel, {"MidO": "*fp32", "MidLse": "*fp32", "Out": f"*{dtype}"}, dict(
+        HEAD_DIM=64, BLOCK_S=8, BLOCK_D=64)
+
+
+def compile_kernels(arch: int = 90, dtypes: tuple[str, ...] = ("bf16", "fp32")) -> list[str]:
+    """Compile each kernel for sm_<arch>; returns the failures as 'name dtype: error' lines."""
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", arch, 32)
+    failures = []
+    for dtype in dtypes:
+        # fp16/bf16 KV runs native dots on a GPU; fp32 KV upcasts (a no-op) and uses ieee dots
+        for name, kernel, pointers, constexprs in _specs(dtype, upcast=dtype == "fp32"):
+            src = ASTSource(fn=kernel, signature=_signature(kernel, pointers, constexprs),
+                            constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+            try:
+                compiled = triton.compile(src, target=target, options={"num_warps": 4})
+                if "cubin" not in compiled.asm:
+                    failures.append(f"{name} {dtype}: no cubin produced")
+            except Exception as exc:  # report every kernel, not just the first failure
+                failures.append(f"{name} {dtype}: {type(exc).__name__}: {str(exc)[:2000]}")
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Arguments: the pointer dtypes to check (default: bf16 fp32)."""
+    dtypes = tuple(argv if argv is not None else sys.argv[1:]) or ("bf16", "fp32")
+    if "nvidia" not in triton.backends.backends:
+        print("this triton install has no CUDA backend; nothing to check")
+        return 3
+    failures = compile_kernels(dtypes=dtypes)
+    for line in failures:
+        print("FAILED", line)
+    print("all kernels compiled for sm_90" if not failures else f"{len(failures)} kernel(s) failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

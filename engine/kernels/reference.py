@@ -1,0 +1,76 @@
+"""Plain torch references for the Triton kernels: fp32 masked softmax, obviously correct.
+
+They take and return exactly what the kernels do and run on any device; tests compare the
+kernels against them. No triton import here, so they work where triton is absent.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [..., H, Tq, D]; k, v: [..., Hkv, Tk, D]; visible: bool broadcastable to [..., H, Tq, Tk].
+
+    Rows that see no column get zeros (not NaN).
+    """
+    group = q.shape[-3] // k.shape[-3]
+    k = k.float().repeat_interleave(group, dim=-3)
+    v = v.float().repeat_interleave(group, dim=-3)
+    scores = (q.float() @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all -inf rows -> NaN -> 0
+    return probs @ v
+
+
+def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """q: [n, H, D]; k, v: [n, Hkv, L, D]; row i sees columns [starts[i], L) -> [n, H, D]."""
+    columns = torch.arange(k.shape[2], device=k.device)
+    visible = columns[None, :] >= starts.to(k.device).long()[:, None]  # [n, L]
+    out = _attend(q[:, :, None, :], k, v, visible[:, None, None, :], scale)  # [n, H, 1, D]
+    return out[:, :, 0].to(q.dtype)
+
+
+def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
+                          scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [Hkv, prefix_len + T, D]; token j sees columns [0, prefix_len + j]."""
+    num_new = q.shape[0]
+    rows = torch.arange(num_new, device=k.device)[:, None] + prefix_len
+    visible = torch.arange(k.shape[1], device=k.device)[None, :] <= rows  # [T, Tk]
+    out = _attend(q.transpose(0, 1), k, v, visible, scale)  # [H, T, D]
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def prefill_attention_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                 cu_seqlens_k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Packed batch: sequence s owns q rows cu_q[s]:cu_q[s+1] and k/v columns cu_k[s]:cu_k[s+1]."""
+    out = torch.empty_like(q)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for s in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        prefix_len = (k1 - k0) - (q1 - q0)
+        out[q0:q1] = prefill_attention_ref(q[q0:q1], k[:, k0:k1], v[:, k0:k1], prefix_len, scale)
+    return out
+
+
+def prefix_shared_decode_attention_ref(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
+                                       k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+                                       group_of_row: torch.Tensor, prefix_lens: torch.Tensor,
+                                       scale: float) -> torch.Tensor:
+    """Row i attends to its group's prefix columns [0, prefix_lens[g]) then its own [starts[i], L).
+
+    prefix_k, prefix_v: [G, Hkv, P_max, D]; group_of_row[i] == -1: the row has no shared prefix.
+    """
+    out = torch.zeros_like(q)
+    for i in range(q.shape[0]):
+        g, start = int(group_of_row[i]), int(starts[i])
+        keys, values = [k[i, :, start:]], [v[i, :, start:]]
+        if g >= 0:
+            plen = int(prefix_lens[g])
+            keys.insert(0, prefix_k[g, :, :plen])
+            values.insert(0, prefix_v[g, :, :plen])
+        kk = torch.cat([t.float() for t in keys], dim=1)  # [Hkv, P + own, D]
+        vv = torch.cat([t.float() for t in values], dim=1)
+        visible = torch.ones(kk.shape[1], dtype=torch.bool, device=q.device)
+        out[i] = _attend(q[i, :, None, :], kk, vv, visible, scale)[:, 0].to(q.dtype)
+    return out

@@ -1,0 +1,33 @@
+"""The engine with the Triton backend forced (interpreter on CPU) decodes the same greedy tokens."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import json
+    from baton.local import LocalEngine
+    from decode_worker.core import DecodeConfig
+    from engine.model import load_model
+    from engine.sampling import SamplingParams
+
+    model = load_model("tiny-random")
+    prompts = [[5, 6, 7], list(range(100, 140)), [9], list(range(300, 317))]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    result = {}
+    for backend in ("torch", "triton"):
+        engine = LocalEngine(model, DecodeConfig(max_rows=2), attention_backend=backend)
+        result[backend] = [o.token_ids for o in engine.generate(prompts, params)]
+        result[backend + "_backend"] = engine.runner.backend
+    print(json.dumps(result))
+""")
+
+
+def test_triton_backend_matches_torch_backend():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["torch_backend"] == "torch" and result["triton_backend"] == "triton"
+    assert result["triton"] == result["torch"]
