@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code for `proto/baton/v1/*.proto`; regenerate with `python -m baton.protogen`."""

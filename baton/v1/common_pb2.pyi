@@ -1,0 +1,116 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "priority")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    priority: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class Trace(_message.Message):
+    __slots__ = ("stage_seconds", "cached_tokens", "predicted_cached_tokens", "prefill_worker", "decode_worker")
+    class StageSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    stage_seconds: _containers.ScalarMap[str, float]
+    cached_tokens: int
+    predicted_cached_tokens: int
+    prefill_worker: str
+    decode_worker: str
+    def __init__(self, stage_seconds: _Optional[_Mapping[str, float]] = ..., cached_tokens: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class DecodeLoad(_message.Message):
+    __slots__ = ("rows_in_use", "max_rows", "kv_bytes_allocated", "kv_bytes_useful", "staged_bytes", "staging_capacity_bytes", "waiting_for_kv", "staged", "prompt_tokens_forwarded", "decode_tokens_forwarded", "requests_finished", "model_fingerprint")
+    ROWS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_USEFUL_FIELD_NUMBER: _ClassVar[int]
+    STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_KV_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FORWARDED_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_FORWARDED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    rows_in_use: int
+    max_rows: int
+    kv_bytes_allocated: int
+    kv_bytes_useful: int
+    staged_bytes: int
+    staging_capacity_bytes: int
+    waiting_for_kv: int
+    staged: int
+    prompt_tokens_forwarded: int
+    decode_tokens_forwarded: int
+    requests_finished: int
+    model_fingerprint: str
+    def __init__(self, rows_in_use: _Optional[int] = ..., max_rows: _Optional[int] = ..., kv_bytes_allocated: _Optional[int] = ..., kv_bytes_useful: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., staging_capacity_bytes: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., staged: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., decode_tokens_forwarded: _Optional[int] = ..., requests_finished: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class PrefillLoad(_message.Message):
+    __slots__ = ("queued", "max_queue", "queued_tokens", "prompt_tokens_forwarded", "requests_done", "model_fingerprint")
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FORWARDED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_DONE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    queued: int
+    max_queue: int
+    queued_tokens: int
+    prompt_tokens_forwarded: int
+    requests_done: int
+    model_fingerprint: str
+    def __init__(self, queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., requests_done: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,56 @@
+"""KV cache shipping from prefill to decode workers: wire format, sender, receiver, staging pool.
+
+    prefill worker                                   decode worker
+    encode(rid, fingerprint, kv, metadata)  --->  Receiver.receive(chunks)
+      header, data chunks (crc32), end              validates, reserves staging bytes,
+    over push_kv (gRPC) or push_in_process          assembles, lands in StagingPool -> on_landed
+
+Refusals are `KVTransferError` subclasses whose `.code` names the gRPC status (errors.py).
+"""
+from kvtransfer.errors import (
+    KVBadStream,
+    KVCancelled,
+    KVCorrupt,
+    KVDuplicate,
+    KVForeignModel,
+    KVNotLanded,
+    KVPoolFull,
+    KVPushFailed,
+    KVShapeMismatch,
+    KVTooLarge,
+    KVTransferError,
+    KVTruncated,
+    KVUnexpected,
+)
+from kvtransfer.inprocess import push_in_process
+from kvtransfer.receiver import ReceiveResult, Receiver, ReceiverConfig
+from kvtransfer.sender import encode
+from kvtransfer.staging import StagedKV, StagingConfig, StagingPool, StagingStats
+from kvtransfer.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "MAX_CHUNK_BYTES",
+    "KVBadStream",
+    "KVCancelled",
+    "KVCorrupt",
+    "KVDuplicate",
+    "KVForeignModel",
+    "KVNotLanded",
+    "KVPoolFull",
+    "KVPushFailed",
+    "KVShapeMismatch",
+    "KVTooLarge",
+    "KVTransferError",
+    "KVTruncated",
+    "KVUnexpected",
+    "ReceiveResult",
+    "Receiver",
+    "ReceiverConfig",
+    "StagedKV",
+    "StagingConfig",
+    "StagingPool",
+    "StagingStats",
+    "encode",
+    "push_in_process",
+]

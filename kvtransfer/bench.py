@@ -1,0 +1,133 @@
+"""How close KV shipping over gRPC loopback gets to a plain memory copy of the same bytes.
+
+    python -m kvtransfer.bench --mbytes 64                 # receiver in its own process
+    python -m kvtransfer.bench --mbytes 64 --same-process  # sender and receiver share one GIL
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from engine.kv import KVShape, SequenceKV
+from kvtransfer.grpc_transport import KVTransferServer, kvtransfer_channel, push_kv
+from kvtransfer.receiver import Receiver, ReceiverConfig
+from kvtransfer.staging import StagingConfig, StagingPool
+from kvtransfer.wire import DEFAULT_CHUNK_BYTES
+
+# Llama-like shape whose per-token KV (32 KiB) divides round byte counts.
+BENCH_SHAPE = KVShape(num_layers=32, num_kv_heads=4, head_dim=64, dtype=torch.float16)
+BENCH_FINGERPRINT = "bench-model"
+
+
+def bench_kv(nbytes: int) -> SequenceKV:
+    """Random KV of BENCH_SHAPE holding at least nbytes (rounded up to whole tokens)."""
+    per_token = BENCH_SHAPE.bytes_per_token()
+    num_tokens = max(1, -(-nbytes // per_token))
+    shape = (BENCH_SHAPE.num_layers, 2, BENCH_SHAPE.num_kv_heads, num_tokens, BENCH_SHAPE.head_dim)
+    return SequenceKV(torch.randn(shape, dtype=BENCH_SHAPE.dtype))
+
+
+def measure_loopback_throughput(
+    nbytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, repeats: int = 5, receiver_process: bool = True
+) -> tuple[float, float]:
+    """(seconds to push nbytes of KV over gRPC on 127.0.0.1 until landed, seconds to memcpy them).
+
+    Each is the best of `repeats`, after one warm-up push that opens the connection. The
+    push time covers encoding, both checksums, the socket, assembly and landing; the
+    receiver verifies every chunk's checksum. receiver_process=True runs the receiver in
+    its own process, as a decode worker would; False shares this process (and its GIL).
+    """
+    kv = bench_kv(nbytes)
+    server = _receiver_in_subprocess(kv.nbytes) if receiver_process else _receiver_here(kv.nbytes)
+    push_times = []
+    with server as target:
+        channel = kvtransfer_channel(target)
+        try:
+            for attempt in range(repeats + 1):
+                started = time.perf_counter()
+                push_kv(channel, f"bench-{attempt}", BENCH_FINGERPRINT, kv, chunk_bytes=chunk_bytes)
+                if attempt > 0:
+                    push_times.append(time.perf_counter() - started)
+        finally:
+            channel.close()
+    return min(push_times), _memcpy_seconds(kv.data, repeats)
+
+
+def _recycling_receiver(capacity_bytes: int) -> Receiver:
+    """A receiver whose landed KVs are taken and released at once, as a fast consumer would."""
+    pool: StagingPool
+
+    def consume(request_id: str) -> None:
+        pool.take(request_id)
+        pool.release(request_id)
+
+    pool = StagingPool(StagingConfig(capacity_bytes=capacity_bytes, max_entries=1), on_landed=consume)
+    return Receiver(pool, ReceiverConfig(fingerprint=BENCH_FINGERPRINT, shape=BENCH_SHAPE))
+
+
+@contextmanager
+def _receiver_here(capacity_bytes: int) -> Iterator[str]:
+    with KVTransferServer(_recycling_receiver(capacity_bytes)) as server:
+        yield server.target
+
+
+def _serve_until_told(capacity_bytes: int, connection) -> None:
+    with KVTransferServer(_recycling_receiver(capacity_bytes)) as server:
+        connection.send(server.target)
+        connection.recv()  # any message means stop
+
+
+@contextmanager
+def _receiver_in_subprocess(capacity_bytes: int) -> Iterator[str]:
+    context = multiprocessing.get_context("spawn")  # no forked grpc or torch threads
+    ours, theirs = context.Pipe()
+    process = context.Process(target=_serve_until_told, args=(capacity_bytes, theirs), daemon=True)
+    process.start()
+    try:
+        if not ours.poll(60):
+            raise RuntimeError("benchmark receiver process did not start within 60 s")
+        yield ours.recv()
+    finally:
+        if process.is_alive():
+            ours.send("stop")
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+
+
+def _memcpy_seconds(source: torch.Tensor, repeats: int) -> float:
+    target = torch.empty_like(source)
+    target.copy_(source)  # touch the pages once so the timing excludes page faults
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mbytes", type=int, default=64, help="KV size in MiB")
+    parser.add_argument("--chunk-kib", type=int, default=DEFAULT_CHUNK_BYTES // 1024)
+    parser.add_argument("--same-process", action="store_true", help="run the receiver in this process")
+    args = parser.parse_args(argv)
+    nbytes = args.mbytes * 1024 * 1024
+    transfer_s, memcpy_s = measure_loopback_throughput(
+        nbytes, chunk_bytes=args.chunk_kib * 1024, receiver_process=not args.same_process
+    )
+    mib = nbytes / 2**20
+    where = "same process" if args.same_process else "separate processes"
+    print(f"KV {mib:.0f} MiB, chunks {args.chunk_kib} KiB, sender and receiver in {where}")
+    print(f"gRPC loopback: {transfer_s * 1e3:8.1f} ms  {mib / transfer_s:8.0f} MiB/s")
+    print(f"memcpy:        {memcpy_s * 1e3:8.1f} ms  {mib / memcpy_s:8.0f} MiB/s")
+    print(f"memcpy is {transfer_s / memcpy_s:.1f}x faster than the gRPC push")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""The in-process transport: the sender's chunks fed straight to a Receiver.
+
+Same encode and receive code as gRPC, minus the socket, for tests and single-process runs.
+"""
+from __future__ import annotations
+
+from engine.kv import SequenceKV
+from kvtransfer.receiver import ReceiveResult, Receiver
+from kvtransfer.sender import encode
+from kvtransfer.wire import DEFAULT_CHUNK_BYTES
+
+
+def push_in_process(
+    receiver: Receiver,
+    request_id: str,
+    fingerprint: str,
+    kv: SequenceKV,
+    metadata: bytes = b"",
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    timeout_s: float | None = None,
+) -> ReceiveResult:
+    """Raises the receiver's KVTransferError subclass when it refuses the KV."""
+    return receiver.receive(encode(request_id, fingerprint, kv, metadata, chunk_bytes), timeout_s=timeout_s)

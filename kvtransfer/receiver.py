@@ -1,0 +1,161 @@
+"""Consume one KVChunk stream, verify every part of it, and land the KV in the staging pool.
+
+Transport-free: the gRPC servicer and the in-process transport both call `Receiver.receive`.
+Staging bytes are reserved when the header is accepted and the data is copied straight into
+a tensor allocated then; any failure (bad header, checksum, order, truncation, cancel, or an
+exception from the transport's iterator) aborts the reservation before the error propagates.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+from baton.v1 import kvtransfer_pb2 as pb
+from engine.kv import KVShape, SequenceKV
+from kvtransfer.errors import (
+    KVBadStream,
+    KVCancelled,
+    KVCorrupt,
+    KVForeignModel,
+    KVShapeMismatch,
+    KVTooLarge,
+    KVTruncated,
+)
+from kvtransfer.staging import Reservation, StagingPool
+from kvtransfer.wire import MAX_CHUNK_BYTES, MAX_METADATA_BYTES, checksum, dtype_from_name
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    fingerprint: str  # of the model this decode worker runs
+    shape: KVShape  # layers, KV heads, head dim and dtype it runs with
+    max_tokens: int | None = None  # longest sequence it would admit; None: bounded by the pool
+    reserve_timeout_s: float = 10.0  # longest wait for staging room before RESOURCE_EXHAUSTED
+    max_chunk_bytes: int = MAX_CHUNK_BYTES
+
+
+@dataclass(frozen=True)
+class ReceiveResult:
+    request_id: str
+    nbytes: int
+    num_chunks: int
+    staging_wait_seconds: float  # header accepted -> staging room reserved
+    receive_seconds: float  # header accepted -> KV landed
+
+
+class Receiver:
+    """Stateless apart from its config and pool, so one instance serves concurrent pushes."""
+
+    def __init__(self, pool: StagingPool, config: ReceiverConfig) -> None:
+        self.pool = pool
+        self.config = config
+
+    def receive(self, chunks: Iterable[pb.KVChunk], timeout_s: float | None = None) -> ReceiveResult:
+        """Land one stream's KV; timeout_s (e.g. the RPC's remaining deadline) caps the staging wait."""
+        stream = iter(chunks)
+        first = next(stream, None)
+        if first is None:
+            raise KVTruncated("KV stream was empty; expected a header first")
+        if first.WhichOneof("kind") != "header":
+            raise KVBadStream(f"KV stream must start with a header, got {first.WhichOneof('kind')!r}")
+        header = first.header
+        started = time.monotonic()
+        self._check_header(header)
+        wait = self.config.reserve_timeout_s if timeout_s is None else min(timeout_s, self.config.reserve_timeout_s)
+        reservation = self.pool.reserve(header.request_id, header.total_bytes, wait)
+        reserved = time.monotonic()
+        try:
+            kv, num_chunks = self._assemble(header, stream, reservation)
+            self.pool.land(reservation, kv, bytes(header.metadata))
+        except BaseException:
+            self.pool.abort(reservation)
+            raise
+        return ReceiveResult(header.request_id, header.total_bytes, num_chunks, reserved - started, time.monotonic() - started)
+
+    def _check_header(self, header: pb.KVHeader) -> None:
+        rid = header.request_id
+        if not rid:
+            raise KVBadStream("KV header has an empty request_id")
+        if header.layout != pb.KV_LAYOUT_LAYER_MAJOR:
+            raise KVBadStream(f"KV for {rid!r} has layout {header.layout}; this receiver reads only LAYER_MAJOR")
+        if header.model_fingerprint != self.config.fingerprint:
+            raise KVForeignModel(
+                f"KV for {rid!r} comes from model {header.model_fingerprint!r} but this decode worker runs "
+                f"{self.config.fingerprint!r}; route it to a worker serving the same model"
+            )
+        expected = self.config.shape
+        dtype = dtype_from_name(header.dtype)
+        got = (dtype, header.num_layers, header.num_kv_heads, header.head_dim)
+        want = (expected.dtype, expected.num_layers, expected.num_kv_heads, expected.head_dim)
+        if got != want:
+            raise KVShapeMismatch(
+                f"KV for {rid!r} is (dtype, layers, kv_heads, head_dim) = ({header.dtype}, {header.num_layers}, "
+                f"{header.num_kv_heads}, {header.head_dim}); this worker needs "
+                f"({str(expected.dtype).removeprefix('torch.')}, {want[1]}, {want[2]}, {want[3]})"
+            )
+        if header.num_tokens == 0:
+            raise KVBadStream(f"KV for {rid!r} has no tokens; a prefilled prompt has at least one")
+        max_tokens = self.config.max_tokens
+        if max_tokens is not None and header.num_tokens > max_tokens:
+            raise KVTooLarge(f"KV for {rid!r} has {header.num_tokens} tokens; this worker admits at most {max_tokens}")
+        want_bytes = header.num_tokens * expected.bytes_per_token()
+        if header.total_bytes != want_bytes:
+            raise KVBadStream(
+                f"KV for {rid!r} declares {header.total_bytes} bytes but {header.num_tokens} tokens of this shape "
+                f"are {want_bytes}"
+            )
+        if not 0 < header.chunk_bytes <= self.config.max_chunk_bytes:
+            raise KVBadStream(f"KV for {rid!r} has chunk_bytes {header.chunk_bytes}; allowed (0, {self.config.max_chunk_bytes}]")
+        if len(header.metadata) > MAX_METADATA_BYTES:
+            raise KVBadStream(f"KV for {rid!r} carries {len(header.metadata)} metadata bytes; max {MAX_METADATA_BYTES}")
+
+    def _assemble(
+        self, header: pb.KVHeader, stream: Iterator[pb.KVChunk], reservation: Reservation
+    ) -> tuple[SequenceKV, int]:
+        shape = self.config.shape
+        rid, total, chunk_bytes = header.request_id, header.total_bytes, header.chunk_bytes
+        # data: [layers, 2, kv_heads, tokens, head_dim], filled through a flat byte view
+        data = torch.empty(
+            (shape.num_layers, 2, shape.num_kv_heads, header.num_tokens, shape.head_dim), dtype=shape.dtype
+        )
+        target = memoryview(data.view(torch.uint8).reshape(-1).numpy())
+        received = num_chunks = 0
+        for message in stream:
+            if reservation.cancelled:
+                raise KVCancelled(f"request {rid!r} was cancelled while its KV arrived")
+            kind = message.WhichOneof("kind")
+            if kind == "data":
+                chunk = message.data
+                if received >= total:
+                    raise KVBadStream(f"KV for {rid!r}: data chunk {chunk.seq} after all {total} bytes arrived")
+                if chunk.seq != num_chunks or chunk.offset != received:
+                    raise KVCorrupt(
+                        f"KV for {rid!r}: got chunk seq={chunk.seq} offset={chunk.offset}, "
+                        f"expected seq={num_chunks} offset={received}"
+                    )
+                payload = chunk.payload  # each attribute read copies the bytes out of upb; read once
+                size = min(chunk_bytes, total - received)
+                if len(payload) != size:
+                    raise KVBadStream(f"KV for {rid!r}: chunk {chunk.seq} has {len(payload)} bytes, expected {size}")
+                if checksum(payload) != chunk.crc32:
+                    raise KVCorrupt(f"KV for {rid!r}: checksum mismatch in chunk {chunk.seq}; the data was damaged")
+                target[received : received + size] = payload
+                received += size
+                num_chunks += 1
+            elif kind == "end":
+                end = message.end
+                if received != total or end.num_chunks != num_chunks or end.total_bytes != total:
+                    raise KVCorrupt(
+                        f"KV for {rid!r}: end says {end.num_chunks} chunks / {end.total_bytes} bytes, "
+                        f"received {num_chunks} chunks / {received} of {total} bytes"
+                    )
+                extra = next(stream, None)
+                if extra is not None:
+                    raise KVBadStream(f"KV for {rid!r}: {extra.WhichOneof('kind')!r} message after end")
+                return SequenceKV(data), num_chunks
+            else:
+                raise KVBadStream(f"KV for {rid!r}: unexpected {kind!r} message inside the data stream")
+        raise KVTruncated(f"KV stream for {rid!r} ended after {received} of {total} bytes without an end message")

@@ -1,0 +1,498 @@
+"""KV shipping: round trips and refusals over the in-process and real gRPC transports, the pool."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import grpc
+import pytest
+import torch
+
+from baton.v1 import kvtransfer_pb2 as pb
+from baton.v1 import kvtransfer_pb2_grpc as pb_grpc
+from engine.kv import KVShape, SequenceKV
+from kvtransfer import (
+    KVCancelled,
+    KVNotLanded,
+    KVPoolFull,
+    KVTooLarge,
+    KVTransferError,
+    Receiver,
+    ReceiverConfig,
+    StagingConfig,
+    StagingPool,
+    encode,
+    push_in_process,
+)
+from kvtransfer.bench import measure_loopback_throughput
+from kvtransfer.errors import KVPushFailed
+from kvtransfer.grpc_transport import KVTransferServer, kvtransfer_channel, push_kv
+
+FINGERPRINT = "tiny-llama/weights:0123abcd/float32"
+SHAPES = {
+    "float32": KVShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32),  # 256 B/token
+    "bfloat16": KVShape(num_layers=3, num_kv_heads=1, head_dim=8, dtype=torch.bfloat16),  # 96 B/token
+    "float16": KVShape(num_layers=2, num_kv_heads=3, head_dim=4, dtype=torch.float16),  # 96 B/token
+}
+ODD_CHUNK = 1000  # no per-token size divides it, so chunks split tokens and the last is short
+
+
+def random_kv(shape: KVShape, num_tokens: int, seed: int = 0) -> SequenceKV:
+    generator = torch.Generator().manual_seed(seed)
+    dims = (shape.num_layers, 2, shape.num_kv_heads, num_tokens, shape.head_dim)
+    return SequenceKV(torch.randn(dims, generator=generator).to(shape.dtype))
+
+
+def raw_bytes(kv: SequenceKV) -> bytes:
+    return kv.data.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def assert_pool_empty(pool: StagingPool) -> None:
+    stats = pool.stats()
+    assert (stats.used_bytes, stats.entries, stats.waiting) == (0, 0, 0), stats
+
+
+@dataclass
+class Link:
+    """A sender's view of one receiving decode worker over one transport."""
+
+    pool: StagingPool
+    receiver: Receiver
+    transport: str
+    landed: list[str] = field(default_factory=list)
+    target: str = ""
+
+    def push(self, request_id: str, kv: SequenceKV, fingerprint: str = FINGERPRINT, metadata: bytes = b"",
+             chunk_bytes: int = ODD_CHUNK, timeout_s: float | None = None):
+        if self.transport == "inprocess":
+            return push_in_process(self.receiver, request_id, fingerprint, kv, metadata, chunk_bytes, timeout_s)
+        return push_kv(self.target, request_id, fingerprint, kv, metadata, chunk_bytes, timeout_s)
+
+    def push_chunks(self, chunks: Iterable[pb.KVChunk]):
+        if self.transport == "inprocess":
+            return self.receiver.receive(chunks)
+        with kvtransfer_channel(self.target) as channel:
+            try:
+                return pb_grpc.KVTransferStub(channel).Push(iter(chunks), timeout=10)
+            except grpc.RpcError as err:
+                raise KVPushFailed(err.code().name, err.details()) from None
+
+
+@pytest.fixture(params=["inprocess", "grpc"])
+def make_link(request) -> Iterator[Callable[..., Link]]:
+    servers: list[KVTransferServer] = []
+
+    def build(dtype: str = "float32", capacity_bytes: int = 1 << 20, reserve_timeout_s: float = 5.0,
+              max_tokens: int | None = None, **pool_options) -> Link:
+        landed: list[str] = []
+        pool = StagingPool(StagingConfig(capacity_bytes=capacity_bytes, **pool_options), on_landed=landed.append)
+        config = ReceiverConfig(FINGERPRINT, SHAPES[dtype], max_tokens=max_tokens, reserve_timeout_s=reserve_timeout_s)
+        link = Link(pool, Receiver(pool, config), request.param, landed)
+        if request.param == "grpc":
+            server = KVTransferServer(link.receiver).start()
+            servers.append(server)
+            link.target = server.target
+        return link
+
+    yield build
+    for server in servers:
+        server.stop(grace_s=None)
+
+
+def refusal(push: Callable[[], object]) -> KVTransferError:
+    with pytest.raises(KVTransferError) as caught:
+        push()
+    return caught.value
+
+
+# -- round trips ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", list(SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_round_trip_is_bit_exact_with_metadata(make_link, dtype, num_tokens):
+    link = make_link(dtype)
+    kv = random_kv(SHAPES[dtype], num_tokens, seed=num_tokens)
+    metadata = pb.PushReply(request_id="first token 42").SerializeToString()  # any serialized message
+    reply = link.push("req-1", kv, metadata=metadata)
+    assert reply.request_id == "req-1" and reply.num_chunks == -(-kv.nbytes // ODD_CHUNK)
+    assert link.landed == ["req-1"]
+    staged = link.pool.take("req-1")
+    assert raw_bytes(staged.kv) == raw_bytes(kv) and staged.kv.data.dtype == kv.data.dtype
+    assert staged.kv.shape == kv.shape and staged.metadata == metadata
+    assert link.pool.stats().taken_bytes == kv.nbytes
+    assert link.pool.release("req-1") == kv.nbytes
+    assert_pool_empty(link.pool)
+
+
+def test_bfloat16_nan_inf_and_negative_zero_bits_survive(make_link):
+    shape = SHAPES["bfloat16"]
+    bits = torch.arange(-32768, 32768, 4, dtype=torch.int32).to(torch.int16)  # every 4th bf16 pattern
+    num_tokens = bits.numel() // (2 * shape.num_layers * shape.num_kv_heads * shape.head_dim)
+    data = bits[: num_tokens * shape.bytes_per_token() // 2].view(torch.bfloat16)
+    kv = SequenceKV(data.reshape(shape.num_layers, 2, shape.num_kv_heads, num_tokens, shape.head_dim))
+    link = make_link("bfloat16")
+    link.push("bits", kv, chunk_bytes=4096)
+    assert raw_bytes(link.pool.take("bits").kv) == raw_bytes(kv)
+
+
+def test_wire_is_header_then_layer_major_chunks_then_end():
+    kv = random_kv(SHAPES["float32"], 37)
+    chunks = list(encode("r", FINGERPRINT, kv, b"meta", chunk_bytes=ODD_CHUNK))
+    assert [c.WhichOneof("kind") for c in (chunks[0], chunks[-1])] == ["header", "end"]
+    header, data = chunks[0].header, [c.data for c in chunks[1:-1]]
+    assert (header.dtype, header.num_layers, header.num_kv_heads, header.head_dim, header.num_tokens) == (
+        "float32", 2, 2, 8, 37)
+    assert header.total_bytes == kv.nbytes and header.chunk_bytes == ODD_CHUNK and header.metadata == b"meta"
+    assert b"".join(d.payload for d in data) == raw_bytes(kv)  # exactly SequenceKV.data, layer 0 first
+    assert [len(d.payload) for d in data[:-1]] == [ODD_CHUNK] * (len(data) - 1) and 0 < len(data[-1].payload) <= ODD_CHUNK
+    assert chunks[-1].end.num_chunks == len(data) and chunks[-1].end.total_bytes == kv.nbytes
+
+
+def test_chunks_above_grpc_default_message_limit_pass(make_link):
+    kv = random_kv(SHAPES["float32"], 40 * 1024)  # 10 MiB
+    link = make_link(capacity_bytes=kv.nbytes, max_entries=1)
+    assert link.push("big", kv, chunk_bytes=8 << 20).num_chunks == 2
+    assert raw_bytes(link.pool.take("big").kv) == raw_bytes(kv)
+
+
+def test_zero_tokens_are_refused(make_link):
+    with pytest.raises(ValueError, match="no tokens"):
+        encode("empty", FINGERPRINT, random_kv(SHAPES["float32"], 0))
+    link = make_link()
+    header = pb.KVHeader(request_id="empty", model_fingerprint=FINGERPRINT, dtype="float32", num_layers=2,
+                         num_kv_heads=2, head_dim=8, num_tokens=0, total_bytes=0, chunk_bytes=ODD_CHUNK,
+                         layout=pb.KV_LAYOUT_LAYER_MAJOR)
+    error = refusal(lambda: link.push_chunks([pb.KVChunk(header=header), pb.KVChunk(end=pb.KVEnd())]))
+    assert error.code == "INVALID_ARGUMENT" and "no tokens" in str(error)
+    assert_pool_empty(link.pool)
+
+
+# -- refused streams free everything ----------------------------------------------------------
+def tampered(chunks: list[pb.KVChunk], how: str) -> list[pb.KVChunk]:
+    if how == "truncated: no end":
+        return chunks[:-1]
+    if how == "truncated: last data and end":
+        return chunks[:-2]
+    if how == "byte flipped":
+        payload = bytearray(chunks[3].data.payload)
+        payload[17] ^= 0x01
+        chunks[3].data.payload = bytes(payload)
+    elif how == "chunk dropped":
+        del chunks[2]
+    elif how == "chunk repeated":
+        chunks.insert(2, chunks[2])
+    elif how == "message after end":
+        chunks.append(chunks[1])
+    elif how == "bytes miscounted":
+        chunks[0].header.total_bytes += 4
+    elif how == "no header":
+        del chunks[0]
+    return chunks
+
+
+@pytest.mark.parametrize("how, code", [
+    ("truncated: no end", "ABORTED"),
+    ("truncated: last data and end", "ABORTED"),
+    ("byte flipped", "INVALID_ARGUMENT"),
+    ("chunk dropped", "INVALID_ARGUMENT"),
+    ("chunk repeated", "INVALID_ARGUMENT"),
+    ("message after end", "INVALID_ARGUMENT"),
+    ("bytes miscounted", "INVALID_ARGUMENT"),
+    ("no header", "INVALID_ARGUMENT"),
+])
+def test_damaged_stream_is_refused_and_frees_its_bytes(make_link, how, code):
+    link = make_link()
+    chunks = tampered(list(encode("r", FINGERPRINT, random_kv(SHAPES["float32"], 37), chunk_bytes=ODD_CHUNK)), how)
+    assert refusal(lambda: link.push_chunks(chunks)).code == code
+    assert_pool_empty(link.pool)
+    assert link.landed == [] and link.pool.stats().peak_used_bytes <= link.pool.config.capacity_bytes
+
+
+def test_foreign_model_is_refused(make_link):
+    link = make_link()
+    error = refusal(lambda: link.push("r", random_kv(SHAPES["float32"], 3), fingerprint="other-model"))
+    assert error.code == "INVALID_ARGUMENT" and "other-model" in str(error) and FINGERPRINT in str(error)
+    assert_pool_empty(link.pool)
+    assert link.pool.stats().peak_used_bytes == 0  # refused before reserving anything
+
+
+@pytest.mark.parametrize("wrong", [
+    KVShape(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32),
+    KVShape(num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float32),
+    KVShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16),
+])
+def test_wrong_shape_or_dtype_is_refused(make_link, wrong):
+    link = make_link("float32")
+    error = refusal(lambda: link.push("r", random_kv(wrong, 5)))
+    assert error.code == "INVALID_ARGUMENT" and "this worker needs" in str(error)
+    assert_pool_empty(link.pool)
+
+
+def test_kv_larger_than_pool_is_refused_at_once(make_link):
+    link = make_link(capacity_bytes=4096, reserve_timeout_s=30.0)
+    started = time.monotonic()
+    error = refusal(lambda: link.push("huge", random_kv(SHAPES["float32"], 17)))  # 4352 bytes
+    assert error.code == "RESOURCE_EXHAUSTED" and "holds only 4096" in str(error)
+    assert time.monotonic() - started < 5.0  # no waiting for room that can never exist
+    assert_pool_empty(link.pool)
+    assert link.pool.stats().peak_used_bytes == 0
+
+
+def test_more_tokens_than_the_worker_admits_are_refused(make_link):
+    link = make_link(capacity_bytes=4 << 20, max_tokens=4096)
+    error = refusal(lambda: link.push("long", random_kv(SHAPES["float32"], 4097)))
+    assert error.code == "RESOURCE_EXHAUSTED" and "at most 4096" in str(error)
+
+
+# -- waiting for room -------------------------------------------------------------------------
+def test_kv_waits_for_room_then_lands_without_over_allocating(make_link):
+    kv = random_kv(SHAPES["float32"], 10)  # 2560 bytes
+    link = make_link(capacity_bytes=4000)
+    link.push("first", kv)
+    outcome: list[object] = []
+    pusher = threading.Thread(target=lambda: outcome.append(link.push("second", kv, timeout_s=10)))
+    pusher.start()
+    wait_until(lambda: link.pool.stats().waiting == 1)
+    assert link.pool.stats().used_bytes == kv.nbytes  # the waiter holds nothing yet
+    link.pool.release(link.pool.take("first").request_id)
+    pusher.join(10)
+    assert outcome and link.landed == ["first", "second"]
+    assert raw_bytes(link.pool.take("second").kv) == raw_bytes(kv)
+    assert link.pool.stats().peak_used_bytes == kv.nbytes <= 4000
+
+
+def test_kv_without_room_is_refused_after_its_timeout(make_link):
+    kv = random_kv(SHAPES["float32"], 10)
+    link = make_link(capacity_bytes=4000, reserve_timeout_s=0.2)
+    link.push("first", kv)
+    error = refusal(lambda: link.push("second", kv))
+    assert error.code == "RESOURCE_EXHAUSTED" and "retry later" in str(error)
+    stats = link.pool.stats()
+    assert (stats.landed_bytes, stats.reserved_bytes, stats.waiting, stats.peak_used_bytes) == (kv.nbytes, 0, 0, kv.nbytes)
+
+
+def test_grpc_deadline_bounds_the_wait_for_room():
+    pool = StagingPool(StagingConfig(capacity_bytes=4000))
+    receiver = Receiver(pool, ReceiverConfig(FINGERPRINT, SHAPES["float32"], reserve_timeout_s=30.0))
+    kv = random_kv(SHAPES["float32"], 10)
+    with KVTransferServer(receiver) as server:
+        push_kv(server.target, "first", FINGERPRINT, kv)
+        started = time.monotonic()
+        error = refusal(lambda: push_kv(server.target, "second", FINGERPRINT, kv, timeout_s=0.3))
+        assert error.code in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
+        assert time.monotonic() - started < 5.0
+        wait_until(lambda: pool.stats().waiting == 0)
+        assert pool.stats().used_bytes == kv.nbytes
+
+
+# -- cancellation and lifecycle ---------------------------------------------------------------
+def paused_stream(kv: SequenceKV, request_id: str, sent_two: threading.Event, resume: threading.Event,
+                  yielded: list[int] | None = None):
+    for index, chunk in enumerate(encode(request_id, FINGERPRINT, kv, chunk_bytes=ODD_CHUNK)):
+        if index == 2:
+            sent_two.set()
+            resume.wait(10)
+        if yielded is not None:
+            yielded.append(index)
+        yield chunk
+
+
+def test_cancel_stops_an_arriving_kv_and_frees_it(make_link):
+    link = make_link()
+    sent_two, resume = threading.Event(), threading.Event()
+    errors: list[KVTransferError] = []
+    yielded: list[int] = []
+
+    def push() -> None:
+        try:
+            link.push_chunks(paused_stream(random_kv(SHAPES["float32"], 37), "r", sent_two, resume, yielded))
+        except KVTransferError as err:
+            errors.append(err)
+
+    pusher = threading.Thread(target=push)
+    pusher.start()
+    assert sent_two.wait(10)
+    wait_until(lambda: link.pool.stats().reserved_entries == 1)
+    assert link.pool.cancel("r") == 37 * 256
+    resume.set()
+    pusher.join(10)
+    assert [e.code for e in errors] == ["CANCELLED"] and link.landed == []
+    if link.transport == "inprocess":
+        assert yielded[-1] == 2  # stopped at the first chunk after the cancel, not at the end
+    assert_pool_empty(link.pool)
+
+
+def test_sender_hanging_up_mid_stream_frees_the_reservation():
+    pool = StagingPool(StagingConfig(capacity_bytes=1 << 20))
+    receiver = Receiver(pool, ReceiverConfig(FINGERPRINT, SHAPES["float32"]))
+    sent_two, resume = threading.Event(), threading.Event()
+    with KVTransferServer(receiver) as server, kvtransfer_channel(server.target) as channel:
+        stream = paused_stream(random_kv(SHAPES["float32"], 37), "r", sent_two, resume)
+        call = pb_grpc.KVTransferStub(channel).Push.future(stream)
+        assert sent_two.wait(10)
+        wait_until(lambda: pool.stats().reserved_entries == 1)
+        call.cancel()
+        resume.set()
+        wait_until(lambda: pool.stats().entries == 0)
+    assert_pool_empty(pool)
+
+
+def test_cancel_frees_landed_taken_and_waiting_kv():
+    pool = StagingPool(StagingConfig(capacity_bytes=3000))
+    receiver = Receiver(pool, ReceiverConfig(FINGERPRINT, SHAPES["float32"]))
+    kv = random_kv(SHAPES["float32"], 10)
+    push_in_process(receiver, "landed", FINGERPRINT, kv)
+    errors: list[KVTransferError] = []
+    waiter = threading.Thread(target=lambda: errors.append(refusal(lambda: push_in_process(receiver, "waiting", FINGERPRINT, kv))))
+    waiter.start()
+    wait_until(lambda: pool.stats().waiting == 1)
+    assert pool.cancel("waiting") == 0
+    waiter.join(10)
+    assert [type(e) for e in errors] == [KVCancelled]
+    assert pool.cancel("landed") == kv.nbytes
+    push_in_process(receiver, "taken", FINGERPRINT, kv)
+    pool.take("taken")
+    assert pool.cancel("taken") == kv.nbytes and pool.cancel("taken") == 0
+    assert_pool_empty(pool)
+
+
+def test_duplicate_and_unexpected_request_ids(make_link):
+    link = make_link(require_expected=True)
+    kv = random_kv(SHAPES["float32"], 2)
+    assert refusal(lambda: link.push("stranger", kv)).code == "FAILED_PRECONDITION"
+    link.pool.expect("r")
+    link.push("r", kv)
+    assert refusal(lambda: link.push("r", kv)).code == "ALREADY_EXISTS"
+    link.pool.take("r")
+    link.pool.release("r")
+    assert not link.pool.is_expected("r")  # released means done: a late duplicate is refused
+    assert refusal(lambda: link.push("r", kv)).code == "FAILED_PRECONDITION"
+    assert_pool_empty(link.pool)
+
+
+def test_take_release_protocol_errors():
+    pool = StagingPool(StagingConfig(capacity_bytes=1000))
+    reservation = pool.reserve("r", 600, timeout_s=0)
+    with pytest.raises(KVNotLanded):
+        pool.take("r")
+    with pytest.raises(KVNotLanded, match="still arriving"):
+        pool.release("r")
+    pool.land(reservation, random_kv(SHAPES["float32"], 2), b"")
+    pool.take("r")
+    with pytest.raises(KVNotLanded, match="taken"):
+        pool.take("r")
+    assert pool.release("r") == 600 and pool.release("r") == 0
+    pool.abort(reservation)  # stale handle: must not free anything new
+    assert_pool_empty(pool)
+
+
+def test_landed_kv_nobody_takes_expires():
+    pool = StagingPool(StagingConfig(capacity_bytes=1000, landed_ttl_s=0.05))
+    pool.land(pool.reserve("r", 512, timeout_s=0), random_kv(SHAPES["float32"], 2), b"")
+    time.sleep(0.1)
+    assert pool.stats().expired_total == 1
+    assert_pool_empty(pool)
+
+
+def test_failing_landed_hook_does_not_undo_the_landing():
+    def explode(request_id: str) -> None:
+        raise RuntimeError("scheduler hook bug")
+
+    pool = StagingPool(StagingConfig(capacity_bytes=1000), on_landed=explode)
+    receiver = Receiver(pool, ReceiverConfig(FINGERPRINT, SHAPES["float32"]))
+    push_in_process(receiver, "r", FINGERPRINT, random_kv(SHAPES["float32"], 2))
+    assert pool.landed_ids() == ["r"]
+
+
+# -- pool invariants under concurrency --------------------------------------------------------
+def test_concurrent_reservations_never_exceed_capacity():
+    capacity = 10_000
+    pool = StagingPool(StagingConfig(capacity_bytes=capacity, max_entries=5))
+    violations: list[int] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            stats = pool.stats()
+            if stats.used_bytes > capacity or stats.entries > 5:
+                violations.append(stats.used_bytes)
+
+    small_kv = random_kv(SHAPES["float32"], 2)  # 512 bytes, fits every reservation below
+
+    def worker(index: int) -> None:
+        for step in range(40):
+            request_id = f"w{index}-{step}"
+            try:
+                reservation = pool.reserve(request_id, 1000 + 997 * ((index * 7 + step) % 9), timeout_s=2)
+            except KVPoolFull:
+                continue
+            time.sleep(0.0005)
+            if step % 3 == 0:
+                pool.cancel(request_id)
+            elif step % 3 == 1:
+                pool.abort(reservation)
+            else:
+                pool.land(reservation, small_kv, b"")
+                pool.take(request_id)
+                pool.release(request_id)
+
+    probe_thread = threading.Thread(target=probe)
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    probe_thread.start()
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join(30)
+    stop.set()
+    probe_thread.join(5)
+    assert violations == [] and pool.stats().peak_used_bytes <= capacity
+    assert_pool_empty(pool)
+
+
+def test_large_waiter_is_not_starved_by_small_ones():
+    pool = StagingPool(StagingConfig(capacity_bytes=1000))
+    pool.reserve("small-0", 400, timeout_s=0)
+    got_large = threading.Event()
+    large = threading.Thread(target=lambda: (pool.reserve("large", 1000, timeout_s=5), got_large.set()))
+    large.start()
+    wait_until(lambda: pool.stats().waiting == 1)
+    with pytest.raises(KVPoolFull):  # would fit, but must queue behind the large one
+        pool.reserve("small-1", 400, timeout_s=0.05)
+    pool.cancel("small-0")
+    large.join(5)
+    assert got_large.is_set() and pool.stats().reserved_bytes == 1000
+
+
+def test_waiting_transfers_are_bounded_too():
+    pool = StagingPool(StagingConfig(capacity_bytes=1000, max_entries=1))
+    pool.reserve("held", 100, timeout_s=0)
+    waiter = threading.Thread(target=lambda: refusal(lambda: pool.reserve("queued", 100, timeout_s=5)))
+    waiter.start()
+    wait_until(lambda: pool.stats().waiting == 1)
+    with pytest.raises(KVPoolFull, match="already wait"):
+        pool.reserve("one-too-many", 100, timeout_s=5)
+    pool.cancel("queued")
+    waiter.join(5)
+    assert pool.stats().waiting == 0
+
+
+def test_oversized_reservation_is_refused_without_waiting():
+    pool = StagingPool(StagingConfig(capacity_bytes=1000))
+    started = time.monotonic()
+    with pytest.raises(KVTooLarge):
+        pool.reserve("r", 1001, timeout_s=5)
+    assert time.monotonic() - started < 1.0
+    assert_pool_empty(pool)
+
+
+def test_loopback_benchmark_reports_positive_times():
+    transfer_s, memcpy_s = measure_loopback_throughput(1 << 20, repeats=1, receiver_process=False)
+    assert transfer_s > 0 and memcpy_s > 0
