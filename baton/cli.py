@@ -75,6 +75,48 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> None:
+    parser.add_argument("--config", help="YAML config file (sections model, router, prefill, decode, tls)")
+    parser.add_argument("--host", help="listen address (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, help=f"listen port (default {port})")
+    parser.add_argument("--model", dest="model_name", help="model to serve (default 'default')")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device")
+    parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
+    parser.set_defaults(role=role)
+
+
+def load_role_settings(args):
+    from baton.config import load_settings
+
+    section = {k: getattr(args, k, None) for k in ("host", "port")}
+    for key in ("max_rows", "kv_budget_bytes", "staging_bytes", "max_queue", "max_batch_tokens",
+                "prefill_workers", "decode_workers", "discovery", "prefix_index", "redis_url"):
+        if getattr(args, key, None) is not None:
+            section[key] = getattr(args, key)
+    model = {"name": args.model_name, "dtype": args.dtype, "device": args.device,
+             "attention_backend": args.attention_backend}
+    return load_settings(args.config, overrides={"model": model, args.role: section})
+
+
+def cmd_serve(args) -> int:
+    settings = load_role_settings(args)
+    if args.role == "router":
+        from router.service import serve
+    elif args.role == "prefill":
+        from prefill_worker.service import serve
+    else:
+        from decode_worker.service import serve
+    serve(settings.model, getattr(settings, args.role), settings.tls)
+    return 0
+
+
+def cmd_up(args) -> int:
+    from baton.up import run_up
+
+    return run_up(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="Disaggregated prefill/decode LLM serving.")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
@@ -91,6 +133,37 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     gen.add_argument("prompts", nargs="*", metavar="PROMPT")
     gen.set_defaults(func=cmd_generate)
+
+    router = sub.add_parser("router", help="run the router (the public API)")
+    _serve_args(router, "router", 50051)
+    router.add_argument("--prefill-workers", type=lambda s: s.split(","), help="host:port,host:port")
+    router.add_argument("--decode-workers", type=lambda s: s.split(","), help="host:port,host:port")
+    router.add_argument("--discovery", choices=["static", "kubernetes"])
+    router.add_argument("--prefix-index", choices=["memory", "redis"])
+    router.add_argument("--redis-url")
+    router.set_defaults(func=cmd_serve)
+
+    prefill = sub.add_parser("prefill", help="run a prefill worker")
+    _serve_args(prefill, "prefill", 50061)
+    prefill.add_argument("--max-queue", type=int)
+    prefill.add_argument("--max-batch-tokens", type=int)
+    prefill.set_defaults(func=cmd_serve)
+
+    decode = sub.add_parser("decode", help="run a decode worker")
+    _serve_args(decode, "decode", 50071)
+    decode.add_argument("--max-rows", type=int)
+    decode.add_argument("--kv-budget-bytes", type=int)
+    decode.add_argument("--staging-bytes", type=int)
+    decode.set_defaults(func=cmd_serve)
+
+    up = sub.add_parser("up", help="a local cluster as processes on loopback")
+    up.add_argument("--port", type=int, default=50051, help="router port (default 50051)")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    up.add_argument("--model", default="default")
+    up.add_argument("--max-rows", type=int, default=8)
+    up.add_argument("--demo", action="store_true", help="send a short demo workload through the SDK, then stop")
+    up.set_defaults(func=cmd_up)
     return parser
 
 

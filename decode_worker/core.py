@@ -6,6 +6,7 @@ through a queue drained by the loop that calls `step`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
 from engine.batch_kv import BatchKV
@@ -46,9 +47,14 @@ _STATUS = {FinishReason.STOP: Status.FINISHED_STOPPED, FinishReason.LENGTH: Stat
 
 
 class DecodeCore:
-    def __init__(self, runner: ModelRunner, config: DecodeConfig = DecodeConfig()):
+    def __init__(self, runner: ModelRunner, config: DecodeConfig = DecodeConfig(),
+                 on_kv_consumed: Callable[[str], None] | None = None):
         self.runner = runner
         self.config = config
+        # Told when a request's staged KV is no longer needed (embedded or dropped), so the
+        # staging pool can take its bytes back.
+        self.on_kv_consumed = on_kv_consumed or (lambda request_id: None)
+        self.finished_total = 0
         loaded = runner.loaded
         shape = loaded.kv_shape
         max_columns = min(loaded.max_context, config.kv_budget_bytes // (config.max_rows * shape.bytes_per_token()))
@@ -94,6 +100,8 @@ class DecodeCore:
         if step.finish_reason is not None:
             req.trace.mark("admitted")
             req.trace.mark("finished")
+            self.on_kv_consumed(req.request_id)
+            self.finished_total += 1
             return self._output(live, step.text_delta, step.finish_reason.value)
         self.live[req.request_id] = live
         self.scheduler.add_staged(seq)
@@ -119,6 +127,7 @@ class DecodeCore:
             row = self.batch.embed(live.kv)
             assert row == seq.row, f"batch row {row} != scheduler row {seq.row}"
             live.kv = None
+            self.on_kv_consumed(seq.request_id)
             live.prefilled.request.trace.mark("admitted")
         if not plan.running:
             return []
@@ -143,8 +152,11 @@ class DecodeCore:
         if row is not None:
             moved_in_batch = self.batch.release(row)
             assert moved == moved_in_batch, "scheduler and batch disagree on row compaction"
-        live.kv = None
+        if live.kv is not None:
+            live.kv = None
+            self.on_kv_consumed(seq.request_id)
         del self.live[seq.request_id]
+        self.finished_total += 1
 
     def _output(self, live: _Live, delta: str, finish_reason: str | None) -> RequestOutput:
         req = live.prefilled.request

@@ -81,6 +81,36 @@ class LoadedModel:
                 ids.update(value)
         return frozenset(ids)
 
+    @property
+    def text(self) -> "TokenizerView":
+        return TokenizerView(self.tokenizer, self.config, self.name)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.text.encode_chat(messages)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.text.encode_text(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.text.decode(token_ids)
+
+
+@dataclass
+class TokenizerView:
+    """What the router needs of a model: its tokenizer, context length and vocabulary, no weights."""
+
+    tokenizer: object
+    config: object
+    name: str
+
+    @property
+    def max_context(self) -> int:
+        return int(self.config.max_position_embeddings)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of chat messages with the model's chat template and the assistant turn opened."""
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -93,6 +123,19 @@ class LoadedModel:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def load_tokenizer_view(name: str = DEFAULT_MODEL) -> TokenizerView:
+    """The tokenizer and config of a model, without loading its weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if name == TINY_MODEL or name.startswith(TINY_MODEL + ":"):
+        return TokenizerView(default_tokenizer(), tiny_random_model().config, name)
+    path = default_model_dir() if name == DEFAULT_MODEL else Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model path {str(path)!r} is not a Hugging Face model directory (no config.json)")
+    with _quiet_progress():
+        return TokenizerView(AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path), name)
 
 
 def cache_root() -> Path:

@@ -54,6 +54,9 @@ class _PrefillCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.prefix.num_tokens if self.prefix is not None else 0
 
+    def batch_kv(self) -> torch.Tensor:
+        return torch.stack([torch.stack([k, v]) for k, v in zip(self.keys, self.values)])
+
     def sequence_kv(self) -> SequenceKV:
         return SequenceKV(torch.stack([torch.stack([k[0], v[0]]) for k, v in zip(self.keys, self.values)]))
 
@@ -95,6 +98,31 @@ class ModelRunner:
         )
         self.prompt_tokens_forwarded += new_ids.shape[1]
         return PrefillOutput(out.logits[0, -1].float(), cache.sequence_kv(), new_ids.shape[1])
+
+    @torch.no_grad()
+    def prefill_batch(self, prompts: list[list[int]]) -> list[PrefillOutput]:
+        """Several prompts in one forward, right-padded: under the causal mask a real token never
+        sees the padding after it, so each prompt's KV and logits are its own."""
+        if len(prompts) == 1:
+            return [self.prefill(prompts[0])]
+        if any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        longest = max(map(len, prompts))
+        ids = torch.zeros(len(prompts), longest, dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.tensor(p, device=self.device)
+        positions = torch.arange(longest, device=self.device)[None].expand(len(prompts), -1)
+        cache = _PrefillCache(None, self.loaded.kv_shape.num_layers)
+        hidden = self.model.get_decoder()(
+            input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+            baton=PrefillAttention(0, self.backend),
+        ).last_hidden_state  # [B, T, hidden]
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        logits = self.model.get_output_embeddings()(hidden[torch.arange(len(prompts)), last]).float()  # [B, V]
+        self.prompt_tokens_forwarded += sum(map(len, prompts))
+        kv = cache.batch_kv()  # [layers, 2, B, kv_heads, T, head_dim]
+        return [PrefillOutput(logits[i], SequenceKV(kv[:, :, i, :, :len(p)].contiguous()), len(p))
+                for i, p in enumerate(prompts)]
 
     @torch.no_grad()
     def decode(self, batch: BatchKV, input_ids: list[int]) -> torch.Tensor:

@@ -1,0 +1,149 @@
+"""One configuration schema for every process, read once at start: file, then environment, then flags.
+
+A YAML file holds sections `model`, `router`, `prefill`, `decode`, `tls`; each key of a section
+can also come from the environment as BATON_<SECTION>_<KEY> (e.g. BATON_DECODE_MAX_ROWS=16) and
+from a command-line flag (--max-rows 16). The Helm chart and docker-compose set exactly these keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+
+@dataclass
+class ModelSettings:
+    name: str = "default"  # 'default', 'tiny-random', or a Hugging Face model directory
+    dtype: str = "float32"
+    device: str = "auto"
+    attention_backend: str = "auto"
+
+
+@dataclass
+class TLSSettings:
+    cert_file: str = ""  # this process's certificate (PEM); empty means plaintext
+    key_file: str = ""
+    ca_file: str = ""  # trusted CA for peers; with require_client_cert, mutual TLS
+
+
+@dataclass
+class RouterSettings:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    prefill_workers: list[str] = field(default_factory=list)  # static discovery: host:port each
+    decode_workers: list[str] = field(default_factory=list)
+    discovery: str = "static"  # 'static' or 'kubernetes'
+    namespace: str = ""  # kubernetes discovery: namespace of the worker EndpointSlices
+    prefix_index: str = "memory"  # 'memory' or 'redis'
+    redis_url: str = ""
+    block_size: int = 16
+    max_inflight: int = 1024  # requests in flight before RESOURCE_EXHAUSTED
+    load_poll_seconds: float = 0.2
+    metrics_port: int = 0  # 0 = no metrics endpoint
+
+
+@dataclass
+class PrefillSettings:
+    host: str = "0.0.0.0"
+    port: int = 50061
+    max_queue: int = 256  # waiting prompts before RESOURCE_EXHAUSTED
+    max_batch_tokens: int = 4096  # prompt tokens per prefill batch
+    max_batch_size: int = 8
+    prefix_cache_bytes: int = 256 << 20
+    kv_chunk_bytes: int = 2 << 20
+    advertise: str = ""  # host:port others use to reach this worker (default: host:port)
+    metrics_port: int = 0
+
+
+@dataclass
+class DecodeSettings:
+    host: str = "0.0.0.0"
+    port: int = 50071
+    max_rows: int = 8  # decode batch rows
+    kv_budget_bytes: int = 1 << 30  # the batch KV never exceeds this
+    staging_bytes: int = 512 << 20  # CPU staging pool for landed KV
+    max_pending: int = 256  # requests waiting for KV before RESOURCE_EXHAUSTED
+    advertise: str = ""
+    metrics_port: int = 0
+
+
+SECTIONS = {"model": ModelSettings, "router": RouterSettings, "prefill": PrefillSettings,
+            "decode": DecodeSettings, "tls": TLSSettings}
+
+
+@dataclass
+class Settings:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    router: RouterSettings = field(default_factory=RouterSettings)
+    prefill: PrefillSettings = field(default_factory=PrefillSettings)
+    decode: DecodeSettings = field(default_factory=DecodeSettings)
+    tls: TLSSettings = field(default_factory=TLSSettings)
+
+
+def known_keys() -> dict[str, set[str]]:
+    """Every key a process accepts, per section: what the chart and compose files may set."""
+    return {section: {f.name for f in fields(cls)} for section, cls in SECTIONS.items()}
+
+
+def load_settings(path: str | None = None, env: dict[str, str] | None = None,
+                  overrides: dict[str, dict[str, Any]] | None = None) -> Settings:
+    """File, then BATON_<SECTION>_<KEY> environment variables, then explicit overrides."""
+    settings = Settings()
+    env = os.environ if env is None else env
+    if path:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must be a mapping of sections {sorted(SECTIONS)}")
+        for section, values in data.items():
+            _apply(settings, section, values or {}, source=f"config file {path}")
+    for name, raw in env.items():
+        if not name.startswith("BATON_") or name.count("_") < 2:
+            continue
+        section, _, key = name[len("BATON_"):].lower().partition("_")
+        if section in SECTIONS:
+            _apply(settings, section, {key: raw}, source=f"environment variable {name}")
+    for section, values in (overrides or {}).items():
+        _apply(settings, section, {k: v for k, v in values.items() if v is not None}, source="command line")
+    return settings
+
+
+def _apply(settings: Settings, section: str, values: dict, source: str) -> None:
+    if section not in SECTIONS:
+        raise ValueError(f"{source}: unknown section {section!r}; known sections: {sorted(SECTIONS)}")
+    target = getattr(settings, section)
+    hints = get_type_hints(type(target))
+    for key, raw in values.items():
+        if key not in hints:
+            raise ValueError(f"{source}: unknown key {section}.{key}; known keys: {sorted(hints)}")
+        setattr(target, key, _coerce(raw, hints[key], f"{source}: {section}.{key}"))
+
+
+def _coerce(raw: Any, kind, where: str) -> Any:
+    try:
+        if kind is bool:
+            if isinstance(raw, str):
+                if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError
+                return raw.lower() in ("1", "true", "yes")
+            return bool(raw)
+        if kind is int:
+            if isinstance(raw, bool):
+                raise ValueError
+            return int(raw)
+        if kind is float:
+            return float(raw)
+        if kind == list[str]:
+            if isinstance(raw, str):
+                return [item.strip() for item in raw.split(",") if item.strip()]
+            return [str(item) for item in raw]
+        return str(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: cannot read {raw!r} as {getattr(kind, '__name__', kind)}") from None
+
+
+def as_dict(settings: Settings) -> dict:
+    return dataclasses.asdict(settings)

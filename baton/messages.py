@@ -1,0 +1,38 @@
+"""Every translation between wire messages and the engine's dataclasses, in one place."""
+from __future__ import annotations
+
+from baton.v1 import common_pb2
+from engine.request import Trace
+from engine.sampling import SamplingParams
+
+_DEFAULTS = SamplingParams()
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+        priority=params.priority,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises ValueError (with what to change) for settings no worker could honour."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else _DEFAULTS.max_tokens,
+        temperature=float(msg.temperature), top_k=msg.top_k,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos, priority=msg.priority,
+    )
+
+
+def trace_to_proto(trace: Trace, stage_seconds: dict[str, float] | None = None) -> common_pb2.Trace:
+    return common_pb2.Trace(
+        stage_seconds=stage_seconds if stage_seconds is not None else trace.durations(),
+        cached_tokens=trace.cached_tokens, prefill_worker=trace.prefill_worker, decode_worker=trace.decode_worker,
+    )

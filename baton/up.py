@@ -1,0 +1,162 @@
+"""`baton up`: router, prefill and decode workers as real processes on loopback.
+
+Prints one line with `ready` and the router address once every process serves; Ctrl-C or
+SIGTERM stops them all. `--demo` sends a short mixed workload through the SDK and stops.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+STARTUP_TIMEOUT_S = 600  # the first start converts the default model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the process for {address} exited with status {proc.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} did not become ready within {timeout:.0f}s")
+
+
+class LocalCluster:
+    """Starts and stops the processes; usable from tests and benchmarks as a context manager."""
+
+    def __init__(self, *, port: int = 0, prefill: int = 1, decode: int = 1, model: str = "default",
+                 max_rows: int = 8, extra_env: dict | None = None, log_level: str = "WARNING"):
+        if prefill < 1 or decode < 1:
+            raise ValueError(f"need at least one prefill and one decode worker (got {prefill}, {decode})")
+        self.port = port or free_port()
+        self.prefill_addrs = [f"127.0.0.1:{free_port()}" for _ in range(prefill)]
+        self.decode_addrs = [f"127.0.0.1:{free_port()}" for _ in range(decode)]
+        self.model = model
+        self.max_rows = max_rows
+        self.env = dict(os.environ, **(extra_env or {}))
+        self.log_level = log_level
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    @property
+    def router_address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _spawn(self, *args: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "baton.cli", "--log-level", self.log_level, *args]
+        return subprocess.Popen(cmd, env=self.env, start_new_session=True)
+
+    def start(self, timeout: float = STARTUP_TIMEOUT_S) -> "LocalCluster":
+        try:
+            for addr in self.prefill_addrs:
+                self.procs.append((addr, self._spawn("prefill", "--host", "127.0.0.1", "--port", addr.split(":")[1],
+                                                     "--model", self.model)))
+            for addr in self.decode_addrs:
+                self.procs.append((addr, self._spawn("decode", "--host", "127.0.0.1", "--port", addr.split(":")[1],
+                                                     "--model", self.model, "--max-rows", str(self.max_rows))))
+            for addr, proc in self.procs:
+                wait_serving(addr, proc, timeout)
+            router = self._spawn("router", "--host", "127.0.0.1", "--port", str(self.port), "--model", self.model,
+                                 "--prefill-workers", ",".join(self.prefill_addrs),
+                                 "--decode-workers", ",".join(self.decode_addrs))
+            self.procs.append((self.router_address, router))
+            wait_serving(self.router_address, router, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "Name three colors.",
+    "Give me a short tip for learning to cook.",
+    "What is 12 times 12?",
+]
+
+
+def run_demo(address: str, out=sys.stdout) -> None:
+    from client import BatonClient
+
+    with BatonClient(address, timeout=300) as client:
+        print(f"\n> {DEMO_PROMPTS[0]}", file=out)
+        start = time.monotonic()
+        first_at = None
+        for chunk in client.stream(DEMO_PROMPTS[0], max_tokens=64):
+            if first_at is None and chunk.token_ids:
+                first_at = time.monotonic()
+            print(chunk.text_delta, end="", flush=True, file=out)
+        print(f"\n  (time to first token {1000 * (first_at - start):.0f} ms)\n", file=out)
+        start = time.monotonic()
+        results = client.generate_many([{"prompt": p, "max_tokens": 48} for p in DEMO_PROMPTS[1:]])
+        elapsed = time.monotonic() - start
+    tokens = sum(len(r.token_ids) for r in results)
+    print(f"{len(results)} concurrent requests, {tokens} tokens in {elapsed:.1f}s "
+          f"({tokens / elapsed:.1f} tokens/s)", file=out)
+    stages = ("queue", "prefill", "transfer", "staging", "admission", "decode")
+    print("  " + " ".join(f"{s:>9}" for s in stages) + "   prompt", file=out)
+    for prompt, r in zip(DEMO_PROMPTS[1:], results):
+        row = " ".join(f"{1000 * r.trace.stage_seconds.get(s, 0.0):7.0f}ms" for s in stages)
+        print(f"  {row}   {prompt[:40]} -> {r.text[:50]!r}", file=out)
+
+
+def run_up(args) -> int:
+    cluster = LocalCluster(port=args.port, prefill=args.prefill, decode=args.decode, model=args.model,
+                           max_rows=args.max_rows)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"starting {args.prefill} prefill and {args.decode} decode workers for model {args.model!r}...",
+          flush=True)
+    cluster.start()
+    try:
+        print(f"ready router={cluster.router_address} prefill={','.join(cluster.prefill_addrs)} "
+              f"decode={','.join(cluster.decode_addrs)}", flush=True)
+        if args.demo:
+            run_demo(cluster.router_address)
+        else:
+            stop.wait()
+    finally:
+        print("stopping...", flush=True)
+        cluster.stop()
+    return 0

@@ -1,0 +1,146 @@
+"""The decode worker's engine loop: one thread owns the DecodeCore; RPC threads talk to it by queue.
+
+Life of a request here: `register` (the router opened Decode: the staging pool now expects its
+KV) -> the KV lands (`on_landed` wakes the loop) -> the loop takes it from staging and adds it
+to the core -> every step's outputs go to the request's own queue, which its Decode call
+streams -> finished, or `cancel`led from any thread, which frees its row and staging bytes.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from baton.v1 import workers_pb2
+from decode_worker.core import DecodeCore
+from engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput
+from kvtransfer.staging import StagingPool
+
+log = logging.getLogger(__name__)
+
+_CLOSED = object()  # sentinel: the request ended without a final output (cancelled)
+
+
+@dataclass
+class _Pending:
+    request: GenerationRequest
+    outputs: "queue.Queue[RequestOutput | object]"
+
+
+class DecodeLoop:
+    def __init__(self, core: DecodeCore, pool: StagingPool, max_pending: int):
+        self.core = core
+        self.pool = pool
+        self.max_pending = max_pending
+        self._inbox: "queue.Queue[tuple[str, str]]" = queue.Queue()
+        self._pending: dict[str, _Pending] = {}  # registered, KV not yet added to the core
+        self._streams: dict[str, _Pending] = {}  # every registered request until it ends
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+        core.on_kv_consumed = pool.release
+
+    def start(self) -> "DecodeLoop":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", ""))
+        self._thread.join(timeout=10)
+
+    # -- called from RPC threads ---------------------------------------------------------------
+
+    def register(self, request: GenerationRequest) -> "queue.Queue":
+        with self._lock:
+            if request.request_id in self._streams:
+                raise RequestError(f"request id {request.request_id!r} is already being decoded here")
+            if len(self._pending) >= self.max_pending:
+                raise OverflowError(f"{self.max_pending} requests are already waiting for KV here; retry later")
+            self.core.check_fits(len(request.prompt_token_ids), request.params)
+            entry = _Pending(request, queue.Queue())
+            self._pending[request.request_id] = entry
+            self._streams[request.request_id] = entry
+        self.pool.expect(request.request_id)
+        return entry.outputs
+
+    def on_landed(self, request_id: str) -> None:
+        self._inbox.put(("landed", request_id))
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    # -- the loop thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.core.has_work())
+            if self.core.has_work():
+                try:
+                    self._deliver(self.core.step())
+                except Exception:  # a bug must not silently hang every stream
+                    log.exception("decode step failed; aborting running requests")
+                    for request_id in list(self.core.live):
+                        self._end(request_id)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            event, request_id = self._inbox.get(timeout=0.5 if block else None) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if event == "landed":
+                self._admit(request_id)
+            elif event == "cancel":
+                self._end(request_id)
+            try:
+                event, request_id = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _admit(self, request_id: str) -> None:
+        with self._lock:
+            entry = self._pending.pop(request_id, None)
+        if entry is None:  # cancelled before its KV landed
+            self.pool.cancel(request_id)
+            return
+        staged = self.pool.take(request_id)
+        meta = workers_pb2.KVMetadata.FromString(staged.metadata)
+        trace = entry.request.trace
+        trace.cached_tokens = meta.cached_tokens
+        trace.mark("staged")
+        try:
+            first = self.core.add(PrefilledRequest(entry.request, staged.kv, meta.first_token, meta.seed))
+        except RequestError as exc:
+            log.warning("request %s refused at admission: %s", request_id, exc)
+            self.pool.release(request_id)
+            self._end(request_id)
+            return
+        self._deliver([first])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is None:
+                continue
+            entry.outputs.put(out)
+            if out.finished:
+                with self._lock:
+                    self._streams.pop(out.request_id, None)
+
+    def _end(self, request_id: str) -> None:
+        """Cancel wherever the request is: waiting for KV, staged, or running."""
+        with self._lock:
+            self._pending.pop(request_id, None)
+            entry = self._streams.pop(request_id, None)
+        self.core.abort(request_id)
+        self.pool.cancel(request_id)
+        if entry is not None:
+            entry.outputs.put(_CLOSED)
+
+    def is_closed(self, item) -> bool:
+        return item is _CLOSED
+
+    def num_pending(self) -> int:
+        return len(self._pending)

@@ -1,0 +1,106 @@
+"""The decode worker process: DecodeWorker and KVTransfer services over one DecodeLoop."""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+
+import grpc
+
+from baton.config import DecodeSettings, ModelSettings, TLSSettings
+from baton.messages import sampling_from_proto
+from baton.server import GrpcServer, NotReady
+from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
+from decode_worker.core import DecodeConfig, DecodeCore
+from decode_worker.loop import DecodeLoop
+from engine.model import load_model
+from engine.request import GenerationRequest, RequestError, validate_prompt
+from engine.runner import ModelRunner
+from kvtransfer.grpc_transport import KVTransferServicer
+from kvtransfer.receiver import Receiver, ReceiverConfig
+from kvtransfer.staging import StagingConfig, StagingPool
+
+log = logging.getLogger(__name__)
+
+
+class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, loop: DecodeLoop, address: str):
+        self.loop = loop
+        self.address = address
+
+    def Decode(self, request, context):
+        loaded = self.loop.core.runner.loaded
+        try:
+            if not request.request_id:
+                raise RequestError("request_id is required")
+            params = sampling_from_proto(request.sampling)
+            prompt = list(request.prompt_token_ids)
+            validate_prompt(prompt, params, max_context=loaded.max_context, vocab_size=loaded.config.vocab_size)
+            gen = GenerationRequest(request.request_id, prompt, params)
+            gen.trace.mark("arrived")
+            outputs = self.loop.register(gen)
+        except (RequestError, ValueError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except OverflowError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        request_id = request.request_id
+        context.add_callback(lambda: self.loop.cancel(request_id))
+        yield workers_pb2.DecodeResponse()  # registered: the router may start the prefill now
+        sent = 0
+        while True:
+            try:
+                item = outputs.get(timeout=0.5)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            if self.loop.is_closed(item):
+                return
+            msg = workers_pb2.DecodeResponse(token_ids=item.token_ids[sent:], text_delta=item.text_delta)
+            sent = len(item.token_ids)
+            if item.finished:
+                msg.finish_reason = item.finish_reason
+                msg.stage_seconds.update(item.trace.durations())
+            yield msg
+            if item.finished:
+                return
+
+    def GetLoad(self, request, context):
+        core, pool = self.loop.core, self.loop.pool
+        stats = pool.stats()
+        return common_pb2.DecodeLoad(
+            rows_in_use=core.batch.num_rows, max_rows=core.config.max_rows,
+            kv_bytes_allocated=core.batch.allocated_bytes(), kv_bytes_useful=core.batch.useful_bytes(),
+            staged_bytes=stats.used_bytes, staging_capacity_bytes=stats.capacity_bytes,
+            waiting_for_kv=self.loop.num_pending(), staged=core.scheduler.num_staged,
+            prompt_tokens_forwarded=core.runner.prompt_tokens_forwarded,
+            decode_tokens_forwarded=core.runner.decode_tokens_forwarded,
+            requests_finished=core.finished_total, model_fingerprint=str(core.runner.loaded.fingerprint),
+        )
+
+
+def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | None = None, *, block: bool = True):
+    server = GrpcServer(settings.host, settings.port, tls=tls)
+    decode_api, kv_api = NotReady(), NotReady()
+    workers_pb2_grpc.add_DecodeWorkerServicer_to_server(decode_api, server.server)
+    kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(kv_api, server.server)
+    server.add_service("baton.v1.DecodeWorker")
+    server.add_service("baton.v1.KVTransfer")
+    server.start()  # health answers NOT_SERVING while the model loads
+    started = time.monotonic()
+    loaded = load_model(model.name, dtype=model.dtype, device=model.device)
+    runner = ModelRunner(loaded, model.attention_backend)
+    core = DecodeCore(runner, DecodeConfig(max_rows=settings.max_rows, kv_budget_bytes=settings.kv_budget_bytes))
+    pool = StagingPool(StagingConfig(capacity_bytes=settings.staging_bytes, require_expected=True,
+                                     max_entries=settings.max_pending + settings.max_rows),
+                       on_landed=lambda request_id: loop.on_landed(request_id))
+    loop = DecodeLoop(core, pool, settings.max_pending).start()
+    receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape, max_tokens=core.max_columns))
+    decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}")
+    kv_api.target = KVTransferServicer(receiver)
+    server.set_serving()
+    log.info("decode worker serving on port %d (model %s loaded in %.1fs)", server.port, loaded.fingerprint,
+             time.monotonic() - started)
+    if not block:
+        return server, loop
+    server.wait_for_signal(on_stop=loop.stop)

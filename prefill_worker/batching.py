@@ -1,0 +1,82 @@
+"""Which waiting prompts prefill together: plain Python, no tensors.
+
+The oldest prompt always goes first (no starvation); prompts of similar length join it, because
+a batch is padded to its longest prompt and padding is wasted compute.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+SIMILAR_LENGTH_RATIO = 1.5
+
+
+def pick_batch(lengths: list[int], max_batch_tokens: int, max_batch_size: int) -> list[int]:
+    """Indices (into arrival order) of the next batch: the oldest prompt plus length-similar ones
+    while the padded size (count x longest) stays within max_batch_tokens."""
+    if not lengths:
+        return []
+    head = lengths[0]
+    chosen = [0]
+    longest = head
+    for i in sorted(range(1, len(lengths)), key=lambda i: abs(lengths[i] - head)):
+        if len(chosen) >= max_batch_size:
+            break
+        n = lengths[i]
+        if max(n, head) > SIMILAR_LENGTH_RATIO * min(n, head):
+            continue
+        if (len(chosen) + 1) * max(longest, n) > max_batch_tokens:
+            continue
+        chosen.append(i)
+        longest = max(longest, n)
+    return sorted(chosen)
+
+
+class PrefillQueue:
+    """Bounded, thread-safe; items are keyed by request id and carry their prompt length."""
+
+    def __init__(self, max_queue: int, max_batch_tokens: int, max_batch_size: int):
+        self.max_queue = max_queue
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_size = max_batch_size
+        self._items: OrderedDict[str, tuple[object, int]] = OrderedDict()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def queued_tokens(self) -> int:
+        with self._cond:
+            return sum(n for _, n in self._items.values())
+
+    def put(self, job, num_tokens: int) -> None:
+        request_id = job.request.request_id
+        with self._cond:
+            if len(self._items) >= self.max_queue:
+                raise OverflowError(f"{self.max_queue} prompts are already queued for prefill; retry later")
+            if request_id in self._items:
+                raise ValueError(f"request id {request_id!r} is already queued")
+            self._items[request_id] = (job, num_tokens)
+            self._cond.notify()
+
+    def remove(self, request_id: str):
+        with self._cond:
+            item = self._items.pop(request_id, None)
+        return item[0] if item else None
+
+    def take_batch(self, timeout: float):
+        with self._cond:
+            if not self._items and not self._closed:
+                self._cond.wait(timeout)
+            if not self._items:
+                return []
+            ids = list(self._items)
+            picked = pick_batch([self._items[i][1] for i in ids], self.max_batch_tokens, self.max_batch_size)
+            return [self._items.pop(ids[i])[0] for i in picked]
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()

@@ -1,0 +1,197 @@
+"""The prefill worker process: queue prompts, prefill them in length-similar batches, push their KV.
+
+Prefill RPCs wait on a bounded queue; one compute thread takes the next batch (prompts of
+similar length together, bounded by tokens and count), runs it, samples each first token, and
+hands each KV to a sender pool so pushing to decode workers overlaps the next batch's compute.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+
+from baton.config import ModelSettings, PrefillSettings, TLSSettings
+from baton.messages import sampling_from_proto
+from baton.server import GrpcServer, NotReady, channel
+from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
+from engine.model import load_model
+from engine.request import GenerationRequest, RequestError, validate_prompt
+from engine.runner import ModelRunner
+from engine.sampling import RequestSampler, sample
+from kvtransfer.errors import KVPushFailed
+from kvtransfer.grpc_transport import push_kv
+from prefill_worker.batching import PrefillQueue
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillJob:
+    request: GenerationRequest
+    decode_target: str
+    done: Future = field(default_factory=Future)
+    cancelled: bool = False
+
+
+class PrefillLoop:
+    def __init__(self, runner: ModelRunner, settings: PrefillSettings, tls: TLSSettings | None = None):
+        self.runner = runner
+        self.settings = settings
+        self.tls = tls
+        self.queue = PrefillQueue(settings.max_queue, settings.max_batch_tokens, settings.max_batch_size)
+        self.fingerprint = str(runner.loaded.fingerprint)
+        self.requests_done = 0
+        self._senders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-push")
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
+
+    def start(self) -> "PrefillLoop":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.queue.close()
+        self._thread.join(timeout=10)
+        self._senders.shutdown(wait=False, cancel_futures=True)
+
+    def submit(self, job: PrefillJob) -> Future:
+        self.queue.put(job, len(job.request.prompt_token_ids))  # raises OverflowError when full
+        job.request.trace.mark("arrived")
+        return job.done
+
+    def cancel(self, request_id: str) -> bool:
+        job = self.queue.remove(request_id)
+        if job is not None:
+            job.cancelled = True
+            job.done.cancel()
+            return True
+        return False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            jobs = self.queue.take_batch(timeout=0.5)
+            if not jobs:
+                continue
+            jobs = [j for j in jobs if not j.cancelled and j.done.set_running_or_notify_cancel()]
+            if not jobs:
+                continue
+            try:
+                self._prefill(jobs)
+            except Exception as exc:  # one bad batch must not take the worker down
+                log.exception("prefill batch failed")
+                for job in jobs:
+                    if not job.done.done():
+                        job.done.set_exception(exc)
+
+    def _prefill(self, jobs: list[PrefillJob]) -> None:
+        for job in jobs:
+            job.request.trace.mark("prefill_start")
+        outputs = self.runner.prefill_batch([j.request.prompt_token_ids for j in jobs])
+        for job, out in zip(jobs, outputs):
+            sampler = RequestSampler(job.request.params)
+            first = sample(out.logits[None], [sampler])[0]
+            job.request.trace.mark("prefill_end")
+            self._senders.submit(self._push, job, out.kv, first, sampler.seed)
+        self.requests_done += len(jobs)
+
+    def _push(self, job: PrefillJob, kv, first_token: int, seed: int) -> None:
+        trace = job.request.trace
+        meta = workers_pb2.KVMetadata(
+            first_token=first_token, seed=seed, cached_tokens=0,
+            queue_seconds=trace.marks["prefill_start"] - trace.marks["arrived"],
+            prefill_seconds=trace.marks["prefill_end"] - trace.marks["prefill_start"],
+        )
+        try:
+            if job.cancelled:
+                raise RequestError("cancelled")
+            push_kv(self._channel(job.decode_target), job.request.request_id, self.fingerprint, kv,
+                    meta.SerializeToString(), chunk_bytes=self.settings.kv_chunk_bytes, timeout_s=30.0)
+            trace.mark("pushed")
+            job.done.set_result(workers_pb2.PrefillReply(
+                request_id=job.request.request_id, first_token=first_token, cached_tokens=0,
+                computed_tokens=len(job.request.prompt_token_ids), queue_seconds=meta.queue_seconds,
+                prefill_seconds=meta.prefill_seconds, transfer_seconds=trace.marks["pushed"] - trace.marks["prefill_end"],
+            ))
+        except Exception as exc:
+            job.done.set_exception(exc)
+
+    def _channel(self, target: str) -> grpc.Channel:
+        with self._lock:
+            if target not in self._channels:
+                self._channels[target] = channel(target, self.tls)
+            return self._channels[target]
+
+
+class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, loop: PrefillLoop):
+        self.loop = loop
+
+    def Prefill(self, request, context):
+        loaded = self.loop.runner.loaded
+        try:
+            if not request.request_id or not request.decode_target:
+                raise RequestError("request_id and decode_target are required")
+            if request.model_fingerprint and request.model_fingerprint != self.loop.fingerprint:
+                raise RequestError(f"this worker serves model {self.loop.fingerprint}, "
+                                   f"not {request.model_fingerprint}; route to a worker of that model")
+            params = sampling_from_proto(request.sampling)
+            prompt = list(request.prompt_token_ids)
+            validate_prompt(prompt, params, max_context=loaded.max_context, vocab_size=loaded.config.vocab_size)
+            job = PrefillJob(GenerationRequest(request.request_id, prompt, params), request.decode_target)
+            done = self.loop.submit(job)
+        except (RequestError, ValueError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except OverflowError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        context.add_callback(lambda: self.loop.cancel(request.request_id))
+        while True:
+            remaining = context.time_remaining()
+            try:
+                return done.result(timeout=min(0.5, remaining) if remaining is not None else 0.5)
+            except TimeoutError:
+                if not context.is_active():
+                    self.loop.cancel(request.request_id)
+                    return workers_pb2.PrefillReply()
+            except KVPushFailed as exc:
+                context.abort(getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNAVAILABLE),
+                              f"KV transfer to {request.decode_target} failed: {exc}")
+            except Exception as exc:  # noqa: BLE001 - reported to the caller, worker stays up
+                if done.cancelled():
+                    context.abort(grpc.StatusCode.CANCELLED, "prefill cancelled")
+                context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
+
+    def Cancel(self, request, context):
+        return workers_pb2.CancelReply(found=self.loop.cancel(request.request_id))
+
+    def GetLoad(self, request, context):
+        loop = self.loop
+        return common_pb2.PrefillLoad(
+            queued=len(loop.queue), max_queue=loop.settings.max_queue, queued_tokens=loop.queue.queued_tokens,
+            prompt_tokens_forwarded=loop.runner.prompt_tokens_forwarded, requests_done=loop.requests_done,
+            model_fingerprint=loop.fingerprint,
+        )
+
+
+def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | None = None, *, block: bool = True):
+    server = GrpcServer(settings.host, settings.port, tls=tls)
+    api = NotReady()
+    workers_pb2_grpc.add_PrefillWorkerServicer_to_server(api, server.server)
+    server.add_service("baton.v1.PrefillWorker")
+    server.start()  # NOT_SERVING until the model is loaded
+    started = time.monotonic()
+    loaded = load_model(model.name, dtype=model.dtype, device=model.device)
+    loop = PrefillLoop(ModelRunner(loaded, model.attention_backend), settings, tls).start()
+    api.target = PrefillWorkerServicer(loop)
+    server.set_serving()
+    log.info("prefill worker serving on port %d (model %s loaded in %.1fs)", server.port, loaded.fingerprint,
+             time.monotonic() - started)
+    if not block:
+        return server, loop
+    server.wait_for_signal(on_stop=loop.stop)

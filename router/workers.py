@@ -1,0 +1,115 @@
+"""The router's live view of its workers: channels, stubs, polled load and in-flight counts."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+
+from baton.config import TLSSettings
+from baton.server import channel
+from baton.v1 import common_pb2, workers_pb2_grpc
+from router.policy import WorkerView
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass
+class Worker:
+    role: str
+    view: WorkerView
+    channel: grpc.Channel
+    stub: object
+    last_load: object = None
+    fingerprint: str = ""
+    failures: int = field(default=0)
+
+
+class WorkerPool:
+    def __init__(self, tls: TLSSettings | None = None, poll_seconds: float = 0.2):
+        self.tls = tls
+        self.poll_seconds = poll_seconds
+        self._workers: dict[str, dict[str, Worker]] = {role: {} for role in ROLES}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll_forever, name="load-poll", daemon=True)
+
+    def start(self) -> "WorkerPool":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._lock:
+            for workers in self._workers.values():
+                for worker in workers.values():
+                    worker.channel.close()
+
+    def set_workers(self, role: str, addresses) -> None:
+        """Follow discovery: open channels to new workers, close those that left."""
+        stub_class = workers_pb2_grpc.PrefillWorkerStub if role == "prefill" else workers_pb2_grpc.DecodeWorkerStub
+        with self._lock:
+            current = self._workers[role]
+            for address in set(current) - set(addresses):
+                current.pop(address).channel.close()
+                log.info("worker left role=%s address=%s", role, address)
+            for address in set(addresses) - set(current):
+                ch = channel(address, self.tls)
+                # Not healthy until its first load report says it serves our model.
+                current[address] = Worker(role, WorkerView(address, healthy=False), ch, stub_class(ch))
+                log.info("worker joined role=%s address=%s", role, address)
+
+    def views(self, role: str) -> list[WorkerView]:
+        with self._lock:
+            return [w.view for w in self._workers[role].values()]
+
+    def get(self, role: str, address: str) -> Worker | None:
+        with self._lock:
+            return self._workers[role].get(address)
+
+    def all(self) -> list[Worker]:
+        with self._lock:
+            return [w for workers in self._workers.values() for w in workers.values()]
+
+    def acquire(self, worker: Worker) -> None:
+        with self._lock:
+            worker.view.inflight += 1
+
+    def release(self, worker: Worker) -> None:
+        with self._lock:
+            worker.view.inflight -= 1
+
+    def mark_failed(self, worker: Worker) -> None:
+        worker.view.healthy = False
+
+    def poll_once(self) -> None:
+        for worker in self.all():
+            try:
+                load = worker.stub.GetLoad(common_pb2.LoadRequest(), timeout=max(1.0, 5 * self.poll_seconds))
+            except grpc.RpcError:
+                worker.failures += 1
+                worker.view.healthy = False
+                continue
+            worker.failures = 0
+            worker.last_load = load
+            worker.fingerprint = load.model_fingerprint
+            view = worker.view
+            if worker.role == "decode":
+                view.active = load.rows_in_use + load.staged + load.waiting_for_kv
+                view.capacity = max(1, load.max_rows)
+            else:
+                view.active = load.queued
+                view.capacity = max(1, load.max_queue)
+                view.queued_tokens = load.queued_tokens
+            view.healthy = True
+
+    def _poll_forever(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            try:
+                self.poll_once()
+            except Exception:  # polling must outlive any one bad answer
+                log.exception("load poll failed")
