@@ -163,7 +163,9 @@ class BatchKV:
         if needed > columns:
             columns = min(max(needed, 2 * columns), self.max_columns)
         new_offset = extra_left
-        buffer = self._allocate(columns) if columns != self.capacity else torch.empty_like(self.buffer)
+        # Zeroed, not empty: masked placeholder columns are multiplied by a zero attention weight,
+        # and 0 * NaN from uninitialised memory would poison the row.
+        buffer = self._allocate(columns)
         if self.length:
             old = slice(self.offset, self.offset + self.length)
             buffer[:, :, :, :, new_offset:new_offset + self.length].copy_(self.buffer[:, :, :, :, old])

@@ -75,3 +75,13 @@ def test_limits_refuse_instead_of_overallocating():
         raise AssertionError("window at its limit")
     except BatchKVFull:
         pass
+
+
+def test_placeholder_columns_are_always_finite():
+    """Masked columns get zero attention weight; garbage there must never be NaN or inf."""
+    batch = BatchKV(SHAPE, max_rows=2, max_columns=512, initial_columns=4)
+    batch.embed(kv_of(3, 0.0))
+    for _ in range(20):  # forces right-side relayouts
+        batch.append_column()
+    batch.embed(kv_of(60, 1.0))  # forces a left growth
+    assert torch.isfinite(batch.buffer).all()
