@@ -1,0 +1,96 @@
+"""How a client reaches the router: TLS material, bearer token, message limits, deadlines.
+
+Checked once when a client is made; the sync and asyncio clients build their channels from it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+PemSource = bytes | str | os.PathLike | None
+
+
+@dataclass(frozen=True)
+class ConnectionConfig:
+    target: str  # "host:port"
+    timeout: float | None  # default per-call deadline in seconds; None = no deadline
+    tls: bool
+    root_certificates: bytes | None  # PEM; None = the system's roots
+    client_cert: bytes | None  # PEM certificate chain for mutual TLS
+    client_key: bytes | None  # PEM private key for mutual TLS
+    token: str | None  # sent as `authorization: Bearer <token>` on every call
+    max_message_bytes: int
+    tls_server_name: str | None  # check the server's certificate for this name, not the target's host
+
+    @classmethod
+    def from_args(cls, target: str, *, timeout: float | None = None, tls: bool = False,
+                  root_certificates: PemSource = None, client_cert: PemSource = None,
+                  client_key: PemSource = None, token: str | None = None,
+                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                  tls_server_name: str | None = None) -> "ConnectionConfig":
+        if not isinstance(target, str) or not target.strip():
+            raise ValueError(f"target must be 'host:port' of a Baton router (got {target!r})")
+        check_timeout(timeout)
+        if (client_cert is None) != (client_key is None):
+            raise ValueError("mutual TLS needs both client_cert= and client_key= (got only one)")
+        if not tls and any(v is not None for v in (root_certificates, client_cert, client_key, tls_server_name)):
+            raise ValueError("root_certificates, client_cert, client_key and tls_server_name need tls=True")
+        if token is not None and (not isinstance(token, str) or not token or "\n" in token):
+            raise ValueError("token must be a non-empty single-line string (sent as 'authorization: Bearer <token>')")
+        if not isinstance(max_message_bytes, int) or max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be an integer >= 1024 (got {max_message_bytes!r})")
+        return cls(target=target.strip(), timeout=timeout, tls=tls,
+                   root_certificates=_read_pem(root_certificates, "root_certificates"),
+                   client_cert=_read_pem(client_cert, "client_cert"),
+                   client_key=_read_pem(client_key, "client_key"),
+                   token=token, max_message_bytes=max_message_bytes, tls_server_name=tls_server_name)
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS channel credentials, or None for a plaintext channel."""
+        if not self.tls:
+            return None
+        return grpc.ssl_channel_credentials(root_certificates=self.root_certificates,
+                                            private_key=self.client_key, certificate_chain=self.client_cert)
+
+    def options(self) -> list[tuple[str, object]]:
+        options: list[tuple[str, object]] = [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+        ]
+        if self.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        return options
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        # Plain metadata rather than call credentials: those refuse plaintext channels, and a
+        # router behind a TLS-terminating proxy is reached in plaintext.
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def deadline(self, timeout: float | None) -> float | None:
+        """The deadline in seconds for one call: its own timeout, else the client's default."""
+        check_timeout(timeout)
+        return self.timeout if timeout is None else timeout
+
+
+def check_timeout(timeout: float | None) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        raise ValueError(f"timeout must be a number of seconds > 0, or None for no deadline (got {timeout!r})")
+
+
+def _read_pem(source: PemSource, name: str) -> bytes | None:
+    """PEM bytes as given, or read from a file path."""
+    if source is None or isinstance(source, bytes):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        try:
+            return path.read_bytes()
+        except OSError as error:
+            raise ValueError(f"{name}: cannot read PEM file {str(path)!r}: {error.strerror}") from error
+    raise ValueError(f"{name} must be PEM bytes or a file path (got {type(source).__name__})")
