@@ -14,17 +14,19 @@ from engine.model import LoadedModel
 from engine.request import GenerationRequest, RequestError, RequestOutput, validate_prompt
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
+from prefill_worker.batching import pick_batch
 from prefill_worker.core import PrefillCore
 
 
 class LocalEngine:
     def __init__(self, loaded: LoadedModel, decode_config: DecodeConfig = DecodeConfig(),
-                 attention_backend: str = "auto", max_waiting: int = 100_000):
+                 attention_backend: str = "auto", max_waiting: int = 100_000, prefix_cache_bytes: int = 0):
         self.loaded = loaded
         self.runner = ModelRunner(loaded, attention_backend)  # one model serves both phases
-        self.prefill = PrefillCore(self.runner)
+        self.prefill = PrefillCore(self.runner, prefix_cache_bytes=prefix_cache_bytes)
         self.decode = DecodeCore(self.runner, decode_config)
         self.max_waiting = max_waiting
+        self.max_prefill_tokens = 8192
         self.waiting: deque[GenerationRequest] = deque()
         self._ids = itertools.count()
 
@@ -57,8 +59,12 @@ class LocalEngine:
         outputs = []
         sched = self.decode.scheduler
         free_rows = sched.config.max_rows - sched.num_running - sched.num_staged
-        for _ in range(min(free_rows, len(self.waiting))):
-            outputs.append(self.decode.add(self.prefill.prefill(self.waiting.popleft())))
+        todo = [self.waiting.popleft() for _ in range(min(free_rows, len(self.waiting)))]
+        while todo:  # padding is wasted work: prefill length-similar prompts together
+            picked = pick_batch([len(r.prompt_token_ids) for r in todo], self.max_prefill_tokens, len(todo))
+            batch = [todo[i] for i in picked]
+            todo = [r for i, r in enumerate(todo) if i not in set(picked)]
+            outputs.extend(self.decode.add(p) for p in self.prefill.prefill(batch))
         outputs.extend(self.decode.step())
         return outputs
 

@@ -55,6 +55,7 @@ class PrefilledRequest:
     kv: SequenceKV
     first_token: int
     seed: int  # the seed sampling used, so the decode side continues the same random stream
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass

@@ -91,3 +91,17 @@ def test_tiny_model_matches_generate(tiny_model, tiny_reference):
 @pytest.mark.slow
 def test_default_model_matches_generate(default_model, default_reference):
     check_engine_matches_generate(default_model, default_reference, count=30, max_tokens=20, max_rows=5)
+
+
+def test_prefix_reuse_is_token_identical(tiny_model, tiny_reference):
+    """Prompts sharing long prefixes, served with the prefix cache on, match generate exactly."""
+    rng = random.Random(3)
+    shared = [rng.randrange(50, 40000) for _ in range(70)]
+    prompts = [shared + [rng.randrange(50, 40000) for _ in range(rng.randint(1, 30))] for _ in range(8)]
+    prompts.append(shared[:48])  # whole prompt cached but its last token: computed anyway
+    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=3), prefix_cache_bytes=64 << 20)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == tiny_reference.greedy(prompt, 12)
+    # The first max_rows prompts prefill together, before anything is cached; the rest reuse 4 blocks.
+    assert engine.prefill.cached_tokens_total >= 5 * 64
