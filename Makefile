@@ -25,7 +25,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
 run: setup
-	$(BIN)/baton generate --local --max-rows 2 --max-tokens 48 "What is the capital of France?" "Write a haiku about the sea." "Name three colors."
+	$(BIN)/baton up --demo
 
 proto: setup
 	$(BIN)/python -m baton.protogen

@@ -83,15 +83,17 @@ def _serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device")
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = off)")
     parser.set_defaults(role=role)
 
 
 def load_role_settings(args):
     from baton.config import load_settings
 
-    section = {k: getattr(args, k, None) for k in ("host", "port")}
-    for key in ("max_rows", "kv_budget_bytes", "staging_bytes", "max_queue", "max_batch_tokens",
-                "prefill_workers", "decode_workers", "discovery", "prefix_index", "redis_url"):
+    section = {k: getattr(args, k, None) for k in ("host", "port", "metrics_port")}
+    for key in ("max_rows", "kv_budget_bytes", "staging_bytes", "max_queue", "max_batch_tokens", "prefix_cache_bytes",
+                "block_size", "prefill_workers", "decode_workers", "discovery", "prefix_index", "redis_url",
+                "index_namespace"):
         if getattr(args, key, None) is not None:
             section[key] = getattr(args, key)
     model = {"name": args.model_name, "dtype": args.dtype, "device": args.device,
@@ -108,6 +110,80 @@ def cmd_serve(args) -> int:
     else:
         from decode_worker.service import serve
     serve(settings.model, getattr(settings, args.role), settings.tls)
+    return 0
+
+
+BATCH_KEYS = {"prompt", "messages", "token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+              "priority", "stop_token_ids", "ignore_eos"}
+
+
+def read_batch_file(path: str) -> list[dict]:
+    """One request a line: {"prompt": ...} (a user message), {"messages": [...]} or {"token_ids": [...]}."""
+    requests = []
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(item, dict):
+            raise UsageError(f"{path}:{number}: each line must be a JSON object")
+        unknown = sorted(set(item) - BATCH_KEYS)
+        if unknown:
+            raise UsageError(f"{path}:{number}: unknown key(s) {unknown}; allowed: {sorted(BATCH_KEYS)}")
+        kinds = [k for k in ("prompt", "messages", "token_ids") if k in item]
+        if len(kinds) != 1:
+            raise UsageError(f"{path}:{number}: give exactly one of prompt, messages or token_ids")
+        requests.append(item)
+    if not requests:
+        raise UsageError(f"{path} has no requests; write one JSON object per line")
+    return requests
+
+
+def cmd_batch(args) -> int:
+    from client import BatonClient, BatonError
+
+    requests = read_batch_file(args.file)
+    prompts = [r.get("prompt") or r.get("messages") or r.get("token_ids") for r in requests]
+    done = [0]
+
+    def show(index, outcome) -> None:
+        done[0] += 1
+        if args.json:
+            if isinstance(outcome, BatonError):
+                print(json.dumps({"index": index, "error": outcome.code, "message": outcome.message}), flush=True)
+            else:
+                print(json.dumps({"index": index, **result_record(prompts[index], outcome)}), flush=True)
+        else:
+            print(f"\r{done[0]}/{len(requests)} done", end="", file=sys.stderr, flush=True)
+
+    def run(address: str) -> dict:
+        with BatonClient(address, timeout=args.timeout) as client:
+            return client.generate_batch(requests, on_result=show, max_concurrency=args.max_concurrency).summary
+
+    if args.router:
+        summary = run(args.router)
+    else:
+        from baton.up import LocalCluster
+
+        print("starting a local cluster (1 prefill, 1 decode)...", file=sys.stderr, flush=True)
+        with LocalCluster(model=args.model, max_rows=args.max_rows) as cluster:
+            summary = run(cluster.router_address)
+    if args.json:
+        print(json.dumps({"summary": summary}), flush=True)
+    else:
+        print(file=sys.stderr)
+        print(f"{summary.get('requests')} requests, {summary.get('failed')} failed, {summary.get('groups')} "
+              f"prefix groups, {summary.get('seconds', 0):.1f}s\n"
+              f"prefill tokens saved: {100 * summary.get('actual_saving_ratio', 0):.1f}% actual, "
+              f"{100 * summary.get('planned_saving_ratio', 0):.1f}% planned, "
+              f"{100 * summary.get('optimum_saving_ratio', 0):.1f}% optimum; "
+              f"routing accuracy {100 * summary.get('routing_accuracy', 0):.1f}%")
     return 0
 
 
@@ -141,12 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--discovery", choices=["static", "kubernetes"])
     router.add_argument("--prefix-index", choices=["memory", "redis"])
     router.add_argument("--redis-url")
+    router.add_argument("--index-namespace", help="Redis key prefix of this deployment's prefix index")
+    router.add_argument("--block-size", type=int, help="prefix block tokens (must equal the prefill workers')")
     router.set_defaults(func=cmd_serve)
 
     prefill = sub.add_parser("prefill", help="run a prefill worker")
     _serve_args(prefill, "prefill", 50061)
     prefill.add_argument("--max-queue", type=int)
     prefill.add_argument("--max-batch-tokens", type=int)
+    prefill.add_argument("--prefix-cache-bytes", type=int, help="prefix KV cache size (0 turns it off)")
+    prefill.add_argument("--block-size", type=int, help="prefix block tokens (default 16)")
     prefill.set_defaults(func=cmd_serve)
 
     decode = sub.add_parser("decode", help="run a decode worker")
@@ -155,6 +235,16 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--kv-budget-bytes", type=int)
     decode.add_argument("--staging-bytes", type=int)
     decode.set_defaults(func=cmd_serve)
+
+    batch = sub.add_parser("batch", help="a large offline batch with shared prefixes (BatchLLM)")
+    batch.add_argument("file", metavar="FILE.jsonl", help="one JSON request a line")
+    batch.add_argument("--router", metavar="HOST:PORT", help="a running router (default: start a local cluster)")
+    batch.add_argument("--json", action="store_true", help="one JSON line per request, then a summary line")
+    batch.add_argument("--model", default="default", help="model of the local cluster (without --router)")
+    batch.add_argument("--max-rows", type=int, default=8, help="decode rows of the local cluster")
+    batch.add_argument("--max-concurrency", type=int, default=0, help="requests in flight (default: the router's)")
+    batch.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole batch")
+    batch.set_defaults(func=cmd_batch)
 
     up = sub.add_parser("up", help="a local cluster as processes on loopback")
     up.add_argument("--port", type=int, default=50051, help="router port (default 50051)")
@@ -177,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, RequestError, ValueError) as exc:
         print(f"baton {args.command}: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    except Exception as exc:  # a refusal from a running cluster: say what it said, no traceback
+        if type(exc).__module__ != "client.errors":
+            raise
+        print(f"baton {args.command}: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

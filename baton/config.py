@@ -40,7 +40,11 @@ class RouterSettings:
     namespace: str = ""  # kubernetes discovery: namespace of the worker EndpointSlices
     prefix_index: str = "memory"  # 'memory' or 'redis'
     redis_url: str = ""
-    block_size: int = 16
+    block_size: int = 16  # prefix-cache block tokens; must equal the prefill workers'
+    index_namespace: str = "baton"  # Redis key prefix, so deployments sharing a Redis do not collide
+    index_max_blocks: int = 262_144  # prefix index entries kept (least recently touched dropped)
+    load_weight: float = 1.0  # routing cost per queued prompt token on a prefill worker
+    cache_weight: float = 1.0  # routing credit per prompt token a worker already holds
     max_inflight: int = 1024  # requests in flight before RESOURCE_EXHAUSTED
     load_poll_seconds: float = 0.2
     metrics_port: int = 0  # 0 = no metrics endpoint
@@ -54,6 +58,7 @@ class PrefillSettings:
     max_batch_tokens: int = 4096  # prompt tokens per prefill batch
     max_batch_size: int = 8
     prefix_cache_bytes: int = 256 << 20
+    block_size: int = 16
     kv_chunk_bytes: int = 2 << 20
     advertise: str = ""  # host:port others use to reach this worker (default: host:port)
     metrics_port: int = 0

@@ -45,10 +45,14 @@ class LocalCluster:
     """Starts and stops the processes; usable from tests and benchmarks as a context manager."""
 
     def __init__(self, *, port: int = 0, prefill: int = 1, decode: int = 1, model: str = "default",
-                 max_rows: int = 8, extra_env: dict | None = None, log_level: str = "WARNING"):
+                 max_rows: int = 8, extra_env: dict | None = None, log_level: str = "WARNING", routers: int = 1,
+                 router_args: tuple[str, ...] = (), prefill_args: tuple[str, ...] = (),
+                 decode_args: tuple[str, ...] = ()):
         if prefill < 1 or decode < 1:
             raise ValueError(f"need at least one prefill and one decode worker (got {prefill}, {decode})")
-        self.port = port or free_port()
+        self.router_addresses = [f"127.0.0.1:{port or free_port()}"] + [
+            f"127.0.0.1:{free_port()}" for _ in range(routers - 1)]
+        self.router_args, self.prefill_args, self.decode_args = router_args, prefill_args, decode_args
         self.prefill_addrs = [f"127.0.0.1:{free_port()}" for _ in range(prefill)]
         self.decode_addrs = [f"127.0.0.1:{free_port()}" for _ in range(decode)]
         self.model = model
@@ -59,7 +63,7 @@ class LocalCluster:
 
     @property
     def router_address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return self.router_addresses[0]
 
     def _spawn(self, *args: str) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "baton.cli", "--log-level", self.log_level, *args]
@@ -69,17 +73,22 @@ class LocalCluster:
         try:
             for addr in self.prefill_addrs:
                 self.procs.append((addr, self._spawn("prefill", "--host", "127.0.0.1", "--port", addr.split(":")[1],
-                                                     "--model", self.model)))
+                                                     "--model", self.model, *self.prefill_args)))
             for addr in self.decode_addrs:
                 self.procs.append((addr, self._spawn("decode", "--host", "127.0.0.1", "--port", addr.split(":")[1],
-                                                     "--model", self.model, "--max-rows", str(self.max_rows))))
+                                                     "--model", self.model, "--max-rows", str(self.max_rows),
+                                                     *self.decode_args)))
             for addr, proc in self.procs:
                 wait_serving(addr, proc, timeout)
-            router = self._spawn("router", "--host", "127.0.0.1", "--port", str(self.port), "--model", self.model,
-                                 "--prefill-workers", ",".join(self.prefill_addrs),
-                                 "--decode-workers", ",".join(self.decode_addrs))
-            self.procs.append((self.router_address, router))
-            wait_serving(self.router_address, router, timeout)
+            routers = []
+            for address in self.router_addresses:
+                router = self._spawn("router", "--host", "127.0.0.1", "--port", address.split(":")[1],
+                                     "--model", self.model, "--prefill-workers", ",".join(self.prefill_addrs),
+                                     "--decode-workers", ",".join(self.decode_addrs), *self.router_args)
+                self.procs.append((address, router))
+                routers.append((address, router))
+            for address, router in routers:
+                wait_serving(address, router, timeout)
         except BaseException:
             self.stop()
             raise

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from baton.v1 import common_pb2, router_pb2
-from client.errors import BatonError
+from client.errors import BatonError, error_for_code
 from client.types import (UINT32_MAX, ClusterStatus, GenerationResult, ModelInfo, SamplingOptions,
                           StreamChunk, Trace, Usage, WorkerStatus)
 
@@ -130,13 +130,23 @@ def model_info_from_proto(info: router_pb2.ModelInfo) -> ModelInfo:
 
 def cluster_status_from_proto(status: router_pb2.ClusterStatus) -> ClusterStatus:
     workers = [WorkerStatus(address=w.address, role=w.role, healthy=w.healthy,
-                            decode=_fields(w.decode) if w.HasField("decode") else None,
-                            prefill=_fields(w.prefill) if w.HasField("prefill") else None)
+                            decode=message_fields(w.decode) if w.HasField("decode") else None,
+                            prefill=message_fields(w.prefill) if w.HasField("prefill") else None)
                for w in status.workers]
-    return ClusterStatus(workers=workers)
+    return ClusterStatus(workers=workers, routing=message_fields(status.routing))
 
 
-def _fields(message: Any) -> dict[str, Any]:
+def batch_item_from_proto(item: router_pb2.GenerateBatchResponse) -> GenerationResult | BatonError:
+    """One finished request of a GenerateBatch stream (or its error)."""
+    if item.error_code:
+        return error_for_code(item.error_code, item.error_message, request_id=item.result.request_id or None)
+    r = item.result
+    return GenerationResult(request_id=r.request_id, text=r.text_delta, token_ids=list(r.token_ids),
+                            prompt_token_ids=list(r.prompt_token_ids), finish_reason=r.finish_reason,
+                            usage=usage_from_proto(r.usage), trace=trace_from_proto(r.trace))
+
+
+def message_fields(message: Any) -> dict[str, Any]:
     # Not json_format.MessageToDict: it turns uint64 counters into strings.
     return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
 

@@ -81,6 +81,16 @@ class WorkerStatus:
 @dataclass(frozen=True)
 class ClusterStatus:
     workers: list[WorkerStatus]
+    routing: dict[str, Any] = field(default_factory=dict)  # prefix-index predictions vs what workers reused
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    """What generate_batch returns: per request (input order) a result or its error, and the
+    router's summary (BatchLLM prefill token saving planned, optimal and actual; time)."""
+
+    results: list  # GenerationResult | BatonError
+    summary: dict[str, Any]
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
+from baton.metrics import Metrics
 from baton.v1 import workers_pb2
 from decode_worker.core import DecodeCore
 from engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput
@@ -29,8 +31,10 @@ class _Pending:
 
 
 class DecodeLoop:
-    def __init__(self, core: DecodeCore, pool: StagingPool, max_pending: int):
+    def __init__(self, core: DecodeCore, pool: StagingPool, max_pending: int, metrics: Metrics | None = None):
         self.core = core
+        self.metrics = metrics or Metrics("decode")
+        self._last_token_at: dict[str, float] = {}
         self.pool = pool
         self.max_pending = max_pending
         self._inbox: "queue.Queue[tuple[str, str]]" = queue.Queue()
@@ -120,7 +124,15 @@ class DecodeLoop:
         self._deliver([first])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
         for out in outputs:
+            last = self._last_token_at.get(out.request_id)
+            if last is not None:
+                self.metrics.tbt.observe(now - last)
+            self._last_token_at[out.request_id] = now
+            if out.finished:
+                self._last_token_at.pop(out.request_id, None)
+                self.metrics.requests.labels(out.finish_reason).inc()
             entry = self._streams.get(out.request_id)
             if entry is None:
                 continue
@@ -131,6 +143,7 @@ class DecodeLoop:
 
     def _end(self, request_id: str) -> None:
         """Cancel wherever the request is: waiting for KV, staged, or running."""
+        self._last_token_at.pop(request_id, None)
         with self._lock:
             self._pending.pop(request_id, None)
             entry = self._streams.pop(request_id, None)

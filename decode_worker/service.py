@@ -9,6 +9,7 @@ import grpc
 
 from baton.config import DecodeSettings, ModelSettings, TLSSettings
 from baton.messages import sampling_from_proto
+from baton.metrics import Metrics
 from baton.server import GrpcServer, NotReady
 from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
 from decode_worker.core import DecodeConfig, DecodeCore
@@ -94,7 +95,15 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     pool = StagingPool(StagingConfig(capacity_bytes=settings.staging_bytes, require_expected=True,
                                      max_entries=settings.max_pending + settings.max_rows),
                        on_landed=lambda request_id: loop.on_landed(request_id))
-    loop = DecodeLoop(core, pool, settings.max_pending).start()
+    metrics = Metrics("decode")
+    loop = DecodeLoop(core, pool, settings.max_pending, metrics).start()
+    metrics.gauge("baton_decode_rows_in_use", "Decode batch rows occupied", lambda: core.batch.num_rows)
+    metrics.gauge("baton_decode_kv_allocated_bytes", "Batch KV bytes allocated", core.batch.allocated_bytes)
+    metrics.gauge("baton_decode_kv_useful_bytes", "Batch KV bytes holding real tokens", core.batch.useful_bytes)
+    metrics.gauge("baton_decode_staged_bytes", "CPU staging pool bytes in use", lambda: pool.stats().used_bytes)
+    metrics.gauge("baton_decode_waiting_for_kv", "Requests whose KV has not landed", loop.num_pending)
+    metrics.gauge("baton_decode_queue_depth", "Landed requests waiting for a row", lambda: core.scheduler.num_staged)
+    metrics.serve(settings.metrics_port)
     receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape, max_tokens=core.max_columns))
     decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}")
     kv_api.target = KVTransferServicer(receiver)

@@ -2,21 +2,41 @@
 
 Prompts are cut into blocks of B tokens with chained hashes (`baton.block_hash`); the KV of
 every full block computed here is kept in a bounded prefix cache (LRU, locked while in use), so
-a later prompt sharing those blocks computes only its suffix. Groups of a large batch can pin a
-shared prefix until the whole group is done (BatchLLM).
+a later prompt sharing those blocks computes only its suffix. A large batch's prefix-sharing
+group pins its prefix until the group is done (BatchLLM); the pin also keeps the prefix's last,
+partial block, so members reuse the shared prefix to the token, not just to the block.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from baton.block_hash import BlockHasher
 from engine.kv import SequenceKV
 from engine.request import GenerationRequest, PrefilledRequest
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, PrefillOutput
 from engine.sampling import RequestSampler, sample
 from prefill_worker.prefix_cache import KVEvents, PrefixCache
 
 DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass
+class Reuse:
+    """What a prompt can take from the cache: `blocks` full blocks, then a pinned partial block."""
+
+    hashes: list[int]  # the prompt's full-block hashes
+    blocks: int = 0
+    partial: tuple | None = None  # key of a pinned partial block continuing those blocks
+    tokens: int = 0  # prompt tokens covered
+
+
+@dataclass
+class _Pin:
+    blocks: list[int]  # full-block hashes held locked
+    partial: tuple | None = None
+    partial_kv: torch.Tensor | None = field(default=None, repr=False)  # [layers, 2, kv_heads, tail, head_dim]
 
 
 class PrefillCore:
@@ -27,49 +47,61 @@ class PrefillCore:
         self.hasher = BlockHasher(str(runner.loaded.fingerprint), block_size)
         block_bytes = runner.loaded.kv_shape.bytes_per_token() * block_size
         self.cache = PrefixCache(prefix_cache_bytes, block_bytes) if prefix_cache_bytes >= block_bytes else None
-        self.pins: dict[str, list[int]] = {}  # group id -> the block hashes it holds locked
+        self.pins: dict[str, _Pin] = {}
+        self.partials: dict[tuple, torch.Tensor] = {}  # (parent hash, tail tokens) -> KV, while pinned
         self.cached_tokens_total = 0
 
-    def usable_prefix(self, prompt: list[int]) -> tuple[list[int], int]:
-        """The prompt's block hashes and how many leading blocks can come from the cache; the
-        last prompt token is always computed, since its logits give the first output token."""
-        hashes = self.hasher.hash_prompt(prompt)
+    def reuse_for(self, prompt: list[int]) -> Reuse:
+        """The cached prefix a prompt can use. Its last token is always computed: its logits
+        give the first output token."""
+        reuse = Reuse(self.hasher.hash_prompt(prompt))
         if self.cache is None:
-            return hashes, 0
-        blocks = min(self.cache.match(hashes), (len(prompt) - 1) // self.block_size)
-        return hashes, blocks
+            return reuse
+        b = self.block_size
+        reuse.blocks = min(self.cache.match(reuse.hashes), (len(prompt) - 1) // b)
+        reuse.tokens = reuse.blocks * b
+        if self.partials:
+            parent = reuse.hashes[reuse.blocks - 1] if reuse.blocks else None
+            start = reuse.tokens
+            for tail in range(min(b - 1, len(prompt) - 1 - start), 0, -1):
+                key = (parent, tuple(prompt[start:start + tail]))
+                if key in self.partials:
+                    reuse.partial, reuse.tokens = key, start + tail
+                    break
+        return reuse
 
     def prefill(self, requests: list[GenerationRequest]) -> list[PrefilledRequest]:
         """Prompts without a cached prefix run as one right-padded batch; the others one by one."""
         for request in requests:
             request.trace.mark("prefill_start")
-        plans = [self.usable_prefix(r.prompt_token_ids) for r in requests]
-        results: list[tuple] = [None] * len(requests)
-        fresh = [i for i, (_, blocks) in enumerate(plans) if blocks == 0]
+        plans = [self.reuse_for(r.prompt_token_ids) for r in requests]
+        outs: list[PrefillOutput | None] = [None] * len(requests)
+        fresh = [i for i, plan in enumerate(plans) if plan.tokens == 0]
         if fresh:
-            outs = self.runner.prefill_batch([requests[i].prompt_token_ids for i in fresh])
-            for i, out in zip(fresh, outs):
-                results[i] = (out, 0)
-        for i, (hashes, blocks) in enumerate(plans):
-            if blocks:
-                results[i] = (self._run_on_prefix(requests[i].prompt_token_ids, hashes[:blocks]),
-                              blocks * self.block_size)
+            for i, out in zip(fresh, self.runner.prefill_batch([requests[i].prompt_token_ids for i in fresh])):
+                outs[i] = out
+        for i, plan in enumerate(plans):
+            if plan.tokens:
+                outs[i] = self._run_on_prefix(requests[i].prompt_token_ids, plan)
         prefilled = []
-        for request, (hashes, _), (out, cached) in zip(requests, plans, results):
-            self._remember(hashes, out.kv)
+        for request, plan, out in zip(requests, plans, outs):
+            self._remember(plan.hashes, out.kv)
             sampler = RequestSampler(request.params)
             first_token = sample(out.logits[None], [sampler])[0]
-            request.trace.cached_tokens = cached
+            request.trace.cached_tokens = plan.tokens
             request.trace.mark("prefill_end")
-            self.cached_tokens_total += cached
-            prefilled.append(PrefilledRequest(request, out.kv, first_token, sampler.seed, cached))
+            self.cached_tokens_total += plan.tokens
+            prefilled.append(PrefilledRequest(request, out.kv, first_token, sampler.seed, plan.tokens))
         return prefilled
 
-    def _run_on_prefix(self, prompt: list[int], held: list[int]):
-        """Prefill continuing from the cached blocks `held`, locked meanwhile."""
-        prefix = SequenceKV(torch.cat(self.cache.lock(held), dim=3))
+    def _run_on_prefix(self, prompt: list[int], plan: Reuse) -> PrefillOutput:
+        """Prefill continuing from the cached blocks (locked meanwhile) and pinned partial block."""
+        held = plan.hashes[:plan.blocks]
+        parts = self.cache.lock(held)
+        if plan.partial is not None:
+            parts = parts + [self.partials[plan.partial]]
         try:
-            return self.runner.prefill(prompt, prefix)
+            return self.runner.prefill(prompt, SequenceKV(torch.cat(parts, dim=3)))
         finally:
             self.cache.unlock(held)
 
@@ -85,26 +117,37 @@ class PrefillCore:
     # -- BatchLLM groups ---------------------------------------------------------------------
 
     def pin(self, group_id: str, prefix: list[int]) -> int:
-        """Compute (if needed) and hold a group's shared prefix until `unpin`; returns its cached tokens."""
+        """Compute (if needed) and hold a group's shared prefix until `unpin`; returns the tokens held."""
         if self.cache is None:
             return 0
         if group_id in self.pins:
             raise ValueError(f"group {group_id!r} is already pinned")
+        if not prefix:
+            raise ValueError("a pinned prefix needs at least one token")
+        b = self.block_size
         full = self.hasher.hash_prompt(prefix)
-        if self.cache.match(full) < len(full):
-            hashes, blocks = self.usable_prefix(prefix)
-            out = self._run_on_prefix(prefix, hashes[:blocks]) if blocks else self.runner.prefill(prefix)
+        tail = prefix[len(full) * b:]
+        if self.cache.match(full) < len(full) or tail:
+            plan = self.reuse_for(prefix)
+            out = self._run_on_prefix(prefix, plan) if plan.tokens else self.runner.prefill(prefix)
             self._remember(full, out.kv)
         held = full[:self.cache.match(full)]
         self.cache.lock(held)
-        self.pins[group_id] = held
-        return len(held) * self.block_size
+        pin = _Pin(held)
+        if tail and len(held) == len(full):
+            pin.partial = (held[-1] if held else None, tuple(tail))
+            pin.partial_kv = out.kv.data[:, :, :, len(full) * b:].clone()
+            self.partials[pin.partial] = pin.partial_kv
+        self.pins[group_id] = pin
+        return len(held) * b + (len(tail) if pin.partial else 0)
 
     def unpin(self, group_id: str) -> bool:
-        held = self.pins.pop(group_id, None)
-        if held is None:
+        pin = self.pins.pop(group_id, None)
+        if pin is None:
             return False
-        self.cache.unlock(held)
+        self.cache.unlock(pin.blocks)
+        if pin.partial is not None and not any(p.partial == pin.partial for p in self.pins.values()):
+            self.partials.pop(pin.partial, None)
         return True
 
     def drain_events(self) -> KVEvents:

@@ -7,6 +7,7 @@ hands each KV to a sender pool so pushing to decode workers overlaps the next ba
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,15 +17,16 @@ import grpc
 
 from baton.config import ModelSettings, PrefillSettings, TLSSettings
 from baton.messages import sampling_from_proto
+from baton.metrics import Metrics
 from baton.server import GrpcServer, NotReady, channel
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
 from engine.model import load_model
 from engine.request import GenerationRequest, RequestError, validate_prompt
 from engine.runner import ModelRunner
-from engine.sampling import RequestSampler, sample
 from kvtransfer.errors import KVPushFailed
 from kvtransfer.grpc_transport import push_kv
 from prefill_worker.batching import PrefillQueue
+from prefill_worker.core import PrefillCore
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +40,14 @@ class PrefillJob:
 
 
 class PrefillLoop:
-    def __init__(self, runner: ModelRunner, settings: PrefillSettings, tls: TLSSettings | None = None):
+    """One compute thread owns the PrefillCore (prefix cache included); RPC threads reach it only
+    through the job queue and the control queue (pin/unpin), which it serves between batches."""
+
+    def __init__(self, runner: ModelRunner, settings: PrefillSettings, tls: TLSSettings | None = None,
+                 block_size: int = 16, metrics: Metrics | None = None):
         self.runner = runner
+        self.metrics = metrics or Metrics("prefill")
+        self.core = PrefillCore(runner, prefix_cache_bytes=settings.prefix_cache_bytes, block_size=block_size)
         self.settings = settings
         self.tls = tls
         self.queue = PrefillQueue(settings.max_queue, settings.max_batch_tokens, settings.max_batch_size)
@@ -48,6 +56,7 @@ class PrefillLoop:
         self._senders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-push")
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
+        self._control: "queue.Queue[tuple]" = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
 
@@ -62,8 +71,8 @@ class PrefillLoop:
         self._senders.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, job: PrefillJob) -> Future:
-        self.queue.put(job, len(job.request.prompt_token_ids))  # raises OverflowError when full
         job.request.trace.mark("arrived")
+        self.queue.put(job, len(job.request.prompt_token_ids))  # raises OverflowError when full
         return job.done
 
     def cancel(self, request_id: str) -> bool:
@@ -74,9 +83,27 @@ class PrefillLoop:
             return True
         return False
 
+    def call(self, fn, *args, timeout: float | None = None):
+        """Run fn(core, *args) on the compute thread, between batches; returns its result."""
+        done: Future = Future()
+        self._control.put((fn, args, done))
+        return done.result(timeout=timeout)
+
+    def _serve_control(self) -> None:
+        while True:
+            try:
+                fn, args, done = self._control.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done.set_result(fn(self.core, *args))
+            except Exception as exc:
+                done.set_exception(exc)
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            jobs = self.queue.take_batch(timeout=0.5)
+            self._serve_control()
+            jobs = self.queue.take_batch(timeout=0.05)
             if not jobs:
                 continue
             jobs = [j for j in jobs if not j.cancelled and j.done.set_running_or_notify_cancel()]
@@ -91,35 +118,41 @@ class PrefillLoop:
                         job.done.set_exception(exc)
 
     def _prefill(self, jobs: list[PrefillJob]) -> None:
-        for job in jobs:
-            job.request.trace.mark("prefill_start")
-        outputs = self.runner.prefill_batch([j.request.prompt_token_ids for j in jobs])
-        for job, out in zip(jobs, outputs):
-            sampler = RequestSampler(job.request.params)
-            first = sample(out.logits[None], [sampler])[0]
-            job.request.trace.mark("prefill_end")
-            self._senders.submit(self._push, job, out.kv, first, sampler.seed)
+        prefilled = self.core.prefill([j.request for j in jobs])
+        events = self.core.drain_events()
+        for i, (job, done) in enumerate(zip(jobs, prefilled)):
+            # The batch's KV events ride on its first reply; the router applies them.
+            self._senders.submit(self._push, job, done, events if i == 0 else None)
         self.requests_done += len(jobs)
 
-    def _push(self, job: PrefillJob, kv, first_token: int, seed: int) -> None:
+    def _push(self, job: PrefillJob, prefilled, events) -> None:
         trace = job.request.trace
         meta = workers_pb2.KVMetadata(
-            first_token=first_token, seed=seed, cached_tokens=0,
+            first_token=prefilled.first_token, seed=prefilled.seed, cached_tokens=prefilled.cached_tokens,
             queue_seconds=trace.marks["prefill_start"] - trace.marks["arrived"],
             prefill_seconds=trace.marks["prefill_end"] - trace.marks["prefill_start"],
         )
+        reply = workers_pb2.PrefillReply(
+            request_id=job.request.request_id, first_token=prefilled.first_token,
+            cached_tokens=prefilled.cached_tokens,
+            computed_tokens=len(job.request.prompt_token_ids) - prefilled.cached_tokens,
+            queue_seconds=meta.queue_seconds, prefill_seconds=meta.prefill_seconds,
+        )
+        if events is not None:
+            reply.stored_blocks.extend(events.stored)
+            reply.evicted_blocks.extend(events.evicted)
         try:
             if job.cancelled:
                 raise RequestError("cancelled")
-            push_kv(self._channel(job.decode_target), job.request.request_id, self.fingerprint, kv,
+            push_kv(self._channel(job.decode_target), job.request.request_id, self.fingerprint, prefilled.kv,
                     meta.SerializeToString(), chunk_bytes=self.settings.kv_chunk_bytes, timeout_s=30.0)
-            trace.mark("pushed")
-            job.done.set_result(workers_pb2.PrefillReply(
-                request_id=job.request.request_id, first_token=first_token, cached_tokens=0,
-                computed_tokens=len(job.request.prompt_token_ids), queue_seconds=meta.queue_seconds,
-                prefill_seconds=meta.prefill_seconds, transfer_seconds=trace.marks["pushed"] - trace.marks["prefill_end"],
-            ))
+            reply.transfer_seconds = time.monotonic() - trace.marks["prefill_end"]
+            self.metrics.transfers.labels("ok").inc()
+            self.metrics.transfer_bytes.inc(prefilled.kv.nbytes)
+            self.metrics.prefix_actual.inc(prefilled.cached_tokens)
+            job.done.set_result(reply)
         except Exception as exc:
+            self.metrics.transfers.labels("cancelled" if job.cancelled else "failed").inc()
             job.done.set_exception(exc)
 
     def _channel(self, target: str) -> grpc.Channel:
@@ -167,6 +200,21 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
                     context.abort(grpc.StatusCode.CANCELLED, "prefill cancelled")
                 context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
 
+    def PinPrefix(self, request, context):
+        if not request.group_id or not request.token_ids:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group_id and a non-empty token_ids are required")
+        try:
+            pinned = self.loop.call(lambda core: core.pin(request.group_id, list(request.token_ids)),
+                                    timeout=context.time_remaining())
+            events = self.loop.call(lambda core: core.drain_events())
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return workers_pb2.PinPrefixReply(pinned_tokens=pinned, stored_blocks=events.stored,
+                                          evicted_blocks=events.evicted)
+
+    def UnpinPrefix(self, request, context):
+        return workers_pb2.UnpinPrefixReply(found=self.loop.call(lambda core: core.unpin(request.group_id)))
+
     def Cancel(self, request, context):
         return workers_pb2.CancelReply(found=self.loop.cancel(request.request_id))
 
@@ -175,7 +223,8 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
         return common_pb2.PrefillLoad(
             queued=len(loop.queue), max_queue=loop.settings.max_queue, queued_tokens=loop.queue.queued_tokens,
             prompt_tokens_forwarded=loop.runner.prompt_tokens_forwarded, requests_done=loop.requests_done,
-            model_fingerprint=loop.fingerprint,
+            model_fingerprint=loop.fingerprint, block_size=loop.core.block_size,
+            cached_tokens_total=loop.core.cached_tokens_total, prefix_cache_bytes=loop.settings.prefix_cache_bytes,
         )
 
 
@@ -187,7 +236,14 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
     server.start()  # NOT_SERVING until the model is loaded
     started = time.monotonic()
     loaded = load_model(model.name, dtype=model.dtype, device=model.device)
-    loop = PrefillLoop(ModelRunner(loaded, model.attention_backend), settings, tls).start()
+    metrics = Metrics("prefill")
+    loop = PrefillLoop(ModelRunner(loaded, model.attention_backend), settings, tls, settings.block_size,
+                       metrics).start()
+    metrics.gauge("baton_prefill_queue_depth", "Prompts waiting for prefill", lambda: len(loop.queue))
+    metrics.gauge("baton_prefill_queued_tokens", "Prompt tokens waiting for prefill", lambda: loop.queue.queued_tokens)
+    metrics.gauge("baton_prefill_prefix_cache_bytes", "Prefix KV cache bytes in use",
+                  lambda: loop.core.cache.used_bytes if loop.core.cache else 0)
+    metrics.serve(settings.metrics_port)
     api.target = PrefillWorkerServicer(loop)
     server.set_serving()
     log.info("prefill worker serving on port %d (model %s loaded in %.1fs)", server.port, loaded.fingerprint,

@@ -1,5 +1,5 @@
-"""The router process: the public API. It validates and tokenizes, picks a decode and a prefill
-worker, opens the decode stream, starts the prefill that ships KV there, and relays tokens."""
+"""The router process: the public API. It validates and tokenizes, then hands each request to the
+dispatcher (route by prefix index and load, open the decode stream, start the prefill, relay)."""
 from __future__ import annotations
 
 import logging
@@ -11,22 +11,31 @@ import grpc
 
 from baton.config import ModelSettings, RouterSettings, TLSSettings
 from baton.messages import sampling_from_proto
+from baton.metrics import Metrics
 from baton.server import GrpcServer, NotReady
-from baton.v1 import common_pb2, router_pb2, router_pb2_grpc, workers_pb2
+from baton.v1 import router_pb2, router_pb2_grpc
 from engine.model import TokenizerView, load_tokenizer_view
 from engine.request import RequestError, validate_prompt
-from router.policy import NoWorkers, Picker
+from router.batch import BatchRunner
+from router.dispatch import DispatchError, Dispatcher
+from router.policy import Picker, RoutingWeights
+from router.prefix_index import PrefixIndexConfig, build_prefix_index
+from router.discovery import WorkerSet, discovery_from_settings
 from router.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
+MAX_BATCH_REQUESTS = 10_000
+
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, model: TokenizerView, pool: WorkerPool, settings: RouterSettings):
+    def __init__(self, model: TokenizerView, dispatcher: Dispatcher, settings: RouterSettings,
+                 metrics: Metrics | None = None):
         self.model = model
-        self.pool = pool
+        self.metrics = metrics or Metrics("router")
+        self.dispatcher = dispatcher
+        self.pool = dispatcher.pool
         self.settings = settings
-        self.picker = Picker()
         self._inflight = 0
         self._lock = threading.Lock()
 
@@ -52,89 +61,78 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     # -- the public API -----------------------------------------------------------------------
 
-    def Generate(self, request, context):
-        try:
-            prompt = self._prompt_ids(request)
-            params = sampling_from_proto(request.sampling)
-            validate_prompt(prompt, params, max_context=self.model.max_context, vocab_size=self.model.vocab_size)
-        except (RequestError, ValueError) as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    def _validated(self, request) -> list[int]:
+        prompt = self._prompt_ids(request)
+        params = sampling_from_proto(request.sampling)
+        validate_prompt(prompt, params, max_context=self.model.max_context, vocab_size=self.model.vocab_size)
+        return prompt
+
+    def _admit(self, count: int, context) -> None:
         with self._lock:
-            if self._inflight >= self.settings.max_inflight:
+            if self._inflight + count > self.settings.max_inflight:
+                self.metrics.overloaded.inc()
                 context.set_trailing_metadata((("retry-after-s", "1"),))
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"the router has {self.settings.max_inflight} requests in flight; retry later")
-            self._inflight += 1
-        try:
-            yield from self._generate(request.request_id or uuid.uuid4().hex, prompt, request.sampling, context)
-        finally:
-            with self._lock:
-                self._inflight -= 1
+                              f"the router has {self._inflight} of {self.settings.max_inflight} requests in flight; "
+                              "retry later")
+            self._inflight += count
 
-    def _generate(self, request_id: str, prompt: list[int], sampling, context):
-        arrived = time.monotonic()
+    def _leave(self, count: int) -> None:
+        with self._lock:
+            self._inflight -= count
+
+    def Generate(self, request, context):
         try:
-            decode = self.pool.get("decode", self.picker.pick_decode(self.pool.views("decode")).address)
-            prefill = self.pool.get("prefill", self.picker.pick_prefill(self.pool.views("prefill"), len(prompt)).address)
-        except NoWorkers as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        if decode is None or prefill is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "a chosen worker just left; retry")
-        timeout = context.time_remaining()
-        self.pool.acquire(decode)
-        self.pool.acquire(prefill)
-        decode_call = None
-        prefill_call = None
+            prompt = self._validated(request)
+        except (RequestError, ValueError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._admit(1, context)
+        started = time.monotonic()
+        first = True
         try:
-            decode_call = decode.stub.Decode(
-                workers_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling),
-                timeout=timeout)
-            next(decode_call)  # registered: its KV will be accepted
-            prefill_call = prefill.stub.Prefill.future(
-                workers_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                                           decode_target=decode.view.address, model_fingerprint=decode.fingerprint),
-                timeout=timeout)
-            # A failed prefill means the KV never comes: stop waiting for it at once.
-            prefill_call.add_done_callback(lambda f: f.exception() is not None and decode_call.cancel())
-            context.add_callback(lambda: (decode_call.cancel(), prefill_call.cancel()))
-            yield router_pb2.GenerateResponse(request_id=request_id, prompt_token_ids=prompt)
-            completion = 0
-            for msg in decode_call:
-                completion += len(msg.token_ids)
-                out = router_pb2.GenerateResponse(request_id=request_id, token_ids=msg.token_ids,
-                                                  text_delta=msg.text_delta, finish_reason=msg.finish_reason)
+            for msg in self.dispatcher.run(request.request_id or uuid.uuid4().hex, prompt, request.sampling,
+                                           context.time_remaining(), on_done=context.add_callback):
+                if first and msg.token_ids:
+                    self.metrics.ttft.observe(time.monotonic() - started)
+                    first = False
                 if msg.finish_reason:
-                    reply = prefill_call.result(timeout=5)
-                    stages = dict(msg.stage_seconds)
-                    stages.update(queue=reply.queue_seconds, prefill=reply.prefill_seconds,
-                                  transfer=reply.transfer_seconds)
-                    stages["total"] = time.monotonic() - arrived
-                    out.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=completion,
-                                                        cached_tokens=reply.cached_tokens))
-                    out.trace.CopyFrom(common_pb2.Trace(stage_seconds=stages, cached_tokens=reply.cached_tokens,
-                                                        prefill_worker=prefill.view.address,
-                                                        decode_worker=decode.view.address))
-                yield out
-        except grpc.RpcError as err:
-            self._abort_with_cause(context, err, prefill_call)
+                    self.metrics.requests.labels(msg.finish_reason).inc()
+                    self.metrics.prefix_predicted.inc(msg.trace.predicted_cached_tokens)
+                    self.metrics.prefix_actual.inc(msg.trace.cached_tokens)
+                yield msg
+        except DispatchError as err:
+            if err.code == grpc.StatusCode.CANCELLED and not context.is_active():
+                return  # the client left; nothing to tell it
+            context.abort(err.code, err.message)
         finally:
-            if decode_call is not None:
-                decode_call.cancel()
-            if prefill_call is not None and not prefill_call.done():
-                prefill_call.cancel()
-            self.pool.release(decode)
-            self.pool.release(prefill)
+            self._leave(1)
 
-    def _abort_with_cause(self, context, err: grpc.RpcError, prefill_call) -> None:
-        """Report the first real cause: a failed prefill explains a cancelled decode stream."""
-        if prefill_call is not None and prefill_call.done() and not prefill_call.cancelled():
-            cause = prefill_call.exception()
-            if cause is not None:
-                err = cause
-        code = err.code() if hasattr(err, "code") else grpc.StatusCode.INTERNAL
-        if code == grpc.StatusCode.CANCELLED and not context.is_active():
-            return  # the client left; nothing to tell it
-        context.abort(code, f"{err.details() if hasattr(err, 'details') else err}")
+    def GenerateBatch(self, request, context):
+        count = len(request.requests)
+        if not 0 < count <= MAX_BATCH_REQUESTS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"a batch needs 1 to {MAX_BATCH_REQUESTS} requests (got {count}); split it")
+        prompts = []
+        for i, item in enumerate(request.requests):
+            try:
+                prompts.append(self._validated(item))
+            except (RequestError, ValueError) as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {i}: {exc}")
+        concurrency = request.max_concurrency or max(4, 2 * sum(v.capacity for v in self.pool.views("decode")))
+        concurrency = min(concurrency, self.settings.max_inflight)
+        self._admit(concurrency, context)
+        try:
+            runner = BatchRunner(self.dispatcher, concurrency)
+            for index, outcome in runner.run(prompts, [r.sampling for r in request.requests], context.time_remaining()):
+                if index is None:
+                    yield router_pb2.GenerateBatchResponse(summary=outcome)
+                elif isinstance(outcome, DispatchError):
+                    yield router_pb2.GenerateBatchResponse(index=index, error_code=outcome.code.name,
+                                                           error_message=outcome.message)
+                else:
+                    yield router_pb2.GenerateBatchResponse(index=index, result=outcome)
+        finally:
+            self._leave(concurrency)
 
     def GetModelInfo(self, request, context):
         fingerprints = {w.fingerprint for w in self.pool.all() if w.fingerprint}
@@ -142,7 +140,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                     model_fingerprint=",".join(sorted(fingerprints)), vocab_size=self.model.vocab_size)
 
     def GetClusterStatus(self, request, context):
-        status = router_pb2.ClusterStatus()
+        stats = self.dispatcher.stats
+        status = router_pb2.ClusterStatus(routing=router_pb2.RoutingStats(
+            requests=stats.requests, predicted_cached_tokens=stats.predicted_tokens,
+            actual_cached_tokens=stats.actual_tokens, accuracy=stats.accuracy))
         for w in self.pool.all():
             entry = status.workers.add(address=w.view.address, role=w.role, healthy=w.view.healthy)
             if w.last_load is not None:
@@ -157,14 +158,25 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
     server.add_service("baton.v1.Router")
     server.start()
     view = load_tokenizer_view(model.name)
+    index = build_prefix_index(PrefixIndexConfig(backend=settings.prefix_index, max_blocks=settings.index_max_blocks,
+                                                 redis_url=settings.redis_url or "redis://127.0.0.1:6379/0",
+                                                 namespace=settings.index_namespace))
     pool = WorkerPool(tls, settings.load_poll_seconds)
-    pool.set_workers("prefill", settings.prefill_workers)
-    pool.set_workers("decode", settings.decode_workers)
+    workers = WorkerSet()
+    workers.subscribe(lambda role, added, removed: pool.set_workers(role, workers.get(role)))
+    discovery = discovery_from_settings(settings)
+    discovery.start(workers)
     pool.poll_once()
     pool.start()
-    api.target = RouterServicer(view, pool, settings)
+    picker = Picker(RoutingWeights(load=settings.load_weight, cached_tokens=settings.cache_weight))
+    metrics = Metrics("router")
+    api.target = RouterServicer(view, Dispatcher(pool, index, settings.block_size, picker), settings, metrics)
+    metrics.gauge("baton_router_inflight", "Requests in flight through this router", lambda: api.target._inflight)
+    metrics.gauge("baton_router_routing_accuracy", "Predicted vs actual cached prompt tokens",
+                  lambda: api.target.dispatcher.stats.accuracy)
+    metrics.serve(settings.metrics_port)
     server.set_serving()
     log.info("router serving on port %d", server.port)
     if not block:
         return server, pool
-    server.wait_for_signal(on_stop=pool.stop)
+    server.wait_for_signal(on_stop=lambda: (discovery.stop(), pool.stop()))

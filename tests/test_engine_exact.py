@@ -105,3 +105,17 @@ def test_prefix_reuse_is_token_identical(tiny_model, tiny_reference):
         assert out.token_ids == tiny_reference.greedy(prompt, 12)
     # The first max_rows prompts prefill together, before anything is cached; the rest reuse 4 blocks.
     assert engine.prefill.cached_tokens_total >= 5 * 64
+
+
+def test_pinned_group_prefix_is_reused_to_the_token(tiny_model, tiny_reference):
+    """A pinned prefix (BatchLLM group) covers its partial last block too; outputs stay exact."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(50, 40000) for _ in range(70)]  # 4 full blocks + 6 tokens
+    prompts = [prefix + [rng.randrange(50, 40000) for _ in range(rng.randint(2, 9))] for _ in range(5)]
+    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2), prefix_cache_bytes=64 << 20)
+    assert engine.prefill.pin("group-1", prefix) == 70
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert [o.trace.cached_tokens for o in outs] == [70] * 5
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == tiny_reference.greedy(prompt, 10)
+    assert engine.prefill.unpin("group-1") and not engine.prefill.partials

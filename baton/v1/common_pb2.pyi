@@ -96,20 +96,26 @@ class DecodeLoad(_message.Message):
     def __init__(self, rows_in_use: _Optional[int] = ..., max_rows: _Optional[int] = ..., kv_bytes_allocated: _Optional[int] = ..., kv_bytes_useful: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., staging_capacity_bytes: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., staged: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., decode_tokens_forwarded: _Optional[int] = ..., requests_finished: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PrefillLoad(_message.Message):
-    __slots__ = ("queued", "max_queue", "queued_tokens", "prompt_tokens_forwarded", "requests_done", "model_fingerprint")
+    __slots__ = ("queued", "max_queue", "queued_tokens", "prompt_tokens_forwarded", "requests_done", "model_fingerprint", "block_size", "cached_tokens_total", "prefix_cache_bytes")
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FORWARDED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_DONE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     queued: int
     max_queue: int
     queued_tokens: int
     prompt_tokens_forwarded: int
     requests_done: int
     model_fingerprint: str
-    def __init__(self, queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., requests_done: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    block_size: int
+    cached_tokens_total: int
+    prefix_cache_bytes: int
+    def __init__(self, queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., requests_done: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

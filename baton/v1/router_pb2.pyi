@@ -51,6 +51,54 @@ class GenerateResponse(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., trace: _Optional[_Union[_common_pb2.Trace, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class GenerateBatchRequest(_message.Message):
+    __slots__ = ("requests", "max_concurrency")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    max_concurrency: int
+    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., max_concurrency: _Optional[int] = ...) -> None: ...
+
+class BatchSummary(_message.Message):
+    __slots__ = ("requests", "failed", "prompt_tokens", "planned_saved_tokens", "cached_tokens", "planned_saving_ratio", "optimum_saving_ratio", "actual_saving_ratio", "groups", "seconds", "routing_accuracy")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_SAVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_SAVING_RATIO_FIELD_NUMBER: _ClassVar[int]
+    OPTIMUM_SAVING_RATIO_FIELD_NUMBER: _ClassVar[int]
+    ACTUAL_SAVING_RATIO_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    failed: int
+    prompt_tokens: int
+    planned_saved_tokens: int
+    cached_tokens: int
+    planned_saving_ratio: float
+    optimum_saving_ratio: float
+    actual_saving_ratio: float
+    groups: int
+    seconds: float
+    routing_accuracy: float
+    def __init__(self, requests: _Optional[int] = ..., failed: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., planned_saved_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., planned_saving_ratio: _Optional[float] = ..., optimum_saving_ratio: _Optional[float] = ..., actual_saving_ratio: _Optional[float] = ..., groups: _Optional[int] = ..., seconds: _Optional[float] = ..., routing_accuracy: _Optional[float] = ...) -> None: ...
+
+class GenerateBatchResponse(_message.Message):
+    __slots__ = ("index", "result", "error_code", "error_message", "summary")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    result: GenerateResponse
+    error_code: str
+    error_message: str
+    summary: BatchSummary
+    def __init__(self, index: _Optional[int] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., summary: _Optional[_Union[BatchSummary, _Mapping]] = ...) -> None: ...
+
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -85,8 +133,22 @@ class WorkerStatus(_message.Message):
     prefill: _common_pb2.PrefillLoad
     def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., decode: _Optional[_Union[_common_pb2.DecodeLoad, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLoad, _Mapping]] = ...) -> None: ...
 
+class RoutingStats(_message.Message):
+    __slots__ = ("requests", "predicted_cached_tokens", "actual_cached_tokens", "accuracy")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACTUAL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    predicted_cached_tokens: int
+    actual_cached_tokens: int
+    accuracy: float
+    def __init__(self, requests: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., accuracy: _Optional[float] = ...) -> None: ...
+
 class ClusterStatus(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "routing")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+    routing: RoutingStats
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., routing: _Optional[_Union[RoutingStats, _Mapping]] = ...) -> None: ...

@@ -39,6 +39,11 @@ class RouterStub:
                 request_serializer=baton_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateBatch = channel.unary_stream(
+                '/baton.v1.Router/GenerateBatch',
+                request_serializer=baton_dot_v1_dot_router__pb2.GenerateBatchRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_router__pb2.GenerateBatchResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/baton.v1.Router/GetModelInfo',
                 request_serializer=baton_dot_v1_dot_router__pb2.ModelInfoRequest.SerializeToString,
@@ -57,6 +62,15 @@ class RouterServicer:
     def Generate(self, request, context):
         """Streams a request's tokens as they are decoded; the last message has finish_reason,
         usage and trace set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateBatch(self, request, context):
+        """A large offline batch, planned the BatchLLM way: shared prefixes found ahead of time,
+        prefix-sharing groups dispatched together with their prefix computed once. Results stream
+        back as requests finish; the last message carries the summary.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,6 +97,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=baton_dot_v1_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=baton_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateBatch': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateBatch,
+                    request_deserializer=baton_dot_v1_dot_router__pb2.GenerateBatchRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_router__pb2.GenerateBatchResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -122,6 +141,33 @@ class Router:
             '/baton.v1.Router/Generate',
             baton_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
             baton_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.Router/GenerateBatch',
+            baton_dot_v1_dot_router__pb2.GenerateBatchRequest.SerializeToString,
+            baton_dot_v1_dot_router__pb2.GenerateBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

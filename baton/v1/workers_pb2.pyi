@@ -22,7 +22,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("request_id", "first_token", "cached_tokens", "computed_tokens", "queue_seconds", "prefill_seconds", "transfer_seconds")
+    __slots__ = ("request_id", "first_token", "cached_tokens", "computed_tokens", "queue_seconds", "prefill_seconds", "transfer_seconds", "stored_blocks", "evicted_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class PrefillReply(_message.Message):
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     cached_tokens: int
@@ -37,7 +39,39 @@ class PrefillReply(_message.Message):
     queue_seconds: float
     prefill_seconds: float
     transfer_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
+    stored_blocks: _containers.RepeatedScalarFieldContainer[int]
+    evicted_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., stored_blocks: _Optional[_Iterable[int]] = ..., evicted_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PinPrefixRequest(_message.Message):
+    __slots__ = ("group_id", "token_ids")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PinPrefixReply(_message.Message):
+    __slots__ = ("pinned_tokens", "stored_blocks", "evicted_blocks")
+    PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    pinned_tokens: int
+    stored_blocks: _containers.RepeatedScalarFieldContainer[int]
+    evicted_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pinned_tokens: _Optional[int] = ..., stored_blocks: _Optional[_Iterable[int]] = ..., evicted_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UnpinPrefixRequest(_message.Message):
+    __slots__ = ("group_id",)
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    def __init__(self, group_id: _Optional[str] = ...) -> None: ...
+
+class UnpinPrefixReply(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -50,6 +50,16 @@ class PrefillWorkerStub:
                 request_serializer=baton_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_common__pb2.PrefillLoad.FromString,
                 _registered_method=True)
+        self.PinPrefix = channel.unary_unary(
+                '/baton.v1.PrefillWorker/PinPrefix',
+                request_serializer=baton_dot_v1_dot_workers__pb2.PinPrefixRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_workers__pb2.PinPrefixReply.FromString,
+                _registered_method=True)
+        self.UnpinPrefix = channel.unary_unary(
+                '/baton.v1.PrefillWorker/UnpinPrefix',
+                request_serializer=baton_dot_v1_dot_workers__pb2.UnpinPrefixRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_workers__pb2.UnpinPrefixReply.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -73,6 +83,20 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinPrefix(self, request, context):
+        """BatchLLM: compute a group's shared prefix once and hold it in the prefix cache until
+        UnpinPrefix, so every member of the group reuses it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnpinPrefix(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +114,16 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=baton_dot_v1_dot_common__pb2.LoadRequest.FromString,
                     response_serializer=baton_dot_v1_dot_common__pb2.PrefillLoad.SerializeToString,
+            ),
+            'PinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinPrefix,
+                    request_deserializer=baton_dot_v1_dot_workers__pb2.PinPrefixRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_workers__pb2.PinPrefixReply.SerializeToString,
+            ),
+            'UnpinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnpinPrefix,
+                    request_deserializer=baton_dot_v1_dot_workers__pb2.UnpinPrefixRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_workers__pb2.UnpinPrefixReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +207,60 @@ class PrefillWorker:
             '/baton.v1.PrefillWorker/GetLoad',
             baton_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
             baton_dot_v1_dot_common__pb2.PrefillLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillWorker/PinPrefix',
+            baton_dot_v1_dot_workers__pb2.PinPrefixRequest.SerializeToString,
+            baton_dot_v1_dot_workers__pb2.PinPrefixReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnpinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillWorker/UnpinPrefix',
+            baton_dot_v1_dot_workers__pb2.UnpinPrefixRequest.SerializeToString,
+            baton_dot_v1_dot_workers__pb2.UnpinPrefixReply.FromString,
             options,
             channel_credentials,
             insecure,
