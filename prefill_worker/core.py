@@ -116,10 +116,11 @@ class PrefillCore:
 
     # -- BatchLLM groups ---------------------------------------------------------------------
 
-    def pin(self, group_id: str, prefix: list[int]) -> int:
-        """Compute (if needed) and hold a group's shared prefix until `unpin`; returns the tokens held."""
+    def pin(self, group_id: str, prefix: list[int]) -> tuple[int, int]:
+        """Compute (if needed) and hold a group's shared prefix until `unpin`.
+        Returns (tokens held, tokens computed to get there)."""
         if self.cache is None:
-            return 0
+            return 0, 0
         if group_id in self.pins:
             raise ValueError(f"group {group_id!r} is already pinned")
         if not prefix:
@@ -127,9 +128,11 @@ class PrefillCore:
         b = self.block_size
         full = self.hasher.hash_prompt(prefix)
         tail = prefix[len(full) * b:]
+        computed = 0
         if self.cache.match(full) < len(full) or tail:
             plan = self.reuse_for(prefix)
             out = self._run_on_prefix(prefix, plan) if plan.tokens else self.runner.prefill(prefix)
+            computed = out.computed_tokens
             self._remember(full, out.kv)
         held = full[:self.cache.match(full)]
         self.cache.lock(held)
@@ -139,7 +142,7 @@ class PrefillCore:
             pin.partial_kv = out.kv.data[:, :, :, len(full) * b:].clone()
             self.partials[pin.partial] = pin.partial_kv
         self.pins[group_id] = pin
-        return len(held) * b + (len(tail) if pin.partial else 0)
+        return len(held) * b + (len(tail) if pin.partial else 0), computed
 
     def unpin(self, group_id: str) -> bool:
         pin = self.pins.pop(group_id, None)

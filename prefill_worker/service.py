@@ -204,13 +204,13 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
         if not request.group_id or not request.token_ids:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group_id and a non-empty token_ids are required")
         try:
-            pinned = self.loop.call(lambda core: core.pin(request.group_id, list(request.token_ids)),
-                                    timeout=context.time_remaining())
+            pinned, computed = self.loop.call(lambda core: core.pin(request.group_id, list(request.token_ids)),
+                                              timeout=context.time_remaining())
             events = self.loop.call(lambda core: core.drain_events())
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return workers_pb2.PinPrefixReply(pinned_tokens=pinned, stored_blocks=events.stored,
-                                          evicted_blocks=events.evicted)
+        return workers_pb2.PinPrefixReply(pinned_tokens=pinned, computed_tokens=computed,
+                                          stored_blocks=events.stored, evicted_blocks=events.evicted)
 
     def UnpinPrefix(self, request, context):
         return workers_pb2.UnpinPrefixReply(found=self.loop.call(lambda core: core.unpin(request.group_id)))

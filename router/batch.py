@@ -31,6 +31,7 @@ class _Group:
     prefix: list[int]
     prefill_address: str | None = None
     pinned_tokens: int = 0
+    computed_tokens: int = 0  # what pinning the prefix cost
     remaining: int = 0
 
 
@@ -91,11 +92,15 @@ class BatchRunner:
                 cached += outcome.usage.cached_tokens
             yield index, outcome
         total = sum(map(len, prompts))
+        # A pinned prefix is computed once by the pin, then reused by every member: what the
+        # batch saved is what members reused minus what the pins computed.
+        pinned = sum(g.computed_tokens for g in groups)
         yield None, router_pb2.BatchSummary(
             requests=len(prompts), failed=failed, prompt_tokens=total,
             planned_saved_tokens=plan.total_prompt_tokens - plan.computed_tokens, cached_tokens=cached,
             planned_saving_ratio=plan.saving_ratio, optimum_saving_ratio=plan.optimum_saving_ratio,
-            actual_saving_ratio=cached / total if total else 0.0, groups=len(plan.groups),
+            actual_saving_ratio=(cached - pinned) / total if total else 0.0, groups=len(plan.groups),
+            pinned_computed_tokens=pinned,
             seconds=time.monotonic() - started, routing_accuracy=stats.accuracy)
 
     def _groups(self, plan, prompts) -> list[_Group]:
@@ -133,6 +138,7 @@ class BatchRunner:
             return  # members are then routed as usual, by the prefix index and load
         group.prefill_address = route.prefill.view.address
         group.pinned_tokens = reply.pinned_tokens
+        group.computed_tokens = reply.computed_tokens
         self.dispatcher.apply_events(route.prefill, reply.stored_blocks, reply.evicted_blocks)
 
     def _unpin(self, group: _Group) -> None:

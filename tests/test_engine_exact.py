@@ -113,7 +113,7 @@ def test_pinned_group_prefix_is_reused_to_the_token(tiny_model, tiny_reference):
     prefix = [rng.randrange(50, 40000) for _ in range(70)]  # 4 full blocks + 6 tokens
     prompts = [prefix + [rng.randrange(50, 40000) for _ in range(rng.randint(2, 9))] for _ in range(5)]
     engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2), prefix_cache_bytes=64 << 20)
-    assert engine.prefill.pin("group-1", prefix) == 70
+    assert engine.prefill.pin("group-1", prefix) == (70, 70)
     outs = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
     assert [o.trace.cached_tokens for o in outs] == [70] * 5
     for prompt, out in zip(prompts, outs):

@@ -60,7 +60,7 @@ class GenerateBatchRequest(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., max_concurrency: _Optional[int] = ...) -> None: ...
 
 class BatchSummary(_message.Message):
-    __slots__ = ("requests", "failed", "prompt_tokens", "planned_saved_tokens", "cached_tokens", "planned_saving_ratio", "optimum_saving_ratio", "actual_saving_ratio", "groups", "seconds", "routing_accuracy")
+    __slots__ = ("requests", "failed", "prompt_tokens", "planned_saved_tokens", "cached_tokens", "planned_saving_ratio", "optimum_saving_ratio", "actual_saving_ratio", "groups", "seconds", "routing_accuracy", "pinned_computed_tokens")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class BatchSummary(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROUTING_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    PINNED_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     requests: int
     failed: int
     prompt_tokens: int
@@ -83,7 +84,8 @@ class BatchSummary(_message.Message):
     groups: int
     seconds: float
     routing_accuracy: float
-    def __init__(self, requests: _Optional[int] = ..., failed: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., planned_saved_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., planned_saving_ratio: _Optional[float] = ..., optimum_saving_ratio: _Optional[float] = ..., actual_saving_ratio: _Optional[float] = ..., groups: _Optional[int] = ..., seconds: _Optional[float] = ..., routing_accuracy: _Optional[float] = ...) -> None: ...
+    pinned_computed_tokens: int
+    def __init__(self, requests: _Optional[int] = ..., failed: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., planned_saved_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., planned_saving_ratio: _Optional[float] = ..., optimum_saving_ratio: _Optional[float] = ..., actual_saving_ratio: _Optional[float] = ..., groups: _Optional[int] = ..., seconds: _Optional[float] = ..., routing_accuracy: _Optional[float] = ..., pinned_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateBatchResponse(_message.Message):
     __slots__ = ("index", "result", "error_code", "error_message", "summary")

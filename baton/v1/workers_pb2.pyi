@@ -52,14 +52,16 @@ class PinPrefixRequest(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PinPrefixReply(_message.Message):
-    __slots__ = ("pinned_tokens", "stored_blocks", "evicted_blocks")
+    __slots__ = ("pinned_tokens", "stored_blocks", "evicted_blocks", "computed_tokens")
     PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pinned_tokens: int
     stored_blocks: _containers.RepeatedScalarFieldContainer[int]
     evicted_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pinned_tokens: _Optional[int] = ..., stored_blocks: _Optional[_Iterable[int]] = ..., evicted_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    computed_tokens: int
+    def __init__(self, pinned_tokens: _Optional[int] = ..., stored_blocks: _Optional[_Iterable[int]] = ..., evicted_blocks: _Optional[_Iterable[int]] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
 
 class UnpinPrefixRequest(_message.Message):
     __slots__ = ("group_id",)

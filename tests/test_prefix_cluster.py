@@ -1,0 +1,61 @@
+"""Prefix reuse across the cluster: cache-aware routing through a shared Redis index, and a
+BatchLLM-shaped batch through `GenerateBatch`, with real processes (tiny model, for speed)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from baton.up import LocalCluster
+from client import BatonClient
+from redis_server import redis_server_fixture
+from router.batch_planner import simulate_lru_prefix_cache, synthetic_batch
+
+pytestmark = pytest.mark.slow
+
+redis_server = redis_server_fixture(scope="module")
+
+BLOCK = 16
+TINY_BYTES_PER_TOKEN = 512  # tiny-random: 2 layers x 2 (K, V) x 2 heads x 16 dims x 4 bytes
+
+
+def test_two_routers_sharing_redis_send_a_repeated_prefix_to_its_holder(redis_server):
+    rng = random.Random(1)
+    with LocalCluster(prefill=2, decode=1, model="tiny-random", routers=2,
+                      router_args=("--prefix-index", "redis", "--redis-url", redis_server.url)) as cluster:
+        first, second = (BatonClient(a, timeout=60) for a in cluster.router_addresses)
+        with first, second:
+            holders = set()
+            for _ in range(4):
+                prefix = [rng.randrange(100, 40000) for _ in range(5 * BLOCK)]
+                seen = first.generate(token_ids=prefix + [rng.randrange(100, 40000)], max_tokens=2)
+                again = second.generate(token_ids=prefix + [7, 8, 9], max_tokens=2)
+                assert again.trace.prefill_worker == seen.trace.prefill_worker
+                assert again.trace.cached_tokens == 5 * BLOCK
+                assert again.trace.predicted_cached_tokens == again.trace.cached_tokens
+                holders.add(seen.trace.prefill_worker)
+            routing = second.cluster_status().routing
+            assert routing["accuracy"] == 1.0 and routing["requests"] == 4
+    assert holders, "no prefill worker held a prefix"
+
+
+def test_batchllm_batch_saves_near_optimal_prefill_tokens():
+    prompts = synthetic_batch(num_prefixes=36, prompts_per_prefix=7, prefix_len=96, distinct_len=20, seed=0,
+                              vocab=40000)
+    cache_bytes = 4096 * TINY_BYTES_PER_TOKEN  # room for 4096 tokens of prefix KV
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=8,
+                      prefill_args=("--prefix-cache-bytes", str(cache_bytes))) as cluster:
+        with BatonClient(cluster.router_address, timeout=600) as client:
+            outcome = client.generate_batch([{"token_ids": p, "max_tokens": 2} for p in prompts], max_concurrency=8)
+    summary = outcome.summary
+    assert summary["failed"] == 0 and all(r.finish_reason for r in outcome.results)
+    assert summary["requests"] == len(prompts) >= 250
+    optimum = summary["optimum_saving_ratio"]
+    actual = summary["actual_saving_ratio"]
+    lru = simulate_lru_prefix_cache(prompts, block_size=BLOCK, capacity_blocks=4096 // BLOCK)
+    lru_ratio = lru.saved_tokens / sum(map(len, prompts))
+    print(f"prefill tokens saved: baton batch {actual:.4f}, optimum {optimum:.4f}, LRU {lru_ratio:.4f}; "
+          f"routing accuracy {summary['routing_accuracy']:.4f}")
+    assert actual >= 0.99 * optimum, f"saved {actual:.3f} of prompt tokens, optimum {optimum:.3f}"
+    assert lru_ratio < actual
+    assert summary["routing_accuracy"] >= 0.95
