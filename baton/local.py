@@ -57,9 +57,7 @@ class LocalEngine:
     def step(self) -> list[RequestOutput]:
         """Prefill for the free rows, then one decode iteration; returns every output produced."""
         outputs = []
-        sched = self.decode.scheduler
-        free_rows = sched.config.max_rows - sched.num_running - sched.num_staged
-        todo = [self.waiting.popleft() for _ in range(min(free_rows, len(self.waiting)))]
+        todo = self._next_prefills()
         while todo:  # padding is wasted work: prefill length-similar prompts together
             picked = pick_batch([len(r.prompt_token_ids) for r in todo], self.max_prefill_tokens, len(todo))
             batch = [todo[i] for i in picked]
@@ -67,6 +65,23 @@ class LocalEngine:
             outputs.extend(self.decode.add(p) for p in self.prefill.prefill(batch))
         outputs.extend(self.decode.step())
         return outputs
+
+    def _next_prefills(self) -> list[GenerationRequest]:
+        """Enough waiting prompts, highest priority first, to fill the free rows; when none is free,
+        those that outrank a running row (the decode core will park that row for them)."""
+        sched = self.decode.scheduler
+        free_rows = sched.config.max_rows - sched.num_running - sched.num_staged
+        ordered = sorted(self.waiting, key=lambda r: -r.params.priority)
+        if free_rows > 0:
+            chosen = ordered[:free_rows]
+        elif sched.rows and not sched.staged:
+            lowest = min(s.priority for s in sched.rows)
+            chosen = [r for r in ordered if r.params.priority > lowest][:sched.config.max_rows]
+        else:
+            chosen = []
+        for request in chosen:
+            self.waiting.remove(request)
+        return chosen
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()
                  ) -> list[RequestOutput]:

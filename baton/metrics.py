@@ -24,7 +24,6 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.transfers = Counter("baton_kv_transfers", "KV transfers, by outcome", ["outcome"], registry=r)
         self.transfer_bytes = Counter("baton_kv_transfer_bytes", "KV bytes pushed or received", registry=r)
-        self.preemptions = Counter("baton_preemptions", "Rows parked on the host for a higher priority", registry=r)
         self.prefix_predicted = Counter("baton_prefix_predicted_tokens", "Cached prompt tokens the router predicted",
                                         registry=r)
         self.prefix_actual = Counter("baton_prefix_cached_tokens", "Prompt tokens served from a prefix cache",

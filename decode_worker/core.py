@@ -24,6 +24,10 @@ class DecodeConfig:
     max_rows: int = 8
     kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES  # the batch KV may never exceed this
     initial_columns: int = 256
+    # Batch KV (rows x window) watermarks: above high, rows are parked on the host; new rows are
+    # admitted only while the batch stays at or below low. 0 turns them off.
+    high_watermark_bytes: int = 0
+    low_watermark_bytes: int = 0
 
     def __post_init__(self):
         if self.max_rows < 1:
@@ -40,7 +44,8 @@ class _Live:
     prefilled: PrefilledRequest
     sampler: RequestSampler
     checker: StopChecker
-    kv: SequenceKV | None  # until embedded
+    kv: SequenceKV | None  # until embedded; again while parked on the host
+    parked: bool = False  # kv is a parked row's (host memory), not the staged KV from prefill
 
 
 _STATUS = {FinishReason.STOP: Status.FINISHED_STOPPED, FinishReason.LENGTH: Status.FINISHED_LENGTH}
@@ -63,8 +68,14 @@ class DecodeCore:
                              f"each row needs {shape.bytes_per_token()} bytes per token")
         self.batch = BatchKV(shape, config.max_rows, max_columns=max_columns,
                              initial_columns=config.initial_columns, device=loaded.device)
-        self.scheduler = DecodeScheduler(SchedulerConfig(config.max_rows, max_columns))
+        per_slot = shape.bytes_per_token()
+        self.scheduler = DecodeScheduler(SchedulerConfig(
+            config.max_rows, max_columns, high_watermark_slots=config.high_watermark_bytes // per_slot,
+            low_watermark_slots=config.low_watermark_bytes // per_slot))
         self.live: dict[str, _Live] = {}
+
+    def parked_bytes(self) -> int:
+        return sum(live.kv.nbytes for live in self.live.values() if live.parked)
 
     @property
     def max_columns(self) -> int:
@@ -121,14 +132,23 @@ class DecodeCore:
     def step(self) -> list[RequestOutput]:
         """One BATON iteration: embed newly admitted KV, decode every row once, release finished rows."""
         plan = self.scheduler.schedule()
+        for seq, row in plan.parked:
+            live = self.live[seq.request_id]
+            live.kv = SequenceKV(self.batch.extract(row).data.cpu())  # all but the newest token, exactly
+            live.parked = True
+            self.batch.release(row)
         for seq in plan.admitted:
             live = self.live[seq.request_id]
-            live.prefilled.request.trace.mark("admit_start")
+            if not live.parked:
+                live.prefilled.request.trace.mark("admit_start")
             row = self.batch.embed(live.kv)
             assert row == seq.row, f"batch row {row} != scheduler row {seq.row}"
             live.kv = None
-            self.on_kv_consumed(seq.request_id)
-            live.prefilled.request.trace.mark("admitted")
+            if live.parked:
+                live.parked = False
+            else:
+                self.on_kv_consumed(seq.request_id)
+                live.prefilled.request.trace.mark("admitted")
         if not plan.running:
             return []
         logits = self.runner.decode(self.batch, [s.next_input for s in plan.running])
@@ -154,7 +174,8 @@ class DecodeCore:
             assert moved == moved_in_batch, "scheduler and batch disagree on row compaction"
         if live.kv is not None:
             live.kv = None
-            self.on_kv_consumed(seq.request_id)
+            if not live.parked:
+                self.on_kv_consumed(seq.request_id)
         del self.live[seq.request_id]
         self.finished_total += 1
 

@@ -5,10 +5,13 @@ scheduler admits staged requests into free rows while a row and KV columns are f
 runner decodes one token for every running row, and finished rows are released so that the
 next staged request takes the row at the next iteration. Rows stay dense: releasing row r
 moves the last row into r, exactly as `engine.batch_kv.BatchKV.release` does.
+
+Two pressures park a running row (its KV goes to host memory, to be re-embedded later with
+nothing recomputed): a staged request of higher priority when no row is free, and batch KV
+above the high watermark. Below the low watermark the scheduler admits again.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -62,14 +65,21 @@ class DecodeSequence:
 class SchedulerConfig:
     max_rows: int  # decode batch rows
     max_columns: int  # KV window columns the memory budget buys for max_rows rows
+    # Batch KV watermarks in token slots (rows x window columns); 0 turns them off.
+    high_watermark_slots: int = 0  # above: park rows on the host
+    low_watermark_slots: int = 0  # admit only while the batch would stay at or below this
 
     def __post_init__(self):
         if self.max_rows < 1 or self.max_columns < 1:
             raise ValueError(f"max_rows and max_columns must be >= 1 (got {self.max_rows}, {self.max_columns})")
+        if self.low_watermark_slots > self.high_watermark_slots > 0:
+            raise ValueError("the low KV watermark must not exceed the high one")
 
 
 @dataclass
 class SchedulerOutput:
+    # Park these first, in order: (sequence, its row at that moment); each release compacts rows.
+    parked: list[tuple[DecodeSequence, int]] = field(default_factory=list)
     admitted: list[DecodeSequence] = field(default_factory=list)  # embed these, in this order, into new rows
     running: list[DecodeSequence] = field(default_factory=list)  # row i decodes running[i].next_input
 
@@ -77,38 +87,69 @@ class SchedulerOutput:
 class DecodeScheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.staged: deque[DecodeSequence] = deque()
+        self.staged: list[DecodeSequence] = []  # highest priority first, arrival order within one
         self.rows: list[DecodeSequence] = []
+        self.parked_total = 0
 
     def fits_ever(self, seq: DecodeSequence) -> bool:
         return seq.max_kv_tokens <= self.config.max_columns
 
-    def add_staged(self, seq: DecodeSequence) -> None:
+    def add_staged(self, seq: DecodeSequence, front: bool = False) -> None:
         if not self.fits_ever(seq):
             raise ValueError(
                 f"request {seq.request_id} needs {seq.max_kv_tokens} KV columns but the decode batch allows "
                 f"{self.config.max_columns}; lower max_tokens or shorten the prompt"
             )
         seq.status = Status.STAGED
-        self.staged.append(seq)
+        # Before the first staged request of lower priority (or, from the front, of equal or lower).
+        at = next((i for i, s in enumerate(self.staged)
+                   if s.priority < seq.priority or (front and s.priority == seq.priority)), len(self.staged))
+        self.staged.insert(at, seq)
+
+    def window_slots(self, extra: DecodeSequence | None = None) -> int:
+        """Token slots of the padded batch KV: rows x the longest row (leading columns are released)."""
+        rows = self.rows + ([extra] if extra else [])
+        return len(rows) * max((s.num_kv_tokens + 1 for s in rows), default=0)
 
     def can_admit(self, seq: DecodeSequence) -> bool:
         # The KV budget buys max_columns for every row, and leading columns are released as rows
         # finish, so the window never exceeds the longest row: a staged request (which fits_ever)
-        # needs only a free row.
-        return len(self.rows) < self.config.max_rows
+        # needs a free row, and the batch must stay under the low watermark (an empty batch
+        # always admits, so one long request cannot wait forever).
+        if len(self.rows) >= self.config.max_rows:
+            return False
+        low = self.config.low_watermark_slots
+        return not (low and self.rows and self.window_slots(seq) > low)
 
     def schedule(self) -> SchedulerOutput:
-        """Admit staged requests in arrival order while they fit; head-of-line waits (no starvation)."""
+        """Park for memory or priority, then admit in priority order while requests fit."""
         out = SchedulerOutput()
+        high = self.config.high_watermark_slots
+        while high and len(self.rows) > 1 and self.window_slots() > high:
+            self._park(self._lowest_priority_row(), out)
+        while self.staged and len(self.rows) >= self.config.max_rows:
+            victim = self._lowest_priority_row()
+            if self.staged[0].priority <= victim.priority:
+                break
+            self._park(victim, out)
         while self.staged and self.can_admit(self.staged[0]):
-            seq = self.staged.popleft()
+            seq = self.staged.pop(0)
             seq.status = Status.RUNNING
             seq.row = len(self.rows)
             self.rows.append(seq)
             out.admitted.append(seq)
         out.running = list(self.rows)
         return out
+
+    def _lowest_priority_row(self) -> DecodeSequence:
+        # Among the lowest priority, the latest admitted: it has the least work to lose in waiting.
+        return min(reversed(self.rows), key=lambda s: s.priority)
+
+    def _park(self, seq: DecodeSequence, out: SchedulerOutput) -> None:
+        out.parked.append((seq, seq.row))
+        self._release(seq)
+        self.add_staged(seq, front=True)
+        self.parked_total += 1
 
     def append_tokens(self, token_ids: list[int]) -> None:
         """Record the token each row sampled this step."""

@@ -103,6 +103,9 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     metrics.gauge("baton_decode_staged_bytes", "CPU staging pool bytes in use", lambda: pool.stats().used_bytes)
     metrics.gauge("baton_decode_waiting_for_kv", "Requests whose KV has not landed", loop.num_pending)
     metrics.gauge("baton_decode_queue_depth", "Landed requests waiting for a row", lambda: core.scheduler.num_staged)
+    metrics.gauge("baton_decode_preemptions_total", "Rows parked on the host (priority or KV watermark)",
+                  lambda: core.scheduler.parked_total)
+    metrics.gauge("baton_decode_parked_bytes", "KV of parked rows held in host memory", core.parked_bytes)
     metrics.serve(settings.metrics_port)
     receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape, max_tokens=core.max_columns))
     decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}")

@@ -47,3 +47,36 @@ def test_finishing_a_staged_request_removes_it():
     sched.add_staged(a)
     assert sched.finish(a, Status.FINISHED_ABORTED) is None
     assert not sched.has_work() and a.finish_reason == "abort"
+
+
+def test_higher_priority_parks_the_lowest_priority_row():
+    sched = DecodeScheduler(SchedulerConfig(max_rows=2, max_columns=100))
+    a, b = seq("a"), seq("b")
+    a.priority, b.priority = 1, 0
+    sched.add_staged(a)
+    sched.add_staged(b)
+    sched.schedule()
+    urgent = seq("urgent")
+    urgent.priority = 5
+    sched.add_staged(urgent)
+    out = sched.schedule()
+    assert [(s.request_id, row) for s, row in out.parked] == [("b", 1)]
+    assert [s.request_id for s in out.admitted] == ["urgent"]
+    assert [s.request_id for s in sched.staged] == ["b"] and b.status == Status.STAGED
+    same = seq("same")  # equal priority never preempts
+    sched.add_staged(same)
+    assert sched.schedule().parked == []
+
+
+def test_watermarks_park_above_high_and_admit_below_low():
+    # Each row holds 4 prompt tokens + 1 output; a step's window needs one more column per row.
+    sched = DecodeScheduler(SchedulerConfig(max_rows=4, max_columns=100, high_watermark_slots=12,
+                                            low_watermark_slots=10))
+    for rid in "abcd":
+        sched.add_staged(seq(rid))
+    out = sched.schedule()
+    assert len(out.admitted) == 2  # a third row would need 3 x 5 = 15 slots > low watermark 10
+    for _ in range(2):
+        sched.append_tokens([9] * len(sched.rows))
+    out = sched.schedule()  # 2 rows x 7 slots = 14 > high watermark 12: park one
+    assert len(out.parked) == 1 and len(sched.rows) == 1

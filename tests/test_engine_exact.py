@@ -119,3 +119,40 @@ def test_pinned_group_prefix_is_reused_to_the_token(tiny_model, tiny_reference):
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == tiny_reference.greedy(prompt, 10)
     assert engine.prefill.unpin("group-1") and not engine.prefill.partials
+
+
+def run_steps(engine: LocalEngine, steps: int, finals: dict) -> None:
+    for _ in range(steps):
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+
+
+def test_preempted_and_resumed_requests_are_token_identical(tiny_model, tiny_reference):
+    """A higher-priority arrival parks the lowest-priority row on the host; it resumes exactly."""
+    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2))
+    low = [list(range(200, 230)), list(range(300, 311))]
+    finals: dict = {}
+    ids = {engine.submit(p, SamplingParams(max_tokens=30, ignore_eos=True, priority=0)): p for p in low}
+    run_steps(engine, 6, finals)
+    urgent = list(range(500, 520))
+    ids[engine.submit(urgent, SamplingParams(max_tokens=8, ignore_eos=True, priority=5))] = urgent
+    run_steps(engine, 2, finals)
+    assert engine.decode.scheduler.parked_total == 1 and engine.decode.parked_bytes() > 0
+    while engine.has_work():
+        run_steps(engine, 1, finals)
+    for rid, prompt in ids.items():
+        max_tokens = 8 if prompt is urgent else 30
+        assert finals[rid].token_ids == tiny_reference.greedy(prompt, max_tokens)
+    assert engine.decode.parked_bytes() == 0 and engine.decode.batch.num_rows == 0
+
+
+def test_kv_high_watermark_parks_rows_and_low_watermark_readmits(tiny_model, tiny_reference):
+    per_token = tiny_model.kv_shape.bytes_per_token()
+    config = DecodeConfig(max_rows=4, high_watermark_bytes=3 * 60 * per_token, low_watermark_bytes=2 * 60 * per_token)
+    engine = LocalEngine(tiny_model, config)
+    prompts = [list(range(100 + 50 * i, 130 + 50 * i)) for i in range(4)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert engine.decode.scheduler.parked_total > 0, "the high watermark never parked a row"
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == tiny_reference.greedy(prompt, 40)
