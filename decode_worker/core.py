@@ -106,7 +106,7 @@ class DecodeCore:
                              effective_max_tokens(prompt_len, req.params, loaded.max_context),
                              [prefilled.first_token], priority=req.params.priority)
         # Continue the random stream the prefill's first draw started.
-        sampler = RequestSampler(replace(req.params, seed=prefilled.seed), tokens_generated=1)
+        sampler = RequestSampler(replace(req.params, seed=prefilled.seed), tokens_generated=req.resume_step + 1)
         live = _Live(seq, prefilled, sampler, checker, prefilled.kv)
         if step.finish_reason is not None:
             req.trace.mark("admitted")

@@ -37,7 +37,7 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             params = sampling_from_proto(request.sampling)
             prompt = list(request.prompt_token_ids)
             validate_prompt(prompt, params, max_context=loaded.max_context, vocab_size=loaded.config.vocab_size)
-            gen = GenerationRequest(request.request_id, prompt, params)
+            gen = GenerationRequest(request.request_id, prompt, params, resume_step=request.resume_step)
             gen.trace.mark("arrived")
             outputs = self.loop.register(gen)
         except (RequestError, ValueError) as exc:

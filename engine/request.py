@@ -45,6 +45,7 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     trace: Trace = field(default_factory=Trace)
+    resume_step: int = 0  # tokens generated before this request moved here (continues the random stream)
 
 
 @dataclass

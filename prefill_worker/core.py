@@ -86,7 +86,7 @@ class PrefillCore:
         prefilled = []
         for request, plan, out in zip(requests, plans, outs):
             self._remember(plan.hashes, out.kv)
-            sampler = RequestSampler(request.params)
+            sampler = RequestSampler(request.params, tokens_generated=request.resume_step)
             first_token = sample(out.logits[None], [sampler])[0]
             request.trace.cached_tokens = plan.tokens
             request.trace.mark("prefill_end")

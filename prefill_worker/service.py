@@ -133,7 +133,7 @@ class PrefillLoop:
             prefill_seconds=trace.marks["prefill_end"] - trace.marks["prefill_start"],
         )
         reply = workers_pb2.PrefillReply(
-            request_id=job.request.request_id, first_token=prefilled.first_token,
+            request_id=job.request.request_id, first_token=prefilled.first_token, seed=prefilled.seed,
             cached_tokens=prefilled.cached_tokens,
             computed_tokens=len(job.request.prompt_token_ids) - prefilled.cached_tokens,
             queue_seconds=meta.queue_seconds, prefill_seconds=meta.prefill_seconds,
@@ -177,7 +177,8 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
             params = sampling_from_proto(request.sampling)
             prompt = list(request.prompt_token_ids)
             validate_prompt(prompt, params, max_context=loaded.max_context, vocab_size=loaded.config.vocab_size)
-            job = PrefillJob(GenerationRequest(request.request_id, prompt, params), request.decode_target)
+            job = PrefillJob(GenerationRequest(request.request_id, prompt, params, resume_step=request.resume_step),
+                             request.decode_target)
             done = self.loop.submit(job)
         except (RequestError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -193,8 +194,10 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
                     self.loop.cancel(request.request_id)
                     return workers_pb2.PrefillReply()
             except KVPushFailed as exc:
-                context.abort(getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNAVAILABLE),
-                              f"KV transfer to {request.decode_target} failed: {exc}")
+                # ABORTED tells the router the prefill itself was fine: move the request to another
+                # decode worker. Overload stays RESOURCE_EXHAUSTED.
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.code == "RESOURCE_EXHAUSTED" else grpc.StatusCode.ABORTED
+                context.abort(code, f"KV transfer to {request.decode_target} failed: {exc}")
             except Exception as exc:  # noqa: BLE001 - reported to the caller, worker stays up
                 if done.cancelled():
                     context.abort(grpc.StatusCode.CANCELLED, "prefill cancelled")

@@ -7,6 +7,7 @@ failed prefill cancels the decode stream at once; a cancelled or expired request
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from baton.v1 import common_pb2, router_pb2, workers_pb2
 from router.policy import NoWorkers, Picker
 from router.prefix_index import PrefixIndex
 from router.workers import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
 
 
 class DispatchError(Exception):
@@ -77,12 +80,12 @@ class Dispatcher:
         # The prefill worker always computes the prompt's last token (it needs its logits).
         return min(blocks, (prompt_len - 1) // self.block_size) * self.block_size
 
-    def route(self, prompt: list[int], prefill_address: str | None = None) -> Route:
+    def route(self, prompt: list[int], prefill_address: str | None = None, avoid: set[str] = frozenset()) -> Route:
         matches = self.index.match(self.block_hashes(prompt))
         views = [dataclasses.replace(v, predicted_cached_tokens=self.usable_tokens(matches.get(v.address, 0), len(prompt)))
                  for v in self.pool.views("prefill")]
         try:
-            decode_view = self.picker.pick_decode(self.pool.views("decode"))
+            decode_view = self.picker.pick_decode([v for v in self.pool.views("decode") if v.address not in avoid])
             if prefill_address is not None:
                 prefill_view = next(v for v in views if v.address == prefill_address)
             else:
@@ -102,46 +105,77 @@ class Dispatcher:
     def run(self, request_id: str, prompt: list[int], sampling, timeout: float | None, on_done,
             prefill_address: str | None = None, pinned_tokens: int = 0):
         """Yield GenerateResponses; `on_done(cancel)` lets the caller register cancellation.
-        `prefill_address` forces the prefill worker (a batch group's pin holds `pinned_tokens` there)."""
+        `prefill_address` forces the prefill worker (a batch group's pin holds `pinned_tokens` there).
+
+        When the decode worker fails mid-stream, the request continues on another one: the prompt
+        plus the tokens already sent is prefilled again, and the stream goes on from there with
+        no token lost or repeated (the sampler resumes at the same step of the same seed)."""
         arrived = time.monotonic()
-        route = self.route(prompt, prefill_address)
-        if pinned_tokens and len(prompt) - 1 >= pinned_tokens:
-            route.predicted_cached_tokens = max(route.predicted_cached_tokens, pinned_tokens)
-        decode, prefill = route.decode, route.prefill
+        deadline = None if timeout is None else arrived + timeout
+        sent: list[int] = []
+        avoid: set[str] = set()
+        sampling = common_pb2.SamplingParams.FromString(sampling.SerializeToString())  # our own copy
+        yield router_pb2.GenerateResponse(request_id=request_id, prompt_token_ids=prompt)
+        for attempt in range(MAX_ATTEMPTS):
+            route = self.route(prompt + sent, prefill_address if attempt == 0 else None, avoid)
+            if pinned_tokens and attempt == 0 and len(prompt) - 1 >= pinned_tokens:
+                route.predicted_cached_tokens = max(route.predicted_cached_tokens, pinned_tokens)
+            remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
+            attempt_id = request_id if attempt == 0 else f"{request_id}~{attempt}"
+            try:
+                for out in self._attempt(attempt_id, prompt, sent, sampling, remaining, route, on_done, arrived):
+                    out.request_id = request_id
+                    yield out
+                return
+            except _DecodeLost as lost:
+                self.pool.mark_failed(route.decode)
+                avoid.add(route.decode.view.address)
+                if attempt + 1 == MAX_ATTEMPTS:
+                    raise lost.error from None
+                if lost.seed is not None and not sampling.HasField("seed"):
+                    sampling.seed = lost.seed  # so the moved request keeps its random stream
+                log.warning("decode worker %s failed mid-stream; moving request %s after %d tokens",
+                            route.decode.view.address, request_id, len(sent))
+
+    def _attempt(self, request_id, prompt, sent: list[int], sampling, timeout, route: Route, on_done, arrived):
+        """One try on one decode worker; the prefill is retried on another worker if it fails."""
+        decode = route.decode
+        full_prompt = prompt + sent
+        step_sampling = common_pb2.SamplingParams.FromString(sampling.SerializeToString())
+        if sent:
+            step_sampling.max_tokens = (sampling.max_tokens if sampling.HasField("max_tokens") else 256) - len(sent)
         self.pool.acquire(decode)
-        self.pool.acquire(prefill)
-        decode_call = prefill_call = None
+        prefill = _PrefillChain(self, route, request_id, full_prompt, step_sampling, len(sent), timeout)
+        decode_call = None
         try:
             decode_call = decode.stub.Decode(
-                workers_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling),
+                workers_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=full_prompt, sampling=step_sampling,
+                                          resume_step=len(sent)),
                 timeout=timeout)
             next(decode_call)  # registered: its KV will be accepted
-            prefill_call = prefill.stub.Prefill.future(
-                workers_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                                           decode_target=decode.view.address, model_fingerprint=decode.fingerprint),
-                timeout=timeout)
-            # A failed prefill means the KV never comes: stop waiting for it at once.
-            prefill_call.add_done_callback(
-                lambda f: not f.cancelled() and f.exception() is not None and decode_call.cancel())
-            on_done(lambda: (decode_call.cancel(), prefill_call.cancel()))
-            yield router_pb2.GenerateResponse(request_id=request_id, prompt_token_ids=prompt)
-            completion = 0
+            prefill.start(on_give_up=decode_call.cancel)
+            on_done(lambda: (decode_call.cancel(), prefill.cancel()))
+            completion = len(sent)
             for msg in decode_call:
                 completion += len(msg.token_ids)
+                sent.extend(msg.token_ids)
                 out = router_pb2.GenerateResponse(request_id=request_id, token_ids=msg.token_ids,
                                                   text_delta=msg.text_delta, finish_reason=msg.finish_reason)
                 if msg.finish_reason:
-                    self._finish(out, msg, prefill_call.result(timeout=10), route, len(prompt), completion, arrived)
+                    self._finish(out, msg, prefill.result(), prefill.route, len(prompt), completion, arrived)
                 yield out
         except grpc.RpcError as err:
-            raise self._cause(err, prefill_call) from None
+            failure = prefill.failure()
+            if failure is not None and failure.code() == grpc.StatusCode.ABORTED:
+                raise _DecodeLost(self._cause(failure), prefill.seed()) from None  # the KV could not be delivered
+            if failure is None and err.code() in DECODE_LOST and decode_call is not None:
+                raise _DecodeLost(self._cause(err), prefill.seed()) from None
+            raise self._cause(failure or err) from None
         finally:
             if decode_call is not None:
                 decode_call.cancel()
-            if prefill_call is not None and not prefill_call.done():
-                prefill_call.cancel()
+            prefill.cancel()
             self.pool.release(decode)
-            self.pool.release(prefill)
 
     def _finish(self, out, msg, reply, route: Route, prompt_len: int, completion: int, arrived: float) -> None:
         self.apply_events(route.prefill, reply.stored_blocks, reply.evicted_blocks)
@@ -158,12 +192,106 @@ class Dispatcher:
             prefill_worker=route.prefill.view.address, decode_worker=route.decode.view.address))
 
     @staticmethod
-    def _cause(err: grpc.RpcError, prefill_call) -> DispatchError:
-        """The first real cause: a failed prefill explains a cancelled decode stream."""
-        if prefill_call is not None and prefill_call.done() and not prefill_call.cancelled():
-            failure = prefill_call.exception()
-            if failure is not None:
-                err = failure
+    def _cause(err) -> DispatchError:
         code = err.code() if hasattr(err, "code") else grpc.StatusCode.INTERNAL
         details = err.details() if hasattr(err, "details") else str(err)
         return DispatchError(code, details or code.name)
+
+
+MAX_ATTEMPTS = 3  # tries per request across workers
+# The decode stream broke because its worker went away (not because of the request itself).
+DECODE_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+PREFILL_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+
+
+class _DecodeLost(Exception):
+    def __init__(self, error: DispatchError, seed: int | None):
+        super().__init__(error.message)
+        self.error = error
+        self.seed = seed
+
+
+class _PrefillChain:
+    """Prefill on the routed worker; if it fails for a worker-side reason, once more on another.
+    When it finally fails, `on_give_up` stops the decode stream waiting for KV that never comes."""
+
+    def __init__(self, dispatcher: Dispatcher, route: Route, request_id, prompt, sampling, resume_step, timeout):
+        self.dispatcher = dispatcher
+        self.route = route
+        self.request_id = request_id
+        self.prompt = prompt
+        self.sampling = sampling
+        self.resume_step = resume_step
+        self.timeout = timeout
+        self.tries = 0
+        self.call = None
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._give_up = None
+        self._failure = None
+        self._acquired = None
+
+    def start(self, on_give_up) -> None:
+        self._give_up = on_give_up
+        self._launch(self.route.prefill)
+
+    def _launch(self, worker: Worker) -> None:
+        with self._lock:
+            if self._cancelled:
+                return
+            self.tries += 1
+            self._swap_acquired(worker)
+            self.call = worker.stub.Prefill.future(
+                workers_pb2.PrefillRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
+                                           sampling=self.sampling, decode_target=self.route.decode.view.address,
+                                           model_fingerprint=self.route.decode.fingerprint,
+                                           resume_step=self.resume_step),
+                timeout=self.timeout)
+            self.call.add_done_callback(self._done)
+
+    def _swap_acquired(self, worker: Worker) -> None:
+        if self._acquired is not None:
+            self.dispatcher.pool.release(self._acquired)
+        self.dispatcher.pool.acquire(worker)
+        self._acquired = worker
+
+    def _done(self, call) -> None:
+        if call.cancelled() or call.exception() is None:
+            return
+        err = call.exception()
+        if self.tries < 2 and not self._cancelled and err.code() in PREFILL_RETRYABLE:
+            failed = self.route.prefill
+            self.dispatcher.pool.mark_failed(failed)
+            others = [v for v in self.dispatcher.pool.views("prefill") if v.healthy and v.address != failed.view.address]
+            if others:
+                worker = self.dispatcher.pool.get("prefill", self.dispatcher.picker.pick_prefill(others, len(self.prompt)).address)
+                if worker is not None:
+                    log.warning("prefill on %s failed (%s); retrying on %s", failed.view.address, err.code().name,
+                                worker.view.address)
+                    self.route.prefill = worker
+                    self._launch(worker)
+                    return
+        self._failure = err
+        if self._give_up is not None:
+            self._give_up()
+
+    def failure(self):
+        return self._failure
+
+    def result(self):
+        return self.call.result(timeout=10)
+
+    def seed(self) -> int | None:
+        call = self.call
+        if call is not None and call.done() and not call.cancelled() and call.exception() is None:
+            return call.result().seed
+        return None
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self.call is not None and not self.call.done():
+                self.call.cancel()
+            if self._acquired is not None:
+                self.dispatcher.pool.release(self._acquired)
+                self._acquired = None

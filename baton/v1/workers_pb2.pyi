@@ -8,21 +8,23 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_target", "model_fingerprint")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_target", "model_fingerprint", "resume_step")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_TARGET_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     decode_target: str
     model_fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    resume_step: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., resume_step: _Optional[int] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("request_id", "first_token", "cached_tokens", "computed_tokens", "queue_seconds", "prefill_seconds", "transfer_seconds", "stored_blocks", "evicted_blocks")
+    __slots__ = ("request_id", "first_token", "cached_tokens", "computed_tokens", "queue_seconds", "prefill_seconds", "transfer_seconds", "stored_blocks", "evicted_blocks", "seed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +34,7 @@ class PrefillReply(_message.Message):
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     cached_tokens: int
@@ -41,7 +44,8 @@ class PrefillReply(_message.Message):
     transfer_seconds: float
     stored_blocks: _containers.RepeatedScalarFieldContainer[int]
     evicted_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., stored_blocks: _Optional[_Iterable[int]] = ..., evicted_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    seed: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., stored_blocks: _Optional[_Iterable[int]] = ..., evicted_blocks: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class PinPrefixRequest(_message.Message):
     __slots__ = ("group_id", "token_ids")
@@ -88,14 +92,16 @@ class CancelReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "resume_step")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    resume_step: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume_step: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "text_delta", "finish_reason", "stage_seconds")
