@@ -24,15 +24,163 @@ GRPC_OPTIONS = [
 ]
 
 
+def _read_pem(path: str, setting: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"tls.{setting}: cannot read {path!r} ({exc.strerror}); "
+                         "point it at a readable PEM file") from None
+
+
 def channel(target: str, tls: TLSSettings | None = None) -> grpc.Channel:
-    if tls is not None and tls.ca_file:
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=Path(tls.ca_file).read_bytes(),
-            private_key=Path(tls.key_file).read_bytes() if tls.key_file else None,
-            certificate_chain=Path(tls.cert_file).read_bytes() if tls.cert_file else None,
-        )
-        return grpc.secure_channel(target, creds, options=GRPC_OPTIONS)
-    return grpc.insecure_channel(target, options=GRPC_OPTIONS)
+    """A channel to another Baton component: TLS when this process has a certificate (the peer is
+    checked against tls.ca_file, or the system roots), presenting that certificate for mutual TLS."""
+    if tls is None or not tls.enabled:
+        return grpc.insecure_channel(target, options=GRPC_OPTIONS)
+    tls.validate()
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=_read_pem(tls.ca_file, "ca_file") if tls.ca_file else None,
+        private_key=_read_pem(tls.key_file, "key_file"),
+        certificate_chain=_read_pem(tls.cert_file, "cert_file"),
+    )
+    return grpc.secure_channel(target, creds, options=GRPC_OPTIONS)
+
+
+def server_credentials(tls: TLSSettings, require_client_cert: bool = True) -> grpc.ServerCredentials:
+    """This process's certificate; with tls.ca_file and require_client_cert, clients must present
+    a certificate that CA signed (mutual TLS)."""
+    tls.validate()
+    return grpc.ssl_server_credentials(
+        [(_read_pem(tls.key_file, "key_file"), _read_pem(tls.cert_file, "cert_file"))],
+        root_certificates=_read_pem(tls.ca_file, "ca_file") if tls.ca_file else None,
+        require_client_auth=bool(tls.ca_file) and require_client_cert,
+    )
+
+
+# gRPC Python reports "no deadline" as ~9.2e18 seconds left, not the None it documents; handed
+# on as a timeout to another call, that overflows into an instant DEADLINE_EXCEEDED.
+NO_DEADLINE_SECONDS = 1e9
+
+
+class _Context:
+    """The servicer context, with time_remaining() None when the caller set no deadline."""
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context):
+        self._context = context
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+    def time_remaining(self) -> float | None:
+        remaining = self._context.time_remaining()
+        return None if remaining is None or remaining > NO_DEADLINE_SECONDS else remaining
+
+
+class _Unparsable:
+    """What the request deserializer hands on for bytes that are not the method's request message."""
+
+    def __init__(self, type_name: str, error: Exception):
+        self.message = f"the request is not a valid {type_name} message ({error}); send it with the generated stubs"
+
+
+class _RequestStreamBroken(grpc.RpcError):
+    """Raised into a servicer reading a request stream that holds an unparsable message: to the
+    servicer it looks like any other broken request stream, so it frees what it held."""
+
+
+class CallConventions(grpc.ServerInterceptor):
+    """What every Baton servicer may rely on, whatever the caller sent:
+
+    - bytes that do not parse as the method's request message are the caller's fault:
+      INVALID_ARGUMENT naming the message type, not gRPC's own INTERNAL "Exception deserializing
+      request!"; a request stream stops at the bad message (the servicer sees a broken stream);
+    - `context.time_remaining()` is None when the caller set no deadline."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return handler
+        parse = handler.request_deserializer
+        if parse is None:
+            lenient = None
+        else:
+            message_type = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
+            type_name = message_type.full_name if message_type is not None else "request"
+
+            def lenient(data: bytes):
+                try:
+                    return parse(data)
+                except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
+                    return _Unparsable(type_name, exc)
+
+        if handler.unary_unary or handler.unary_stream:
+            behavior = _single_request(handler.unary_unary or handler.unary_stream)
+        elif handler.stream_unary:
+            behavior = _streaming_request(handler.stream_unary)
+        else:
+            behavior = _streaming_request_and_response(handler.stream_stream)
+        make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+        return make[handler.request_streaming, handler.response_streaming](
+            behavior, request_deserializer=lenient, response_serializer=handler.response_serializer)
+
+
+def _single_request(behavior):
+    def call(request, context):
+        if isinstance(request, _Unparsable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return behavior(request, _Context(context))
+
+    return call
+
+
+class _CheckedStream:
+    """A request stream that stops at the first unparsable message and remembers it."""
+
+    def __init__(self, requests):
+        self._requests = requests
+        self.bad: _Unparsable | None = None
+
+    def __iter__(self):
+        for request in self._requests:
+            if isinstance(request, _Unparsable):
+                self.bad = request
+                raise _RequestStreamBroken(request.message)
+            yield request
+
+    def blame(self, context) -> None:
+        """Whatever the servicer answered, an unparsable message was the caller's fault."""
+        if self.bad is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.bad.message)
+
+
+def _streaming_request(behavior):
+    def call(request_iterator, context):
+        stream = _CheckedStream(request_iterator)
+        try:
+            result = behavior(iter(stream), _Context(context))
+        except Exception:
+            stream.blame(context)
+            raise
+        stream.blame(context)
+        return result
+
+    return call
+
+
+def _streaming_request_and_response(behavior):
+    def call(request_iterator, context):
+        stream = _CheckedStream(request_iterator)
+        try:
+            yield from behavior(iter(stream), _Context(context))
+        except Exception:
+            stream.blame(context)
+            raise
+        stream.blame(context)
+
+    return call
 
 
 class NotReady:
@@ -56,21 +204,21 @@ class NotReady:
 
 
 class GrpcServer:
-    """A gRPC server with the stock health service (NOT_SERVING until `set_serving`) and reflection."""
+    """A gRPC server with the stock health service (NOT_SERVING until `set_serving`) and reflection.
 
-    def __init__(self, host: str, port: int, *, max_workers: int = 64, tls: TLSSettings | None = None):
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+    `interceptors` run before every call (the router's bearer-token check), then CallConventions;
+    `require_client_cert` (with tls.ca_file) turns mutual TLS on for this port."""
+
+    def __init__(self, host: str, port: int, *, max_workers: int = 64, tls: TLSSettings | None = None,
+                 require_client_cert: bool = True, interceptors=()):
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS,
+                                  interceptors=[*interceptors, CallConventions()])
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
         address = f"{host}:{port}"
-        if tls is not None and tls.cert_file:
-            creds = grpc.ssl_server_credentials(
-                [(Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes())],
-                root_certificates=Path(tls.ca_file).read_bytes() if tls.ca_file else None,
-                require_client_auth=bool(tls.ca_file),
-            )
-            self.port = self.server.add_secure_port(address, creds)
+        if tls is not None and tls.enabled:
+            self.port = self.server.add_secure_port(address, server_credentials(tls, require_client_cert))
         else:
             self.port = self.server.add_insecure_port(address)
         if self.port == 0:
@@ -95,12 +243,18 @@ class GrpcServer:
         self.server.stop(grace).wait()
         self._stopped.set()
 
-    def wait_for_signal(self, on_stop=None) -> None:
-        """Serve until SIGTERM or SIGINT, then drain gracefully."""
+    def wait_for_signal(self, on_stop=None, drain=None) -> None:
+        """Serve until SIGTERM or SIGINT; then report NOT_SERVING, let `drain()` finish or hand off
+        the work in hand, and stop."""
         done = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: done.set())
         done.wait()
+        log.info("draining")
+        for name in ["", *self._service_names]:
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if drain is not None:
+            drain()
         log.info("shutting down")
         if on_stop is not None:
             on_stop()

@@ -42,6 +42,7 @@ class DecodeLoop:
         self._streams: dict[str, _Pending] = {}  # every registered request until it ends
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.draining = threading.Event()
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
         core.on_kv_consumed = pool.release
 
@@ -56,7 +57,20 @@ class DecodeLoop:
 
     # -- called from RPC threads ---------------------------------------------------------------
 
+    def drain(self, timeout: float) -> bool:
+        """Take no new requests; wait (up to timeout) for those in hand to finish. Whatever is
+        still running after that is cut off, and the router moves it to another decode worker."""
+        self.draining.set()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._streams:
+                return True
+            time.sleep(0.1)
+        return False
+
     def register(self, request: GenerationRequest) -> "queue.Queue":
+        if self.draining.is_set():
+            raise ConnectionAbortedError("this decode worker is draining; send the request elsewhere")
         with self._lock:
             if request.request_id in self._streams:
                 raise RequestError(f"request id {request.request_id!r} is already being decoded here")

@@ -23,6 +23,9 @@ from kvtransfer.staging import StagingConfig, StagingPool
 
 log = logging.getLogger(__name__)
 
+# On SIGTERM: seconds to let running requests finish; the router moves the rest elsewhere.
+DRAIN_SECONDS = 20.0
+
 
 class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, loop: DecodeLoop, address: str):
@@ -44,6 +47,8 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OverflowError as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ConnectionAbortedError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         request_id = request.request_id
         context.add_callback(lambda: self.loop.cancel(request_id))
         yield workers_pb2.DecodeResponse()  # registered: the router may start the prefill now
@@ -77,6 +82,8 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             prompt_tokens_forwarded=core.runner.prompt_tokens_forwarded,
             decode_tokens_forwarded=core.runner.decode_tokens_forwarded,
             requests_finished=core.finished_total, model_fingerprint=str(core.runner.loaded.fingerprint),
+            draining=self.loop.draining.is_set(), preemptions=core.scheduler.parked_total,
+            parked_bytes=core.parked_bytes(),
         )
 
 
@@ -115,4 +122,4 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
              time.monotonic() - started)
     if not block:
         return server, loop
-    server.wait_for_signal(on_stop=loop.stop)
+    server.wait_for_signal(on_stop=loop.stop, drain=lambda: loop.drain(DRAIN_SECONDS))

@@ -30,6 +30,9 @@ from prefill_worker.core import PrefillCore
 
 log = logging.getLogger(__name__)
 
+# On SIGTERM: seconds to finish queued prompts before stopping (inside Kubernetes' 30 s grace).
+DRAIN_SECONDS = 20.0
+
 
 @dataclass
 class PrefillJob:
@@ -58,6 +61,8 @@ class PrefillLoop:
         self._lock = threading.Lock()
         self._control: "queue.Queue[tuple]" = queue.Queue()
         self._stop = threading.Event()
+        self.draining = threading.Event()
+        self._inflight: set[Future] = set()  # taken from the queue, not yet pushed
         self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
 
     def start(self) -> "PrefillLoop":
@@ -70,7 +75,19 @@ class PrefillLoop:
         self._thread.join(timeout=10)
         self._senders.shutdown(wait=False, cancel_futures=True)
 
+    def drain(self, timeout: float) -> bool:
+        """Take no new prompts; finish (and push) the queued ones, up to timeout."""
+        self.draining.set()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not len(self.queue) and not self._inflight:
+                return True
+            time.sleep(0.1)
+        return False
+
     def submit(self, job: PrefillJob) -> Future:
+        if self.draining.is_set():
+            raise ConnectionAbortedError("this prefill worker is draining; send the prompt elsewhere")
         job.request.trace.mark("arrived")
         self.queue.put(job, len(job.request.prompt_token_ids))  # raises OverflowError when full
         return job.done
@@ -109,6 +126,9 @@ class PrefillLoop:
             jobs = [j for j in jobs if not j.cancelled and j.done.set_running_or_notify_cancel()]
             if not jobs:
                 continue
+            for job in jobs:
+                self._inflight.add(job.done)
+                job.done.add_done_callback(self._inflight.discard)
             try:
                 self._prefill(jobs)
             except Exception as exc:  # one bad batch must not take the worker down
@@ -184,6 +204,8 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OverflowError as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ConnectionAbortedError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         context.add_callback(lambda: self.loop.cancel(request.request_id))
         while True:
             remaining = context.time_remaining()
@@ -228,6 +250,7 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
             prompt_tokens_forwarded=loop.runner.prompt_tokens_forwarded, requests_done=loop.requests_done,
             model_fingerprint=loop.fingerprint, block_size=loop.core.block_size,
             cached_tokens_total=loop.core.cached_tokens_total, prefix_cache_bytes=loop.settings.prefix_cache_bytes,
+            draining=loop.draining.is_set(),
         )
 
 
@@ -253,4 +276,4 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
              time.monotonic() - started)
     if not block:
         return server, loop
-    server.wait_for_signal(on_stop=loop.stop)
+    server.wait_for_signal(on_stop=loop.stop, drain=lambda: loop.drain(DRAIN_SECONDS))

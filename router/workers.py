@@ -105,7 +105,7 @@ class WorkerPool:
                 view.active = load.queued
                 view.capacity = max(1, load.max_queue)
                 view.queued_tokens = load.queued_tokens
-            view.healthy = True
+            view.healthy = not load.draining
 
     def _poll_forever(self) -> None:
         while not self._stop.wait(self.poll_seconds):

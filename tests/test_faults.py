@@ -67,3 +67,31 @@ def test_killing_a_decode_and_a_prefill_worker_loses_no_token(tiny_reference):
         exact += 1
     print(f"\n{exact} requests completed with the exact greedy tokens, {failed} failed fast")
     assert exact + failed == REQUESTS and exact >= REQUESTS // 2
+
+
+def test_sigterm_drains_workers_without_failing_requests(tiny_reference):
+    prompts = [[300 + 11 * i + j for j in range(4 + i % 17)] for i in range(20)]
+    with LocalCluster(prefill=2, decode=2, model="tiny-random", max_rows=4) as cluster:
+        procs = dict(cluster.procs)
+        with BatonClient(cluster.router_address, timeout=120) as client:
+            results = {}
+
+            def run(i: int) -> None:
+                results[i] = client.generate(token_ids=prompts[i], max_tokens=MAX_TOKENS, ignore_eos=True)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            time.sleep(1.0)
+            drained = [procs[cluster.decode_addrs[0]], procs[cluster.prefill_addrs[0]]]
+            for proc in drained:
+                proc.send_signal(signal.SIGTERM)
+            for t in threads:
+                t.join(timeout=150)
+            assert all(proc.wait(timeout=60) == 0 for proc in drained), "a drained worker did not exit cleanly"
+            # After the drain, new work goes to the workers still up.
+            after = client.generate(token_ids=prompts[0], max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert len(results) == len(prompts)
+    for i, prompt in enumerate(prompts):
+        assert results[i].token_ids == tiny_reference.greedy(prompt, MAX_TOKENS), f"request {i}"
+    assert after.token_ids == results[0].token_ids

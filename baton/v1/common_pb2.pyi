@@ -68,7 +68,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeLoad(_message.Message):
-    __slots__ = ("rows_in_use", "max_rows", "kv_bytes_allocated", "kv_bytes_useful", "staged_bytes", "staging_capacity_bytes", "waiting_for_kv", "staged", "prompt_tokens_forwarded", "decode_tokens_forwarded", "requests_finished", "model_fingerprint")
+    __slots__ = ("rows_in_use", "max_rows", "kv_bytes_allocated", "kv_bytes_useful", "staged_bytes", "staging_capacity_bytes", "waiting_for_kv", "staged", "prompt_tokens_forwarded", "decode_tokens_forwarded", "requests_finished", "model_fingerprint", "draining", "preemptions", "parked_bytes")
     ROWS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_ALLOCATED_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,9 @@ class DecodeLoad(_message.Message):
     DECODE_TOKENS_FORWARDED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PARKED_BYTES_FIELD_NUMBER: _ClassVar[int]
     rows_in_use: int
     max_rows: int
     kv_bytes_allocated: int
@@ -93,10 +96,13 @@ class DecodeLoad(_message.Message):
     decode_tokens_forwarded: int
     requests_finished: int
     model_fingerprint: str
-    def __init__(self, rows_in_use: _Optional[int] = ..., max_rows: _Optional[int] = ..., kv_bytes_allocated: _Optional[int] = ..., kv_bytes_useful: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., staging_capacity_bytes: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., staged: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., decode_tokens_forwarded: _Optional[int] = ..., requests_finished: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    draining: bool
+    preemptions: int
+    parked_bytes: int
+    def __init__(self, rows_in_use: _Optional[int] = ..., max_rows: _Optional[int] = ..., kv_bytes_allocated: _Optional[int] = ..., kv_bytes_useful: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., staging_capacity_bytes: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., staged: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., decode_tokens_forwarded: _Optional[int] = ..., requests_finished: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., draining: _Optional[bool] = ..., preemptions: _Optional[int] = ..., parked_bytes: _Optional[int] = ...) -> None: ...
 
 class PrefillLoad(_message.Message):
-    __slots__ = ("queued", "max_queue", "queued_tokens", "prompt_tokens_forwarded", "requests_done", "model_fingerprint", "block_size", "cached_tokens_total", "prefix_cache_bytes")
+    __slots__ = ("queued", "max_queue", "queued_tokens", "prompt_tokens_forwarded", "requests_done", "model_fingerprint", "block_size", "cached_tokens_total", "prefix_cache_bytes", "draining")
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +112,7 @@ class PrefillLoad(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     queued: int
     max_queue: int
     queued_tokens: int
@@ -115,7 +122,8 @@ class PrefillLoad(_message.Message):
     block_size: int
     cached_tokens_total: int
     prefix_cache_bytes: int
-    def __init__(self, queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., requests_done: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., requests_done: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()
