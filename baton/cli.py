@@ -57,10 +57,14 @@ def cmd_generate(args) -> int:
     params = sampling_from_args(args)
     if args.max_rows < 1:
         raise UsageError(f"--max-rows must be >= 1 (got {args.max_rows})")
+    connection = connection_kwargs(args)  # checked before any model loads
     if args.router:
-        from client.cli_support import generate_via_router
+        from client import BatonClient
+        from client.cli_support import sampling_kwargs
 
-        outputs = generate_via_router(args.router, args.prompts, params, raw=args.raw, insecure=True)
+        with BatonClient(args.router, **connection) as client:
+            outputs = client.generate_many(list(args.prompts), max_concurrency=16, raw=args.raw,
+                                           **sampling_kwargs(params))
         print_results(args.prompts, outputs, args.json)
         return 0
     from baton.local import LocalEngine
@@ -84,7 +88,47 @@ def _serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> None:
     parser.add_argument("--device")
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = off)")
+    parser.add_argument("--tls-cert", metavar="FILE",
+                        help="this process's certificate (PEM): TLS on its port and to every other component")
+    parser.add_argument("--tls-key", metavar="FILE", help="the private key of --tls-cert (PEM)")
+    parser.add_argument("--tls-ca", metavar="FILE",
+                        help="CA that peers' certificates must be signed by; turns on mutual TLS")
     parser.set_defaults(role=role)
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """How `--router` is reached: TLS material and the bearer token."""
+    parser.add_argument("--tls", action="store_true", help="connect to the router over TLS (system roots)")
+    parser.add_argument("--ca", metavar="FILE", help="CA certificate (PEM) the router's must be signed by; implies --tls")
+    parser.add_argument("--cert", metavar="FILE", help="client certificate (PEM) for mutual TLS; implies --tls")
+    parser.add_argument("--key", metavar="FILE", help="private key (PEM) of --cert")
+    token = parser.add_mutually_exclusive_group()
+    token.add_argument("--token", help="bearer token the router requires (visible to `ps`; prefer --token-file)")
+    token.add_argument("--token-file", metavar="FILE", help="a file holding the bearer token")
+
+
+def connection_kwargs(args) -> dict:
+    """BatonClient keywords from add_connection_args' flags."""
+    given = [flag for flag, value in (("--tls", args.tls), ("--ca", args.ca), ("--cert", args.cert),
+                                      ("--key", args.key), ("--token", args.token),
+                                      ("--token-file", args.token_file)) if value]
+    if given and not args.router:
+        raise UsageError(f"{', '.join(given)} configure the connection to --router HOST:PORT; add --router")
+    if (args.cert is None) != (args.key is None):
+        raise UsageError("--cert and --key go together (mutual TLS needs both)")
+    token = args.token
+    if args.token_file:
+        try:
+            token = open(args.token_file, encoding="utf-8").read().strip()
+        except OSError as exc:
+            raise UsageError(f"cannot read --token-file {args.token_file}: {exc.strerror}") from None
+    tls = args.tls or any(v is not None for v in (args.ca, args.cert))
+    kwargs = {"tls": tls, "token": token or None, "timeout": getattr(args, "timeout", None)}
+    if args.ca:
+        kwargs["root_certificates"] = args.ca
+    if args.cert:
+        kwargs.update(client_cert=args.cert, client_key=args.key)
+    return kwargs
 
 
 def load_role_settings(args):
@@ -93,12 +137,13 @@ def load_role_settings(args):
     section = {k: getattr(args, k, None) for k in ("host", "port", "metrics_port")}
     for key in ("max_rows", "kv_budget_bytes", "staging_bytes", "max_queue", "max_batch_tokens", "prefix_cache_bytes",
                 "block_size", "prefill_workers", "decode_workers", "discovery", "prefix_index", "redis_url",
-                "index_namespace"):
+                "index_namespace", "auth_token_file", "require_client_cert"):
         if getattr(args, key, None) is not None:
             section[key] = getattr(args, key)
     model = {"name": args.model_name, "dtype": args.dtype, "device": args.device,
              "attention_backend": args.attention_backend}
-    return load_settings(args.config, overrides={"model": model, args.role: section})
+    tls = {"cert_file": args.tls_cert, "key_file": args.tls_key, "ca_file": args.tls_ca}
+    return load_settings(args.config, overrides={"model": model, args.role: section, "tls": tls})
 
 
 def cmd_serve(args) -> int:
@@ -149,6 +194,7 @@ def cmd_batch(args) -> int:
     from client import BatonClient, BatonError
 
     requests = read_batch_file(args.file)
+    connection = connection_kwargs(args)
     prompts = [r.get("prompt") or r.get("messages") or r.get("token_ids") for r in requests]
     done = [0]
 
@@ -163,7 +209,7 @@ def cmd_batch(args) -> int:
             print(f"\r{done[0]}/{len(requests)} done", end="", file=sys.stderr, flush=True)
 
     def run(address: str) -> dict:
-        with BatonClient(address, timeout=args.timeout) as client:
+        with BatonClient(address, **connection) as client:
             return client.generate_batch(requests, on_result=show, max_concurrency=args.max_concurrency).summary
 
     if args.router:
@@ -187,6 +233,12 @@ def cmd_batch(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from baton.bench import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
 def cmd_up(args) -> int:
     from baton.up import run_up
 
@@ -205,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-rows", type=int, default=8, help="decode batch rows (default 8)")
     gen.add_argument("--raw", action="store_true", help="send prompts as raw text, without the chat template")
     gen.add_argument("--json", action="store_true", help="one JSON line per prompt")
+    add_connection_args(gen)
     add_model_args(gen)
     add_sampling_args(gen)
     gen.add_argument("prompts", nargs="*", metavar="PROMPT")
@@ -219,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--redis-url")
     router.add_argument("--index-namespace", help="Redis key prefix of this deployment's prefix index")
     router.add_argument("--block-size", type=int, help="prefix block tokens (must equal the prefill workers')")
+    router.add_argument("--auth-token-file", metavar="FILE",
+                        help="a file holding the bearer token every API call must send (default: no token)")
+    router.add_argument("--require-client-cert", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --tls-ca: API clients must present a certificate (default: yes)")
     router.set_defaults(func=cmd_serve)
 
     prefill = sub.add_parser("prefill", help="run a prefill worker")
@@ -244,7 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--max-rows", type=int, default=8, help="decode rows of the local cluster")
     batch.add_argument("--max-concurrency", type=int, default=0, help="requests in flight (default: the router's)")
     batch.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole batch")
+    add_connection_args(batch)
     batch.set_defaults(func=cmd_batch)
+
+    bench = sub.add_parser("bench", help="the papers' experiments: relay, mixed, prefix, transfer, roofline, kernels",
+                           add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="SUITE [--quick] [--json] [--out DIR], or --list")
+    bench.set_defaults(func=cmd_bench)
 
     up = sub.add_parser("up", help="a local cluster as processes on loopback")
     up.add_argument("--port", type=int, default=50051, help="router port (default 50051)")
@@ -258,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the bench has its own parser (suites, --list, --quick, ...)
+        return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
