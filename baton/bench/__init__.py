@@ -1,0 +1,107 @@
+"""`baton bench SUITE [--quick] [--json] [--out DIR]`: measured figures against the papers' results.
+
+Every suite prints a table of figures measured in that run, writes DIR/SUITE.json and PNG plots
+into DIR (default bench-results/). `--quick` shrinks a suite to a CI smoke test; `--list`
+names the suites. Ratios are from one run on whatever machine this is: no timing is asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from baton.bench.common import DEFAULT_OUT_DIR, BenchOptions, apply_threads, environment, write_json
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    description: str
+    module: str  # imported only when the suite runs, so --list stays instant
+
+    def load(self):
+        return importlib.import_module(self.module)
+
+
+SUITES: dict[str, Suite] = {s.name: s for s in [
+    Suite("relay", "BATON Table 2 / Figs 5-7: 30 short chat queries, B=2..10; static vs continuous batching "
+                   "vs Baton local vs cluster", "baton.bench.relay"),
+    Suite("mixed", "BATON Table 1 scaled to CPU: long-in/short-out, short-in/long-out, short/short (1:1:2), "
+                   "same engines", "baton.bench.mixed"),
+    Suite("prefix", "BatchLLM: prefill tokens saved by the planner vs optimum vs LRU cache; token-batch valleys",
+          "baton.bench.prefix"),
+    Suite("transfer", "KV transfer over gRPC loopback vs memcpy (1/16/64 MB) and as a share of prefill time",
+          "baton.bench.transfer"),
+    Suite("roofline", "decode step at batch 1 vs reading the weights once at measured memory bandwidth",
+          "baton.bench.roofline"),
+    Suite("kernels", "Triton decode attention bandwidth vs peak and SDPA (needs a CUDA GPU)", "baton.bench.kernels"),
+]}
+
+
+def suite_parser(suite: Suite) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"baton bench {suite.name}", description=suite.description)
+    parser.add_argument("--quick", action="store_true", help="small enough for CI: a smoke test, not a result")
+    parser.add_argument("--json", action="store_true",
+                        help="print the JSON document on stdout (the table goes to stderr)")
+    parser.add_argument("--out", default=DEFAULT_OUT_DIR,
+                        help=f"directory for {suite.name}.json and the plots (default {DEFAULT_OUT_DIR}/)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads in this process and in every worker it starts (default 1: steadiest "
+                             "on a small shared machine; 0 = torch's default)")
+    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a model directory")
+    add = getattr(suite.load(), "add_arguments", None)
+    if add:
+        add(parser)
+    return parser
+
+
+def list_suites(out=None) -> None:
+    out = out or sys.stdout
+    width = max(map(len, SUITES))
+    for suite in SUITES.values():
+        print(f"{suite.name:<{width}}  {suite.description}", file=out)
+
+
+USAGE = "usage: baton bench SUITE [--quick] [--json] [--out DIR] [--threads N]   |   baton bench --list"
+_COMMON = {"quick", "json", "out", "threads", "model"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--list" in argv:
+        list_suites()
+        return 0
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
+        print(__doc__, file=sys.stdout if argv else sys.stderr)
+        list_suites(sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUITES:
+        print(f"unknown suite {name!r}; choose one of: {', '.join(SUITES)}", file=sys.stderr)
+        return 2
+    suite = SUITES[name]
+    parser = suite_parser(suite)
+    args = parser.parse_args(rest)
+    if args.threads < 0:
+        parser.error(f"--threads must be >= 0 (got {args.threads})")
+    opts = BenchOptions(quick=args.quick, out_dir=Path(args.out), threads=args.threads, model=args.model,
+                        out=sys.stderr if args.json else sys.stdout,
+                        extra={k: v for k, v in vars(args).items() if k not in _COMMON})
+    opts.out_dir.mkdir(parents=True, exist_ok=True)
+    threads = apply_threads(args.threads)
+    started = time.time()
+    result = suite.load().run(opts)
+    document = {"suite": suite.name, "description": suite.description, "quick": args.quick,
+                "started_unix": started, "elapsed_s": time.time() - started, "environment": environment(threads),
+                **result}
+    path = opts.out_dir / f"{suite.name}.json"
+    write_json(path, document)
+    opts.say(f"\nwrote {path}" + "".join(f", {p}" for p in result.get("plots", [])))
+    if args.json:
+        print(json.dumps(document, indent=2, default=str))
+    return 1 if any(str(v).startswith("failed") for v in result.get("problems", {}).values()) else 0

@@ -1,0 +1,69 @@
+"""transfer: shipping KV from prefill to decode over gRPC loopback, against a memory copy of the
+same bytes, and against the prefill that produced it.
+
+For each KV size the push covers encoding, checksums, the socket, assembly and landing in the
+receiver's staging pool (kvtransfer.bench, receiver in its own process). The prefill side times
+ModelRunner.prefill of a prompt whose KV has that size (the model's KV bytes per token give the
+token count, capped at its context).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from baton.bench import plots
+from baton.bench.common import BenchOptions, best_of, table
+
+MIB = 1 << 20
+
+
+def run(opts: BenchOptions) -> dict[str, Any]:
+    import torch
+
+    from engine.model import load_model
+    from engine.runner import ModelRunner
+    from kvtransfer.bench import measure_loopback_throughput
+
+    sizes_mib = [1, 4] if opts.quick else [1, 16, 64]
+    repeats = 2 if opts.quick else 5
+    loaded = load_model(opts.model)
+    runner = ModelRunner(loaded)
+    per_token = loaded.kv_shape.bytes_per_token()
+    max_prompt = loaded.max_context - 1
+    opts.say(f"transfer: KV of {', '.join(f'{s} MiB' for s in sizes_mib)}; {loaded.name} KV is {per_token:,} bytes "
+             f"per token ({loaded.kv_shape.dtype}), context {loaded.max_context}; best of {repeats}")
+    gen = torch.Generator().manual_seed(0)
+    rows, records = [], []
+    for mib in sizes_mib:
+        nbytes = mib * MIB
+        opts.progress(f"transfer: {mib} MiB over gRPC loopback")
+        transfer_s, memcpy_s = measure_loopback_throughput(nbytes, repeats=repeats)
+        tokens = -(-nbytes // per_token)
+        capped = tokens > max_prompt
+        tokens = min(tokens, max_prompt)
+        prompt = torch.randint(0, loaded.config.vocab_size, (tokens,), generator=gen).tolist()
+        runner.prefill(prompt[: min(8, tokens)])  # warm-up
+        opts.progress(f"transfer: prefill of {tokens} tokens")
+        prefill_s = best_of(lambda: runner.prefill(prompt), max(1, repeats // 2))
+        # The prompt's own KV may be a little more than nbytes (whole tokens): scale transfer to it.
+        kv_bytes = tokens * per_token
+        transfer_for_prompt = transfer_s * kv_bytes / nbytes
+        record = {"mib": mib, "bytes": nbytes, "transfer_s": transfer_s, "memcpy_s": memcpy_s,
+                  "transfer_mib_s": mib / transfer_s, "memcpy_mib_s": mib / memcpy_s,
+                  "memcpy_speedup": transfer_s / memcpy_s, "prompt_tokens": tokens, "capped_at_context": capped,
+                  "prefill_s": prefill_s, "prompt_kv_bytes": kv_bytes,
+                  "transfer_share_of_prefill": transfer_for_prompt / prefill_s}
+        records.append(record)
+        rows.append([f"{mib} MiB", 1e3 * transfer_s, mib / transfer_s, 1e3 * memcpy_s, mib / memcpy_s,
+                     transfer_s / memcpy_s, f"{tokens}{' (cap)' if capped else ''}", 1e3 * prefill_s,
+                     100 * record["transfer_share_of_prefill"]])
+    opts.say(table(["KV", "gRPC ms", "MiB/s", "memcpy ms", "MiB/s", "memcpy x", "tokens", "prefill ms",
+                    "transfer % prefill"], rows, digits=1))
+    if any(r["capped_at_context"] for r in records):
+        opts.say(f"(cap) the KV size needs more tokens than the model's context; the prompt is cut at {max_prompt}")
+    files = [plots.bars(opts.plot_path("transfer.png"), "KV transfer vs memcpy vs prefill",
+                        [f"{r['mib']} MiB" for r in records],
+                        {"gRPC loopback": [1e3 * r["transfer_s"] for r in records],
+                         "memcpy": [1e3 * r["memcpy_s"] for r in records],
+                         "prefill of that KV": [1e3 * r["prefill_s"] for r in records]},
+                        "milliseconds (log)", log=True)]
+    return {"kv_bytes_per_token": per_token, "repeats": repeats, "sizes": records, "plots": [str(f) for f in files]}

@@ -1,0 +1,118 @@
+"""`baton bench`: every suite runs with --quick, prints its table, and writes its JSON and plots.
+
+Smoke tests only: figures are whatever this machine measured; no timing is asserted.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from baton.bench import SUITES, main
+
+
+def run_suite(name: str, out: Path, capsys, *extra: str) -> tuple[dict, str]:
+    status = main([name, "--quick", "--out", str(out), *extra])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    document = json.loads((out / f"{name}.json").read_text())
+    assert document["suite"] == name and document["quick"] is True
+    assert document["environment"]["torch_threads"] >= 1
+    for plot in document.get("plots", []):
+        assert Path(plot).is_file() and Path(plot).stat().st_size > 1000, plot
+        assert Path(plot).parent == out
+    return document, printed
+
+
+def test_list_names_every_suite_with_a_description(capsys):
+    assert main(["--list"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("relay", "mixed", "prefix", "transfer", "roofline", "kernels"):
+        assert name in SUITES
+        assert any(line.startswith(name) and len(line) > len(name) + 10 for line in printed.splitlines())
+
+
+def test_bad_invocations_say_what_to_do(tmp_path, capsys):
+    assert main(["nonsense"]) == 2
+    assert "choose one of" in capsys.readouterr().err
+    assert main([]) == 2
+    with pytest.raises(SystemExit, match="unknown engine"):
+        main(["relay", "--quick", "--engines", "static,warp-drive", "--out", str(tmp_path)])
+
+
+def test_python_dash_m_entry_point_lists_suites():
+    out = subprocess.run([sys.executable, "-m", "baton.bench", "--list"], capture_output=True, text=True, check=True)
+    assert "relay" in out.stdout and "roofline" in out.stdout
+
+
+def test_kernels_suite_runs_or_says_why_not(tmp_path, capsys):
+    document, printed = run_suite("kernels", tmp_path, capsys)
+    if document.get("skipped"):
+        assert "needs a CUDA GPU" in printed and document["plots"] == []
+    else:
+        assert document["plots"] and "geomean speedup" in printed
+
+
+def test_prefix_planner_figures_without_the_model(tmp_path, capsys):
+    document, printed = run_suite("prefix", tmp_path, capsys, "--no-model")
+    planner = document["planner"]
+    assert "BatchLLM planner" in printed and "LRU prefix cache" in printed and "optimum" in printed
+    assert 0 < planner["lru_saving"] < planner["planner_saving"] <= planner["optimum_saving"] < 1
+    assert (tmp_path / "prefix_valleys.png").is_file()
+    assert all(sizes for sizes in planner["token_batch_sizes"].values())
+
+
+def test_json_flag_keeps_stdout_machine_readable(tmp_path, capsys):
+    assert main(["prefix", "--quick", "--no-model", "--json", "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["suite"] == "prefix"
+    assert "BatchLLM planner" in captured.err
+
+
+@pytest.mark.slow
+def test_relay_quick_runs_all_four_engines_and_checks_tokens(tmp_path, capsys):
+    document, printed = run_suite("relay", tmp_path, capsys)
+    engines = {(r["engine"], r["batch_size"]) for r in document["runs"]}
+    available = {"static", "local", "cluster"} | ({"continuous"} if "continuous" not in document["problems"] else set())
+    assert engines == {(e, b) for e in available for b in (2, 4)}
+    assert "identical greedy tokens: " in printed and "local/static" in printed
+    assert {Path(p).name for p in document["plots"]} == {"relay_timeline.png", "relay_kv_bytes.png",
+                                                         "relay_speedup.png"}
+    assert document["exactness"]["per_engine"]["local"]["compared"] == 12
+    samples = document["kv_samples_local"]["2"]
+    assert samples and all(s["useful"] <= s["window"] <= s["allocated"] for s in samples)
+
+
+@pytest.mark.slow
+def test_mixed_quick_has_all_three_query_shapes(tmp_path, capsys):
+    document, printed = run_suite("mixed", tmp_path, capsys)
+    kinds = [q["kind"] for q in document["queries"]]
+    assert sorted(kinds) == ["long-short", "short-long", "short-short", "short-short"]
+    assert "identical greedy tokens: " in printed and (tmp_path / "mixed_timeline.png").is_file()
+
+
+@pytest.mark.slow
+def test_prefix_quick_times_reuse_on_the_model(tmp_path, capsys):
+    document, printed = run_suite("prefix", tmp_path, capsys)
+    timed = document["timed"]
+    assert timed["computed_tokens"] < timed["prompt_tokens"]
+    assert "prefill only, planner's prefix reuse" in printed
+    assert "cluster" in timed and ("with_planning_s" in timed["cluster"] or "not wired yet" in printed)
+
+
+@pytest.mark.slow
+def test_transfer_quick_compares_grpc_memcpy_and_prefill(tmp_path, capsys):
+    document, printed = run_suite("transfer", tmp_path, capsys)
+    assert [s["mib"] for s in document["sizes"]] == [1, 4]
+    assert all(s["prompt_tokens"] == -(-s["bytes"] // document["kv_bytes_per_token"]) for s in document["sizes"])
+    assert "transfer % prefill" in printed
+
+
+@pytest.mark.slow
+def test_roofline_quick_reports_the_weight_read_floor(tmp_path, capsys):
+    document, printed = run_suite("roofline", tmp_path, capsys)
+    assert document["weight_bytes"] > 100 << 20 and document["bandwidth_bytes_per_s"] > 0
+    assert "% of roofline" in printed and len(document["steps"]["engine_step_s"]) == 8
