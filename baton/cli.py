@@ -99,7 +99,8 @@ def _serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> None:
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
     """How `--router` is reached: TLS material and the bearer token."""
     parser.add_argument("--tls", action="store_true", help="connect to the router over TLS (system roots)")
-    parser.add_argument("--ca", metavar="FILE", help="CA certificate (PEM) the router's must be signed by; implies --tls")
+    parser.add_argument("--ca", metavar="FILE",
+                        help="CA certificate (PEM) that signed the router's certificate; implies --tls")
     parser.add_argument("--cert", metavar="FILE", help="client certificate (PEM) for mutual TLS; implies --tls")
     parser.add_argument("--key", metavar="FILE", help="private key (PEM) of --cert")
     token = parser.add_mutually_exclusive_group()
@@ -137,7 +138,7 @@ def load_role_settings(args):
     section = {k: getattr(args, k, None) for k in ("host", "port", "metrics_port")}
     for key in ("max_rows", "kv_budget_bytes", "staging_bytes", "max_queue", "max_batch_tokens", "prefix_cache_bytes",
                 "block_size", "prefill_workers", "decode_workers", "discovery", "prefix_index", "redis_url",
-                "index_namespace", "auth_token_file", "require_client_cert"):
+                "index_namespace", "max_inflight", "auth_token_file", "require_client_cert"):
         if getattr(args, key, None) is not None:
             section[key] = getattr(args, key)
     model = {"name": args.model_name, "dtype": args.dtype, "device": args.device,
@@ -270,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--discovery", choices=["static", "kubernetes"])
     router.add_argument("--prefix-index", choices=["memory", "redis"])
     router.add_argument("--redis-url")
+    router.add_argument("--max-inflight", type=int, help="requests in flight before RESOURCE_EXHAUSTED")
     router.add_argument("--index-namespace", help="Redis key prefix of this deployment's prefix index")
     router.add_argument("--block-size", type=int, help="prefix block tokens (must equal the prefill workers')")
     router.add_argument("--auth-token-file", metavar="FILE",

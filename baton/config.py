@@ -25,9 +25,27 @@ class ModelSettings:
 
 @dataclass
 class TLSSettings:
-    cert_file: str = ""  # this process's certificate (PEM); empty means plaintext
-    key_file: str = ""
-    ca_file: str = ""  # trusted CA for peers; with require_client_cert, mutual TLS
+    """One certificate per process, used both ways: served on its own port and presented as the
+    client certificate on every channel it opens to another component (router -> workers,
+    prefill -> decode KV push). TLS is on when cert_file is set, for every server and channel."""
+
+    cert_file: str = ""  # this process's certificate chain (PEM); empty means plaintext everywhere
+    key_file: str = ""  # its private key (PEM)
+    ca_file: str = ""  # CA that peers' certificates are checked against (empty: the system roots);
+    # with it, worker ports demand a client certificate signed by it (mutual TLS), and so does the
+    # router's public port unless router.require_client_cert is false
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file)
+
+    def validate(self) -> None:
+        """Refuse half a TLS setup, which would otherwise fail only at the first connection."""
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("tls.cert_file and tls.key_file go together: set both (TLS) or neither (plaintext)")
+        if self.ca_file and not self.cert_file:
+            raise ValueError("tls.ca_file needs tls.cert_file and tls.key_file: with a CA every process also "
+                             "serves TLS with its own certificate; set them, or clear tls.ca_file for plaintext")
 
 
 @dataclass
@@ -48,6 +66,12 @@ class RouterSettings:
     max_inflight: int = 1024  # requests in flight before RESOURCE_EXHAUSTED
     load_poll_seconds: float = 0.2
     metrics_port: int = 0  # 0 = no metrics endpoint
+    # A file holding the bearer token every public API call must send (`authorization: Bearer
+    # <token>`); empty = no token (the BATON_AUTH_TOKEN environment variable may hold it instead).
+    auth_token_file: str = ""
+    # With tls.ca_file set: clients of the public API must present a certificate signed by that
+    # CA (mutual TLS). false: server-side TLS only, e.g. for SDK users holding just a token.
+    require_client_cert: bool = True
 
 
 @dataclass
@@ -113,6 +137,7 @@ def load_settings(path: str | None = None, env: dict[str, str] | None = None,
             _apply(settings, section, {key: raw}, source=f"environment variable {name}")
     for section, values in (overrides or {}).items():
         _apply(settings, section, {k: v for k, v in values.items() if v is not None}, source="command line")
+    settings.tls.validate()
     return settings
 
 

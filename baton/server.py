@@ -121,10 +121,14 @@ class CallConventions(grpc.ServerInterceptor):
             behavior = _streaming_request(handler.stream_unary)
         else:
             behavior = _streaming_request_and_response(handler.stream_stream)
-        make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-                (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-        return make[handler.request_streaming, handler.response_streaming](
-            behavior, request_deserializer=lenient, response_serializer=handler.response_serializer)
+        make = _HANDLER_MAKERS[handler.request_streaming, handler.response_streaming]
+        return make(behavior, request_deserializer=lenient, response_serializer=handler.response_serializer)
+
+
+_HANDLER_MAKERS = {  # (request streaming, response streaming) -> handler factory
+    (False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
 
 def _single_request(behavior):

@@ -16,6 +16,9 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton.config import TLSSettings
+from baton.server import channel
+
 STARTUP_TIMEOUT_S = 600  # the first start converts the default model
 
 
@@ -25,9 +28,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
+def wait_serving(address: str, proc: subprocess.Popen, timeout: float, tls: TLSSettings | None = None) -> None:
+    """Poll the process's health service (over TLS with tls's certificate) until it is SERVING."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
+    with channel(address, tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -42,14 +46,27 @@ def wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 class LocalCluster:
-    """Starts and stops the processes; usable from tests and benchmarks as a context manager."""
+    """Starts and stops the processes; usable from tests and benchmarks as a context manager.
+
+    With `tls`, every process serves TLS with that certificate and uses it toward the others (its
+    ca_file turns on mutual TLS); `auth_token_file` makes the routers require that bearer token."""
 
     def __init__(self, *, port: int = 0, prefill: int = 1, decode: int = 1, model: str = "default",
                  max_rows: int = 8, extra_env: dict | None = None, log_level: str = "WARNING", routers: int = 1,
                  router_args: tuple[str, ...] = (), prefill_args: tuple[str, ...] = (),
-                 decode_args: tuple[str, ...] = ()):
+                 decode_args: tuple[str, ...] = (), tls: TLSSettings | None = None, auth_token_file: str = ""):
         if prefill < 1 or decode < 1:
             raise ValueError(f"need at least one prefill and one decode worker (got {prefill}, {decode})")
+        if tls is not None:
+            tls.validate()
+        self.tls = tls if tls is not None and tls.enabled else None
+        security = ()
+        if self.tls is not None:
+            security = ("--tls-cert", self.tls.cert_file, "--tls-key", self.tls.key_file)
+            security += ("--tls-ca", self.tls.ca_file) if self.tls.ca_file else ()
+        prefill_args, decode_args = security + tuple(prefill_args), security + tuple(decode_args)
+        auth = ("--auth-token-file", auth_token_file) if auth_token_file else ()
+        router_args = security + auth + tuple(router_args)
         self.router_addresses = [f"127.0.0.1:{port or free_port()}"] + [
             f"127.0.0.1:{free_port()}" for _ in range(routers - 1)]
         self.router_args, self.prefill_args, self.decode_args = router_args, prefill_args, decode_args
@@ -79,7 +96,7 @@ class LocalCluster:
                                                      "--model", self.model, "--max-rows", str(self.max_rows),
                                                      *self.decode_args)))
             for addr, proc in self.procs:
-                wait_serving(addr, proc, timeout)
+                wait_serving(addr, proc, timeout, self.tls)
             routers = []
             for address in self.router_addresses:
                 router = self._spawn("router", "--host", "127.0.0.1", "--port", address.split(":")[1],
@@ -88,7 +105,7 @@ class LocalCluster:
                 self.procs.append((address, router))
                 routers.append((address, router))
             for address, router in routers:
-                wait_serving(address, router, timeout)
+                wait_serving(address, router, timeout, self.tls)
         except BaseException:
             self.stop()
             raise

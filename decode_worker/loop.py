@@ -24,6 +24,13 @@ log = logging.getLogger(__name__)
 _CLOSED = object()  # sentinel: the request ended without a final output (cancelled)
 
 
+@dataclass(frozen=True)
+class Failure:
+    """The request was refused after registration (its KV was unusable); the stream says why."""
+
+    message: str
+
+
 @dataclass
 class _Pending:
     request: GenerationRequest
@@ -52,7 +59,7 @@ class DecodeLoop:
 
     def stop(self) -> None:
         self._stop.set()
-        self._inbox.put(("wake", ""))
+        self._inbox.put(("wake", "", None))
         self._thread.join(timeout=10)
 
     # -- called from RPC threads ---------------------------------------------------------------
@@ -84,10 +91,12 @@ class DecodeLoop:
         return entry.outputs
 
     def on_landed(self, request_id: str) -> None:
-        self._inbox.put(("landed", request_id))
+        self._inbox.put(("landed", request_id, None))
 
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
+    def cancel(self, request_id: str, outputs: "queue.Queue | None" = None) -> None:
+        """Cancel a request; with `outputs` (its registration), only that registration, so a late
+        callback of a finished call never cancels a new request that reuses the id."""
+        self._inbox.put(("cancel", request_id, outputs))
 
     # -- the loop thread ---------------------------------------------------------------------
 
@@ -104,16 +113,16 @@ class DecodeLoop:
 
     def _drain_inbox(self, block: bool) -> None:
         try:
-            event, request_id = self._inbox.get(timeout=0.5 if block else None) if block else self._inbox.get_nowait()
+            event, request_id, outputs = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
             if event == "landed":
                 self._admit(request_id)
             elif event == "cancel":
-                self._end(request_id)
+                self._end(request_id, outputs)
             try:
-                event, request_id = self._inbox.get_nowait()
+                event, request_id, outputs = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
@@ -124,18 +133,32 @@ class DecodeLoop:
             self.pool.cancel(request_id)
             return
         staged = self.pool.take(request_id)
-        meta = workers_pb2.KVMetadata.FromString(staged.metadata)
         trace = entry.request.trace
-        trace.cached_tokens = meta.cached_tokens
-        trace.mark("staged")
         try:
+            meta = self._check_landed(entry.request, staged)
+            trace.cached_tokens = meta.cached_tokens
+            trace.mark("staged")
             first = self.core.add(PrefilledRequest(entry.request, staged.kv, meta.first_token, meta.seed))
         except RequestError as exc:
             log.warning("request %s refused at admission: %s", request_id, exc)
             self.pool.release(request_id)
-            self._end(request_id)
+            self._end(request_id, failure=str(exc))
             return
         self._deliver([first])
+
+    def _check_landed(self, request: GenerationRequest, staged) -> workers_pb2.KVMetadata:
+        """A landed KV must belong to the prompt registered for it; only this request fails if not."""
+        try:
+            meta = workers_pb2.KVMetadata.FromString(staged.metadata)
+        except Exception:  # protobuf's DecodeError: the sender's bug, not ours to crash on
+            raise RequestError("the KV's metadata could not be decoded") from None
+        vocab = self.core.runner.loaded.config.vocab_size
+        if not 0 <= meta.first_token < vocab:
+            raise RequestError(f"the KV's first token {meta.first_token} is outside the vocabulary [0, {vocab})")
+        if staged.kv.num_tokens != len(request.prompt_token_ids):
+            raise RequestError(f"the KV holds {staged.kv.num_tokens} tokens but the prompt has "
+                               f"{len(request.prompt_token_ids)}")
+        return meta
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -155,8 +178,12 @@ class DecodeLoop:
                 with self._lock:
                     self._streams.pop(out.request_id, None)
 
-    def _end(self, request_id: str) -> None:
+    def _end(self, request_id: str, outputs: "queue.Queue | None" = None, failure: str | None = None) -> None:
         """Cancel wherever the request is: waiting for KV, staged, or running."""
+        with self._lock:
+            entry = self._streams.get(request_id)
+            if outputs is not None and (entry is None or entry.outputs is not outputs):
+                return  # that registration already ended; the id may belong to a new request now
         self._last_token_at.pop(request_id, None)
         with self._lock:
             self._pending.pop(request_id, None)
@@ -164,7 +191,7 @@ class DecodeLoop:
         self.core.abort(request_id)
         self.pool.cancel(request_id)
         if entry is not None:
-            entry.outputs.put(_CLOSED)
+            entry.outputs.put(Failure(failure) if failure else _CLOSED)
 
     def is_closed(self, item) -> bool:
         return item is _CLOSED

@@ -13,7 +13,7 @@ from baton.metrics import Metrics
 from baton.server import GrpcServer, NotReady
 from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
 from decode_worker.core import DecodeConfig, DecodeCore
-from decode_worker.loop import DecodeLoop
+from decode_worker.loop import DecodeLoop, Failure
 from engine.model import load_model
 from engine.request import GenerationRequest, RequestError, validate_prompt
 from engine.runner import ModelRunner
@@ -50,7 +50,7 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
         except ConnectionAbortedError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         request_id = request.request_id
-        context.add_callback(lambda: self.loop.cancel(request_id))
+        context.add_callback(lambda: self.loop.cancel(request_id, outputs))
         yield workers_pb2.DecodeResponse()  # registered: the router may start the prefill now
         sent = 0
         while True:
@@ -62,6 +62,8 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
                 continue
             if self.loop.is_closed(item):
                 return
+            if isinstance(item, Failure):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.message)
             msg = workers_pb2.DecodeResponse(token_ids=item.token_ids[sent:], text_delta=item.text_delta)
             sent = len(item.token_ids)
             if item.finished:

@@ -61,10 +61,14 @@ class PrefillQueue:
             self._items[request_id] = (job, num_tokens)
             self._cond.notify()
 
-    def remove(self, request_id: str):
+    def remove(self, request_id: str, job=None):
+        """Take a queued item out; with `job`, only if that very item is still queued under the id."""
         with self._cond:
-            item = self._items.pop(request_id, None)
-        return item[0] if item else None
+            item = self._items.get(request_id)
+            if item is None or (job is not None and item[0] is not job):
+                return None
+            del self._items[request_id]
+        return item[0]
 
     def take_batch(self, timeout: float):
         with self._cond:

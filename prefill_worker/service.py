@@ -92,8 +92,8 @@ class PrefillLoop:
         self.queue.put(job, len(job.request.prompt_token_ids))  # raises OverflowError when full
         return job.done
 
-    def cancel(self, request_id: str) -> bool:
-        job = self.queue.remove(request_id)
+    def cancel(self, request_id: str, job: PrefillJob | None = None) -> bool:
+        job = self.queue.remove(request_id, job)
         if job is not None:
             job.cancelled = True
             job.done.cancel()
@@ -206,14 +206,14 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ConnectionAbortedError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        context.add_callback(lambda: self.loop.cancel(request.request_id))
+        context.add_callback(lambda: self.loop.cancel(request.request_id, job))
         while True:
             remaining = context.time_remaining()
             try:
                 return done.result(timeout=min(0.5, remaining) if remaining is not None else 0.5)
             except TimeoutError:
                 if not context.is_active():
-                    self.loop.cancel(request.request_id)
+                    self.loop.cancel(request.request_id, job)
                     return workers_pb2.PrefillReply()
             except KVPushFailed as exc:
                 # ABORTED tells the router the prefill itself was fine: move the request to another

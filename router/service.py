@@ -3,12 +3,14 @@ dispatcher (route by prefix index and load, open the decode stream, start the pr
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
 
 import grpc
 
+from baton.auth import BearerTokenInterceptor, load_token
 from baton.config import ModelSettings, RouterSettings, TLSSettings
 from baton.messages import sampling_from_proto
 from baton.metrics import Metrics
@@ -152,7 +154,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 
 def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | None = None, *, block: bool = True):
-    server = GrpcServer(settings.host, settings.port, tls=tls)
+    token = load_token(settings.auth_token_file, os.environ)
+    if token and not (tls is not None and tls.enabled):
+        log.warning("the bearer token reaches this router in plaintext: set tls.cert_file/key_file, "
+                    "or terminate TLS in front of it")
+    server = GrpcServer(settings.host, settings.port, tls=tls, require_client_cert=settings.require_client_cert,
+                        interceptors=[BearerTokenInterceptor(token)] if token else [])
     api = NotReady()
     router_pb2_grpc.add_RouterServicer_to_server(api, server.server)
     server.add_service("baton.v1.Router")
@@ -176,7 +183,8 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
                   lambda: api.target.dispatcher.stats.accuracy)
     metrics.serve(settings.metrics_port)
     server.set_serving()
-    log.info("router serving on port %d", server.port)
+    log.info("router serving on port %d (%s, %s)", server.port,
+             "TLS" if tls is not None and tls.enabled else "plaintext", "bearer token" if token else "no auth")
     if not block:
         return server, pool
     server.wait_for_signal(on_stop=lambda: (discovery.stop(), pool.stop()))

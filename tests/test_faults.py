@@ -95,3 +95,19 @@ def test_sigterm_drains_workers_without_failing_requests(tiny_reference):
     for i, prompt in enumerate(prompts):
         assert results[i].token_ids == tiny_reference.greedy(prompt, MAX_TOKENS), f"request {i}"
     assert after.token_ids == results[0].token_ids
+
+
+def test_twice_the_load_gets_resource_exhausted_not_timeouts():
+    """Past its in-flight bound the router refuses at once with a retry hint; the rest complete."""
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=4,
+                      router_args=("--max-inflight", "8")) as cluster:
+        with BatonClient(cluster.router_address, timeout=120) as client:
+            outcomes = client.generate_many(
+                [{"token_ids": [200 + i, 201, 202], "max_tokens": 64, "ignore_eos": True} for i in range(16)],
+                max_concurrency=16, return_exceptions=True)
+            refused = [o for o in outcomes if isinstance(o, BatonError)]
+            served = [o for o in outcomes if not isinstance(o, BatonError)]
+            assert refused and all(o.code == "RESOURCE_EXHAUSTED" and o.retry_after_s for o in refused)
+            assert len(served) >= 8 and all(len(o.token_ids) == 64 for o in served)
+            decode = next(w.decode for w in client.cluster_status().workers if w.role == "decode")
+            assert decode["staged_bytes"] <= decode["staging_capacity_bytes"]
