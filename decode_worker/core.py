@@ -13,7 +13,7 @@ from engine.batch_kv import BatchKV
 from engine.kv import SequenceKV
 from engine.request import PrefilledRequest, RequestError, RequestOutput, effective_max_tokens
 from engine.runner import ModelRunner
-from engine.sampling import RequestSampler, SamplingParams, sample
+from engine.sampling import INVALID_TOKEN, RequestSampler, SamplingParams, sample
 from engine.stopping import FinishReason, StopChecker
 
 DEFAULT_KV_BUDGET_BYTES = 1 << 30
@@ -157,6 +157,11 @@ class DecodeCore:
         self.scheduler.append_tokens(tokens)
         outputs = []
         for live, token in zip(lives, tokens):
+            if token == INVALID_TOKEN:  # this request's logits went non-finite: it alone ends
+                live.prefilled.request.trace.mark("finished")
+                self._finish(live, Status.FINISHED_ABORTED)
+                outputs.append(self._output(live, "", "abort"))
+                continue
             step = live.checker.append(token)
             reason = step.finish_reason
             if reason is not None:

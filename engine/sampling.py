@@ -231,8 +231,13 @@ def _filtered_sorted_probs(logits: torch.Tensor, params: list[SamplingParams]) -
     return probs.masked_fill(drop, 0.0), sorted_ids
 
 
+INVALID_TOKEN = -1  # a row whose distribution is not finite (NaN/inf logits): no token can be drawn
+
+
 def _draw(probs: torch.Tensor, samplers: Sequence[RequestSampler]) -> torch.Tensor:
-    """One multinomial draw per row ([m, V] -> [m]), each with its request's generator."""
-    draws = [torch.multinomial(probs[i], 1, generator=s.generator_for_step(probs.device))
-             for i, s in enumerate(samplers)]
+    """One multinomial draw per row ([m, V] -> [m]), each with its request's generator; a row
+    with non-finite probabilities gets INVALID_TOKEN, so only its own request fails."""
+    valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+    draws = [torch.multinomial(probs[i], 1, generator=s.generator_for_step(probs.device)) if valid[i]
+             else torch.tensor([INVALID_TOKEN], device=probs.device) for i, s in enumerate(samplers)]
     return torch.cat(draws)

@@ -11,13 +11,14 @@ INVALID_ARGUMENT.
 (b) The decode worker's KVTransfer endpoint, pushed at directly: streams built like the prefill
 worker's, then broken (header fields, order, sizes, checksums, truncation, interleaving, huge
 declared sizes, stalls), for request ids the worker expects (a Decode call is open) and ones it
-does not.
+does not, with metadata that is no KVMetadata or names no real token, and for prompts of another
+length than the KV. A KV that lands but does not fit its request fails that request alone.
 
 After each fuzz run the workers still serve, a normal request still matches the reference
 model, and the decode worker holds no rows, staged bytes or waiting requests.
 
-Known bugs in code outside this suite are pinned by the strict xfail tests at the end; the fuzz
-strategies avoid exactly those inputs (noted where), so that it keeps checking everything else.
+What the fuzz found has a regression test of its own at the end, one input each. The random KV
+payloads stay finite floats; NaN KV with sampling is covered by its own test there.
 """
 from __future__ import annotations
 
@@ -178,8 +179,8 @@ def sampling_params(draw, mostly: Hostility, vocab_size: int) -> common_pb2.Samp
 def generate_requests(draw, vocab_size: int, max_context: int) -> router_pb2.GenerateRequest:
     mostly = Hostility(draw)
     request = router_pb2.GenerateRequest(sampling=sampling_params(draw, mostly, vocab_size))
-    # Ids are made unique when sent (see unique_ids): reusing one back to back is a known bug (xfail below).
-    request.request_id = mostly("request_id", st.one_of(st.just(""), st.just("fuzz")),
+    # A few fixed ids, so that requests reuse one back to back.
+    request.request_id = mostly("request_id", st.one_of(st.just(""), st.sampled_from(["fuzz-a", "fuzz-b"])),
                                 st.one_of(st.text(max_size=40), st.text(min_size=2000, max_size=3000)))
     long_run = request.sampling.HasField("max_tokens") and request.sampling.max_tokens > 64
     kind = "token_ids" if long_run else mostly("prompt_kind", st.sampled_from(["text", "messages", "token_ids"]),
@@ -206,16 +207,6 @@ def generate_requests(draw, vocab_size: int, max_context: int) -> router_pb2.Gen
                 ids[draw(st.integers(0, len(ids) - 1))] = draw(st.integers(vocab_size, UINT32))
         request.token_ids.ids.extend(ids)
     return request
-
-
-_sent = iter(range(10**9))
-
-
-def unique_ids(*requests: router_pb2.GenerateRequest) -> None:
-    """Suffix every non-empty request id with a fresh number (the router assigns empty ones)."""
-    for request in requests:
-        if request.request_id:
-            request.request_id += f"#{next(_sent)}"
 
 
 def verdict(request: router_pb2.GenerateRequest, vocab_size: int, max_context: int) -> bool | None:
@@ -276,7 +267,6 @@ def test_fuzz_generate(cluster, router, model, tiny_reference):
     @given(request=generate_requests(model.vocab_size, model.max_context))
     def fuzz(request):
         expected = verdict(request, model.vocab_size, model.max_context)
-        unique_ids(request)
         outcome = run_generate(stub, request)
         seen[f"{expected}:{outcome.code().name if isinstance(outcome, grpc.RpcError) else 'served'}"] += 1
         if isinstance(outcome, grpc.RpcError):
@@ -302,7 +292,6 @@ def test_fuzz_generate_batch(cluster, router, model, tiny_reference):
     @given(requests=st.lists(generate_requests(model.vocab_size, model.max_context), max_size=3),
            max_concurrency=st.one_of(st.just(0), st.integers(0, UINT32)))
     def fuzz(requests, max_concurrency):
-        unique_ids(*requests)
         batch = router_pb2.GenerateBatchRequest(requests=requests, max_concurrency=max_concurrency)
         try:
             items = list(stub.GenerateBatch(batch, timeout=CALL_TIMEOUT_S))
@@ -377,7 +366,7 @@ def test_huge_max_tokens_is_cut_by_the_deadline_and_frees_its_row(cluster, tiny_
 # (b) the decode worker's KV endpoint
 
 def finite_payload(nbytes: int) -> bytes:
-    """KV bytes that are finite floats (NaN KV with sampling is a known bug, see the xfails)."""
+    """KV bytes that are finite floats (NaN KV has its own regression test below)."""
     pattern = struct.pack("<4f", 0.25, -0.5, 1.0, 0.125)
     return (pattern * (nbytes // len(pattern) + 1))[:nbytes]
 
@@ -409,8 +398,7 @@ HEADER_VALUES = {
     "total_bytes": st.one_of(st.integers(0, 1 << 20), st.just(UINT64), st.just(2**63)),
     "chunk_bytes": st.one_of(st.just(0), st.integers(1, 64), st.just(UINT32), st.just((16 << 20) + 1)),
     "layout": st.integers(0, 5),
-    # Only oversized metadata: small undecodable metadata kills the decode loop (xfail below).
-    "metadata": st.just(b"\0" * (MAX_METADATA_BYTES + 1)),
+    "metadata": st.one_of(st.binary(max_size=16), st.just(b"\0" * (MAX_METADATA_BYTES + 1))),
 }
 
 
@@ -516,24 +504,39 @@ def open_decode(decode_stub, request_id: str, prompt: list[int]):
     return call
 
 
+kv_metadata = st.one_of(
+    st.builds(lambda token, seed: workers_pb2.KVMetadata(first_token=token, seed=seed).SerializeToString(),
+              st.integers(0, 300), st.integers(0, UINT64)),
+    st.builds(lambda token: workers_pb2.KVMetadata(first_token=token).SerializeToString(), st.integers(0, UINT32)),
+    st.binary(max_size=24),  # most of it not a KVMetadata at all
+)
+
+
+def usable(metadata: bytes, vocab_size: int) -> bool:
+    """Whether a decode worker can start from this metadata: it parses, and names a real token."""
+    try:
+        return workers_pb2.KVMetadata.FromString(metadata).first_token < vocab_size
+    except Exception:  # noqa: BLE001 - DecodeError
+        return False
+
+
 def test_fuzz_kv_push(cluster, model, decode_channel, tiny_reference):
     push = kvtransfer_pb2_grpc.KVTransferStub(decode_channel).Push
     decode_stub = workers_pb2_grpc.DecodeWorkerStub(decode_channel)
-    outcomes: dict[str, int] = {}
+    outcomes: Counter[str] = Counter()
 
     @settings(FUZZ, max_examples=120)
     @given(num_tokens=st.integers(1, 24), chunk_bytes=st.sampled_from([512, 1000, 4096, 65536]),
-           announced=st.booleans(), first_token=st.integers(0, model.vocab_size - 1), edits=st.data())
-    def fuzz(num_tokens, chunk_bytes, announced, first_token, edits):
+           announced=st.booleans(), metadata=kv_metadata, prompt_delta=st.sampled_from([0, 0, 0, -1, 1, 17]),
+           edits=st.data())
+    def fuzz(num_tokens, chunk_bytes, announced, metadata, prompt_delta, edits):
         request_id = f"kv-{uuid.uuid4().hex}"
-        # Valid metadata with an in-vocabulary first token: anything else is a known bug (xfail below).
-        metadata = workers_pb2.KVMetadata(first_token=first_token, seed=7).SerializeToString()
         valid = kv_stream(request_id, model, num_tokens, chunk_bytes, metadata)
         other = kv_stream(f"{request_id}-other", model, num_tokens, chunk_bytes, metadata)
         mutations = edits.draw(stream_mutations(len(valid)))
         messages, stall = apply_edits(valid, mutations, other)
-        # The same length as the KV: a KV of another length is silently accepted (xfail below).
-        decode_call = open_decode(decode_stub, request_id, list(range(1, num_tokens + 1))) if announced else None
+        prompt = list(range(1, max(1, num_tokens + prompt_delta) + 1))  # sometimes not the KV's length
+        decode_call = open_decode(decode_stub, request_id, prompt) if announced else None
         try:
             try:
                 reply = push(slow(messages, stall), timeout=0.5 if stall else 10)
@@ -543,21 +546,31 @@ def test_fuzz_kv_push(cluster, model, decode_channel, tiny_reference):
                 assert code in allowed, f"{mutations}: {code}: {err.details()}"
                 assert err.details()
                 assert mutations or not announced, f"a valid push was refused: {code}: {err.details()}"
-                outcomes[code.name] = outcomes.get(code.name, 0) + 1
+                outcomes[code.name] += 1
                 return
-            outcomes["OK"] = outcomes.get("OK", 0) + 1
+            outcomes["OK"] += 1
             assert announced, "KV for a request id the worker does not expect was accepted"
             assert stall is None or reply.bytes_received  # a stall under the deadline is fine
-            if decode_call is not None:  # the landed KV is decoded: 3 tokens, then the stream ends
+            # The landed KV is decoded (3 tokens), or refused if it does not fit its request.
+            fits = usable(metadata, model.vocab_size) and len(prompt) == reply.bytes_received // model.bytes_per_token
+            try:
                 tokens = [t for m in decode_call for t in m.token_ids]
-                assert len(tokens) == 3 and all(t < model.vocab_size for t in tokens)
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{err.code()}: {err.details()}"
+                assert not fits, f"a KV that fits its request was refused: {err.details()}"
+                outcomes["landed, refused"] += 1
+                return
+            assert fits, "a landed KV that does not fit its request was decoded"
+            assert len(tokens) == 3 and all(t < model.vocab_size for t in tokens)
+            outcomes["landed, decoded"] += 1
         finally:
             if decode_call is not None:
                 decode_call.cancel()
 
     fuzz()
-    print(f"KV push outcomes: {outcomes}")
-    assert outcomes.get("OK") and len(outcomes) >= 4, f"the fuzz reached too few outcomes: {outcomes}"
+    print(f"KV push outcomes: {dict(outcomes)}")
+    assert outcomes["landed, decoded"] and outcomes["landed, refused"] and len(outcomes) >= 5, (
+        f"the fuzz reached too few outcomes: {dict(outcomes)}")
     assert_cluster_serves_and_holds_nothing(cluster, tiny_reference)
 
 
@@ -594,10 +607,11 @@ def test_second_push_for_a_request_id_in_flight_is_already_exists(cluster, model
 
 
 # ---------------------------------------------------------------------------------------------
-# Known bugs (outside the files this suite's author may change), pinned so the fix shows up.
+# What the fuzz found, one input each: regression tests.
 
-def start_decode_worker():
-    """A decode worker process of its own, for inputs that break it; yields a channel to it."""
+@pytest.fixture(scope="module")
+def bruised_decode_worker():
+    """A decode worker process of its own, for an input that aborts whatever else runs on it."""
     address = f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "decode", "--host", "127.0.0.1",
                              "--port", address.split(":")[1], "--model", "tiny-random"], start_new_session=True)
@@ -608,22 +622,10 @@ def start_decode_worker():
     finally:
         proc.terminate()
         try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:  # a broken worker may never finish draining
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-@pytest.fixture
-def lone_decode_worker():
-    """For an input that kills the worker."""
-    yield from start_decode_worker()
-
-
-@pytest.fixture(scope="module")
-def bruised_decode_worker():
-    """For inputs that abort what else runs on the worker, but leave it serving."""
-    yield from start_decode_worker()
 
 
 def push_for(ch, model: Model, request_id: str, prompt: list[int], metadata: bytes, *, num_tokens=None,
@@ -657,6 +659,7 @@ def fingerprint_of(ch) -> str:
 
 
 def test_reusing_a_request_id_back_to_back_serves_every_request(cluster):
+    """The finished call's late cancel callback once cancelled the next request with its id."""
     with grpc.insecure_channel(cluster.router_address) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         request = router_pb2.GenerateRequest(request_id="again", text="D-XQW",
@@ -668,43 +671,39 @@ def test_reusing_a_request_id_back_to_back_serves_every_request(cluster):
             assert outcome[-1].finish_reason == "length", f"attempt {attempt}: the stream ended unfinished"
 
 
-def test_undecodable_kv_metadata_is_refused_and_the_worker_keeps_serving(lone_decode_worker):
-    ch = lone_decode_worker
-    model = Model(49152, 2048, fingerprint_of(ch))
-    bad = push_for(ch, model, "bad-metadata", [1, 2, 3], b"\xff\xff\xff", timeout=4)
-    assert decode_outcome(bad) in ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "abort")
-    good = push_for(ch, model, "after", [1, 2, 3], workers_pb2.KVMetadata(first_token=5).SerializeToString())
-    assert decode_outcome(good) == "length"
+def test_undecodable_kv_metadata_fails_only_its_request(cluster, model, decode_channel, tiny_reference):
+    """It once killed the decode loop: every later request hung and the staged bytes leaked."""
+    bad = push_for(decode_channel, model, f"meta-{uuid.uuid4().hex}", [1, 2, 3], b"\xff\xff\xff")
+    assert decode_outcome(bad) == "INVALID_ARGUMENT"
+    assert_cluster_serves_and_holds_nothing(cluster, tiny_reference)
 
 
-def test_out_of_vocabulary_first_token_fails_only_its_own_request(bruised_decode_worker):
-    ch = bruised_decode_worker
-    model = Model(49152, 2048, fingerprint_of(ch))
+def test_out_of_vocabulary_first_token_fails_only_its_own_request(cluster, model, decode_channel, tiny_reference):
+    """It was once streamed as a token, then its embedding lookup aborted every running request."""
     ok = workers_pb2.KVMetadata(first_token=5).SerializeToString()
-    bystander = push_for(ch, model, f"bystander-{uuid.uuid4().hex}", [1, 2], ok, max_tokens=400, timeout=60)
+    bystander = push_for(decode_channel, model, f"bystander-{uuid.uuid4().hex}", [1, 2], ok, max_tokens=200,
+                         timeout=60)
     next(bystander)  # decoding
-    bad = push_for(ch, model, "oov", [1, 2, 3], workers_pb2.KVMetadata(first_token=UINT32).SerializeToString())
+    bad = push_for(decode_channel, model, f"oov-{uuid.uuid4().hex}", [1, 2, 3],
+                   workers_pb2.KVMetadata(first_token=UINT32).SerializeToString())
     bad_tokens = []
-    try:
+    with pytest.raises(grpc.RpcError) as err:
         for m in bad:
             bad_tokens += m.token_ids
-    except grpc.RpcError:
-        pass
-    assert all(t < model.vocab_size for t in bad_tokens), f"streamed token ids outside the vocabulary: {bad_tokens}"
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in err.value.details()
+    assert not bad_tokens
     assert decode_outcome(bystander) == "length", "a bad request aborted another one"
+    assert_cluster_serves_and_holds_nothing(cluster, tiny_reference)
 
 
 @pytest.mark.parametrize("prompt_len, kv_tokens", [(3, 40), (40, 3)])
 def test_kv_of_another_length_than_the_prompt_is_refused(cluster, model, decode_channel, prompt_len, kv_tokens):
+    """It was once decoded as if it fit."""
     call = push_for(decode_channel, model, f"len-{uuid.uuid4().hex}", list(range(1, prompt_len + 1)),
                     workers_pb2.KVMetadata(first_token=5).SerializeToString(), num_tokens=kv_tokens)
-    assert decode_outcome(call) != "length"
+    assert decode_outcome(call) == "INVALID_ARGUMENT"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine/sampling.py sample(): torch.multinomial raises RuntimeError on a NaN/inf probability row "
-    "(e.g. NaN in a request's KV with temperature > 0); decode_worker/loop.py then aborts every running "
-    "request instead of only the one whose logits are bad"))
 def test_nan_kv_with_sampling_fails_only_its_own_request(bruised_decode_worker):
     ch = bruised_decode_worker
     model = Model(49152, 2048, fingerprint_of(ch))
