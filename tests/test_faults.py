@@ -111,3 +111,25 @@ def test_twice_the_load_gets_resource_exhausted_not_timeouts():
             assert len(served) >= 8 and all(len(o.token_ids) == 64 for o in served)
             decode = next(w.decode for w in client.cluster_status().workers if w.role == "decode")
             assert decode["staged_bytes"] <= decode["staging_capacity_bytes"]
+
+
+def test_every_process_serves_prometheus_metrics():
+    import urllib.request
+
+    from baton.up import free_port
+
+    ports = {role: free_port() for role in ("router", "prefill", "decode")}
+    with LocalCluster(prefill=1, decode=1, model="tiny-random",
+                      router_args=("--metrics-port", str(ports["router"])),
+                      prefill_args=("--metrics-port", str(ports["prefill"])),
+                      decode_args=("--metrics-port", str(ports["decode"]))) as cluster:
+        with BatonClient(cluster.router_address, timeout=60) as client:
+            client.generate(token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True)
+        scraped = {role: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+                   for role, port in ports.items()}
+    assert "baton_time_to_first_token_seconds_count 1.0" in scraped["router"]
+    assert 'baton_requests_total{reason="length"} 1.0' in scraped["router"]
+    assert 'baton_kv_transfers_total{outcome="ok"} 1.0' in scraped["prefill"]
+    for name in ("baton_decode_rows_in_use", "baton_decode_kv_allocated_bytes", "baton_decode_staged_bytes",
+                 "baton_decode_preemptions_total", "baton_time_between_tokens_seconds_count"):
+        assert name in scraped["decode"], name
