@@ -96,6 +96,8 @@ class DecodeSettings:
     kv_budget_bytes: int = 1 << 30  # the batch KV never exceeds this
     staging_bytes: int = 512 << 20  # CPU staging pool for landed KV
     max_pending: int = 256  # requests waiting for KV before RESOURCE_EXHAUSTED
+    kv_high_watermark_bytes: int = 0  # batch KV above this parks rows on the host (0 = off)
+    kv_low_watermark_bytes: int = 0  # and rows are admitted only while it stays at or below this
     advertise: str = ""
     metrics_port: int = 0
 

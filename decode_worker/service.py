@@ -100,7 +100,9 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     started = time.monotonic()
     loaded = load_model(model.name, dtype=model.dtype, device=model.device)
     runner = ModelRunner(loaded, model.attention_backend)
-    core = DecodeCore(runner, DecodeConfig(max_rows=settings.max_rows, kv_budget_bytes=settings.kv_budget_bytes))
+    core = DecodeCore(runner, DecodeConfig(max_rows=settings.max_rows, kv_budget_bytes=settings.kv_budget_bytes,
+                                           high_watermark_bytes=settings.kv_high_watermark_bytes,
+                                           low_watermark_bytes=settings.kv_low_watermark_bytes))
     pool = StagingPool(StagingConfig(capacity_bytes=settings.staging_bytes, require_expected=True,
                                      max_entries=settings.max_pending + settings.max_rows),
                        on_landed=lambda request_id: loop.on_landed(request_id))
