@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Short input, short or long output: answers range from one line to a full page.
+# Short input; the answers are either one line (a fact, a greeting, a translation) or a full
+# page (a story, a guide, an essay), as chat traffic is. Each question is followed by one of the
+# other kind, so every static batch holds both: the spread BATON's re-batching exploits (a static
+# batch runs until its longest member ends). With SmolLM2-135M-Instruct, greedy, the one-line
+# answers take 7 to 14 tokens and the page answers reach the 200-token cap.
 RELAY_QUESTIONS = [
     "What is the capital of Japan?",
     "Write a short story about a dragon who learns to bake bread.",
@@ -16,30 +20,30 @@ RELAY_QUESTIONS = [
     "Explain how a refrigerator keeps food cold.",
     "What is 15 plus 27?",
     "Write a poem about autumn leaves falling in a quiet park.",
-    "Who wrote Romeo and Juliet?",
+    "What is the capital of France?",
     "Give me a step-by-step recipe for pancakes.",
     "Translate 'good morning' into Spanish.",
     "Describe the water cycle in detail.",
-    "Is a tomato a fruit or a vegetable?",
+    "What is 2 plus 2?",
     "Write a letter to a friend inviting them to a picnic.",
-    "What is the boiling point of water in Celsius?",
+    "Answer with one word: what color is grass?",
     "Explain the difference between weather and climate.",
-    "Say hello.",
+    "How many days are in a week?",
     "List ten tips for staying productive while working from home.",
-    "How many legs does a spider have?",
+    "Translate 'thank you' into French.",
     "Write a product description for a solar-powered backpack.",
-    "What color is the sky on a clear day?",
+    "What is the capital of Italy?",
     "Explain why the moon has phases.",
-    "What is the largest planet in our solar system?",
+    "How many continents are there?",
     "Tell me a bedtime story about a sleepy owl.",
-    "Spell the word 'necessary'.",
-    "Summarize the plot of Cinderella.",
-    "What is the opposite of hot?",
+    "What is the plural of 'mouse'?",
     "Write an essay about the importance of reading books.",
-    "Name a mammal that can fly.",
+    "What is the capital of Canada?",
     "Describe how to plant a tree.",
-    "What day comes after Monday?",
+    "What is the capital of Germany?",
     "Explain how the internet works to a ten-year-old.",
+    "What is the capital of Egypt?",
+    "Write a short story about a robot who wants to become a gardener.",
 ]
 
 # Mixed shapes (BATON Table 1): a long document to condense, a short request for a long text,
