@@ -73,9 +73,9 @@ def _prefill(query, key, value, ctx: PrefillAttention, scale):
     if ctx.backend == "triton":
         from engine.kernels import prefill_attention
 
-        # one sequence: q [Tq, Hq, D], k/v [Hkv, Tk, D]
-        out = prefill_attention(query[0].transpose(0, 1), key[0], value[0], ctx.prefix_len, scale)
-        return out.unsqueeze(0)
+        # the kernel takes one sequence: q [Tq, Hq, D], k/v [Hkv, Tk, D]
+        return torch.stack([prefill_attention(query[b].transpose(0, 1), key[b], value[b], ctx.prefix_len, scale)
+                            for b in range(query.shape[0])])
     if ctx.prefix_len == 0:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
     else:

@@ -44,10 +44,13 @@ class _PrefillCache(Cache):
         self.prefix = prefix
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        # key_states, value_states: [1, kv_heads, new_tokens, head_dim]
+        # key_states, value_states: [prompts, kv_heads, new_tokens, head_dim]; one prefix for all
         if self.prefix is not None and self.prefix.num_tokens:
-            key_states = torch.cat([self.prefix.keys(layer_idx)[None].to(key_states), key_states], dim=2)
-            value_states = torch.cat([self.prefix.values(layer_idx)[None].to(value_states), value_states], dim=2)
+            rows = key_states.shape[0]
+            keys = self.prefix.keys(layer_idx)[None].to(key_states).expand(rows, -1, -1, -1)
+            values = self.prefix.values(layer_idx)[None].to(value_states).expand(rows, -1, -1, -1)
+            key_states = torch.cat([keys, key_states], dim=2)
+            value_states = torch.cat([values, value_states], dim=2)
         self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
         return key_states, value_states
 
@@ -100,29 +103,32 @@ class ModelRunner:
         return PrefillOutput(out.logits[0, -1].float(), cache.sequence_kv(), new_ids.shape[1])
 
     @torch.no_grad()
-    def prefill_batch(self, prompts: list[list[int]]) -> list[PrefillOutput]:
+    def prefill_batch(self, prompts: list[list[int]], prefix: SequenceKV | None = None) -> list[PrefillOutput]:
         """Several prompts in one forward, right-padded: under the causal mask a real token never
-        sees the padding after it, so each prompt's KV and logits are its own."""
+        sees the padding after it, so each prompt's KV and logits are its own. With `prefix`, every
+        prompt starts with those cached tokens (a BatchLLM group); only the rest is computed."""
         if len(prompts) == 1:
-            return [self.prefill(prompts[0])]
-        if any(not p for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        longest = max(map(len, prompts))
+            return [self.prefill(prompts[0], prefix)]
+        cached = prefix.num_tokens if prefix is not None else 0
+        if any(len(p) <= cached for p in prompts):
+            raise ValueError(f"every prompt needs a token after the {cached}-token prefix")
+        suffixes = [p[cached:] for p in prompts]
+        longest = max(map(len, suffixes))
         ids = torch.zeros(len(prompts), longest, dtype=torch.long, device=self.device)
-        for i, p in enumerate(prompts):
-            ids[i, :len(p)] = torch.tensor(p, device=self.device)
-        positions = torch.arange(longest, device=self.device)[None].expand(len(prompts), -1)
-        cache = _PrefillCache(None, self.loaded.kv_shape.num_layers)
+        for i, s in enumerate(suffixes):
+            ids[i, :len(s)] = torch.tensor(s, device=self.device)
+        positions = torch.arange(cached, cached + longest, device=self.device)[None].expand(len(prompts), -1)
+        cache = _PrefillCache(prefix, self.loaded.kv_shape.num_layers)
         hidden = self.model.get_decoder()(
             input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
-            baton=PrefillAttention(0, self.backend),
+            baton=PrefillAttention(cached, self.backend),
         ).last_hidden_state  # [B, T, hidden]
-        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        last = torch.tensor([len(s) - 1 for s in suffixes], device=self.device)
         logits = self.model.get_output_embeddings()(hidden[torch.arange(len(prompts)), last]).float()  # [B, V]
-        self.prompt_tokens_forwarded += sum(map(len, prompts))
-        kv = cache.batch_kv()  # [layers, 2, B, kv_heads, T, head_dim]
-        return [PrefillOutput(logits[i], SequenceKV(kv[:, :, i, :, :len(p)].contiguous()), len(p))
-                for i, p in enumerate(prompts)]
+        self.prompt_tokens_forwarded += sum(map(len, suffixes))
+        kv = cache.batch_kv()  # [layers, 2, B, kv_heads, cached + T, head_dim]
+        return [PrefillOutput(logits[i], SequenceKV(kv[:, :, i, :, :len(p)].contiguous()), len(s))
+                for i, (p, s) in enumerate(zip(prompts, suffixes))]
 
     @torch.no_grad()
     def decode(self, batch: BatchKV, input_ids: list[int]) -> torch.Tensor:

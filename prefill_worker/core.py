@@ -71,18 +71,19 @@ class PrefillCore:
         return reuse
 
     def prefill(self, requests: list[GenerationRequest]) -> list[PrefilledRequest]:
-        """Prompts without a cached prefix run as one right-padded batch; the others one by one."""
+        """Prompts run in batches of equal cached prefix: those with none as one right-padded
+        batch, and those continuing the same cached blocks (a BatchLLM group) as another."""
         for request in requests:
             request.trace.mark("prefill_start")
         plans = [self.reuse_for(r.prompt_token_ids) for r in requests]
         outs: list[PrefillOutput | None] = [None] * len(requests)
-        fresh = [i for i, plan in enumerate(plans) if plan.tokens == 0]
-        if fresh:
-            for i, out in zip(fresh, self.runner.prefill_batch([requests[i].prompt_token_ids for i in fresh])):
-                outs[i] = out
+        groups: dict[tuple, list[int]] = {}
         for i, plan in enumerate(plans):
-            if plan.tokens:
-                outs[i] = self._run_on_prefix(requests[i].prompt_token_ids, plan)
+            groups.setdefault((tuple(plan.hashes[:plan.blocks]), plan.partial), []).append(i)
+        for members in groups.values():
+            prompts = [requests[i].prompt_token_ids for i in members]
+            for i, out in zip(members, self._run_on_prefix(prompts, plans[members[0]])):
+                outs[i] = out
         prefilled = []
         for request, plan, out in zip(requests, plans, outs):
             self._remember(plan.hashes, out.kv)
@@ -94,14 +95,17 @@ class PrefillCore:
             prefilled.append(PrefilledRequest(request, out.kv, first_token, sampler.seed, plan.tokens))
         return prefilled
 
-    def _run_on_prefix(self, prompt: list[int], plan: Reuse) -> PrefillOutput:
-        """Prefill continuing from the cached blocks (locked meanwhile) and pinned partial block."""
+    def _run_on_prefix(self, prompts: list[list[int]], plan: Reuse) -> list[PrefillOutput]:
+        """Prefill prompts that share `plan`'s cached blocks (locked meanwhile) and pinned
+        partial block; with nothing cached, a plain batch."""
+        if not plan.tokens:
+            return self.runner.prefill_batch(prompts)
         held = plan.hashes[:plan.blocks]
         parts = self.cache.lock(held)
         if plan.partial is not None:
             parts = parts + [self.partials[plan.partial]]
         try:
-            return self.runner.prefill(prompt, SequenceKV(torch.cat(parts, dim=3)))
+            return self.runner.prefill_batch(prompts, SequenceKV(torch.cat(parts, dim=3)))
         finally:
             self.cache.unlock(held)
 
@@ -131,7 +135,7 @@ class PrefillCore:
         computed = 0
         if self.cache.match(full) < len(full) or tail:
             plan = self.reuse_for(prefix)
-            out = self._run_on_prefix(prefix, plan) if plan.tokens else self.runner.prefill(prefix)
+            out = self._run_on_prefix([prefix], plan)[0]
             computed = out.computed_tokens
             self._remember(full, out.kv)
         held = full[:self.cache.match(full)]

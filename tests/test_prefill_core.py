@@ -1,0 +1,66 @@
+"""Prefill over cached prefixes: a group sharing one prefix runs as one batch, and gives what
+prefilling each whole prompt alone gives."""
+import torch
+
+from engine.request import GenerationRequest
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from prefill_worker.core import PrefillCore
+
+PREFIX = list(range(200, 240))  # 2 full blocks of 16 and a partial one of 8
+SUFFIXES = [[7, 8, 9], list(range(500, 521)), [11], list(range(600, 606))]
+
+
+def test_prefill_batch_over_a_shared_prefix_matches_each_whole_prompt(tiny_model):
+    runner = ModelRunner(tiny_model)
+    prefix_kv = runner.prefill(PREFIX).kv  # causal: the same KV as the prompts' first tokens
+    prompts = [PREFIX + s for s in SUFFIXES]
+    before = runner.prompt_tokens_forwarded
+    batched = runner.prefill_batch(prompts, prefix_kv)
+    assert runner.prompt_tokens_forwarded - before == sum(map(len, SUFFIXES))  # the prefix is not recomputed
+    for prompt, out in zip(prompts, batched):
+        alone = runner.prefill(prompt)
+        assert out.kv.num_tokens == len(prompt)
+        assert out.computed_tokens == len(prompt) - len(PREFIX)
+        torch.testing.assert_close(out.kv.data, alone.kv.data, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out.logits, alone.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_pinned_group_prefills_in_one_forward_with_the_first_tokens_of_a_cold_prefill(tiny_model):
+    cold = PrefillCore(ModelRunner(tiny_model), prefix_cache_bytes=0)
+    prompts = [PREFIX + s for s in SUFFIXES]
+    params = SamplingParams(max_tokens=4)
+    expected = [p.first_token for p in cold.prefill([GenerationRequest(f"c{i}", p, params)
+                                                     for i, p in enumerate(prompts)])]
+
+    core = PrefillCore(ModelRunner(tiny_model))
+    held, computed = core.pin("group", PREFIX)
+    assert (held, computed) == (len(PREFIX), len(PREFIX))
+    calls = []
+    original = core.runner.prefill_batch
+    core.runner.prefill_batch = lambda batch, prefix=None: calls.append(len(batch)) or original(batch, prefix)
+    before = core.runner.prompt_tokens_forwarded
+    got = core.prefill([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
+    assert calls == [len(prompts)]  # one forward for the whole group
+    assert core.runner.prompt_tokens_forwarded - before == sum(map(len, SUFFIXES))
+    assert [p.cached_tokens for p in got] == [len(PREFIX)] * len(prompts)
+    assert [p.first_token for p in got] == expected
+    for p, prompt in zip(got, prompts):
+        assert p.kv.num_tokens == len(prompt)
+    assert core.unpin("group")
+
+
+def test_prompts_with_different_cached_prefixes_run_as_separate_batches(tiny_model):
+    core = PrefillCore(ModelRunner(tiny_model))
+    other = list(range(900, 932))
+    core.pin("a", PREFIX)
+    core.pin("b", other)
+    calls = []
+    original = core.runner.prefill_batch
+    core.runner.prefill_batch = lambda batch, prefix=None: calls.append(
+        (len(batch), prefix.num_tokens if prefix is not None else 0)) or original(batch, prefix)
+    prompts = [PREFIX + [1, 2], other + [3], PREFIX + [4], [5, 6, 7]]
+    requests = [GenerationRequest(str(i), p, SamplingParams()) for i, p in enumerate(prompts)]
+    got = core.prefill(requests)
+    assert sorted(calls) == sorted([(2, len(PREFIX)), (1, len(other)), (1, 0)])
+    assert [p.cached_tokens for p in got] == [len(PREFIX), len(other), len(PREFIX), 0]
