@@ -19,6 +19,15 @@ BACKENDS = ("auto", "torch", "triton")
 class DecodeAttention:
     starts: torch.Tensor  # int32 [rows]: first valid window column per row
     backend: str
+    mask: torch.Tensor | None = None  # torch backend: bool [rows, 1, 1, window], built once per step
+
+    @classmethod
+    def for_window(cls, starts: torch.Tensor, window: int, backend: str) -> "DecodeAttention":
+        mask = None
+        if backend == "torch":  # every layer reads the same mask: build it once, not per layer
+            columns = torch.arange(window, device=starts.device)
+            mask = (columns[None, :] >= starts[:, None])[:, None, None, :]
+        return cls(starts, backend, mask)
 
 
 @dataclass
@@ -63,8 +72,9 @@ def _decode(query, key, value, ctx: DecodeAttention, scale):
 
         out = decode_attention(query[:, :, 0], key, value, ctx.starts, scale)  # [B, Hq, D]
         return out.unsqueeze(1)
-    columns = torch.arange(key.shape[2], device=key.device)
-    mask = (columns[None, :] >= ctx.starts[:, None].to(key.device))[:, None, None, :]  # [B, 1, 1, Tk]
+    mask = ctx.mask
+    if mask is None or mask.shape[-1] != key.shape[2]:
+        mask = DecodeAttention.for_window(ctx.starts.to(key.device), key.shape[2], "torch").mask  # [B, 1, 1, Tk]
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)
 

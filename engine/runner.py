@@ -142,7 +142,7 @@ class ModelRunner:
         out = self.model(
             input_ids=torch.tensor(input_ids, device=self.device)[:, None], position_ids=positions,
             past_key_values=_BatchCache(batch, column), use_cache=True,
-            baton=DecodeAttention(starts, self.backend),
+            baton=DecodeAttention.for_window(starts, batch.length, self.backend),
         )
         self.decode_tokens_forwarded += rows
         self.decode_steps += 1
