@@ -93,6 +93,9 @@ def _serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> None:
     parser.add_argument("--tls-key", metavar="FILE", help="the private key of --tls-cert (PEM)")
     parser.add_argument("--tls-ca", metavar="FILE",
                         help="CA that peers' certificates must be signed by; turns on mutual TLS")
+    parser.add_argument("--tls-server-name", metavar="NAME",
+                        help="check peers' certificates for this DNS name instead of the host dialled "
+                             "(peers reached by IP)")
     parser.set_defaults(role=role)
 
 
@@ -138,12 +141,13 @@ def load_role_settings(args):
     section = {k: getattr(args, k, None) for k in ("host", "port", "metrics_port")}
     for key in ("max_rows", "kv_budget_bytes", "staging_bytes", "max_queue", "max_batch_tokens", "prefix_cache_bytes",
                 "block_size", "prefill_workers", "decode_workers", "discovery", "prefix_index", "redis_url",
-                "index_namespace", "max_inflight", "auth_token_file", "require_client_cert"):
+                "index_namespace", "max_inflight", "auth_token_file", "require_client_cert", "drain_move_after_s"):
         if getattr(args, key, None) is not None:
             section[key] = getattr(args, key)
     model = {"name": args.model_name, "dtype": args.dtype, "device": args.device,
              "attention_backend": args.attention_backend}
-    tls = {"cert_file": args.tls_cert, "key_file": args.tls_key, "ca_file": args.tls_ca}
+    tls = {"cert_file": args.tls_cert, "key_file": args.tls_key, "ca_file": args.tls_ca,
+           "server_name": args.tls_server_name}
     return load_settings(args.config, overrides={"model": model, args.role: section, "tls": tls})
 
 
@@ -164,7 +168,12 @@ BATCH_KEYS = {"prompt", "messages", "token_ids", "max_tokens", "temperature", "t
 
 
 def read_batch_file(path: str) -> list[dict]:
-    """One request a line: {"prompt": ...} (a user message), {"messages": [...]} or {"token_ids": [...]}."""
+    """One request a line: {"prompt": ...} (a user message), {"messages": [...]} or {"token_ids": [...]}.
+
+    Every line is checked as the SDK would send it (types and ranges included), so a bad line
+    is reported before any connection is made or local cluster started."""
+    from client.convert import build_request
+
     requests = []
     try:
         lines = open(path, encoding="utf-8").read().splitlines()
@@ -185,6 +194,10 @@ def read_batch_file(path: str) -> list[dict]:
         kinds = [k for k in ("prompt", "messages", "token_ids") if k in item]
         if len(kinds) != 1:
             raise UsageError(f"{path}:{number}: give exactly one of prompt, messages or token_ids")
+        try:
+            build_request(**item)
+        except (ValueError, TypeError) as exc:
+            raise UsageError(f"{path}:{number}: {exc}") from None
         requests.append(item)
     if not requests:
         raise UsageError(f"{path} has no requests; write one JSON object per line")
@@ -194,8 +207,15 @@ def read_batch_file(path: str) -> list[dict]:
 def cmd_batch(args) -> int:
     from client import BatonClient, BatonError
 
+    # Everything that can be wrong with the input is found here, before a cluster starts.
     requests = read_batch_file(args.file)
     connection = connection_kwargs(args)
+    if args.max_concurrency < 0:
+        raise UsageError(f"--max-concurrency must be >= 0 (0: the router's choice; got {args.max_concurrency})")
+    if args.timeout is not None and args.timeout <= 0:
+        raise UsageError(f"--timeout must be a positive number of seconds (got {args.timeout})")
+    if not args.router and args.max_rows < 1:
+        raise UsageError(f"--max-rows must be >= 1 (got {args.max_rows})")
     prompts = [r.get("prompt") or r.get("messages") or r.get("token_ids") for r in requests]
     done = [0]
 
@@ -293,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--max-rows", type=int)
     decode.add_argument("--kv-budget-bytes", type=int)
     decode.add_argument("--staging-bytes", type=int)
+    decode.add_argument("--drain-move-after-s", type=float,
+                        help="on SIGTERM, seconds before running requests move with their KV to another decode worker")
     decode.set_defaults(func=cmd_serve)
 
     batch = sub.add_parser("batch", help="a large offline batch with shared prefixes (BatchLLM)")

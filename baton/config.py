@@ -34,6 +34,9 @@ class TLSSettings:
     ca_file: str = ""  # CA that peers' certificates are checked against (empty: the system roots);
     # with it, worker ports demand a client certificate signed by it (mutual TLS), and so does the
     # router's public port unless router.require_client_cert is false
+    server_name: str = ""  # the name peers' certificates are checked against instead of the host in
+    # their address (gRPC's ssl_target_name_override): set it when peers are reached by IP (Kubernetes
+    # discovery uses pod IPs) and their certificate names a DNS name; empty: the address's host
 
     @property
     def enabled(self) -> bool:
@@ -46,6 +49,12 @@ class TLSSettings:
         if self.ca_file and not self.cert_file:
             raise ValueError("tls.ca_file needs tls.cert_file and tls.key_file: with a CA every process also "
                              "serves TLS with its own certificate; set them, or clear tls.ca_file for plaintext")
+        if self.server_name and not self.cert_file:
+            raise ValueError("tls.server_name applies to TLS channels only: set tls.cert_file and tls.key_file, "
+                             "or clear tls.server_name")
+        if self.server_name != self.server_name.strip() or any(c in self.server_name for c in " /:,"):
+            raise ValueError(f"tls.server_name must be a bare host name such as baton.serving.svc "
+                             f"(got {self.server_name!r})")
 
 
 @dataclass
@@ -83,9 +92,22 @@ class PrefillSettings:
     max_batch_size: int = 8
     prefix_cache_bytes: int = 256 << 20
     block_size: int = 16
-    kv_chunk_bytes: int = 2 << 20
+    kv_chunk_bytes: int = 2 << 20  # KV payload bytes per message of a push (validate() says how many fit)
     advertise: str = ""  # host:port others use to reach this worker (default: host:port)
     metrics_port: int = 0
+
+    def validate(self) -> None:
+        """Refuse values that would otherwise fail only at the first KV push."""
+        from baton.server import MAX_MESSAGE_BYTES
+        from kvtransfer.wire import MAX_CHUNK_BYTES, max_chunk_bytes_within
+
+        # A decode worker refuses chunks above MAX_CHUNK_BYTES, and a chunk plus its framing must
+        # fit one gRPC message of the decode worker's server.
+        limit = max_chunk_bytes_within(MAX_MESSAGE_BYTES)
+        if not 0 < self.kv_chunk_bytes <= limit:
+            raise ValueError(f"prefill.kv_chunk_bytes is {self.kv_chunk_bytes}; it must be in (0, {limit}]: a KV "
+                             f"chunk plus its framing must fit one {MAX_MESSAGE_BYTES >> 20} MiB gRPC message "
+                             f"(and the wire allows at most {MAX_CHUNK_BYTES}); the default is 2097152 (2 MiB)")
 
 
 @dataclass
@@ -98,8 +120,16 @@ class DecodeSettings:
     max_pending: int = 256  # requests waiting for KV before RESOURCE_EXHAUSTED
     kv_high_watermark_bytes: int = 0  # batch KV above this parks rows on the host (0 = off)
     kv_low_watermark_bytes: int = 0  # and rows are admitted only while it stays at or below this
+    # On SIGTERM (drain): seconds to let running requests finish before their KV moves to another
+    # decode worker that has room (the router re-prefills a request when none takes it). At or past
+    # the 20 s drain, nothing moves and what is left is re-prefilled.
+    drain_move_after_s: float = 5.0
     advertise: str = ""
     metrics_port: int = 0
+
+    def validate(self) -> None:
+        if not self.drain_move_after_s >= 0:
+            raise ValueError(f"decode.drain_move_after_s must be >= 0 seconds (got {self.drain_move_after_s})")
 
 
 SECTIONS = {"model": ModelSettings, "router": RouterSettings, "prefill": PrefillSettings,
@@ -140,6 +170,8 @@ def load_settings(path: str | None = None, env: dict[str, str] | None = None,
     for section, values in (overrides or {}).items():
         _apply(settings, section, {k: v for k, v in values.items() if v is not None}, source="command line")
     settings.tls.validate()
+    settings.prefill.validate()
+    settings.decode.validate()
     return settings
 
 

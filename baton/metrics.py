@@ -28,6 +28,8 @@ class Metrics:
                                         registry=r)
         self.prefix_actual = Counter("baton_prefix_cached_tokens", "Prompt tokens served from a prefix cache",
                                      registry=r)
+        self.migrations = Counter("baton_kv_migrations", "Requests moved with their KV between decode workers on "
+                                  "drain, by outcome (sent, failed, received)", ["outcome"], registry=r)
         self.overloaded = Counter("baton_overloaded", "Requests refused with RESOURCE_EXHAUSTED", registry=r)
 
     def gauge(self, name: str, documentation: str, read: Callable[[], float]) -> None:

@@ -22,6 +22,10 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
+# Servers let peers ping this often (gRPC's default cuts a peer off after two pings within 5
+# minutes): KV pushes ping their receiver every 500 ms while open to notice a dead one at once
+# (kvtransfer.wire.PUSH_KEEPALIVE_MS; the value is kvtransfer.wire.SERVER_MIN_PING_INTERVAL_MS).
+SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.http2.min_ping_interval_without_data_ms", 250)]
 
 
 def _read_pem(path: str, setting: str) -> bytes:
@@ -32,18 +36,27 @@ def _read_pem(path: str, setting: str) -> bytes:
                          "point it at a readable PEM file") from None
 
 
-def channel(target: str, tls: TLSSettings | None = None) -> grpc.Channel:
+def channel(target: str, tls: TLSSettings | None = None, extra_options=()) -> grpc.Channel:
     """A channel to another Baton component: TLS when this process has a certificate (the peer is
-    checked against tls.ca_file, or the system roots), presenting that certificate for mutual TLS."""
+    checked against tls.ca_file, or the system roots), presenting that certificate for mutual TLS.
+    With tls.server_name the peer's certificate must name that host instead of the target's.
+    extra_options are added to the channel's options (e.g. kvtransfer's push keepalive)."""
     if tls is None or not tls.enabled:
-        return grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        return grpc.insecure_channel(target, options=[*GRPC_OPTIONS, *extra_options])
     tls.validate()
     creds = grpc.ssl_channel_credentials(
         root_certificates=_read_pem(tls.ca_file, "ca_file") if tls.ca_file else None,
         private_key=_read_pem(tls.key_file, "key_file"),
         certificate_chain=_read_pem(tls.cert_file, "cert_file"),
     )
-    return grpc.secure_channel(target, creds, options=GRPC_OPTIONS)
+    return grpc.secure_channel(target, creds, options=[*tls_channel_options(tls), *extra_options])
+
+
+def tls_channel_options(tls: TLSSettings) -> list[tuple[str, object]]:
+    """GRPC_OPTIONS, plus the certificate name override when tls.server_name is set."""
+    if not tls.server_name:
+        return list(GRPC_OPTIONS)
+    return [*GRPC_OPTIONS, ("grpc.ssl_target_name_override", tls.server_name)]
 
 
 def server_credentials(tls: TLSSettings, require_client_cert: bool = True) -> grpc.ServerCredentials:
@@ -215,7 +228,7 @@ class GrpcServer:
 
     def __init__(self, host: str, port: int, *, max_workers: int = 64, tls: TLSSettings | None = None,
                  require_client_cert: bool = True, interceptors=()):
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS,
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS,
                                   interceptors=[*interceptors, CallConventions()])
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

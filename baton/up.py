@@ -64,6 +64,7 @@ class LocalCluster:
         if self.tls is not None:
             security = ("--tls-cert", self.tls.cert_file, "--tls-key", self.tls.key_file)
             security += ("--tls-ca", self.tls.ca_file) if self.tls.ca_file else ()
+            security += ("--tls-server-name", self.tls.server_name) if self.tls.server_name else ()
         prefill_args, decode_args = security + tuple(prefill_args), security + tuple(decode_args)
         auth = ("--auth-token-file", auth_token_file) if auth_token_file else ()
         router_args = security + auth + tuple(router_args)

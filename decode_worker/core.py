@@ -48,6 +48,20 @@ class _Live:
     parked: bool = False  # kv is a parked row's (host memory), not the staged KV from prefill
 
 
+@dataclass
+class Evicted:
+    """A request taken out of a core unfinished, to go on elsewhere. Its KV (host memory) covers
+    the prompt and every generated token but the last, which is its next input: exactly what a
+    decode worker embeds for a prompt of `prompt_token_ids + token_ids[:-1]` whose prefill sampled
+    `token_ids[-1]` at step `len(token_ids) - 1` of the random stream of `seed`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated so far, at least one
+    kv: SequenceKV
+    seed: int
+
+
 _STATUS = {FinishReason.STOP: Status.FINISHED_STOPPED, FinishReason.LENGTH: Status.FINISHED_LENGTH}
 
 
@@ -126,6 +140,20 @@ class DecodeCore:
         self._finish(live, Status.FINISHED_ABORTED)
         return self._output(live, "", "abort")
 
+    def evict(self, request_id: str) -> Evicted | None:
+        """Take a request out unfinished, wherever it is (running, parked or staged), with its KV,
+        so that it can go on on another worker. Its row and staging bytes are freed; it does not
+        count as finished."""
+        live = self.live.get(request_id)
+        if live is None:
+            return None
+        seq = live.seq
+        kv = SequenceKV(self.batch.extract(seq.row).data.cpu()) if seq.row is not None else live.kv
+        assert kv.num_tokens == seq.num_kv_tokens, f"{kv.num_tokens} KV tokens for {seq.num_kv_tokens}"
+        self._remove(live, Status.MOVED)
+        prompt = live.prefilled.request.prompt_token_ids
+        return Evicted(request_id, list(prompt), list(seq.output_ids), kv, live.sampler.seed)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
@@ -171,6 +199,11 @@ class DecodeCore:
         return outputs
 
     def _finish(self, live: _Live, status: Status) -> None:
+        self._remove(live, status)
+        self.finished_total += 1
+
+    def _remove(self, live: _Live, status: Status) -> None:
+        """Free the request's row or KV and forget it."""
         seq = live.seq
         row = seq.row
         moved = self.scheduler.finish(seq, status)
@@ -182,7 +215,6 @@ class DecodeCore:
             if not live.parked:
                 self.on_kv_consumed(seq.request_id)
         del self.live[seq.request_id]
-        self.finished_total += 1
 
     def _output(self, live: _Live, delta: str, finish_reason: str | None) -> RequestOutput:
         req = live.prefilled.request

@@ -4,6 +4,10 @@ Life of a request here: `register` (the router opened Decode: the staging pool n
 KV) -> the KV lands (`on_landed` wakes the loop) -> the loop takes it from staging and adds it
 to the core -> every step's outputs go to the request's own queue, which its Decode call
 streams -> finished, or `cancel`led from any thread, which frees its row and staging bytes.
+
+Draining past its grace (`drain(move_after=...)`), the loop evicts every request from the core
+with its KV: the stream says `Moving` and waits until the Handoff RPC (`take_moving`, then
+`end_moving`) has pushed that KV to another decode worker, or until the call is cancelled.
 """
 from __future__ import annotations
 
@@ -11,11 +15,12 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from baton.metrics import Metrics
 from baton.v1 import workers_pb2
-from decode_worker.core import DecodeCore
+from decode_worker.core import DecodeCore, Evicted
 from engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput
 from kvtransfer.staging import StagingPool
 
@@ -29,6 +34,17 @@ class Failure:
     """The request was refused after registration (its KV was unusable); the stream says why."""
 
     message: str
+
+
+@dataclass(frozen=True)
+class Moving:
+    """The request left the batch unfinished (drain); its KV waits for Handoff."""
+
+    seed: int
+
+
+class NotMoving(Exception):
+    """Handoff for a request that is here but not being moved (or whose KV is already on its way)."""
 
 
 @dataclass
@@ -47,6 +63,9 @@ class DecodeLoop:
         self._inbox: "queue.Queue[tuple[str, str]]" = queue.Queue()
         self._pending: dict[str, _Pending] = {}  # registered, KV not yet added to the core
         self._streams: dict[str, _Pending] = {}  # every registered request until it ends
+        self._moving: dict[str, tuple[_Pending, Evicted]] = {}  # evicted, waiting for Handoff
+        self._evicting = False  # the loop thread's: evict whatever is in the core (drain)
+        self.migrations: Counter[str] = Counter()  # sent, failed, received
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.draining = threading.Event()
@@ -64,14 +83,22 @@ class DecodeLoop:
 
     # -- called from RPC threads ---------------------------------------------------------------
 
-    def drain(self, timeout: float) -> bool:
-        """Take no new requests; wait (up to timeout) for those in hand to finish. Whatever is
-        still running after that is cut off, and the router moves it to another decode worker."""
+    def drain(self, timeout: float, move_after: float | None = None) -> bool:
+        """Take no new requests; wait (up to timeout) for those in hand to finish.
+
+        After `move_after` seconds (None: never) every request still here leaves the batch with
+        its KV, its stream says `moving`, and the router hands it, KV and all, to another decode
+        worker (Handoff); a request whose KV lands later goes the same way. Whatever is still here
+        at timeout is cut off, and the router prefills it again elsewhere."""
         self.draining.set()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        started = time.monotonic()
+        evicting = False
+        while (now := time.monotonic()) < started + timeout:
             if not self._streams:
                 return True
+            if not evicting and move_after is not None and now >= started + move_after:
+                self._inbox.put(("evict", "", None))
+                evicting = True
             time.sleep(0.1)
         return False
 
@@ -93,6 +120,32 @@ class DecodeLoop:
     def on_landed(self, request_id: str) -> None:
         self._inbox.put(("landed", request_id, None))
 
+    def take_moving(self, request_id: str) -> tuple["queue.Queue", Evicted]:
+        """The evicted KV of a moving request, for Handoff to push; once. LookupError if the
+        request is not here, NotMoving if it is but is not being moved."""
+        with self._lock:
+            moving = self._moving.pop(request_id, None)
+            if moving is None:
+                if request_id in self._streams:
+                    raise NotMoving(f"request {request_id!r} is not being moved (it is decoding here, or its KV is "
+                                    "already being handed off); Handoff follows a Decode response with moving set")
+                raise LookupError(f"no request {request_id!r} on this decode worker")
+        entry, evicted = moving
+        return entry.outputs, evicted
+
+    def end_moving(self, request_id: str, outputs: "queue.Queue", ok: bool) -> None:
+        """Handoff is done with a request's KV (pushed, or failed to): its stream ends."""
+        self._count_migration("sent" if ok else "failed")
+        with self._lock:
+            entry = self._streams.get(request_id)
+            if entry is not None and entry.outputs is outputs:
+                del self._streams[request_id]
+        outputs.put(_CLOSED)
+
+    def _count_migration(self, outcome: str) -> None:
+        self.migrations[outcome] += 1
+        self.metrics.migrations.labels(outcome).inc()
+
     def cancel(self, request_id: str, outputs: "queue.Queue | None" = None) -> None:
         """Cancel a request; with `outputs` (its registration), only that registration, so a late
         callback of a finished call never cancels a new request that reuses the id."""
@@ -103,13 +156,15 @@ class DecodeLoop:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox(block=not self.core.has_work())
-            if self.core.has_work():
-                try:
+            try:
+                if self._evicting:
+                    self._evict_all()
+                if self.core.has_work():
                     self._deliver(self.core.step())
-                except Exception:  # a bug must not silently hang every stream
-                    log.exception("decode step failed; aborting running requests")
-                    for request_id in list(self.core.live):
-                        self._end(request_id)
+            except Exception:  # a bug must not silently hang every stream
+                log.exception("decode step failed; aborting running requests")
+                for request_id in list(self.core.live):
+                    self._end(request_id)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -121,6 +176,8 @@ class DecodeLoop:
                 self._admit(request_id)
             elif event == "cancel":
                 self._end(request_id, outputs)
+            elif event == "evict":
+                self._evicting = True
             try:
                 event, request_id, outputs = self._inbox.get_nowait()
             except queue.Empty:
@@ -144,7 +201,21 @@ class DecodeLoop:
             self.pool.release(request_id)
             self._end(request_id, failure=str(exc))
             return
+        if meta.handoff:
+            self._count_migration("received")
         self._deliver([first])
+
+    def _evict_all(self) -> None:
+        """Every request in the core leaves it with its KV; its stream says it is moving."""
+        for request_id in list(self.core.live):
+            evicted = self.core.evict(request_id)
+            self._last_token_at.pop(request_id, None)
+            with self._lock:
+                entry = self._streams.get(request_id)
+                if entry is not None:
+                    self._moving[request_id] = (entry, evicted)
+            if entry is not None:
+                entry.outputs.put(Moving(evicted.seed))
 
     def _check_landed(self, request: GenerationRequest, staged) -> workers_pb2.KVMetadata:
         """A landed KV must belong to the prompt registered for it; only this request fails if not."""
@@ -187,6 +258,7 @@ class DecodeLoop:
         self._last_token_at.pop(request_id, None)
         with self._lock:
             self._pending.pop(request_id, None)
+            self._moving.pop(request_id, None)
             entry = self._streams.pop(request_id, None)
         self.core.abort(request_id)
         self.pool.cancel(request_id)

@@ -23,9 +23,11 @@ class Status(IntEnum):
     FINISHED_STOPPED = 2
     FINISHED_LENGTH = 3
     FINISHED_ABORTED = 4
+    MOVED = 5  # left unfinished, its KV handed to another decode worker
 
     @property
     def is_finished(self) -> bool:
+        """Done here: finished, or moved to another worker."""
         return self >= Status.FINISHED_STOPPED
 
 
@@ -159,7 +161,8 @@ class DecodeScheduler:
             seq.output_ids.append(token)
 
     def finish(self, seq: DecodeSequence, status: Status) -> int | None:
-        """Mark a sequence finished; if it held a row, release it. Returns the row that moved, if any."""
+        """Mark a sequence finished (or moved away); if it held a row, release it. Returns the row
+        that moved into its place, if any."""
         assert status.is_finished
         seq.status = status
         if seq.row is None:

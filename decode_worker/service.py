@@ -1,4 +1,8 @@
-"""The decode worker process: DecodeWorker and KVTransfer services over one DecodeLoop."""
+"""The decode worker process: DecodeWorker and KVTransfer services over one DecodeLoop.
+
+On SIGTERM it drains: no new requests; running ones get `drain_move_after_s` to finish, then
+each leaves the batch with its KV, which the router has this worker push (Handoff) straight to
+another decode worker, so nothing is prefilled again unless that fails."""
 from __future__ import annotations
 
 import logging
@@ -10,27 +14,38 @@ import grpc
 from baton.config import DecodeSettings, ModelSettings, TLSSettings
 from baton.messages import sampling_from_proto
 from baton.metrics import Metrics
-from baton.server import GrpcServer, NotReady
+from baton.server import GrpcServer, NotReady, channel
 from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
 from decode_worker.core import DecodeConfig, DecodeCore
-from decode_worker.loop import DecodeLoop, Failure
+from decode_worker.loop import DecodeLoop, Failure, Moving, NotMoving
 from engine.model import load_model
 from engine.request import GenerationRequest, RequestError, validate_prompt
 from engine.runner import ModelRunner
-from kvtransfer.grpc_transport import KVTransferServicer
+from kvtransfer.errors import KVPushFailed
+from kvtransfer.grpc_transport import KVTransferServicer, PushRetry, push_kv_retrying
 from kvtransfer.receiver import Receiver, ReceiverConfig
 from kvtransfer.staging import StagingConfig, StagingPool
+from kvtransfer.wire import grpc_push_channel_options
 
 log = logging.getLogger(__name__)
 
-# On SIGTERM: seconds to let running requests finish; the router moves the rest elsewhere.
+# On SIGTERM: seconds before the server stops. Running requests get decode.drain_move_after_s of
+# it to finish, then move with their KV (Handoff); whatever is still here at the end is cut off,
+# and the router prefills it again elsewhere.
 DRAIN_SECONDS = 20.0
+HANDOFF_SECONDS = 30.0  # longest a Handoff's KV push may take
+# How a target's refusal of a handed-off KV reads to the Handoff caller.
+_HANDOFF_STATUS = {"RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,  # not expecting it
+                   "INVALID_ARGUMENT": grpc.StatusCode.FAILED_PRECONDITION,  # another model or shape
+                   "ALREADY_EXISTS": grpc.StatusCode.FAILED_PRECONDITION}
 
 
 class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, loop: DecodeLoop, address: str):
+    def __init__(self, loop: DecodeLoop, address: str, tls: TLSSettings | None = None):
         self.loop = loop
         self.address = address
+        self.tls = tls
 
     def Decode(self, request, context):
         loaded = self.loop.core.runner.loaded
@@ -64,6 +79,9 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
                 return
             if isinstance(item, Failure):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.message)
+            if isinstance(item, Moving):  # draining: the stream stays open until Handoff is done
+                yield workers_pb2.DecodeResponse(moving=True, seed=item.seed)
+                continue
             msg = workers_pb2.DecodeResponse(token_ids=item.token_ids[sent:], text_delta=item.text_delta)
             sent = len(item.token_ids)
             if item.finished:
@@ -72,6 +90,43 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             yield msg
             if item.finished:
                 return
+
+    def Handoff(self, request, context):
+        request_id, target, target_id = request.request_id, request.target, request.target_request_id
+        if not (request_id and target and target_id):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "request_id, target (host:port of another decode worker) and target_request_id are required")
+        host, _, port = target.rpartition(":")
+        if not host or not port.isdigit():
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"target {target!r} is not host:port")
+        if target == self.address:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"target {target} is this decode worker; name another one")
+        try:
+            outputs, evicted = self.loop.take_moving(request_id)
+        except LookupError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except NotMoving as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        meta = workers_pb2.KVMetadata(first_token=evicted.token_ids[-1], seed=evicted.seed, handoff=True)
+        remaining = context.time_remaining()
+        started = time.monotonic()
+        failure = None
+        try:  # the KV is freed whatever happens: a failed handoff falls back to a new prefill
+            # The prefill push's liveness settings and retries: a dead target is known within seconds.
+            with channel(target, self.tls, extra_options=grpc_push_channel_options()) as ch:
+                push_kv_retrying(ch, target_id, str(self.loop.core.runner.loaded.fingerprint), evicted.kv,
+                                 meta.SerializeToString(), timeout_s=min(HANDOFF_SECONDS, remaining or HANDOFF_SECONDS),
+                                 retry=PushRetry(attempts=2, backoff_s=0.2))
+        except KVPushFailed as exc:
+            failure = exc
+        finally:
+            self.loop.end_moving(request_id, outputs, ok=failure is None)
+        if failure is not None:
+            log.warning("handing request %s to %s failed: %s", request_id, target, failure)
+            code = _HANDOFF_STATUS.get(failure.code, grpc.StatusCode.UNAVAILABLE)
+            context.abort(code, f"the KV of request {request_id} could not be handed to {target}: {failure}")
+        return workers_pb2.HandoffReply(kv_tokens=evicted.kv.num_tokens, kv_bytes=evicted.kv.nbytes,
+                                        seconds=time.monotonic() - started)
 
     def GetLoad(self, request, context):
         core, pool = self.loop.core, self.loop.pool
@@ -85,7 +140,8 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             decode_tokens_forwarded=core.runner.decode_tokens_forwarded,
             requests_finished=core.finished_total, model_fingerprint=str(core.runner.loaded.fingerprint),
             draining=self.loop.draining.is_set(), preemptions=core.scheduler.parked_total,
-            parked_bytes=core.parked_bytes(),
+            parked_bytes=core.parked_bytes(), migrations_out=self.loop.migrations["sent"],
+            migrations_failed=self.loop.migrations["failed"], migrations_in=self.loop.migrations["received"],
         )
 
 
@@ -119,11 +175,12 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     metrics.gauge("baton_decode_parked_bytes", "KV of parked rows held in host memory", core.parked_bytes)
     metrics.serve(settings.metrics_port)
     receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape, max_tokens=core.max_columns))
-    decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}")
+    decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}", tls)
     kv_api.target = KVTransferServicer(receiver)
     server.set_serving()
     log.info("decode worker serving on port %d (model %s loaded in %.1fs)", server.port, loaded.fingerprint,
              time.monotonic() - started)
     if not block:
         return server, loop
-    server.wait_for_signal(on_stop=loop.stop, drain=lambda: loop.drain(DRAIN_SECONDS))
+    server.wait_for_signal(on_stop=loop.stop,
+                           drain=lambda: loop.drain(DRAIN_SECONDS, move_after=settings.drain_move_after_s))

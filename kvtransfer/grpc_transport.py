@@ -1,13 +1,22 @@
 """The gRPC transport: a servicer that only translates to and from the Receiver, and a client.
 
 Decode workers add `KVTransferServicer` to their own server (`add_kvtransfer_servicer`) with
-`grpc_channel_options()` as server options; `KVTransferServer` is a standalone server for
-tests, benchmarks and single-purpose processes. Prefill workers call `push_kv`.
+`grpc_channel_options()` and `grpc_server_ping_options()` as server options; `KVTransferServer`
+is a standalone server for tests, benchmarks and single-purpose processes. Prefill workers call
+`push_kv_retrying` (or `push_kv`, one attempt) on a channel with `grpc_push_channel_options()`.
+
+A broken push is reported within about a second (wire.py says how each kind of break is
+noticed) and retried when the break was the connection's or the stream's, not the KV's.
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
+import time
 from concurrent import futures
+from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
@@ -17,7 +26,13 @@ from engine.kv import SequenceKV
 from kvtransfer.errors import KVPushFailed, KVTransferError
 from kvtransfer.receiver import ReceiveResult, Receiver
 from kvtransfer.sender import encode
-from kvtransfer.wire import DEFAULT_CHUNK_BYTES, grpc_channel_options
+from kvtransfer.wire import (
+    CHUNK_IDLE_TIMEOUT_S,
+    DEFAULT_CHUNK_BYTES,
+    grpc_channel_options,
+    grpc_push_channel_options,
+    grpc_server_ping_options,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +47,94 @@ def result_to_proto(result: ReceiveResult) -> pb.PushReply:
     )
 
 
+class _Watchdog:
+    """One thread that runs a callback when its deadline passes, unless disarmed first."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._armed: dict[int, tuple[float, Callable[[], None]]] = {}
+        self._keys = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, delay_s: float, fire: Callable[[], None]) -> int:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kv-idle-watchdog", daemon=True)
+                self._thread.start()
+            key = next(self._keys)
+            self._armed[key] = (time.monotonic() + delay_s, fire)
+            self._cond.notify()
+            return key
+
+    def disarm(self, key: int) -> None:
+        with self._cond:
+            self._armed.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = [key for key, (deadline, _) in self._armed.items() if deadline <= now]
+                fired = [self._armed.pop(key)[1] for key in due]
+                if not fired:
+                    wait = min((d for d, _ in self._armed.values()), default=now + 60.0) - now
+                    self._cond.wait(wait)
+                    continue
+            for fire in fired:
+                try:
+                    fire()
+                except Exception:  # noqa: BLE001 - a watchdog must outlive one bad callback
+                    log.exception("KV idle watchdog callback failed")
+
+
+_WATCHDOG = _Watchdog()
+
+
+class _IdleGuard:
+    """The request stream of one push, cut off (the call cancelled) when the receiver has waited
+    `idle_s` for the next message: a sender that holds its KV in memory never pauses that long,
+    so the sender or the network is gone; its staging bytes must not wait for TCP to notice."""
+
+    def __init__(self, requests, idle_s: float | None, context) -> None:
+        self._requests = iter(requests)
+        self._idle_s = idle_s
+        self._context = context
+        self.stalled = False
+
+    def __iter__(self) -> "_IdleGuard":
+        return self
+
+    def __next__(self):
+        if self._idle_s is None:
+            return next(self._requests)
+        key = _WATCHDOG.arm(self._idle_s, self._stall)
+        try:
+            return next(self._requests)
+        finally:
+            _WATCHDOG.disarm(key)
+
+    def _stall(self) -> None:
+        self.stalled = True
+        self._context.cancel()
+
+
 class KVTransferServicer(pb_grpc.KVTransferServicer):
-    def __init__(self, receiver: Receiver) -> None:
+    def __init__(self, receiver: Receiver, idle_timeout_s: float | None = CHUNK_IDLE_TIMEOUT_S) -> None:
         self._receiver = receiver
+        self._idle_timeout_s = idle_timeout_s
 
     def Push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushReply:
+        stream = _IdleGuard(request_iterator, self._idle_timeout_s, context)
         try:
-            result = self._receiver.receive(request_iterator, timeout_s=context.time_remaining())
-        except KVTransferError as err:
-            context.abort(grpc.StatusCode[err.code], str(err))
-        except grpc.RpcError:
+            result = self._receiver.receive(stream, timeout_s=context.time_remaining())
+        except (KVTransferError, grpc.RpcError) as err:
+            if stream.stalled:
+                # The receiver freed the reservation; the sender sees its own broken connection.
+                log.warning("KV stream went silent for %.1fs; cut off", self._idle_timeout_s)
+                context.abort(grpc.StatusCode.ABORTED, f"no KV data arrived for {self._idle_timeout_s:.1f}s; "
+                              "the stream was cut off (retry the push)")
+            if isinstance(err, KVTransferError):
+                context.abort(grpc.StatusCode[err.code], str(err))
             # The request stream broke: the client cancelled, its deadline passed or the
             # connection dropped. The receiver already freed its reservation.
             context.abort(grpc.StatusCode.CANCELLED, "KV stream broken off by the sender")
@@ -59,7 +152,7 @@ class KVTransferServer:
     """A gRPC server running only KVTransfer; `with KVTransferServer(r) as s: push_kv(s.target, ...)`."""
 
     def __init__(self, receiver: Receiver, host: str = "127.0.0.1", port: int = 0, max_workers: int = 8) -> None:
-        options = grpc_channel_options(receiver.config.max_chunk_bytes)
+        options = grpc_channel_options(receiver.config.max_chunk_bytes) + grpc_server_ping_options()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
         add_kvtransfer_servicer(self._server, receiver)
         self.port = self._server.add_insecure_port(f"{host}:{port}")
@@ -82,8 +175,9 @@ class KVTransferServer:
 
 
 def kvtransfer_channel(target: str) -> grpc.Channel:
-    """A channel whose message limits fit any allowed chunk size; reuse it across pushes."""
-    return grpc.insecure_channel(target, options=grpc_channel_options())
+    """A channel whose message limits fit any allowed chunk size, with the push liveness options;
+    reuse it across pushes."""
+    return grpc.insecure_channel(target, options=grpc_channel_options() + grpc_push_channel_options())
 
 
 def push_kv(
@@ -107,6 +201,80 @@ def push_kv(
         return pb_grpc.KVTransferStub(channel).Push(chunks, timeout=timeout_s)
     except grpc.RpcError as err:
         raise KVPushFailed(err.code().name, err.details() or "") from None
+    finally:
+        if owned:
+            channel.close()
+
+
+# The stream or its connection broke (peer gone, reset, cut off, truncated): the KV itself was
+# fine, so sending it again may land. Refusals of the KV (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+# FAILED_PRECONDITION, CANCELLED) and a spent deadline are final.
+RETRYABLE_PUSH_CODES = frozenset({"UNAVAILABLE", "ABORTED"})
+
+
+@dataclass(frozen=True)
+class PushRetry:
+    attempts: int = 3  # the first push and up to two retries
+    backoff_s: float = 0.2  # before the first retry; tripled before each next one
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.backoff_s < 0:
+            raise ValueError(f"PushRetry needs attempts >= 1 and backoff_s >= 0, got {self}")
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    reply: pb.PushReply
+    attempts: int
+    failures: tuple[KVPushFailed, ...]  # of the attempts before the one that landed
+
+
+def push_kv_retrying(
+    channel_or_target: grpc.Channel | str,
+    request_id: str,
+    fingerprint: str,
+    kv: SequenceKV,
+    metadata: bytes = b"",
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    timeout_s: float | None = None,
+    retry: PushRetry = PushRetry(),
+    should_stop: Callable[[], bool] = lambda: False,
+    on_retry: Callable[[int, KVPushFailed], None] | None = None,
+) -> PushOutcome:
+    """push_kv, retried while the failure is the connection's or the stream's (RETRYABLE_PUSH_CODES).
+
+    timeout_s bounds the whole push, retries included. A retry that finds the request id still
+    ALREADY_EXISTS is retried too: the receiver has not yet dropped the broken attempt (it does
+    within CHUNK_IDLE_TIMEOUT_S). should_stop() (e.g. the request was cancelled) ends the retries;
+    on_retry(attempt, failure) is told before each retry. Raises the last KVPushFailed.
+    """
+    owned = isinstance(channel_or_target, str)
+    channel = kvtransfer_channel(channel_or_target) if owned else channel_or_target
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    failures: list[KVPushFailed] = []
+    try:
+        for attempt in range(1, retry.attempts + 1):
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise KVPushFailed("DEADLINE_EXCEEDED", f"the KV push of {request_id!r} ran out of time after "
+                                   f"{attempt - 1} attempts") from (failures[-1] if failures else None)
+            try:
+                reply = push_kv(channel, request_id, fingerprint, kv, metadata, chunk_bytes, remaining)
+                return PushOutcome(reply, attempt, tuple(failures))
+            except KVPushFailed as failure:
+                failures.append(failure)
+                retryable = failure.code in RETRYABLE_PUSH_CODES or (attempt > 1 and failure.code == "ALREADY_EXISTS")
+                pause = retry.backoff_s * 3 ** (attempt - 1)
+                out_of_time = deadline is not None and time.monotonic() + pause >= deadline
+                if not retryable or attempt == retry.attempts or out_of_time or should_stop():
+                    if len(failures) > 1:
+                        raise KVPushFailed(failure.code, f"{failure.details} (attempt {attempt} of the push; "
+                                           f"first failure: {failures[0]})") from None
+                    raise
+                if on_retry is not None:
+                    on_retry(attempt, failure)
+                time.sleep(pause)
+        raise AssertionError("unreachable")
     finally:
         if owned:
             channel.close()

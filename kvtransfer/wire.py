@@ -46,7 +46,53 @@ def grpc_message_limit(chunk_bytes: int = MAX_CHUNK_BYTES) -> int:
     return chunk_bytes + _MESSAGE_OVERHEAD_BYTES
 
 
+def max_chunk_bytes_within(message_limit: int) -> int:
+    """The largest chunk_bytes whose KVChunk messages fit a gRPC message limit (and the wire's)."""
+    return min(MAX_CHUNK_BYTES, message_limit - _MESSAGE_OVERHEAD_BYTES)
+
+
 def grpc_channel_options(chunk_bytes: int = MAX_CHUNK_BYTES) -> list[tuple[str, int]]:
     """Options for both the sending channel and the receiving server."""
     limit = grpc_message_limit(chunk_bytes)
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+# A broken push is noticed within about a second, whatever broke:
+# - the receiver's process or connection is gone: the socket is refused or reset at once;
+# - the peer or the network hangs (no reset): the sender pings the receiver's transport every
+#   PUSH_KEEPALIVE_MS while a push is open and drops the connection when a ping is not answered
+#   within PUSH_KEEPALIVE_TIMEOUT_MS. Pings are answered by the transport, so a receiver that is
+#   only waiting for staging room (no data read for seconds) is not mistaken for a dead one;
+# - a connection that never completes its handshake is given up after PUSH_CONNECT_TIMEOUT_MS.
+# Receiving servers must let peers ping that often (SERVER_MIN_PING_INTERVAL_MS), or they
+# answer with GOAWAY "too_many_pings" and cut the push.
+PUSH_KEEPALIVE_MS = 500
+PUSH_KEEPALIVE_TIMEOUT_MS = 500
+PUSH_CONNECT_TIMEOUT_MS = 1000
+SERVER_MIN_PING_INTERVAL_MS = 250
+# The receiver's side of the same promise: once it waits for the next message of a push, the
+# sender (which holds the whole KV in memory) has no reason to pause; a stream silent this long
+# is cut off and its staging bytes freed, so a retry of the same request id can land.
+CHUNK_IDLE_TIMEOUT_S = 1.0
+
+
+def grpc_push_channel_options() -> list[tuple[str, int]]:
+    """Liveness options for a channel that pushes KV (keepalive pings, connect timeout, quick
+    reconnects to a restarted receiver); add them to the channel's message-size options."""
+    return [
+        ("grpc.keepalive_time_ms", PUSH_KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", PUSH_KEEPALIVE_TIMEOUT_MS),
+        # Any unanswered ping ends the connection this soon: a flow-control (BDP) ping already in
+        # flight holds back the keepalive ping, and waits a minute by default.
+        ("grpc.http2.ping_timeout_ms", PUSH_KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.max_pings_without_data", 0),  # a receiver waiting for staging room reads no data
+        ("grpc.keepalive_permit_without_calls", 0),  # ping only while a push is open
+        ("grpc.min_reconnect_backoff_ms", PUSH_CONNECT_TIMEOUT_MS),  # also the connect deadline
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]
+
+
+def grpc_server_ping_options() -> list[tuple[str, int]]:
+    """What a server receiving KV pushes needs so that senders' keepalive pings are welcome."""
+    return [("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS)]

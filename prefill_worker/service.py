@@ -24,7 +24,8 @@ from engine.model import load_model
 from engine.request import GenerationRequest, RequestError, validate_prompt
 from engine.runner import ModelRunner
 from kvtransfer.errors import KVPushFailed
-from kvtransfer.grpc_transport import push_kv
+from kvtransfer.grpc_transport import PushRetry, push_kv_retrying
+from kvtransfer.wire import grpc_push_channel_options
 from prefill_worker.batching import PrefillQueue
 from prefill_worker.core import PrefillCore
 
@@ -32,6 +33,11 @@ log = logging.getLogger(__name__)
 
 # On SIGTERM: seconds to finish queued prompts before stopping (inside Kubernetes' 30 s grace).
 DRAIN_SECONDS = 20.0
+# A KV push, retries included, never takes longer than this. It is only the backstop: a broken
+# push is noticed within about a second (kvtransfer.wire), and a receiver waiting for staging
+# room answers RESOURCE_EXHAUSTED after its own reserve timeout.
+PUSH_TIMEOUT_SECONDS = 30.0
+PUSH_RETRY = PushRetry(attempts=3, backoff_s=0.2)
 
 
 @dataclass
@@ -161,11 +167,19 @@ class PrefillLoop:
         if events is not None:
             reply.stored_blocks.extend(events.stored)
             reply.evicted_blocks.extend(events.evicted)
+
+        def retrying(attempt: int, failure: KVPushFailed) -> None:
+            self.metrics.transfers.labels("retried").inc()
+            log.warning("KV push of request %s to %s failed (attempt %d): %s; retrying", job.request.request_id,
+                        job.decode_target, attempt, failure)
+
         try:
             if job.cancelled:
                 raise RequestError("cancelled")
-            push_kv(self._channel(job.decode_target), job.request.request_id, self.fingerprint, prefilled.kv,
-                    meta.SerializeToString(), chunk_bytes=self.settings.kv_chunk_bytes, timeout_s=30.0)
+            push_kv_retrying(self._channel(job.decode_target), job.request.request_id, self.fingerprint, prefilled.kv,
+                             meta.SerializeToString(), chunk_bytes=self.settings.kv_chunk_bytes,
+                             timeout_s=PUSH_TIMEOUT_SECONDS, retry=PUSH_RETRY, should_stop=lambda: job.cancelled,
+                             on_retry=retrying)
             reply.transfer_seconds = time.monotonic() - trace.marks["prefill_end"]
             self.metrics.transfers.labels("ok").inc()
             self.metrics.transfer_bytes.inc(prefilled.kv.nbytes)
@@ -178,7 +192,8 @@ class PrefillLoop:
     def _channel(self, target: str) -> grpc.Channel:
         with self._lock:
             if target not in self._channels:
-                self._channels[target] = channel(target, self.tls)
+                # Keepalive pings and a connect deadline: a push to a dead decode worker fails fast.
+                self._channels[target] = channel(target, self.tls, extra_options=grpc_push_channel_options())
             return self._channels[target]
 
 

@@ -3,10 +3,13 @@
 Route (prefix index + load) -> open DecodeWorker.Decode (the worker now expects the KV) ->
 PrefillWorker.Prefill naming that decode worker (the KV is pushed there) -> relay tokens. A
 failed prefill cancels the decode stream at once; a cancelled or expired request cancels both.
+A decode worker that drains hands its requests' KV to other decode workers (Handoff); one that
+fails loses them, and they are prefilled again elsewhere.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -109,7 +112,9 @@ class Dispatcher:
 
         When the decode worker fails mid-stream, the request continues on another one: the prompt
         plus the tokens already sent is prefilled again, and the stream goes on from there with
-        no token lost or repeated (the sampler resumes at the same step of the same seed)."""
+        no token lost or repeated (the sampler resumes at the same step of the same seed). A
+        draining decode worker hands its requests' KV itself to another one instead (see
+        `_attempt`); only when that fails is the request prefilled again."""
         arrived = time.monotonic()
         deadline = None if timeout is None else arrived + timeout
         sent: list[int] = []
@@ -128,56 +133,112 @@ class Dispatcher:
                     yield out
                 return
             except _DecodeLost as lost:
-                self.pool.mark_failed(route.decode)
-                avoid.add(route.decode.view.address)
+                self.pool.mark_failed(lost.worker)
+                avoid.add(lost.worker.view.address)
                 if attempt + 1 == MAX_ATTEMPTS:
                     raise lost.error from None
                 if lost.seed is not None and not sampling.HasField("seed"):
                     sampling.seed = lost.seed  # so the moved request keeps its random stream
-                log.warning("decode worker %s failed mid-stream; moving request %s after %d tokens",
-                            route.decode.view.address, request_id, len(sent))
+                log.warning("request %s lost its decode worker %s after %d tokens (%s); prefilling it again",
+                            request_id, lost.worker.view.address, len(sent), lost.error.message)
 
     def _attempt(self, request_id, prompt, sent: list[int], sampling, timeout, route: Route, on_done, arrived):
-        """One try on one decode worker; the prefill is retried on another worker if it fails."""
-        decode = route.decode
-        full_prompt = prompt + sent
-        step_sampling = common_pb2.SamplingParams.FromString(sampling.SerializeToString())
-        if sent:
-            step_sampling.max_tokens = (sampling.max_tokens if sampling.HasField("max_tokens") else 256) - len(sent)
-        self.pool.acquire(decode)
-        prefill = _PrefillChain(self, route, request_id, full_prompt, step_sampling, len(sent), timeout)
-        decode_call = None
+        """One try: the prompt (plus the tokens already sent) is prefilled for the routed decode
+        worker, whose stream is relayed; the prefill is retried on another worker if it fails.
+
+        A decode worker that drains says `moving` on the stream: the request then continues on
+        another decode worker, opened for prompt + sent[:-1] at step len(sent) - 1, and fed by the
+        draining worker pushing the request's KV there (`_Handoff`) instead of by a prefill."""
+        prefill = _PrefillChain(self, route, request_id, prompt + sent, _left(sampling, len(sent)), len(sent), timeout)
+        leg = _Leg(route.decode, request_id, prompt + sent, len(sent), prefill)
+        sources = [prefill]  # kept until the end: the prefill reply gives the usage and trace
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def finish(out, msg, decode: Worker) -> None:
+            self._finish(out, msg, prefill.result(), route, decode, len(prompt), len(sent), arrived)
+
         try:
-            decode_call = decode.stub.Decode(
-                workers_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=full_prompt, sampling=step_sampling,
-                                          resume_step=len(sent)),
-                timeout=timeout)
-            next(decode_call)  # registered: its KV will be accepted
-            prefill.start(on_give_up=decode_call.cancel)
-            on_done(lambda: (decode_call.cancel(), prefill.cancel()))
-            completion = len(sent)
-            for msg in decode_call:
-                completion += len(msg.token_ids)
-                sent.extend(msg.token_ids)
-                out = router_pb2.GenerateResponse(request_id=request_id, token_ids=msg.token_ids,
-                                                  text_delta=msg.text_delta, finish_reason=msg.finish_reason)
+            for handoffs in itertools.count(1):
+                moving = yield from self._relay(leg, sent, sampling, deadline, on_done, finish)
+                if moving is None:
+                    return
+                seed, source_call = moving
+                if not sampling.HasField("seed"):
+                    sampling.seed = seed  # the random stream goes on wherever the request goes
+                leg = self._handoff_leg(leg, source_call, f"{request_id}~h{handoffs}", prompt, sent, seed, deadline)
+                sources.append(leg.source)
+        finally:
+            for source in sources:
+                source.cancel()
+
+    def _relay(self, leg: "_Leg", sent: list[int], sampling, deadline, on_done, finish):
+        """Stream one decode worker's part of the request. Returns None once the request finished,
+        or (seed, call) when the worker began handing it off; that call then stays open (it holds
+        the request's KV there) until the handoff is over."""
+        self.pool.acquire(leg.worker)
+        call, handing_off = None, False
+        repeat = leg.resume_step < len(sent)  # after a handoff its first token is the last one sent
+        try:
+            call = leg.worker.stub.Decode(
+                workers_pb2.DecodeRequest(request_id=leg.request_id, prompt_token_ids=leg.prompt,
+                                          sampling=_left(sampling, leg.resume_step), resume_step=leg.resume_step),
+                timeout=_until(deadline))
+            next(call)  # registered: its KV will be accepted
+            leg.source.start(on_give_up=call.cancel)
+            on_done(lambda: (call.cancel(), leg.source.cancel()))
+            for msg in call:
+                if msg.moving:
+                    handing_off = True
+                    return msg.seed, call
+                tokens, text = list(msg.token_ids), msg.text_delta
+                if repeat and tokens:
+                    if tokens[0] != sent[-1]:
+                        raise DispatchError(grpc.StatusCode.INTERNAL, f"request {leg.request_id} resumed on "
+                                            f"{leg.worker.view.address} at token {tokens[0]}, not {sent[-1]}")
+                    tokens, text, repeat = tokens[1:], "", False  # its text went out before too
+                sent.extend(tokens)
+                out = router_pb2.GenerateResponse(request_id=leg.request_id, token_ids=tokens, text_delta=text,
+                                                  finish_reason=msg.finish_reason)
                 if msg.finish_reason:
-                    self._finish(out, msg, prefill.result(), prefill.route, len(prompt), completion, arrived)
-                yield out
+                    finish(out, msg, leg.worker)
+                if tokens or text or msg.finish_reason:
+                    yield out
+            return None
         except grpc.RpcError as err:
-            failure = prefill.failure()
-            if failure is not None and failure.code() == grpc.StatusCode.ABORTED:
-                raise _DecodeLost(self._cause(failure), prefill.seed()) from None  # the KV could not be delivered
-            if failure is None and err.code() in DECODE_LOST and decode_call is not None:
-                raise _DecodeLost(self._cause(err), prefill.seed()) from None
+            lost = leg.source.lost()
+            if lost is not None:
+                raise lost from None
+            failure = leg.source.failure()
+            if failure is None and err.code() in DECODE_LOST and call is not None:
+                raise _DecodeLost(self._cause(err), leg.source.seed(), leg.worker) from None
             raise self._cause(failure or err) from None
         finally:
-            if decode_call is not None:
-                decode_call.cancel()
-            prefill.cancel()
-            self.pool.release(decode)
+            if call is not None and not handing_off:
+                call.cancel()
+            self.pool.release(leg.worker)
 
-    def _finish(self, out, msg, reply, route: Route, prompt_len: int, completion: int, arrived: float) -> None:
+    def _handoff_leg(self, leg: "_Leg", source_call, request_id: str, prompt, sent: list[int], seed: int,
+                     deadline) -> "_Leg":
+        """The next part of a request whose decode worker (`leg.worker`) is draining: another decode
+        worker, fed by the draining one pushing the KV of prompt + sent[:-1] to it."""
+        others = [v for v in self.pool.views("decode") if v.address != leg.worker.view.address]
+        try:
+            if not sent:
+                raise NoWorkers(f"{leg.worker.view.address} moved request {request_id} before its first token")
+            target = self.pool.get("decode", self.picker.pick_decode(others).address)
+            if target is None:
+                raise NoWorkers("the chosen decode worker just left")
+        except NoWorkers as exc:
+            source_call.cancel()  # frees the KV there
+            raise _DecodeLost(DispatchError(grpc.StatusCode.UNAVAILABLE, f"no handoff: {exc}"), seed,
+                              leg.worker) from None
+        log.info("decode worker %s is draining; handing request %s to %s after %d tokens", leg.worker.view.address,
+                 leg.request_id, target.view.address, len(sent))
+        source = _Handoff(leg.worker, source_call, leg.request_id, target, request_id, seed, _until(deadline))
+        return _Leg(target, request_id, prompt + sent[:-1], len(sent) - 1, source)
+
+    def _finish(self, out, msg, reply, route: Route, decode: Worker, prompt_len: int, completion: int,
+                arrived: float) -> None:
         self.apply_events(route.prefill, reply.stored_blocks, reply.evicted_blocks)
         with self._stats_lock:
             self.stats.record(route.predicted_cached_tokens, reply.cached_tokens)
@@ -189,7 +250,7 @@ class Dispatcher:
         out.trace.CopyFrom(common_pb2.Trace(
             stage_seconds=stages, cached_tokens=reply.cached_tokens,
             predicted_cached_tokens=route.predicted_cached_tokens,
-            prefill_worker=route.prefill.view.address, decode_worker=route.decode.view.address))
+            prefill_worker=route.prefill.view.address, decode_worker=decode.view.address))
 
     @staticmethod
     def _cause(err) -> DispatchError:
@@ -204,11 +265,40 @@ DECODE_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.Statu
 PREFILL_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
 
+DEFAULT_MAX_TOKENS = 256  # engine.sampling.SamplingParams' default, for requests that set none
+
+
+def _left(sampling, done: int):
+    """A copy of `sampling` for the rest of a request that already has `done` tokens."""
+    rest = common_pb2.SamplingParams.FromString(sampling.SerializeToString())
+    if done:
+        rest.max_tokens = (sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS) - done
+    return rest
+
+
+def _until(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.001, deadline - time.monotonic())
+
+
 class _DecodeLost(Exception):
-    def __init__(self, error: DispatchError, seed: int | None):
+    """The request must go on elsewhere: `worker`, its decode worker, failed or could not hand it off."""
+
+    def __init__(self, error: DispatchError, seed: int | None, worker: Worker):
         super().__init__(error.message)
         self.error = error
         self.seed = seed
+        self.worker = worker
+
+
+@dataclass
+class _Leg:
+    """One decode worker's part of a request: a Decode call there, fed by one KV source."""
+
+    worker: Worker
+    request_id: str  # its id on that worker
+    prompt: list[int]  # the tokens whose KV it gets
+    resume_step: int  # tokens generated before; after a handoff, its first token is the last of them again
+    source: "_PrefillChain | _Handoff"
 
 
 class _PrefillChain:
@@ -278,6 +368,13 @@ class _PrefillChain:
     def failure(self):
         return self._failure
 
+    def lost(self) -> _DecodeLost | None:
+        """ABORTED: the prompt was prefilled but its KV could not be delivered to the decode worker."""
+        failure = self._failure
+        if failure is not None and failure.code() == grpc.StatusCode.ABORTED:
+            return _DecodeLost(Dispatcher._cause(failure), self.seed(), self.route.decode)
+        return None
+
     def result(self):
         return self.call.result(timeout=10)
 
@@ -295,3 +392,58 @@ class _PrefillChain:
             if self._acquired is not None:
                 self.dispatcher.pool.release(self._acquired)
                 self._acquired = None
+
+
+class _Handoff:
+    """A leg's KV source after the previous decode worker began draining: that worker pushes the
+    request's KV to this leg's worker (`DecodeWorker.Handoff`). Its Decode call there stays open
+    until then, holding the KV; cancelling it frees whatever is left."""
+
+    def __init__(self, source: Worker, source_call, source_request_id: str, target: Worker, target_request_id: str,
+                 seed: int, timeout: float | None):
+        self.source = source
+        self.source_call = source_call
+        self.request = workers_pb2.HandoffRequest(request_id=source_request_id, target=target.view.address,
+                                                  target_request_id=target_request_id)
+        self._seed = seed
+        self.timeout = timeout
+        self.call = None
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._give_up = None
+        self._failure = None
+
+    def start(self, on_give_up) -> None:
+        self._give_up = on_give_up
+        with self._lock:
+            if self._cancelled:
+                return
+            self.call = self.source.stub.Handoff.future(self.request, timeout=self.timeout)
+        self.call.add_done_callback(self._done)
+
+    def _done(self, call) -> None:
+        self.source_call.cancel()  # the handoff is over: nothing is left there to hold
+        if call.cancelled() or call.exception() is None:
+            return
+        self._failure = call.exception()
+        log.warning("%s could not hand request %s to %s (%s: %s)", self.source.view.address, self.request.request_id,
+                    self.request.target, self._failure.code().name, self._failure.details())
+        self._give_up()
+
+    def failure(self):
+        return self._failure
+
+    def lost(self) -> _DecodeLost | None:
+        """Any failure: the KV did not arrive, so the request is prefilled again."""
+        failure = self._failure
+        return None if failure is None else _DecodeLost(Dispatcher._cause(failure), self._seed, self.source)
+
+    def seed(self) -> int:
+        return self._seed
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self.call is not None and not self.call.done():
+                self.call.cancel()
+        self.source_call.cancel()

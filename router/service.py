@@ -28,6 +28,9 @@ from router.workers import WorkerPool
 log = logging.getLogger(__name__)
 
 MAX_BATCH_REQUESTS = 10_000
+# Seconds an overloaded client is told to wait before retrying (trailing metadata `retry-after-s`):
+# about how long a decode row or a prefill queue slot takes to free up.
+RETRY_AFTER_SECONDS = "1"
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -73,7 +76,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         with self._lock:
             if self._inflight + count > self.settings.max_inflight:
                 self.metrics.overloaded.inc()
-                context.set_trailing_metadata((("retry-after-s", "1"),))
+                context.set_trailing_metadata((("retry-after-s", RETRY_AFTER_SECONDS),))
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"the router has {self._inflight} of {self.settings.max_inflight} requests in flight; "
                               "retry later")
@@ -105,6 +108,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except DispatchError as err:
             if err.code == grpc.StatusCode.CANCELLED and not context.is_active():
                 return  # the client left; nothing to tell it
+            if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # A worker's bound (prefill queue, decode requests waiting for KV, staging room) was
+                # hit: the client hears it as the router's own overload, retry hint included.
+                self.metrics.overloaded.inc()
+                context.set_trailing_metadata((("retry-after-s", RETRY_AFTER_SECONDS),))
             context.abort(err.code, err.message)
         finally:
             self._leave(1)

@@ -15,6 +15,16 @@ from router.policy import WorkerView
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
+# A worker that hangs (stopped process, cut network) answers no RST: without pings, the requests
+# it holds would wait for their deadlines. Pinging every 2 s while calls are open breaks their
+# streams within about 4 s, and the router moves them (UNAVAILABLE is a lost decode worker).
+WORKER_KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.http2.ping_timeout_ms", 2000),  # also for a flow-control ping in flight (default: a minute)
+    ("grpc.http2.max_pings_without_data", 0),  # a decode stream may send nothing for a while
+    ("grpc.keepalive_permit_without_calls", 0),
+]
 
 
 @dataclass
@@ -58,7 +68,7 @@ class WorkerPool:
                 current.pop(address).channel.close()
                 log.info("worker left role=%s address=%s", role, address)
             for address in set(addresses) - set(current):
-                ch = channel(address, self.tls)
+                ch = channel(address, self.tls, extra_options=WORKER_KEEPALIVE_OPTIONS)
                 # Not healthy until its first load report says it serves our model.
                 current[address] = Worker(role, WorkerView(address, healthy=False), ch, stub_class(ch))
                 log.info("worker joined role=%s address=%s", role, address)

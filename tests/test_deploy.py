@@ -50,7 +50,7 @@ DERIVED_KEYS = {
                "prefill_workers", "decode_workers"},
     "prefill": {"port", "metrics_port", "advertise"},
     "decode": {"port", "metrics_port", "advertise"},
-    "tls": {"cert_file", "key_file", "ca_file"},
+    "tls": {"cert_file", "key_file", "ca_file", "server_name"},
 }
 # Cases rendered besides the example files: the code paths no example takes.
 EXTRA_CASES = {
@@ -59,6 +59,9 @@ EXTRA_CASES = {
         "model": {"source": "hostPath", "hostPath": {"path": "/mnt/models"}, "subPath": "llama"},
         "redis": {"enabled": False, "externalUrlSecret": {"name": "redis-credentials"}},
         "prefill": {"logLevel": "DEBUG", "extraArgs": ["--max-batch-tokens", "8192"], "env": [{"name": "BATON_PREFILL_MAX_QUEUE", "value": "64"}]},
+    },
+    "tls-server-name": {
+        "tls": {"enabled": True, "secretName": "baton-tls", "hasCA": False, "serverName": "workers.baton.internal"},
     },
 }
 
@@ -260,7 +263,7 @@ def test_gpu_2p4d_requests_one_gpu_per_worker(helm_report):
 def test_pods_run_their_role_with_the_config_file_and_grpc_probes(helm_report, case):
     docs = rendered(helm_report, case)
     config = chart_config(docs)
-    tls = case == "tls-hostpath"
+    tls = case in ("tls-hostpath", "tls-server-name")
     for role in ROLES:
         deployment = one(docs, "Deployment", role_name(role))
         pod = deployment["spec"]["template"]["spec"]
@@ -269,7 +272,7 @@ def test_pods_run_their_role_with_the_config_file_and_grpc_probes(helm_report, c
         main = container(deployment)
         assert main["command"] == ["baton"]
         assert main["args"][2:5] == [role, "--config", CONFIG_PATH]
-        assert main["args"][:2] == ["--log-level", "DEBUG" if (tls and role == "prefill") else "INFO"]
+        assert main["args"][:2] == ["--log-level", "DEBUG" if (case == "tls-hostpath" and role == "prefill") else "INFO"]
         (mount,) = [m for m in main["volumeMounts"] if m["name"] == "config"]
         assert (mount["mountPath"], mount["subPath"]) == (CONFIG_PATH, "baton.yaml")
         port = config[role]["port"]
@@ -353,8 +356,9 @@ def test_router_config_discovers_workers_in_the_release_namespace(helm_report, c
 def test_tls_and_host_path_model(helm_report):
     docs = rendered(helm_report, "tls-hostpath")
     config = chart_config(docs)
+    # Workers are dialled by pod IP: their certificates are checked for probeServerName instead.
     assert config["tls"] == {"cert_file": "/etc/baton/tls/tls.crt", "key_file": "/etc/baton/tls/tls.key",
-                             "ca_file": "/etc/baton/tls/ca.crt"}
+                             "ca_file": "/etc/baton/tls/ca.crt", "server_name": "baton.internal"}
     assert config["model"]["name"] == "/models/llama"
     for role in ROLES:
         deployment = one(docs, "Deployment", role_name(role))
@@ -368,6 +372,13 @@ def test_tls_and_host_path_model(helm_report):
                                                                                  "key": "redis-url"}
     prefill = container(one(docs, "Deployment", role_name("prefill")))
     assert prefill["args"] == ["--log-level", "DEBUG", "prefill", "--config", CONFIG_PATH, "--max-batch-tokens", "8192"]
+
+
+def test_tls_server_name_overrides_the_name_checked_on_worker_certificates(helm_report):
+    config = chart_config(rendered(helm_report, "tls-server-name"))
+    assert config["tls"] == {"cert_file": "/etc/baton/tls/tls.crt", "key_file": "/etc/baton/tls/tls.key",
+                             "ca_file": "", "server_name": "workers.baton.internal"}
+    assert chart_config(rendered(helm_report, "default"))["tls"]["server_name"] == ""  # plaintext
 
 
 def test_notes_say_how_to_reach_the_router(helm_report):

@@ -69,6 +69,57 @@ def test_killing_a_decode_and_a_prefill_worker_loses_no_token(tiny_reference):
     assert exact + failed == REQUESTS and exact >= REQUESTS // 2
 
 
+def test_a_hung_decode_worker_is_noticed_and_its_requests_move(tiny_reference):
+    """SIGSTOP: the process is alive but silent (no reset on its sockets). The router's keepalive
+    pings break its streams within seconds and the requests continue, exact, on the other one."""
+    prompts = [[400 + 13 * i + j for j in range(6 + i % 11)] for i in range(10)]
+    # Rows for every request on either worker: a moved request never waits for a row.
+    with LocalCluster(prefill=1, decode=2, model="tiny-random", max_rows=len(prompts)) as cluster:
+        hung = dict(cluster.procs)[cluster.decode_addrs[0]]
+        with BatonClient(cluster.router_address, timeout=120) as client:
+            tokens: dict[int, list[int]] = {}
+            gaps: dict[int, float] = {}  # each stream's longest wait between two chunks, once flowing
+
+            def run(i: int) -> None:
+                tokens[i], last, gaps[i] = [], None, 0.0
+                for chunk in client.stream(token_ids=prompts[i], max_tokens=HUNG_MAX_TOKENS, ignore_eos=True):
+                    now = time.monotonic()
+                    if last is not None and tokens[i]:
+                        gaps[i] = max(gaps[i], now - last)
+                    last = now
+                    tokens[i].extend(chunk.token_ids)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            _wait_for_rows(client, cluster.decode_addrs[0])
+            hung.send_signal(signal.SIGSTOP)
+            try:
+                for t in threads:
+                    t.join(timeout=90)
+                assert not any(t.is_alive() for t in threads), "a request waited on the hung worker"
+            finally:
+                hung.send_signal(signal.SIGCONT)
+    for i, prompt in enumerate(prompts):
+        assert tokens[i] == tiny_reference.greedy(prompt, HUNG_MAX_TOKENS), f"request {i}"
+    longest = max(gaps.values())
+    print(f"\nlongest pause of a stream while its decode worker hung: {longest:.1f} s")
+    assert longest < 30, "the hung worker was noticed too late"  # keepalive: about 4 s, plus the move
+
+
+HUNG_MAX_TOKENS = 400  # long enough that the streams are still running when the worker stops
+
+
+def _wait_for_rows(client: BatonClient, address: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        worker = next((w for w in client.cluster_status().workers if w.address == address), None)
+        if worker is not None and worker.decode["rows_in_use"] > 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{address} never took a request")
+
+
 def test_sigterm_drains_workers_without_failing_requests(tiny_reference):
     prompts = [[300 + 11 * i + j for j in range(4 + i % 17)] for i in range(20)]
     with LocalCluster(prefill=2, decode=2, model="tiny-random", max_rows=4) as cluster:
@@ -133,3 +184,149 @@ def test_every_process_serves_prometheus_metrics():
     for name in ("baton_decode_rows_in_use", "baton_decode_kv_allocated_bytes", "baton_decode_staged_bytes",
                  "baton_decode_preemptions_total", "baton_time_between_tokens_seconds_count"):
         assert name in scraped["decode"], name
+
+
+# --- overload past the workers' own bounds ---------------------------------------------------------
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process: psutil when installed, else /proc/PID/status (Linux)."""
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        return psutil.Process(pid).memory_info().rss
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not reached within {timeout:.0f}s: {what}"
+        time.sleep(0.1)
+
+
+OVERLOAD_ROWS, OVERLOAD_PENDING, OVERLOAD_QUEUE = 2, 4, 1
+OVERLOAD_TOKENS = 96
+RSS_GROWTH_LIMIT = 200 << 20
+
+
+def test_twice_what_the_workers_hold_gets_resource_exhausted_and_memory_stays_bounded(tiny_reference):
+    """The router would admit 1024 requests, but the decode worker holds 2 rows and 4 requests
+    waiting for KV, and the prefill worker queues 1 prompt. Twice what they hold, sent for
+    seconds: the excess is refused at once with RESOURCE_EXHAUSTED and the router's retry hint
+    (never a timeout), served requests are exact, worker memory and staging stay bounded, and
+    afterwards nothing is left behind and a new wave is served normally."""
+    hold = OVERLOAD_ROWS + OVERLOAD_PENDING
+    clients, rounds = 2 * hold, 5
+    prompts = [[400 + 13 * k + j for j in range(24 + 5 * k)] for k in range(8)]
+    expected = [tiny_reference.greedy(p, OVERLOAD_TOKENS) for p in prompts]
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=OVERLOAD_ROWS,
+                      prefill_args=("--max-queue", str(OVERLOAD_QUEUE)),
+                      extra_env={"BATON_DECODE_MAX_PENDING": str(OVERLOAD_PENDING)}) as cluster:
+        procs = {address: proc for address, proc in cluster.procs}
+        workers = {a: procs[a].pid for a in cluster.prefill_addrs + cluster.decode_addrs}
+        with BatonClient(cluster.router_address, timeout=120) as client:
+            for prompt, want in zip(prompts, expected):  # warm up: every code path and cache touched once
+                assert client.generate(token_ids=prompt, max_tokens=OVERLOAD_TOKENS, ignore_eos=True).token_ids == want
+            baseline = {a: rss_bytes(pid) for a, pid in workers.items()}
+            peak = dict(baseline)
+            samples: list[tuple[dict, dict]] = []
+            stop = threading.Event()
+
+            def sample() -> None:
+                while not stop.is_set():
+                    for a, pid in workers.items():
+                        peak[a] = max(peak[a], rss_bytes(pid))
+                    status = client.cluster_status().workers
+                    samples.append((next(w.decode for w in status if w.role == "decode"),
+                                    next(w.prefill for w in status if w.role == "prefill")))
+                    time.sleep(0.05)
+
+            outcomes: list[tuple[str, float, object]] = []  # (code or "ok", seconds, detail)
+            lock = threading.Lock()
+            begin = threading.Barrier(clients)
+
+            def load(c: int) -> None:
+                begin.wait()  # the first round arrives as one burst
+                for r in range(rounds):
+                    k = (c + r) % len(prompts)
+                    started = time.monotonic()
+                    try:
+                        result = client.generate(token_ids=prompts[k], max_tokens=OVERLOAD_TOKENS, ignore_eos=True)
+                        outcome = ("ok", time.monotonic() - started, (k, result.token_ids))
+                    except BatonError as err:
+                        outcome = (err.code, time.monotonic() - started, err)
+                    with lock:
+                        outcomes.append(outcome)
+                    if outcome[0] != "ok":
+                        time.sleep(0.05)  # and straight back: the offered load stays at twice the bound
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            threads = [threading.Thread(target=load, args=(c,)) for c in range(clients)]
+            started = time.monotonic()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=300)
+            overload_seconds = time.monotonic() - started
+            stop.set()
+            sampler.join(10)
+            assert not any(t.is_alive() for t in threads), "a request hung"
+
+            # Afterwards: nothing held anywhere...
+            def drained():
+                status = client.cluster_status().workers
+                decode = next(w.decode for w in status if w.role == "decode")
+                prefill = next(w.prefill for w in status if w.role == "prefill")
+                held = (decode["rows_in_use"], decode["staged_bytes"], decode["waiting_for_kv"], decode["staged"],
+                        prefill["queued"])
+                return held == (0, 0, 0, 0, 0) and (decode, prefill)
+
+            wait_for(drained, 30, "decode rows, staging, requests waiting for KV and the prefill queue all empty")
+            # ...and a second wave within what the workers hold is served in full, exactly.
+            wave = client.generate_many([{"token_ids": p, "max_tokens": OVERLOAD_TOKENS, "ignore_eos": True}
+                                         for p in prompts], max_concurrency=OVERLOAD_ROWS)
+            assert [r.token_ids for r in wave] == expected
+            decode, prefill = wait_for(drained, 30, "empty again after the second wave")
+
+    served = [o for o in outcomes if o[0] == "ok"]
+    refused = [o for o in outcomes if o[0] != "ok"]
+    reasons = {}
+    for _, _, err in refused:
+        key = "decode: waiting for KV" if "waiting for KV" in err.message else (
+            "prefill: queue full" if "queued for prefill" in err.message else err.message)
+        reasons[key] = reasons.get(key, 0) + 1
+    growth = {a: (peak[a] - baseline[a]) / 2**20 for a in workers}
+    max_staged = max(d["staged_bytes"] for d, _ in samples)
+    print(f"\n{clients} clients x {rounds} requests over {overload_seconds:.1f}s: {len(served)} served, "
+          f"{len(refused)} refused {reasons}; slowest refusal {max((s for _, s, _ in refused), default=0):.3f}s; "
+          f"worker RSS baseline {[round(b / 2**20) for b in baseline.values()]} MiB, growth "
+          f"{[round(g, 1) for g in growth.values()]} MiB; peak staged {max_staged} B; "
+          f"peak waiting_for_kv {max(d['waiting_for_kv'] for d, _ in samples)}, "
+          f"peak prefill queue {max(p['queued'] for _, p in samples)} ({len(samples)} samples)")
+    assert len(outcomes) == clients * rounds
+    assert refused, "twice the load the workers hold was all admitted"
+    for code, seconds, err in refused:
+        assert code == "RESOURCE_EXHAUSTED", f"overload must be RESOURCE_EXHAUSTED, got {err}"
+        assert err.retry_after_s == 1.0, f"no retry hint reached the SDK: {err.trailing_metadata}"
+        assert seconds < 10, f"a refusal took {seconds:.1f}s: {err}"
+    assert len(served) >= hold
+    for _, _, (k, tokens) in served:
+        assert tokens == expected[k], f"prompt {k} served with the wrong tokens"
+    # Bounded: every queue stays within its bound, staging within capacity, memory does not grow.
+    assert samples
+    for d, p in samples:
+        assert d["staged_bytes"] <= d["staging_capacity_bytes"]
+        assert d["waiting_for_kv"] <= OVERLOAD_PENDING and d["rows_in_use"] <= OVERLOAD_ROWS
+        assert p["queued"] <= OVERLOAD_QUEUE
+    assert all(g * 2**20 < RSS_GROWTH_LIMIT for g in growth.values()), f"worker RSS grew by {growth} MiB"
+    assert decode["requests_finished"] >= len(served) + 2 * len(prompts)

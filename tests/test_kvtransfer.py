@@ -1,14 +1,18 @@
 """KV shipping: round trips and refusals over the in-process and real gRPC transports, the pool."""
 from __future__ import annotations
 
+import itertools
+import socket
 import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 import grpc
 import pytest
 import torch
+from breaking_proxy import BreakingProxy
 
 from baton.v1 import kvtransfer_pb2 as pb
 from baton.v1 import kvtransfer_pb2_grpc as pb_grpc
@@ -28,7 +32,22 @@ from kvtransfer import (
 )
 from kvtransfer.bench import measure_loopback_throughput
 from kvtransfer.errors import KVPushFailed
-from kvtransfer.grpc_transport import KVTransferServer, kvtransfer_channel, push_kv
+from kvtransfer.grpc_transport import (
+    KVTransferServer,
+    KVTransferServicer,
+    PushRetry,
+    kvtransfer_channel,
+    push_kv,
+    push_kv_retrying,
+)
+from kvtransfer.wire import (
+    CHUNK_IDLE_TIMEOUT_S,
+    PUSH_CONNECT_TIMEOUT_MS,
+    PUSH_KEEPALIVE_MS,
+    SERVER_MIN_PING_INTERVAL_MS,
+    grpc_channel_options,
+    grpc_server_ping_options,
+)
 
 FINGERPRINT = "tiny-llama/weights:0123abcd/float32"
 SHAPES = {
@@ -496,3 +515,252 @@ def test_oversized_reservation_is_refused_without_waiting():
 def test_loopback_benchmark_reports_positive_times():
     transfer_s, memcpy_s = measure_loopback_throughput(1 << 20, repeats=1, receiver_process=False)
     assert transfer_s > 0 and memcpy_s > 0
+
+
+# -- broken transfers: noticed within about a second, and retried --------------------------------
+# Timing asserts are generous (the machine may be busy); the measured figures are printed.
+BIG_TOKENS = 16384  # 4 MiB of float32 KV: many chunks, so the proxy's break (after 1 MiB) lands mid-stream
+
+
+class FlakyServicer(KVTransferServicer):
+    """A receiver that drops its first `drops` streams mid-way: it reads the header and a few
+    chunks, then the stream ends early, as if cut (the Receiver refuses it: ABORTED)."""
+
+    def __init__(self, receiver: Receiver, drops: int = 1):
+        super().__init__(receiver)
+        self.drops = drops
+        self.calls = 0
+        self.dropped_at: list[float] = []
+
+    def Push(self, request_iterator, context):
+        self.calls += 1
+        if self.calls <= self.drops:
+            truncated = itertools.islice(request_iterator, 4)
+
+            def noted():
+                yield from truncated
+                self.dropped_at.append(time.monotonic())
+
+            request_iterator = noted()
+        return super().Push(request_iterator, context)
+
+
+def big_receiver(capacity_bytes: int = 64 << 20) -> tuple[StagingPool, Receiver, list[str]]:
+    landed: list[str] = []
+    pool = StagingPool(StagingConfig(capacity_bytes=capacity_bytes), on_landed=landed.append)
+    return pool, Receiver(pool, ReceiverConfig(FINGERPRINT, SHAPES["float32"])), landed
+
+
+@pytest.fixture
+def kv_server():
+    """A KVTransfer gRPC server around a given servicer (as a decode worker's, pings welcome)."""
+    servers = []
+
+    def start(servicer) -> str:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                             options=grpc_channel_options() + grpc_server_ping_options())
+        pb_grpc.add_KVTransferServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.stop(None)
+
+
+def retrying_push(target: str, kv: SequenceKV, request_id: str = "r", **kwargs):
+    """push_kv_retrying, noting when each retry was decided."""
+    retried_at: list[tuple[float, str]] = []
+    with kvtransfer_channel(target) as channel:
+        outcome = push_kv_retrying(channel, request_id, FINGERPRINT, kv, chunk_bytes=64 << 10, timeout_s=30,
+                                   on_retry=lambda attempt, failure: retried_at.append((time.monotonic(), failure.code)),
+                                   **kwargs)
+    return outcome, retried_at
+
+
+def test_the_server_options_welcome_the_senders_keepalive_pings():
+    from baton.server import SERVER_OPTIONS
+
+    assert ("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS) in SERVER_OPTIONS
+    assert SERVER_MIN_PING_INTERVAL_MS <= PUSH_KEEPALIVE_MS / 2
+
+
+@pytest.mark.parametrize("mode", ["reset", "freeze"])
+def test_a_connection_broken_mid_push_is_noticed_within_a_second_and_the_retry_lands(kv_server, mode):
+    """reset: the peer's socket is reset (a crash); freeze: nothing more arrives and nothing
+    says so (a hung peer, a cut network), which only the keepalive pings reveal. Either way the
+    sender knows within about a second and the retry, on a new connection, lands bit-exact."""
+    pool, receiver, landed = big_receiver()
+    proxy = BreakingProxy(kv_server(KVTransferServicer(receiver)), mode)
+    kv = random_kv(SHAPES["float32"], BIG_TOKENS, seed=3)
+    try:
+        started = time.monotonic()
+        outcome, retried_at = retrying_push(proxy.target, kv)
+        total = time.monotonic() - started
+    finally:
+        proxy.close()
+    noticed = retried_at[0][0] - proxy.broken_at
+    print(f"\n{mode}: the broken push was noticed {noticed:.3f}s after the break; landed after "
+          f"{outcome.attempts} attempts ({[code for _, code in retried_at]}) in {total:.2f}s")
+    assert outcome.attempts >= 2 and outcome.failures[0].code == "UNAVAILABLE"
+    assert noticed < 5.0  # about 1 s for a freeze (500 ms keepalive + 500 ms timeout), ~0 for a reset
+    assert landed == ["r"] and proxy.connections >= 2
+    assert raw_bytes(receiver.pool.take("r").kv) == raw_bytes(kv)
+    pool.release("r")
+    # The broken attempt left nothing behind on the receiver (a freeze: cut off by its idle deadline).
+    wait_until(lambda: pool.stats().entries == 0, timeout_s=10)
+    assert_pool_empty(pool)
+
+
+def test_a_receiver_dropping_the_stream_mid_way_is_retried_at_once(kv_server):
+    pool, receiver, landed = big_receiver()
+    flaky = FlakyServicer(receiver, drops=1)
+    target = kv_server(flaky)
+    kv = random_kv(SHAPES["float32"], BIG_TOKENS, seed=4)
+    outcome, retried_at = retrying_push(target, kv)
+    noticed = retried_at[0][0] - flaky.dropped_at[0]
+    print(f"\nthe dropped stream was reported to the sender {1000 * noticed:.1f} ms after the receiver cut it")
+    assert [f.code for f in outcome.failures] == ["ABORTED"] and outcome.attempts == 2
+    assert "ended after" in outcome.failures[0].details  # the receiver's own words: truncated
+    assert noticed < 5.0
+    assert landed == ["r"] and raw_bytes(pool.take("r").kv) == raw_bytes(kv)
+    pool.release("r")
+    assert_pool_empty(pool)
+
+
+def test_retries_stop_at_the_attempt_limit_and_report_the_last_failure(kv_server):
+    pool, receiver, landed = big_receiver()
+    target = kv_server(FlakyServicer(receiver, drops=10))
+    started = time.monotonic()
+    with pytest.raises(KVPushFailed) as caught:
+        retrying_push(target, random_kv(SHAPES["float32"], 1024), retry=PushRetry(attempts=3, backoff_s=0.05))
+    elapsed = time.monotonic() - started
+    print(f"\nthree dropped streams reported after {elapsed:.2f}s")
+    assert caught.value.code == "ABORTED" and "attempt 3" in caught.value.details
+    assert elapsed < 5.0 and landed == []
+    assert_pool_empty(pool)
+
+
+def test_refusals_of_the_kv_itself_are_not_retried(kv_server):
+    pool, receiver, landed = big_receiver(capacity_bytes=1000)
+    target = kv_server(KVTransferServicer(receiver))
+    with pytest.raises(KVPushFailed) as caught:
+        retrying_push(target, random_kv(SHAPES["float32"], 64))  # 16 KiB: larger than the whole pool
+    assert caught.value.code == "RESOURCE_EXHAUSTED" and "attempt" not in caught.value.details
+    with pytest.raises(KVPushFailed) as caught:
+        with kvtransfer_channel(target) as channel:
+            push_kv_retrying(channel, "r", "another-model", random_kv(SHAPES["float32"], 2), on_retry=pytest.fail)
+    assert caught.value.code == "INVALID_ARGUMENT"
+
+
+def test_a_push_to_a_receiver_that_is_gone_fails_within_a_second():
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        gone = f"127.0.0.1:{sock.getsockname()[1]}"  # closed again: connections are refused
+    kv = random_kv(SHAPES["float32"], 64)
+    with kvtransfer_channel(gone) as channel:
+        started = time.monotonic()
+        with pytest.raises(KVPushFailed) as caught:
+            push_kv(channel, "r", FINGERPRINT, kv, timeout_s=30)
+        first = time.monotonic() - started
+        started = time.monotonic()
+        with pytest.raises(KVPushFailed) as retried:
+            push_kv_retrying(channel, "r", FINGERPRINT, kv, timeout_s=30)
+        total = time.monotonic() - started
+    print(f"\nreceiver gone: refused after {1000 * first:.1f} ms; with two retries reported after {total:.2f}s")
+    assert caught.value.code == "UNAVAILABLE" and retried.value.code == "UNAVAILABLE"
+    assert first < 5.0 and total < 5.0
+
+
+def test_a_receiver_that_never_answers_the_handshake_fails_within_the_connect_timeout():
+    """A peer that accepts the TCP connection and then says nothing (a stopped process, a dead
+    pod whose address still answers): given up after PUSH_CONNECT_TIMEOUT_MS, not gRPC's 20 s."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        target = f"127.0.0.1:{silent.getsockname()[1]}"
+        with kvtransfer_channel(target) as channel:
+            started = time.monotonic()
+            with pytest.raises(KVPushFailed) as caught:
+                push_kv(channel, "r", FINGERPRINT, random_kv(SHAPES["float32"], 64), timeout_s=30)
+            elapsed = time.monotonic() - started
+    print(f"\nsilent receiver: the push failed after {elapsed:.2f}s (connect timeout {PUSH_CONNECT_TIMEOUT_MS} ms)")
+    assert caught.value.code == "UNAVAILABLE" and elapsed < 5.0
+
+
+def test_a_sender_gone_silent_mid_stream_is_cut_off_and_its_staging_bytes_freed():
+    """The receiver's half: waiting for the next message longer than CHUNK_IDLE_TIMEOUT_S ends
+    the stream and frees its reservation, so a retry of the same request id is not refused."""
+    pool = StagingPool(StagingConfig(capacity_bytes=1 << 20))
+    receiver = Receiver(pool, ReceiverConfig(FINGERPRINT, SHAPES["float32"]))
+    sent_two, never = threading.Event(), threading.Event()
+    kv = random_kv(SHAPES["float32"], 37)
+    with KVTransferServer(receiver) as server, kvtransfer_channel(server.target) as channel:
+        call = pb_grpc.KVTransferStub(channel).Push.future(paused_stream(kv, "r", sent_two, never))
+        assert sent_two.wait(10)
+        wait_until(lambda: pool.stats().reserved_entries == 1)
+        reserved = time.monotonic()
+        wait_until(lambda: pool.stats().entries == 0, timeout_s=10)
+        freed = time.monotonic() - reserved
+        with pytest.raises(grpc.RpcError):
+            call.result(timeout=10)
+        push_kv(channel, "r", FINGERPRINT, kv)  # the same request id lands now
+        never.set()
+    print(f"\na silent sender's reservation was freed after {freed:.2f}s (idle deadline {CHUNK_IDLE_TIMEOUT_S}s)")
+    assert freed < 5.0
+    assert raw_bytes(pool.take("r").kv) == raw_bytes(kv)
+
+
+# -- prefill.kv_chunk_bytes: refused at settings load unless a chunk fits the wire and a message ----
+def test_kv_chunk_bytes_out_of_range_is_refused_when_settings_load(tmp_path):
+    from baton.config import load_settings
+    from baton.server import MAX_MESSAGE_BYTES
+    from kvtransfer.wire import MAX_CHUNK_BYTES, max_chunk_bytes_within
+
+    limit = max_chunk_bytes_within(MAX_MESSAGE_BYTES)
+    assert 0 < limit <= MAX_CHUNK_BYTES
+    for bad in (0, -1, limit + 1, MAX_CHUNK_BYTES, MAX_CHUNK_BYTES + 1):
+        with pytest.raises(ValueError, match=rf"prefill\.kv_chunk_bytes is {bad}; it must be in \(0, {limit}\]"):
+            load_settings(env={"BATON_PREFILL_KV_CHUNK_BYTES": str(bad)})
+    config = tmp_path / "baton.yaml"
+    config.write_text(f"prefill:\n  kv_chunk_bytes: {MAX_CHUNK_BYTES + 1}\n")
+    with pytest.raises(ValueError, match=r"prefill\.kv_chunk_bytes"):
+        load_settings(str(config), env={})
+    for good in (1, 2 << 20, limit):
+        assert load_settings(env={"BATON_PREFILL_KV_CHUNK_BYTES": str(good)}).prefill.kv_chunk_bytes == good
+
+
+def test_a_prefill_worker_with_a_bad_kv_chunk_bytes_exits_2_before_loading_the_model(tmp_path):
+    import subprocess
+    import sys
+
+    config = tmp_path / "baton.yaml"
+    config.write_text("prefill:\n  kv_chunk_bytes: 0\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "baton.cli", "prefill", "--config", str(config), "--port", "0",
+                           "--model", "tiny-random"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "prefill.kv_chunk_bytes is 0" in done.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_the_largest_allowed_kv_chunk_fits_a_baton_server_and_one_byte_more_would_not():
+    """The bound is the real one: a decode worker's server (GrpcServer, 16 MiB messages) takes
+    chunks of the largest allowed kv_chunk_bytes; the wire's own maximum would not fit."""
+    from baton.server import MAX_MESSAGE_BYTES, GrpcServer, channel
+    from kvtransfer.wire import MAX_CHUNK_BYTES, max_chunk_bytes_within
+
+    limit = max_chunk_bytes_within(MAX_MESSAGE_BYTES)
+    pool = StagingPool(StagingConfig(capacity_bytes=64 << 20))
+    receiver = Receiver(pool, ReceiverConfig(FINGERPRINT, SHAPES["float32"]))
+    server = GrpcServer("127.0.0.1", 0)
+    pb_grpc.add_KVTransferServicer_to_server(KVTransferServicer(receiver), server.server)
+    server.start()
+    kv = random_kv(SHAPES["float32"], (MAX_CHUNK_BYTES + (1 << 20)) // 256, seed=5)  # 17 MiB
+    try:
+        with channel(f"127.0.0.1:{server.port}") as ch:
+            push_kv(ch, "fits", FINGERPRINT, kv, chunk_bytes=limit, timeout_s=60)
+            error = refusal(lambda: push_kv(ch, "too-big", FINGERPRINT, kv, chunk_bytes=MAX_CHUNK_BYTES, timeout_s=60))
+    finally:
+        server.stop(grace=None)
+    assert raw_bytes(pool.take("fits").kv) == raw_bytes(kv)
+    assert error.code == "RESOURCE_EXHAUSTED"  # gRPC: message larger than the limit

@@ -309,3 +309,65 @@ def test_missing_certificate_file_is_named(tmp_path):
     tls = TLSSettings(cert_file=str(tmp_path / "none.pem"), key_file=str(tmp_path / "none.key"))
     with pytest.raises(ValueError, match="tls.key_file: cannot read"):
         channel("127.0.0.1:1", tls)
+
+
+# --- a certificate that names only a DNS name, peers dialled by IP ------------------------------
+
+DNS_ONLY_NAME = "workers.baton.internal"
+
+
+@pytest.fixture(scope="module")
+def dns_only_tls(pki) -> TLSSettings:
+    """A node certificate naming only a DNS name (no IP, no localhost), as a cert-manager
+    certificate for a Kubernetes Service would; every process dials the others by 127.0.0.1."""
+    make_cert(pki, "dns-node", "ca", f"subjectAltName=DNS:{DNS_ONLY_NAME}\n"
+                                     "extendedKeyUsage=serverAuth,clientAuth\n")
+    return TLSSettings(cert_file=str(pki / "dns-node.pem"), key_file=str(pki / "dns-node.key"),
+                       ca_file=str(pki / "ca.pem"), server_name=DNS_ONLY_NAME)
+
+
+@pytest.mark.slow
+def test_tls_cluster_dialled_by_ip_checks_certificates_for_the_server_name(pki, dns_only_tls, tiny_reference):
+    """Router -> workers and the prefill -> decode KV push go to IP addresses the certificate does
+    not name; tls.server_name (--tls-server-name, gRPC's ssl_target_name_override) makes them
+    check it for its DNS name instead, and requests finish exactly."""
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", tls=dns_only_tls) as cluster:
+        without_override = TLSSettings(cert_file=dns_only_tls.cert_file, key_file=dns_only_tls.key_file,
+                                       ca_file=dns_only_tls.ca_file)
+        request = health_pb2.HealthCheckRequest()
+        for address in cluster.prefill_addrs + cluster.decode_addrs:
+            # The name check is real: dialled by IP without the override, the handshake fails...
+            with channel(address, without_override) as ch, pytest.raises(grpc.RpcError) as refused:
+                health_pb2_grpc.HealthStub(ch).Check(request, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            # ...and a different name is refused too, so the override is checked, not skipped.
+            wrong = TLSSettings(cert_file=dns_only_tls.cert_file, key_file=dns_only_tls.key_file,
+                                ca_file=dns_only_tls.ca_file, server_name="someone-else.internal")
+            with channel(address, wrong) as ch, pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(ch).Check(request, timeout=5)
+        with user_client(pki, cluster.router_address, token=None, tls_server_name=DNS_ONLY_NAME) as client:
+            result = client.generate(token_ids=[11, 12, 13, 14, 15], max_tokens=10, ignore_eos=True)
+            workers = client.cluster_status().workers
+    assert result.token_ids == tiny_reference.greedy([11, 12, 13, 14, 15], 10)
+    assert result.trace.decode_worker == cluster.decode_addrs[0]  # the KV went over TLS to an IP
+    assert all(w.healthy for w in workers), "the router's load polls reached every worker by IP"
+
+
+def test_tls_server_name_is_validated_and_becomes_a_channel_option(pki):
+    from baton.server import GRPC_OPTIONS, tls_channel_options
+
+    with pytest.raises(ValueError, match="tls.server_name applies to TLS channels only"):
+        load_settings(env={"BATON_TLS_SERVER_NAME": DNS_ONLY_NAME})
+    for bad in ("10.0.0.1:50071", "two names", "https://x"):
+        with pytest.raises(ValueError, match="tls.server_name must be a bare host name"):
+            load_settings(env={"BATON_TLS_CERT_FILE": "/c.pem", "BATON_TLS_KEY_FILE": "/k.pem",
+                               "BATON_TLS_SERVER_NAME": bad})
+    settings = load_settings(env={"BATON_TLS_CERT_FILE": "/c.pem", "BATON_TLS_KEY_FILE": "/k.pem",
+                                  "BATON_TLS_SERVER_NAME": DNS_ONLY_NAME})
+    assert ("grpc.ssl_target_name_override", DNS_ONLY_NAME) in tls_channel_options(settings.tls)
+    assert tls_channel_options(TLSSettings(cert_file="/c.pem", key_file="/k.pem")) == GRPC_OPTIONS
+    from baton.cli import build_parser, load_role_settings
+
+    args = build_parser().parse_args(["prefill", "--tls-cert", "/c.pem", "--tls-key", "/k.pem",
+                                      "--tls-server-name", DNS_ONLY_NAME])
+    assert load_role_settings(args).tls.server_name == DNS_ONLY_NAME

@@ -104,7 +104,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume_step: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "text_delta", "finish_reason", "stage_seconds")
+    __slots__ = ("token_ids", "text_delta", "finish_reason", "stage_seconds", "moving", "seed")
     class StageSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -116,22 +116,48 @@ class DecodeResponse(_message.Message):
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MOVING_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text_delta: str
     finish_reason: str
     stage_seconds: _containers.ScalarMap[str, float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    moving: bool
+    seed: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., moving: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class HandoffRequest(_message.Message):
+    __slots__ = ("request_id", "target", "target_request_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    TARGET_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    target: str
+    target_request_id: str
+    def __init__(self, request_id: _Optional[str] = ..., target: _Optional[str] = ..., target_request_id: _Optional[str] = ...) -> None: ...
+
+class HandoffReply(_message.Message):
+    __slots__ = ("kv_tokens", "kv_bytes", "seconds")
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    kv_tokens: int
+    kv_bytes: int
+    seconds: float
+    def __init__(self, kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class KVMetadata(_message.Message):
-    __slots__ = ("first_token", "seed", "cached_tokens", "queue_seconds", "prefill_seconds")
+    __slots__ = ("first_token", "seed", "cached_tokens", "queue_seconds", "prefill_seconds", "handoff")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     seed: int
     cached_tokens: int
     queue_seconds: float
     prefill_seconds: float
-    def __init__(self, first_token: _Optional[int] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+    handoff: bool
+    def __init__(self, first_token: _Optional[int] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., handoff: _Optional[bool] = ...) -> None: ...

@@ -291,6 +291,11 @@ class DecodeWorkerStub:
                 request_serializer=baton_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_common__pb2.DecodeLoad.FromString,
                 _registered_method=True)
+        self.Handoff = channel.unary_unary(
+                '/baton.v1.DecodeWorker/Handoff',
+                request_serializer=baton_dot_v1_dot_workers__pb2.HandoffRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_workers__pb2.HandoffReply.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -310,6 +315,18 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Handoff(self, request, context):
+        """While draining: push the KV of a request whose Decode stream said `moving` to another
+        decode worker's KVTransfer service, where the router has opened Decode for it (prompt =
+        the original prompt + every generated token but the last, resume_step = generated - 1).
+        The KV is freed here either way; on failure the router prefills the request again.
+        NOT_FOUND: no such request here; FAILED_PRECONDITION: it is not moving, or the target
+        refused its KV; RESOURCE_EXHAUSTED: the target has no room; UNAVAILABLE: target unreachable.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -322,6 +339,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=baton_dot_v1_dot_common__pb2.LoadRequest.FromString,
                     response_serializer=baton_dot_v1_dot_common__pb2.DecodeLoad.SerializeToString,
+            ),
+            'Handoff': grpc.unary_unary_rpc_method_handler(
+                    servicer.Handoff,
+                    request_deserializer=baton_dot_v1_dot_workers__pb2.HandoffRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_workers__pb2.HandoffReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -378,6 +400,33 @@ class DecodeWorker:
             '/baton.v1.DecodeWorker/GetLoad',
             baton_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
             baton_dot_v1_dot_common__pb2.DecodeLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Handoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.DecodeWorker/Handoff',
+            baton_dot_v1_dot_workers__pb2.HandoffRequest.SerializeToString,
+            baton_dot_v1_dot_workers__pb2.HandoffReply.FromString,
             options,
             channel_credentials,
             insecure,

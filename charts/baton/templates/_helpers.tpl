@@ -150,10 +150,12 @@ plus the keys the chart derives. Derived keys win, and the values schema refuses
 {{- $decode := merge (dict
     "port" (int $v.decode.service.port)
     "metrics_port" (int $v.decode.service.metricsPort)) (deepCopy $v.decode.config) }}
-{{- $tls := dict "cert_file" "" "key_file" "" "ca_file" "" }}
+{{- $tls := dict "cert_file" "" "key_file" "" "ca_file" "" "server_name" "" }}
 {{- if $v.tls.enabled }}
 {{- $dir := trimSuffix "/" $v.tls.mountPath }}
 {{- $tls = dict "cert_file" (printf "%s/tls.crt" $dir) "key_file" (printf "%s/tls.key" $dir) "ca_file" (ternary (printf "%s/ca.crt" $dir) "" $v.tls.hasCA) }}
+{{- /* Workers are discovered, and dialled, by pod IP: check their certificates for a name instead. */}}
+{{- $_ := set $tls "server_name" ($v.tls.serverName | default $v.tls.probeServerName) }}
 {{- end }}
 {{- toYaml (dict "model" $model "router" $router "prefill" $prefill "decode" $decode "tls" $tls) }}
 {{- end }}

@@ -1,0 +1,388 @@
+"""A draining decode worker moves its running requests' KV itself to another decode worker.
+
+In process: `DecodeCore.evict` takes a request out (running, parked or staged) with exactly the
+KV another core needs to go on token-identically, leaking no row or staging byte; the loop
+turns a drain past its grace into `Moving` streams that Handoff takes. With real processes:
+SIGTERM on a decode worker under load, and every request ends with the exact greedy tokens,
+its KV moved rather than prefilled again.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from baton.up import LocalCluster
+from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
+from decode_worker.core import DecodeConfig, DecodeCore, Evicted
+from decode_worker.loop import DecodeLoop, Moving, NotMoving
+from engine.request import GenerationRequest, PrefilledRequest
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from kvtransfer.staging import StagingConfig, StagingPool
+from prefill_worker.core import PrefillCore
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model) -> ModelRunner:
+    return ModelRunner(tiny_model, "torch")
+
+
+class Released:
+    """Stands in for the staging pool: counts each request's `on_kv_consumed`."""
+
+    def __init__(self):
+        self.ids: list[str] = []
+
+    def __call__(self, request_id: str) -> None:
+        self.ids.append(request_id)
+
+
+def prefilled(runner: ModelRunner, rid: str, prompt: list[int], params: SamplingParams) -> PrefilledRequest:
+    return PrefillCore(runner, prefix_cache_bytes=0).prefill([GenerationRequest(rid, prompt, params)])[0]
+
+
+def resumed(ev: Evicted, params: SamplingParams) -> PrefilledRequest:
+    """What the target worker makes of a handed-off KV (the router's DecodeRequest + KVMetadata)."""
+    done = len(ev.token_ids) - 1
+    request = GenerationRequest(ev.request_id, ev.prompt_token_ids + ev.token_ids[:-1],
+                                replace(params, max_tokens=params.max_tokens - done), resume_step=done)
+    return PrefilledRequest(request, ev.kv, ev.token_ids[-1], ev.seed)
+
+
+def run_to_end(core: DecodeCore, tokens: dict[str, list[int]]) -> None:
+    while core.has_work():
+        for out in core.step():
+            tokens[out.request_id] = out.token_ids
+
+
+def test_evicted_rows_go_on_token_identically_on_another_core(runner, tiny_reference):
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = {f"r{i}": [40 + 13 * i + j for j in range(6 + 5 * i)] for i in range(3)}
+    released = Released()
+    source = DecodeCore(runner, DecodeConfig(max_rows=3), on_kv_consumed=released)
+    for rid, prompt in prompts.items():
+        source.add(prefilled(runner, rid, prompt, params))
+    for _ in range(7):
+        source.step()
+    ev = source.evict("r1")  # the middle row: the last row moves into its place
+    assert ev.token_ids[:8] == tiny_reference.greedy(prompts["r1"], 8)
+    assert ev.kv.num_tokens == len(prompts["r1"]) + len(ev.token_ids) - 1 and ev.kv.data.device.type == "cpu"
+    assert source.batch.num_rows == 2 and "r1" not in source.live and source.finished_total == 0
+
+    target_released = Released()
+    target = DecodeCore(runner, DecodeConfig(max_rows=2), on_kv_consumed=target_released)
+    first = target.add(resumed(ev, params))
+    assert first.token_ids == ev.token_ids[-1:]
+    moved: dict[str, list[int]] = {}
+    run_to_end(target, moved)
+    assert ev.token_ids + moved["r1"][1:] == tiny_reference.greedy(prompts["r1"], MAX_TOKENS)
+    stayed: dict[str, list[int]] = {}
+    run_to_end(source, stayed)
+    for rid in ("r0", "r2"):
+        assert stayed[rid] == tiny_reference.greedy(prompts[rid], MAX_TOKENS), rid
+    # Nothing left behind: rows, parked KV, staging bytes (each KV consumed exactly once).
+    for core in (source, target):
+        assert core.batch.num_rows == 0 and not core.live and core.parked_bytes() == 0
+    assert sorted(released.ids) == sorted(prompts) and target_released.ids == ["r1"]
+    assert source.finished_total == 2 and target.finished_total == 1
+
+
+def test_evicting_a_staged_request_hands_over_its_prefill_kv(runner, tiny_reference):
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompt = list(range(70, 91))
+    released = Released()
+    source = DecodeCore(runner, DecodeConfig(max_rows=2), on_kv_consumed=released)
+    source.add(prefilled(runner, "s", prompt, params))
+    ev = source.evict("s")  # never embedded: the KV is the prefill's, the one token its first
+    assert ev.kv.num_tokens == len(prompt) and len(ev.token_ids) == 1
+    assert released.ids == ["s"] and not source.has_work() and source.evict("s") is None
+    target = DecodeCore(runner, DecodeConfig(max_rows=2))
+    target.add(resumed(ev, params))
+    tokens: dict[str, list[int]] = {}
+    run_to_end(target, tokens)
+    assert tokens["s"] == tiny_reference.greedy(prompt, MAX_TOKENS)
+
+
+def test_evicting_a_parked_row_frees_its_host_kv(runner, tiny_reference):
+    low, urgent = list(range(200, 230)), list(range(500, 512))
+    released = Released()
+    source = DecodeCore(runner, DecodeConfig(max_rows=1), on_kv_consumed=released)
+    low_params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    source.add(prefilled(runner, "low", low, low_params))
+    for _ in range(5):
+        source.step()
+    source.add(prefilled(runner, "urgent", urgent, SamplingParams(max_tokens=4, ignore_eos=True, priority=5)))
+    source.step()  # parks "low" on the host for the higher priority
+    assert source.scheduler.parked_total == 1 and source.parked_bytes() > 0
+    ev = source.evict("low")
+    assert source.parked_bytes() == 0 and len(ev.token_ids) == 6
+    target = DecodeCore(runner, DecodeConfig(max_rows=1))
+    target.add(resumed(ev, low_params))
+    tokens: dict[str, list[int]] = {}
+    run_to_end(target, tokens)
+    run_to_end(source, tokens)
+    assert ev.token_ids + tokens["low"][1:] == tiny_reference.greedy(low, MAX_TOKENS)
+    assert tokens["urgent"] == tiny_reference.greedy(urgent, 4)
+    assert released.ids == ["low", "urgent"] and source.batch.num_rows == 0
+
+
+def test_a_seeded_request_keeps_its_random_stream_across_the_move(runner):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_k=50, seed=1234, ignore_eos=True)
+    prompt = list(range(300, 317))
+    alone = DecodeCore(runner, DecodeConfig(max_rows=1))
+    alone.add(prefilled(runner, "x", prompt, params))
+    expected: dict[str, list[int]] = {}
+    run_to_end(alone, expected)
+    source = DecodeCore(runner, DecodeConfig(max_rows=1))
+    source.add(prefilled(runner, "x", prompt, params))
+    for _ in range(9):
+        source.step()
+    ev = source.evict("x")
+    assert ev.seed == 1234
+    target = DecodeCore(runner, DecodeConfig(max_rows=1))
+    target.add(resumed(ev, params))
+    tokens: dict[str, list[int]] = {}
+    run_to_end(target, tokens)
+    assert ev.token_ids + tokens["x"][1:] == expected["x"]
+
+
+def land(pool: StagingPool, item: PrefilledRequest) -> None:
+    """What the KV receiver does once a prefill's push has arrived."""
+    meta = workers_pb2.KVMetadata(first_token=item.first_token, seed=item.seed)
+    reservation = pool.reserve(item.request.request_id, item.kv.nbytes, timeout_s=1)
+    pool.land(reservation, item.kv, meta.SerializeToString())
+
+
+def test_drain_past_its_grace_moves_every_request_and_frees_everything(runner):
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    pool = StagingPool(StagingConfig(capacity_bytes=64 << 20, require_expected=True),
+                       on_landed=lambda rid: loop.on_landed(rid))
+    loop = DecodeLoop(DecodeCore(runner, DecodeConfig(max_rows=2)), pool, max_pending=8).start()
+    try:
+        streams = {}
+        for i in range(3):  # two rows running, one staged behind them
+            rid = f"d{i}"
+            streams[rid] = loop.register(GenerationRequest(rid, list(range(10 + i, 30 + i)), params))
+            land(pool, prefilled(runner, rid, list(range(10 + i, 30 + i)), params))
+        sent = {rid: outputs.get(timeout=10).token_ids for rid, outputs in streams.items()}  # the first tokens
+        drained = []
+        drainer = threading.Thread(target=lambda: drained.append(loop.drain(10, move_after=0.2)))
+        drainer.start()
+        for rid, outputs in streams.items():
+            while not isinstance(item := outputs.get(timeout=10), Moving):
+                sent[rid] = item.token_ids
+            assert outputs.empty(), "tokens after moving"
+            with pytest.raises(LookupError):
+                loop.take_moving("nobody")
+            got, ev = loop.take_moving(rid)
+            assert got is outputs and ev.token_ids == sent[rid] and ev.seed == item.seed
+            with pytest.raises(NotMoving):
+                loop.take_moving(rid)  # once only
+            loop.end_moving(rid, outputs, ok=rid != "d2")
+            assert loop.is_closed(outputs.get(timeout=1))
+        drainer.join(timeout=10)
+        assert drained == [True]
+        assert loop.migrations == {"sent": 2, "failed": 1}
+        assert pool.stats().used_bytes == 0 and loop.core.batch.num_rows == 0 and not loop.core.live
+        assert loop.core.finished_total == 0
+    finally:
+        loop.stop()
+
+
+def test_a_cancelled_moving_request_frees_its_kv(runner):
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    pool = StagingPool(StagingConfig(capacity_bytes=64 << 20, require_expected=True),
+                       on_landed=lambda rid: loop.on_landed(rid))
+    loop = DecodeLoop(DecodeCore(runner, DecodeConfig(max_rows=2)), pool, max_pending=8).start()
+    try:
+        outputs = loop.register(GenerationRequest("c", list(range(5, 25)), params))
+        land(pool, prefilled(runner, "c", list(range(5, 25)), params))
+        outputs.get(timeout=10)
+        drainer = threading.Thread(target=loop.drain, args=(10,), kwargs={"move_after": 0})
+        drainer.start()
+        while not isinstance(outputs.get(timeout=10), Moving):
+            pass
+        loop.cancel("c", outputs)  # the router gave up before asking for the handoff
+        assert loop.is_closed(outputs.get(timeout=5))
+        drainer.join(timeout=10)
+        with pytest.raises(LookupError):
+            loop.take_moving("c")
+        assert not loop.migrations and pool.stats().used_bytes == 0
+    finally:
+        loop.stop()
+
+
+# -- the Handoff RPC and a real cluster -------------------------------------------------------
+
+
+def test_handoff_refuses_bad_requests_with_clear_statuses():
+    from baton.config import DecodeSettings, ModelSettings
+    from decode_worker.service import serve
+
+    server, loop = serve(ModelSettings(name="tiny-random"), DecodeSettings(host="127.0.0.1", port=0), block=False)
+    try:
+        address = f"127.0.0.1:{server.port}"
+        with grpc.insecure_channel(address) as ch:
+            stub = workers_pb2_grpc.DecodeWorkerStub(ch)
+            cases = [
+                (workers_pb2.HandoffRequest(request_id="x", target_request_id="y"), "INVALID_ARGUMENT", "required"),
+                (workers_pb2.HandoffRequest(request_id="x", target="nohost", target_request_id="y"),
+                 "INVALID_ARGUMENT", "host:port"),
+                (workers_pb2.HandoffRequest(request_id="x", target=address, target_request_id="y"),
+                 "INVALID_ARGUMENT", "this decode worker"),
+                (workers_pb2.HandoffRequest(request_id="x", target="127.0.0.1:1", target_request_id="y"),
+                 "NOT_FOUND", "no request"),
+                (workers_pb2.HandoffRequest(request_id="waiting", target="127.0.0.1:1", target_request_id="y"),
+                 "FAILED_PRECONDITION", "not being moved"),
+            ]
+            waiting = stub.Decode(workers_pb2.DecodeRequest(request_id="waiting", prompt_token_ids=[1, 2, 3]),
+                                  timeout=30)
+            next(waiting)  # registered, waiting for its KV: not moving
+            for request, code, words in cases:
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Handoff(request, timeout=10)
+                assert err.value.code().name == code and words in err.value.details(), err.value.details()
+            waiting.cancel()
+            load = stub.GetLoad(common_pb2.LoadRequest(), timeout=10)
+            assert (load.migrations_out, load.migrations_failed, load.migrations_in) == (0, 0, 0)
+    finally:
+        loop.stop()
+        server.stop(0)
+
+
+class InProcessCluster:
+    """Router, one prefill and two decode workers as servers in this process, so that a test can
+    reach into a decode worker (its loop, its module's functions)."""
+
+    def __init__(self, max_rows: int = 4):
+        from baton.config import DecodeSettings, ModelSettings, PrefillSettings, RouterSettings
+        from decode_worker.service import serve as serve_decode
+        from prefill_worker.service import serve as serve_prefill
+        from router.service import serve as serve_router
+
+        model = ModelSettings(name="tiny-random")
+        self.prefill_server, self.prefill = serve_prefill(model, PrefillSettings(host="127.0.0.1", port=0), block=False)
+        self.decode = [serve_decode(model, DecodeSettings(host="127.0.0.1", port=0, max_rows=max_rows), block=False)
+                       for _ in range(2)]
+        self.router_server, self.pool = serve_router(model, RouterSettings(
+            host="127.0.0.1", port=0, prefill_workers=[f"127.0.0.1:{self.prefill_server.port}"],
+            decode_workers=[f"127.0.0.1:{server.port}" for server, _ in self.decode], load_poll_seconds=0.1),
+            block=False)
+        self.router_address = f"127.0.0.1:{self.router_server.port}"
+
+    def stop(self) -> None:
+        self.router_server.stop(0)
+        self.pool.stop()
+        for server, loop in self.decode:
+            loop.stop()
+            server.stop(0)
+        self.prefill.stop()
+        self.prefill_server.stop(0)
+
+
+def test_a_failed_handoff_falls_back_to_a_new_prefill(monkeypatch, tiny_reference):
+    """The draining worker cannot reach the target: each request is prefilled again instead, and
+    still ends with the exact greedy tokens."""
+    import decode_worker.service
+    from client import BatonClient
+    from kvtransfer.errors import KVPushFailed
+
+    def unreachable(*args, **kwargs):
+        raise KVPushFailed("UNAVAILABLE", "injected: the target cannot be reached")
+
+    monkeypatch.setattr(decode_worker.service, "push_kv_retrying", unreachable)
+    prompts = [[600 + 7 * i + j for j in range(4 + 3 * i)] for i in range(6)]
+    max_tokens = 64
+    cluster = InProcessCluster()
+    try:
+        (_, drained), (_, other) = cluster.decode
+        with BatonClient(cluster.router_address, timeout=120) as client:
+            results: dict[int, object] = {}
+
+            def run(i: int) -> None:
+                try:
+                    results[i] = client.generate(token_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True)
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    results[i] = exc
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 60
+            while not drained.core.live and time.monotonic() < deadline:  # decoding there
+                time.sleep(0.01)
+            drainer = threading.Thread(target=drained.drain, args=(30,), kwargs={"move_after": 0})
+            drainer.start()
+            for t in threads:
+                t.join(timeout=120)
+            drainer.join(timeout=30)
+            assert not any(t.is_alive() for t in threads + [drainer]), "hung"
+        for i, prompt in enumerate(prompts):
+            assert not isinstance(results[i], Exception), f"request {i}: {results[i]!r}"
+            assert results[i].token_ids == tiny_reference.greedy(prompt, max_tokens), f"request {i}"
+        failed = drained.migrations["failed"]
+        print(f"\n{failed} handoffs failed; {cluster.prefill.requests_done} prompts prefilled")
+        assert failed > 0 and not drained.migrations["sent"] and not other.migrations["received"]
+        assert cluster.prefill.requests_done == len(prompts) + failed  # each failed handoff prefilled again
+        assert drained.pool.stats().used_bytes == 0 and not drained.core.live
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_moves_running_requests_kv_to_the_other_decode_worker(tiny_reference):
+    """Drained as soon as tokens flow: requests running there move with their KV after the
+    grace, and those still waiting for their prefill's KV move as soon as it lands."""
+    from client import BatonClient
+
+    prompts = [[100 + 9 * i + j for j in range(5 + 3 * i)] for i in range(10)]
+    max_tokens = 128
+    with LocalCluster(prefill=1, decode=2, model="tiny-random", max_rows=4,
+                      decode_args=("--drain-move-after-s", "0.2")) as cluster:
+        procs = dict(cluster.procs)
+        drained, target = cluster.decode_addrs
+        with BatonClient(cluster.router_address, timeout=120) as client:
+            streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+            outcome: dict[int, object] = {}
+            flowing = threading.Semaphore(0)
+
+            def run(i: int) -> None:
+                try:
+                    for chunk in client.stream(token_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True):
+                        if chunk.token_ids and not streamed[i]:
+                            flowing.release()
+                        streamed[i].extend(chunk.token_ids)
+                        if chunk.finish_reason:
+                            outcome[i] = chunk.finish_reason
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    outcome[i] = exc
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for _ in range(2):  # tokens flow from both decode workers, most prompts still queued
+                assert flowing.acquire(timeout=60)
+            procs[drained].send_signal(signal.SIGTERM)
+            for t in threads:
+                t.join(timeout=150)
+            assert not any(t.is_alive() for t in threads), "a request hung"
+            assert procs[drained].wait(timeout=60) == 0, "the drained decode worker did not exit cleanly"
+            time.sleep(1.0)  # a load poll after the last request finished
+            status = {w.address: w for w in client.cluster_status().workers}
+
+    moved_in = status[target].decode["migrations_in"]
+    prefilled = status[cluster.prefill_addrs[0]].prefill["requests_done"]
+    print(f"\n{moved_in} requests moved to {target} with their KV; {prefilled} prompts prefilled")
+    for i, prompt in enumerate(prompts):
+        assert outcome.get(i) == "length", f"request {i}: {outcome.get(i)!r}"
+        assert streamed[i] == tiny_reference.greedy(prompt, max_tokens), f"request {i} lost or repeated tokens"
+    # The KV itself moved: the target received it by handoff, and no request was prefilled twice.
+    assert moved_in > 0
+    assert prefilled == len(prompts)

@@ -1,0 +1,130 @@
+"""A prefill worker's KV push to a decode worker that breaks: noticed within about a second,
+retried, and when it cannot land, reported to the router as ABORTED (which moves the request).
+
+A real prefill worker (tiny-random model) serves over gRPC on loopback; the "decode worker" is a
+KVTransfer receiver for the same model, reached directly or through a proxy that breaks the
+first connection. Timing asserts are generous; the measured figures are printed."""
+from __future__ import annotations
+
+import socket
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+from breaking_proxy import BreakingProxy
+
+from baton.config import ModelSettings, PrefillSettings
+from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
+from kvtransfer import Receiver, ReceiverConfig, StagingConfig, StagingPool
+from kvtransfer.grpc_transport import KVTransferServicer
+from kvtransfer.wire import grpc_channel_options, grpc_server_ping_options
+from prefill_worker.service import serve
+
+# 750 KiB of tiny-random KV (512 B a token) in 64 KiB chunks; the proxy breaks after 256 KiB.
+PROMPT = [(17 * i) % 1000 + 3 for i in range(1500)]
+BREAK_AFTER = 256 << 10
+
+
+@pytest.fixture(scope="module")
+def prefill_worker():
+    """(address, PrefillLoop) of a real prefill worker with small KV chunks (many per push)."""
+    server, loop = serve(ModelSettings(name="tiny-random"),
+                         PrefillSettings(host="127.0.0.1", port=0, kv_chunk_bytes=64 << 10), block=False)
+    try:
+        yield f"127.0.0.1:{server.port}", loop
+    finally:
+        loop.stop()
+        server.stop(grace=None)
+
+
+@pytest.fixture
+def decode_receiver(prefill_worker):
+    """Start a KVTransfer receiver for the prefill worker's model: (target, pool, landed ids)."""
+    _, loop = prefill_worker
+    servers = []
+
+    def start():
+        landed: list[str] = []
+        pool = StagingPool(StagingConfig(capacity_bytes=64 << 20), on_landed=landed.append)
+        loaded = loop.runner.loaded
+        receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape))
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                             options=grpc_channel_options() + grpc_server_ping_options())
+        kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(receiver), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}", pool, landed
+
+    yield start
+    for server in servers:
+        server.stop(None)
+
+
+def prefill(address: str, request_id: str, decode_target: str):
+    """Call Prefill as the router does; (reply or RpcError, seconds)."""
+    request = workers_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=PROMPT, decode_target=decode_target,
+                                         sampling=common_pb2.SamplingParams(max_tokens=4))
+    started = time.monotonic()
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = workers_pb2_grpc.PrefillWorkerStub(channel).Prefill(request, timeout=60)
+        except grpc.RpcError as err:
+            return err, time.monotonic() - started
+    return reply, time.monotonic() - started
+
+
+def retried(loop) -> float:
+    return loop.metrics.transfers.labels("retried")._value.get()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["reset", "freeze"])
+def test_a_push_broken_mid_way_is_retried_and_lands(prefill_worker, decode_receiver, mode):
+    address, loop = prefill_worker
+    target, pool, landed = decode_receiver()
+    proxy = BreakingProxy(target, mode, after_bytes=BREAK_AFTER)
+    before = retried(loop)
+    try:
+        reply, seconds = prefill(address, f"push-{mode}", proxy.target)
+    finally:
+        proxy.close()
+    assert not isinstance(reply, grpc.RpcError), f"the push was not retried to success: {reply}"
+    print(f"\n{mode}: KV pushed after one broken attempt; transfer {reply.transfer_seconds:.2f}s, "
+          f"Prefill call {seconds:.2f}s ({retried(loop) - before:.0f} retries)")
+    assert proxy.broken_at is not None, "the push never crossed the break: make the prompt longer"
+    assert retried(loop) - before >= 1
+    assert landed == [f"push-{mode}"]
+    staged = pool.take(f"push-{mode}")
+    assert staged.kv.num_tokens == len(PROMPT)
+    assert workers_pb2.KVMetadata.FromString(staged.metadata).first_token == reply.first_token
+    assert reply.transfer_seconds < 10  # ~0 (reset) or ~1-2 s (freeze: keepalive, then a retry), not 30 s
+
+
+@pytest.mark.slow
+def test_a_push_to_a_decode_worker_that_is_gone_is_aborted_within_seconds(prefill_worker):
+    address, loop = prefill_worker
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        gone = f"127.0.0.1:{sock.getsockname()[1]}"
+    before = retried(loop)
+    error, seconds = prefill(address, "push-gone", gone)
+    print(f"\ndecode worker gone: Prefill answered {error.code().name} after {seconds:.2f}s "
+          f"({retried(loop) - before:.0f} retries)")
+    assert isinstance(error, grpc.RpcError)
+    # ABORTED: the prefill was fine, the KV could not be delivered; the router moves the request.
+    assert error.code() == grpc.StatusCode.ABORTED and gone in error.details()
+    assert retried(loop) - before == 2
+    assert seconds < 10
+
+
+@pytest.mark.slow
+def test_a_push_to_a_decode_worker_that_never_answers_is_aborted_within_seconds(prefill_worker):
+    """A peer that accepts TCP and says nothing (a stopped process): each attempt gives up at
+    the connect deadline (1 s), not gRPC's 20 s, nor the push's 30 s."""
+    address, _ = prefill_worker
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        error, seconds = prefill(address, "push-silent", f"127.0.0.1:{silent.getsockname()[1]}")
+    print(f"\nsilent decode worker: Prefill answered {error.code().name} after {seconds:.2f}s")
+    assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.ABORTED
+    assert seconds < 15
