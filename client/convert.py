@@ -139,7 +139,9 @@ def cluster_status_from_proto(status: router_pb2.ClusterStatus) -> ClusterStatus
 def batch_item_from_proto(item: router_pb2.GenerateBatchResponse) -> GenerationResult | BatonError:
     """One finished request of a GenerateBatch stream (or its error)."""
     if item.error_code:
-        return error_for_code(item.error_code, item.error_message, request_id=item.result.request_id or None)
+        hint = {"retry-after-s": f"{item.retry_after_s:g}"} if item.retry_after_s > 0 else None
+        return error_for_code(item.error_code, item.error_message, request_id=item.result.request_id or None,
+                              trailing_metadata=hint)
     r = item.result
     return GenerationResult(request_id=r.request_id, text=r.text_delta, token_ids=list(r.token_ids),
                             prompt_token_ids=list(r.prompt_token_ids), finish_reason=r.finish_reason,

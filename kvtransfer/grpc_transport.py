@@ -229,6 +229,10 @@ class PushOutcome:
     failures: tuple[KVPushFailed, ...]  # of the attempts before the one that landed
 
 
+# How long after the receiver's idle cut-off a retry of a stale (still held) attempt waits.
+STALE_ATTEMPT_MARGIN_S = 0.2
+
+
 def push_kv_retrying(
     channel_or_target: grpc.Channel | str,
     request_id: str,
@@ -252,8 +256,12 @@ def push_kv_retrying(
     channel = kvtransfer_channel(channel_or_target) if owned else channel_or_target
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     failures: list[KVPushFailed] = []
+    attempt = tries = 0  # tries: attempts that count against retry.attempts
+    first_failed_at = 0.0
     try:
-        for attempt in range(1, retry.attempts + 1):
+        while True:
+            attempt += 1
+            tries += 1
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise KVPushFailed("DEADLINE_EXCEEDED", f"the KV push of {request_id!r} ran out of time after "
@@ -263,10 +271,18 @@ def push_kv_retrying(
                 return PushOutcome(reply, attempt, tuple(failures))
             except KVPushFailed as failure:
                 failures.append(failure)
-                retryable = failure.code in RETRYABLE_PUSH_CODES or (attempt > 1 and failure.code == "ALREADY_EXISTS")
-                pause = retry.backoff_s * 3 ** (attempt - 1)
-                out_of_time = deadline is not None and time.monotonic() + pause >= deadline
-                if not retryable or attempt == retry.attempts or out_of_time or should_stop():
+                now = time.monotonic()
+                first_failed_at = first_failed_at or now
+                retryable = failure.code in RETRYABLE_PUSH_CODES
+                pause = retry.backoff_s * 3 ** (tries - 1)
+                if attempt > 1 and failure.code == "ALREADY_EXISTS":
+                    # Our broken attempt is still held there: the receiver drops it at the latest
+                    # CHUNK_IDLE_TIMEOUT_S after the break. Wait that out; it costs no try.
+                    ready_at = first_failed_at + CHUNK_IDLE_TIMEOUT_S + STALE_ATTEMPT_MARGIN_S
+                    retryable = now < ready_at + CHUNK_IDLE_TIMEOUT_S
+                    pause, tries = max(retry.backoff_s, ready_at - now), tries - 1
+                out_of_time = deadline is not None and now + pause >= deadline
+                if not retryable or tries >= retry.attempts or out_of_time or should_stop():
                     if len(failures) > 1:
                         raise KVPushFailed(failure.code, f"{failure.details} (attempt {attempt} of the push; "
                                            f"first failure: {failures[0]})") from None
@@ -274,7 +290,6 @@ def push_kv_retrying(
                 if on_retry is not None:
                     on_retry(attempt, failure)
                 time.sleep(pause)
-        raise AssertionError("unreachable")
     finally:
         if owned:
             channel.close()

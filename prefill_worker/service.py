@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -38,6 +39,9 @@ DRAIN_SECONDS = 20.0
 # room answers RESOURCE_EXHAUSTED after its own reserve timeout.
 PUSH_TIMEOUT_SECONDS = 30.0
 PUSH_RETRY = PushRetry(attempts=3, backoff_s=0.2)
+# Channels kept open to decode workers; far more than a deployment has, but not unbounded as
+# workers are replaced over days. The least recently used one is closed first.
+MAX_PUSH_CHANNELS = 64
 
 
 @dataclass
@@ -63,7 +67,7 @@ class PrefillLoop:
         self.fingerprint = str(runner.loaded.fingerprint)
         self.requests_done = 0
         self._senders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-push")
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: "OrderedDict[str, grpc.Channel]" = OrderedDict()  # most recently used last
         self._lock = threading.Lock()
         self._control: "queue.Queue[tuple]" = queue.Queue()
         self._stop = threading.Event()
@@ -191,9 +195,13 @@ class PrefillLoop:
 
     def _channel(self, target: str) -> grpc.Channel:
         with self._lock:
-            if target not in self._channels:
-                # Keepalive pings and a connect deadline: a push to a dead decode worker fails fast.
-                self._channels[target] = channel(target, self.tls, extra_options=grpc_push_channel_options())
+            if target in self._channels:
+                self._channels.move_to_end(target)
+                return self._channels[target]
+            # Keepalive pings and a connect deadline: a push to a dead decode worker fails fast.
+            self._channels[target] = channel(target, self.tls, extra_options=grpc_push_channel_options())
+            while len(self._channels) > MAX_PUSH_CHANNELS:  # decode workers come and go (pod IPs): bounded
+                self._channels.popitem(last=False)[1].close()
             return self._channels[target]
 
 

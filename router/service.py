@@ -137,8 +137,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if index is None:
                     yield router_pb2.GenerateBatchResponse(summary=outcome)
                 elif isinstance(outcome, DispatchError):
-                    yield router_pb2.GenerateBatchResponse(index=index, error_code=outcome.code.name,
-                                                           error_message=outcome.message)
+                    overloaded = outcome.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    yield router_pb2.GenerateBatchResponse(
+                        index=index, error_code=outcome.code.name, error_message=outcome.message,
+                        retry_after_s=float(RETRY_AFTER_SECONDS) if overloaded else 0.0)
                 else:
                     yield router_pb2.GenerateBatchResponse(index=index, result=outcome)
         finally:

@@ -498,3 +498,14 @@ def test_mutual_tls_sync_and_async(certificates):
                 check_result(await client.generate("async mutual"), chat_ids("async mutual"))
 
         asyncio.run(scenario())
+
+
+def test_a_batch_member_refused_for_overload_carries_the_retry_hint():
+    from client.convert import batch_item_from_proto
+
+    refused = batch_item_from_proto(router_pb2.GenerateBatchResponse(
+        index=3, error_code="RESOURCE_EXHAUSTED", error_message="queue full", retry_after_s=1.0))
+    assert isinstance(refused, BatonError) and refused.code == "RESOURCE_EXHAUSTED" and refused.retry_after_s == 1.0
+    unhinted = batch_item_from_proto(router_pb2.GenerateBatchResponse(index=0, error_code="RESOURCE_EXHAUSTED",
+                                                                      error_message="full"))
+    assert unhinted.retry_after_s is None

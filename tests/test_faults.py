@@ -297,6 +297,15 @@ def test_twice_what_the_workers_hold_gets_resource_exhausted_and_memory_stays_bo
                                          for p in prompts], max_concurrency=OVERLOAD_ROWS)
             assert [r.token_ids for r in wave] == expected
             decode, prefill = wait_for(drained, 30, "empty again after the second wave")
+            # A GenerateBatch at twice the bound: its refused members carry the retry hint too.
+            batch = client.generate_batch([{"token_ids": prompts[k % len(prompts)], "max_tokens": OVERLOAD_TOKENS,
+                                            "ignore_eos": True} for k in range(2 * hold)], max_concurrency=2 * hold)
+            batch_refused = [r for r in batch.results if isinstance(r, BatonError)]
+            assert all(r.code == "RESOURCE_EXHAUSTED" and r.retry_after_s == 1.0 for r in batch_refused), batch_refused
+            print(f"\nGenerateBatch of {2 * hold}: {len(batch_refused)} refused with the retry hint")
+            assert all(r.token_ids == expected[k % len(prompts)]
+                       for k, r in enumerate(batch.results) if not isinstance(r, BatonError))
+            wait_for(drained, 30, "empty again after the batch")
 
     served = [o for o in outcomes if o[0] == "ok"]
     refused = [o for o in outcomes if o[0] != "ok"]

@@ -128,3 +128,17 @@ def test_a_push_to_a_decode_worker_that_never_answers_is_aborted_within_seconds(
     print(f"\nsilent decode worker: Prefill answered {error.code().name} after {seconds:.2f}s")
     assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.ABORTED
     assert seconds < 15
+
+
+def test_push_channels_to_decode_workers_that_came_and_went_are_bounded(prefill_worker, monkeypatch):
+    import prefill_worker.service as service
+
+    _, loop = prefill_worker
+    monkeypatch.setattr(service, "MAX_PUSH_CHANNELS", 3)
+    first = loop._channel("127.0.0.1:1")
+    for port in range(2, 6):  # four more addresses: the least recently used ones are closed
+        loop._channel(f"127.0.0.1:{port}")
+        assert len(loop._channels) <= 3
+    assert "127.0.0.1:1" not in loop._channels
+    assert loop._channel("127.0.0.1:5") is loop._channels["127.0.0.1:5"]  # reused, not reopened
+    assert loop._channel("127.0.0.1:1") is not first

@@ -88,18 +88,20 @@ class BatchSummary(_message.Message):
     def __init__(self, requests: _Optional[int] = ..., failed: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., planned_saved_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., planned_saving_ratio: _Optional[float] = ..., optimum_saving_ratio: _Optional[float] = ..., actual_saving_ratio: _Optional[float] = ..., groups: _Optional[int] = ..., seconds: _Optional[float] = ..., routing_accuracy: _Optional[float] = ..., pinned_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateBatchResponse(_message.Message):
-    __slots__ = ("index", "result", "error_code", "error_message", "summary")
+    __slots__ = ("index", "result", "error_code", "error_message", "summary", "retry_after_s")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     index: int
     result: GenerateResponse
     error_code: str
     error_message: str
     summary: BatchSummary
-    def __init__(self, index: _Optional[int] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., summary: _Optional[_Union[BatchSummary, _Mapping]] = ...) -> None: ...
+    retry_after_s: float
+    def __init__(self, index: _Optional[int] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., summary: _Optional[_Union[BatchSummary, _Mapping]] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
