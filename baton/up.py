@@ -76,6 +76,11 @@ class LocalCluster:
         self.model = model
         self.max_rows = max_rows
         self.env = dict(os.environ, **(extra_env or {}))
+        if "OMP_NUM_THREADS" not in self.env:
+            # The workers share this machine's cores: each takes its share, so prefill and decode
+            # run side by side instead of every process spinning a thread on every core.
+            share = str(max(1, (os.cpu_count() or 1) // (prefill + decode)))
+            self.env.update(OMP_NUM_THREADS=share, MKL_NUM_THREADS=share)
         self.log_level = log_level
         self.procs: list[tuple[str, subprocess.Popen]] = []
 

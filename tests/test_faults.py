@@ -292,9 +292,10 @@ def test_twice_what_the_workers_hold_gets_resource_exhausted_and_memory_stays_bo
                 return held == (0, 0, 0, 0, 0) and (decode, prefill)
 
             wait_for(drained, 30, "decode rows, staging, requests waiting for KV and the prefill queue all empty")
-            # ...and a second wave within what the workers hold is served in full, exactly.
+            # ...and a second wave within what the workers hold (one prompt at a time: two arriving
+            # together already overflow the one-prompt prefill queue) is served in full, exactly.
             wave = client.generate_many([{"token_ids": p, "max_tokens": OVERLOAD_TOKENS, "ignore_eos": True}
-                                         for p in prompts], max_concurrency=OVERLOAD_ROWS)
+                                         for p in prompts], max_concurrency=OVERLOAD_QUEUE)
             assert [r.token_ids for r in wave] == expected
             decode, prefill = wait_for(drained, 30, "empty again after the second wave")
             # A GenerateBatch at twice the bound: its refused members carry the retry hint too.
