@@ -54,7 +54,8 @@ class LocalCluster:
     def __init__(self, *, port: int = 0, prefill: int = 1, decode: int = 1, model: str = "default",
                  max_rows: int = 8, extra_env: dict | None = None, log_level: str = "WARNING", routers: int = 1,
                  router_args: tuple[str, ...] = (), prefill_args: tuple[str, ...] = (),
-                 decode_args: tuple[str, ...] = (), tls: TLSSettings | None = None, auth_token_file: str = ""):
+                 decode_args: tuple[str, ...] = (), tls: TLSSettings | None = None, auth_token_file: str = "",
+                 share_cores: bool = False):
         if prefill < 1 or decode < 1:
             raise ValueError(f"need at least one prefill and one decode worker (got {prefill}, {decode})")
         if tls is not None:
@@ -76,7 +77,7 @@ class LocalCluster:
         self.model = model
         self.max_rows = max_rows
         self.env = dict(os.environ, **(extra_env or {}))
-        if "OMP_NUM_THREADS" not in self.env:
+        if share_cores and "OMP_NUM_THREADS" not in self.env:
             # The workers share this machine's cores: each takes its share, so prefill and decode
             # run side by side instead of every process spinning a thread on every core.
             share = str(max(1, (os.cpu_count() or 1) // (prefill + decode)))
@@ -174,7 +175,7 @@ def run_demo(address: str, out=sys.stdout) -> None:
 
 def run_up(args) -> int:
     cluster = LocalCluster(port=args.port, prefill=args.prefill, decode=args.decode, model=args.model,
-                           max_rows=args.max_rows)
+                           max_rows=args.max_rows, share_cores=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
