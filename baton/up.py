@@ -45,6 +45,16 @@ def wait_serving(address: str, proc: subprocess.Popen, timeout: float, tls: TLSS
     raise TimeoutError(f"{address} did not become ready within {timeout:.0f}s")
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int:
+    """SIGTERM (the process drains), then SIGKILL if it is still there after timeout; its status."""
+    proc.terminate()
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
 class LocalCluster:
     """Starts and stops the processes; usable from tests and benchmarks as a context manager.
 

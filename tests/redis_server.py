@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from baton.up import stop_process
+
 START_TIMEOUT_S = 10.0
 
 
@@ -86,12 +88,7 @@ class RedisServer:
     def stop(self) -> None:
         if self._process is None:
             return
-        self._process.terminate()
-        try:
-            self._process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+        stop_process(self._process, timeout=5)
         self._process = None
 
     def __enter__(self) -> RedisServer:

@@ -39,7 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from baton.up import LocalCluster, free_port, wait_serving
+from baton.up import LocalCluster, free_port, stop_process, wait_serving
 from baton.v1 import common_pb2, kvtransfer_pb2 as kv_pb, kvtransfer_pb2_grpc, router_pb2, router_pb2_grpc
 from baton.v1 import workers_pb2, workers_pb2_grpc
 from client import BatonClient
@@ -620,12 +620,7 @@ def bruised_decode_worker():
         with grpc.insecure_channel(address) as ch:
             yield ch
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def push_for(ch, model: Model, request_id: str, prompt: list[int], metadata: bytes, *, num_tokens=None,

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from baton.auth import TOKEN_ENV, BearerTokenInterceptor, load_token
 from baton.config import TLSSettings, load_settings
 from baton.server import MAX_MESSAGE_BYTES, channel
-from baton.up import LocalCluster, free_port, wait_serving
+from baton.up import LocalCluster, free_port, stop_process, wait_serving
 from baton.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc, router_pb2, router_pb2_grpc
 from client import BatonClient, Unauthenticated, Unavailable
 
@@ -100,12 +100,7 @@ def public_router(pki, cluster):
         wait_serving(address, proc, 120, tls)
         yield address
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def raw_secure_channel(pki, address: str, *, client_cert: str | None = "user", ca: str = "ca",
