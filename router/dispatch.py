@@ -155,7 +155,7 @@ class Dispatcher:
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def finish(out, msg, decode: Worker) -> None:
-            self._finish(out, msg, prefill.result(), route, decode, len(prompt), len(sent), arrived)
+            self._finish(out, msg, prefill.reply(), route, decode, len(prompt), len(sent), arrived)
 
         try:
             for handoffs in itertools.count(1):
@@ -191,6 +191,8 @@ class Dispatcher:
                     handing_off = True
                     return msg.seed, call
                 tokens, text = list(msg.token_ids), msg.text_delta
+                if tokens:
+                    leg.source.delivered()
                 if repeat and tokens:
                     if tokens[0] != sent[-1]:
                         raise DispatchError(grpc.StatusCode.INTERNAL, f"request {leg.request_id} resumed on "
@@ -298,14 +300,42 @@ class _Leg:
     request_id: str  # its id on that worker
     prompt: list[int]  # the tokens whose KV it gets
     resume_step: int  # tokens generated before; after a handoff, its first token is the last of them again
-    source: "_PrefillChain | _Handoff"
+    source: "_KVSource"
 
 
-class _PrefillChain:
+class _KVSource:
+    """What feeds a leg's decode worker its KV. Once that worker has sent a token the KV is there,
+    and a later failure of the source (say a prefill retry whose push is refused because the first
+    try's KV had already landed before its worker died) must not stop the stream."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._delivered = False
+        self._give_up = None
+        self._failure = None
+
+    def delivered(self) -> None:
+        self._delivered = True
+
+    def _failed(self, err) -> None:
+        if self._delivered:
+            log.info("%s failed after its KV was delivered (%s); ignored", type(self).__name__, err.code().name)
+            return
+        self._failure = err
+        if self._give_up is not None:
+            self._give_up()
+
+    def failure(self):
+        return self._failure
+
+
+class _PrefillChain(_KVSource):
     """Prefill on the routed worker; if it fails for a worker-side reason, once more on another.
     When it finally fails, `on_give_up` stops the decode stream waiting for KV that never comes."""
 
     def __init__(self, dispatcher: Dispatcher, route: Route, request_id, prompt, sampling, resume_step, timeout):
+        super().__init__()
         self.dispatcher = dispatcher
         self.route = route
         self.request_id = request_id
@@ -315,10 +345,6 @@ class _PrefillChain:
         self.timeout = timeout
         self.tries = 0
         self.call = None
-        self._lock = threading.Lock()
-        self._cancelled = False
-        self._give_up = None
-        self._failure = None
         self._acquired = None
 
     def start(self, on_give_up) -> None:
@@ -331,13 +357,15 @@ class _PrefillChain:
                 return
             self.tries += 1
             self._swap_acquired(worker)
-            self.call = worker.stub.Prefill.future(
+            self.call = call = worker.stub.Prefill.future(
                 workers_pb2.PrefillRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
                                            sampling=self.sampling, decode_target=self.route.decode.view.address,
                                            model_fingerprint=self.route.decode.fingerprint,
                                            resume_step=self.resume_step),
                 timeout=self.timeout)
-            self.call.add_done_callback(self._done)
+        # Outside the lock: a call that already failed (a dead worker fails at once) runs _done
+        # right here, and its retry takes the lock again.
+        call.add_done_callback(self._done)
 
     def _swap_acquired(self, worker: Worker) -> None:
         if self._acquired is not None:
@@ -349,7 +377,8 @@ class _PrefillChain:
         if call.cancelled() or call.exception() is None:
             return
         err = call.exception()
-        if self.tries < 2 and not self._cancelled and err.code() in PREFILL_RETRYABLE:
+        retry = self.tries < 2 and not self._cancelled and not self._delivered and err.code() in PREFILL_RETRYABLE
+        if retry:
             failed = self.route.prefill
             self.dispatcher.pool.mark_failed(failed)
             others = [v for v in self.dispatcher.pool.views("prefill") if v.healthy and v.address != failed.view.address]
@@ -361,12 +390,7 @@ class _PrefillChain:
                     self.route.prefill = worker
                     self._launch(worker)
                     return
-        self._failure = err
-        if self._give_up is not None:
-            self._give_up()
-
-    def failure(self):
-        return self._failure
+        self._failed(err)
 
     def lost(self) -> _DecodeLost | None:
         """ABORTED: the prompt was prefilled but its KV could not be delivered to the decode worker."""
@@ -375,8 +399,14 @@ class _PrefillChain:
             return _DecodeLost(Dispatcher._cause(failure), self.seed(), self.route.decode)
         return None
 
-    def result(self):
-        return self.call.result(timeout=10)
+    def reply(self) -> workers_pb2.PrefillReply:
+        """The prefill's reply, for the usage, trace and prefix index; an empty one when the KV
+        arrived but no reply will (its worker died right after the push)."""
+        try:
+            return self.call.result(timeout=REPLY_WAIT_S)
+        except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError) as exc:
+            log.info("request %s finished without its prefill reply (%s)", self.request_id, type(exc).__name__)
+            return workers_pb2.PrefillReply()
 
     def seed(self) -> int | None:
         call = self.call
@@ -394,13 +424,18 @@ class _PrefillChain:
                 self._acquired = None
 
 
-class _Handoff:
+# How long a finished request waits for its prefill's reply; it normally comes with the KV.
+REPLY_WAIT_S = 10.0
+
+
+class _Handoff(_KVSource):
     """A leg's KV source after the previous decode worker began draining: that worker pushes the
     request's KV to this leg's worker (`DecodeWorker.Handoff`). Its Decode call there stays open
     until then, holding the KV; cancelling it frees whatever is left."""
 
     def __init__(self, source: Worker, source_call, source_request_id: str, target: Worker, target_request_id: str,
                  seed: int, timeout: float | None):
+        super().__init__()
         self.source = source
         self.source_call = source_call
         self.request = workers_pb2.HandoffRequest(request_id=source_request_id, target=target.view.address,
@@ -408,10 +443,6 @@ class _Handoff:
         self._seed = seed
         self.timeout = timeout
         self.call = None
-        self._lock = threading.Lock()
-        self._cancelled = False
-        self._give_up = None
-        self._failure = None
 
     def start(self, on_give_up) -> None:
         self._give_up = on_give_up
@@ -425,13 +456,10 @@ class _Handoff:
         self.source_call.cancel()  # the handoff is over: nothing is left there to hold
         if call.cancelled() or call.exception() is None:
             return
-        self._failure = call.exception()
+        err = call.exception()
         log.warning("%s could not hand request %s to %s (%s: %s)", self.source.view.address, self.request.request_id,
-                    self.request.target, self._failure.code().name, self._failure.details())
-        self._give_up()
-
-    def failure(self):
-        return self._failure
+                    self.request.target, err.code().name, err.details())
+        self._failed(err)
 
     def lost(self) -> _DecodeLost | None:
         """Any failure: the KV did not arrive, so the request is prefilled again."""

@@ -53,7 +53,8 @@ class WorkerPool:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         with self._lock:
             for workers in self._workers.values():
                 for worker in workers.values():

@@ -1,0 +1,121 @@
+"""The router's prefill chain over real gRPC calls, with the interleavings that once broke it forced."""
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+
+import grpc
+import pytest
+
+from baton.up import free_port
+from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
+from router.dispatch import Dispatcher, Route, _DecodeLost, _PrefillChain
+from router.prefix_index import PrefixIndexConfig, build_prefix_index
+from router.workers import WorkerPool
+
+
+class _PrefillServicer(workers_pb2_grpc.PrefillWorkerServicer):
+    """Answers each Prefill once `release` is set: with a reply, or with `fail_with`."""
+
+    def __init__(self, fail_with: grpc.StatusCode | None = None):
+        self.fail_with = fail_with
+        self.release = threading.Event()
+        self.arrived = threading.Event()
+        self.requests: list[workers_pb2.PrefillRequest] = []
+
+    def Prefill(self, request, context):
+        self.requests.append(request)
+        self.arrived.set()
+        self.release.wait(10)
+        if self.fail_with is not None:
+            context.abort(self.fail_with, "the KV could not be delivered")
+        return workers_pb2.PrefillReply(request_id=request.request_id, first_token=7, seed=11, cached_tokens=3)
+
+
+class _SettledFirst:
+    """Prefill.future that returns only after the call ended, as it may when the worker is dead
+    and the machine busy: gRPC then runs a done callback at once, in the caller's thread."""
+
+    def __init__(self, multicallable):
+        self.multicallable = multicallable
+
+    def future(self, *args, **kwargs):
+        call = self.multicallable.future(*args, **kwargs)
+        call.exception()  # waits for the end
+        return call
+
+
+@pytest.fixture
+def prefill_server():
+    servers = []
+
+    def start(servicer: _PrefillServicer) -> str:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        workers_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.stop(None)
+
+
+def _chain(prefill_addresses: list[str]) -> tuple[_PrefillChain, WorkerPool]:
+    pool = WorkerPool()
+    pool.set_workers("prefill", prefill_addresses)
+    pool.set_workers("decode", [f"127.0.0.1:{free_port()}"])  # named as the KV's target, never called
+    for worker in pool.all():
+        worker.view.healthy = True
+    dispatcher = Dispatcher(pool, build_prefix_index(PrefixIndexConfig()), block_size=16)
+    route = Route(pool.get("prefill", prefill_addresses[0]), pool.all()[-1], 0)
+    chain = _PrefillChain(dispatcher, route, "r1", [1, 2, 3, 4], common_pb2.SamplingParams(max_tokens=4), 0, 10.0)
+    return chain, pool
+
+
+def _start(chain: _PrefillChain) -> threading.Event:
+    gave_up = threading.Event()
+    starter = threading.Thread(target=chain.start, args=(gave_up.set,), daemon=True)
+    starter.start()
+    starter.join(timeout=10)
+    assert not starter.is_alive(), "starting the prefill chain deadlocked"
+    return gave_up
+
+
+def test_a_prefill_that_failed_before_its_callback_was_added_is_retried_without_deadlock(prefill_server):
+    live = _PrefillServicer()
+    live.release.set()
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens: the call fails at once
+    chain, pool = _chain([dead, prefill_server(live)])
+    dead_worker = pool.get("prefill", dead)
+    dead_worker.stub.Prefill = _SettledFirst(dead_worker.stub.Prefill)
+    try:
+        gave_up = _start(chain)
+        reply = chain.reply()
+        chain.cancel()
+    finally:
+        pool.stop()
+    assert [r.request_id for r in live.requests] == ["r1"] and chain.tries == 2
+    assert reply.first_token == 7 and not gave_up.is_set()
+
+
+@pytest.mark.parametrize("delivered", [False, True])
+def test_a_prefill_that_fails_after_its_kv_was_delivered_does_not_stop_the_stream(prefill_server, delivered):
+    """E.g. a retry whose push is refused because the first try's KV landed before its worker died."""
+    servicer = _PrefillServicer(fail_with=grpc.StatusCode.ABORTED)
+    chain, pool = _chain([prefill_server(servicer)])
+    try:
+        gave_up = _start(chain)
+        assert servicer.arrived.wait(10)
+        if delivered:
+            chain.delivered()  # the decode worker sent a token
+        servicer.release.set()
+        reply = chain.reply()
+        if delivered:
+            assert reply == workers_pb2.PrefillReply() and chain.lost() is None and not gave_up.is_set()
+        else:
+            assert gave_up.wait(10) and isinstance(chain.lost(), _DecodeLost)
+        chain.cancel()
+    finally:
+        pool.stop()
