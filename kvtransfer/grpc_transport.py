@@ -247,9 +247,10 @@ def push_kv_retrying(
 ) -> PushOutcome:
     """push_kv, retried while the failure is the connection's or the stream's (RETRYABLE_PUSH_CODES).
 
-    timeout_s bounds the whole push, retries included. A retry that finds the request id still
-    ALREADY_EXISTS is retried too: the receiver has not yet dropped the broken attempt (it does
-    within CHUNK_IDLE_TIMEOUT_S). should_stop() (e.g. the request was cancelled) ends the retries;
+    timeout_s bounds the whole push, retries included. A push that finds the request id
+    ALREADY_EXISTS is retried too: the receiver still holds a broken attempt, ours or that of a
+    worker that died mid-push and whose prompt we were given again, and drops it within
+    CHUNK_IDLE_TIMEOUT_S. should_stop() (e.g. the request was cancelled) ends the retries;
     on_retry(attempt, failure) is told before each retry. Raises the last KVPushFailed.
     """
     owned = isinstance(channel_or_target, str)
@@ -275,8 +276,8 @@ def push_kv_retrying(
                 first_failed_at = first_failed_at or now
                 retryable = failure.code in RETRYABLE_PUSH_CODES
                 pause = retry.backoff_s * 3 ** (tries - 1)
-                if attempt > 1 and failure.code == "ALREADY_EXISTS":
-                    # Our broken attempt is still held there: the receiver drops it at the latest
+                if failure.code == "ALREADY_EXISTS":
+                    # A broken attempt is still held there: the receiver drops it at the latest
                     # CHUNK_IDLE_TIMEOUT_S after the break. Wait that out; it costs no try.
                     ready_at = first_failed_at + CHUNK_IDLE_TIMEOUT_S + STALE_ATTEMPT_MARGIN_S
                     retryable = now < ready_at + CHUNK_IDLE_TIMEOUT_S

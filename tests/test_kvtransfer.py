@@ -630,6 +630,35 @@ def test_a_receiver_dropping_the_stream_mid_way_is_retried_at_once(kv_server):
     assert_pool_empty(pool)
 
 
+def test_a_push_finding_a_dead_senders_attempt_still_held_waits_it_out_and_lands(kv_server):
+    """A prefill worker killed mid-push leaves its attempt held until the receiver's idle cut-off;
+    the worker the prompt is given to next finds the id ALREADY_EXISTS on its very first push."""
+    pool, receiver, landed = big_receiver()
+    target = kv_server(KVTransferServicer(receiver))
+    kv = random_kv(SHAPES["float32"], BIG_TOKENS, seed=6)
+    messages = list(encode("r", FINGERPRINT, kv, b"", 64 << 10))
+    dead = threading.Event()
+
+    def killed_mid_push():
+        yield from messages[:2]  # the header and one chunk, then silence: the sender is gone
+        dead.wait(30)
+
+    with kvtransfer_channel(target) as channel:
+        stalled = pb_grpc.KVTransferStub(channel).Push.future(killed_mid_push(), timeout=30)
+        try:
+            wait_until(lambda: pool.stats().reserved_entries == 1, timeout_s=10)
+            outcome, retried_at = retrying_push(target, kv)
+        finally:
+            dead.set()
+            stalled.cancel()
+    print(f"\nthe stale attempt was waited out: landed after {outcome.attempts} attempts "
+          f"({[code for _, code in retried_at]})")
+    assert outcome.failures[0].code == "ALREADY_EXISTS" and landed == ["r"]
+    assert raw_bytes(pool.take("r").kv) == raw_bytes(kv)
+    pool.release("r")
+    assert_pool_empty(pool)
+
+
 def test_retries_stop_at_the_attempt_limit_and_report_the_last_failure(kv_server):
     pool, receiver, landed = big_receiver()
     target = kv_server(FlakyServicer(receiver, drops=10))
