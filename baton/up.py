@@ -6,6 +6,7 @@ SIGTERM stops them all. `--demo` sends a short mixed workload through the SDK an
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,9 +24,36 @@ STARTUP_TIMEOUT_S = 600  # the first start converts the default model
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on, for a process started next to bind.
+
+    Drawn below the kernel's ephemeral range: a port from that range (what binding to port 0
+    gives) can be taken by any outgoing connection before the process gets to bind it."""
+    low = _ephemeral_ports_start()
+    for _ in range(200):
+        port = random.randrange(FIXED_PORTS_START, low) if low - FIXED_PORTS_START > 1000 else 0
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        _handed_out.add(port)
+        return port
+    raise OSError("no free loopback port found")
+
+
+FIXED_PORTS_START = 20000
+_handed_out: set[int] = set()  # never the same port twice from one process
+
+
+def _ephemeral_ports_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere a port is drawn from below it all the same
 
 
 def wait_serving(address: str, proc: subprocess.Popen, timeout: float, tls: TLSSettings | None = None) -> None:
