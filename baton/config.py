@@ -72,7 +72,7 @@ class RouterSettings:
     index_max_blocks: int = 262_144  # prefix index entries kept (least recently touched dropped)
     load_weight: float = 1.0  # routing cost per queued prompt token on a prefill worker
     cache_weight: float = 1.0  # routing credit per prompt token a worker already holds
-    max_inflight: int = 1024  # requests in flight before RESOURCE_EXHAUSTED
+    max_inflight: int = 1024  # requests in flight before RESOURCE_EXHAUSTED (also sizes the server's threads)
     load_poll_seconds: float = 0.2
     metrics_port: int = 0  # 0 = no metrics endpoint
     # A file holding the bearer token every public API call must send (`authorization: Bearer
@@ -87,7 +87,7 @@ class RouterSettings:
 class PrefillSettings:
     host: str = "0.0.0.0"
     port: int = 50061
-    max_queue: int = 256  # waiting prompts before RESOURCE_EXHAUSTED
+    max_queue: int = 256  # prompts queued or being prefilled/pushed before RESOURCE_EXHAUSTED
     max_batch_tokens: int = 4096  # prompt tokens per prefill batch
     max_batch_size: int = 8
     prefix_cache_bytes: int = 256 << 20
@@ -117,7 +117,9 @@ class DecodeSettings:
     max_rows: int = 8  # decode batch rows
     kv_budget_bytes: int = 1 << 30  # the batch KV never exceeds this
     staging_bytes: int = 512 << 20  # CPU staging pool for landed KV
-    max_pending: int = 256  # requests waiting for KV before RESOURCE_EXHAUSTED
+    # Requests waiting for KV before RESOURCE_EXHAUSTED; with max_rows it also bounds every request
+    # held here (waiting for KV or a row, or decoding), each holding a server thread.
+    max_pending: int = 256
     kv_high_watermark_bytes: int = 0  # batch KV above this parks rows on the host (0 = off)
     kv_low_watermark_bytes: int = 0  # and rows are admitted only while it stays at or below this
     # On SIGTERM (drain): seconds to let running requests finish before their KV moves to another

@@ -220,15 +220,23 @@ class NotReady:
         return call
 
 
+SHORT_CALL_THREADS = 32  # KV pushes, handoffs, load polls, health, pins: each brief
+
+
 class GrpcServer:
     """A gRPC server with the stock health service (NOT_SERVING until `set_serving`) and reflection.
 
     `interceptors` run before every call (the router's bearer-token check), then CallConventions;
     `require_client_cert` (with tls.ca_file) turns mutual TLS on for this port."""
 
-    def __init__(self, host: str, port: int, *, max_workers: int = 64, tls: TLSSettings | None = None,
+    def __init__(self, host: str, port: int, *, long_calls: int = 32, tls: TLSSettings | None = None,
                  require_client_cert: bool = True, interceptors=()):
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS,
+        # A call holds a thread for its whole life. `long_calls` bounds those that last (a client's
+        # request, a decode stream, a queued prompt); the role refuses more. The short ones get
+        # threads of their own: a decode worker full of streams waiting for KV must still take
+        # the KV pushes they wait for, and answer load polls and health checks.
+        workers = long_calls + SHORT_CALL_THREADS
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
                                   interceptors=[*interceptors, CallConventions()])
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -60,6 +60,9 @@ class DecodeLoop:
         self._last_token_at: dict[str, float] = {}
         self.pool = pool
         self.max_pending = max_pending
+        # Every request here holds its Decode call's server thread, so their number is bounded
+        # too, not only those waiting for KV (the server's threads are sized from this).
+        self.max_requests = max_pending + core.config.max_rows
         self._inbox: "queue.Queue[tuple[str, str]]" = queue.Queue()
         self._pending: dict[str, _Pending] = {}  # registered, KV not yet added to the core
         self._streams: dict[str, _Pending] = {}  # every registered request until it ends
@@ -100,7 +103,16 @@ class DecodeLoop:
                 self._inbox.put(("evict", "", None))
                 evicting = True
             time.sleep(0.1)
+        log.warning("drain timed out after %.0fs; still here: %s", timeout, self._held())
         return False
+
+    def _held(self) -> dict[str, str]:
+        """Where each request still here is, for the log of a drain that timed out."""
+        with self._lock:
+            streams, pending, moving = list(self._streams), set(self._pending), set(self._moving)
+        live = set(self.core.live)  # read from another thread: a snapshot for a log line is enough
+        return {rid: "waiting for KV" if rid in pending else "evicted, waiting for Handoff" if rid in moving
+                else "in the batch" if rid in live else "being handed off" for rid in streams}
 
     def register(self, request: GenerationRequest) -> "queue.Queue":
         if self.draining.is_set():
@@ -110,6 +122,9 @@ class DecodeLoop:
                 raise RequestError(f"request id {request.request_id!r} is already being decoded here")
             if len(self._pending) >= self.max_pending:
                 raise OverflowError(f"{self.max_pending} requests are already waiting for KV here; retry later")
+            if len(self._streams) >= self.max_requests:
+                raise OverflowError(f"{self.max_requests} requests are already here (waiting for KV or a row, "
+                                    "or decoding); retry later")
             self.core.check_fits(len(request.prompt_token_ids), request.params)
             entry = _Pending(request, queue.Queue())
             self._pending[request.request_id] = entry
@@ -189,17 +204,19 @@ class DecodeLoop:
         if entry is None:  # cancelled before its KV landed
             self.pool.cancel(request_id)
             return
-        staged = self.pool.take(request_id)
         trace = entry.request.trace
         try:
+            staged = self.pool.take(request_id)
             meta = self._check_landed(entry.request, staged)
             trace.cached_tokens = meta.cached_tokens
             trace.mark("staged")
             first = self.core.add(PrefilledRequest(entry.request, staged.kv, meta.first_token, meta.seed))
-        except RequestError as exc:
-            log.warning("request %s refused at admission: %s", request_id, exc)
-            self.pool.release(request_id)
-            self._end(request_id, failure=str(exc))
+        except Exception as exc:  # this request alone fails (its stream says why); the batch goes on
+            if isinstance(exc, RequestError):
+                log.warning("request %s refused at admission: %s", request_id, exc)
+            else:
+                log.exception("request %s could not be admitted", request_id)
+            self._end(request_id, failure=f"its KV could not be admitted: {exc}")
             return
         if meta.handoff:
             self._count_migration("received")

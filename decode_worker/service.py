@@ -146,7 +146,7 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
 
 
 def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | None = None, *, block: bool = True):
-    server = GrpcServer(settings.host, settings.port, tls=tls)
+    server = GrpcServer(settings.host, settings.port, tls=tls, long_calls=settings.max_pending + settings.max_rows)
     decode_api, kv_api = NotReady(), NotReady()
     workers_pb2_grpc.add_DecodeWorkerServicer_to_server(decode_api, server.server)
     kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(kv_api, server.server)

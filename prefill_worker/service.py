@@ -98,6 +98,10 @@ class PrefillLoop:
     def submit(self, job: PrefillJob) -> Future:
         if self.draining.is_set():
             raise ConnectionAbortedError("this prefill worker is draining; send the prompt elsewhere")
+        if len(self.queue) + len(self._inflight) >= self.settings.max_queue:
+            # Prompts being prefilled or pushed count too: each holds its Prefill call's thread.
+            raise OverflowError(f"{self.settings.max_queue} prompts are already queued or being prefilled here; "
+                                "retry later")
         job.request.trace.mark("arrived")
         self.queue.put(job, len(job.request.prompt_token_ids))  # raises OverflowError when full
         return job.done
@@ -278,7 +282,7 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
 
 
 def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | None = None, *, block: bool = True):
-    server = GrpcServer(settings.host, settings.port, tls=tls)
+    server = GrpcServer(settings.host, settings.port, tls=tls, long_calls=settings.max_queue)
     api = NotReady()
     workers_pb2_grpc.add_PrefillWorkerServicer_to_server(api, server.server)
     server.add_service("baton.v1.PrefillWorker")

@@ -168,7 +168,8 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
     if token and not (tls is not None and tls.enabled):
         log.warning("the bearer token reaches this router in plaintext: set tls.cert_file/key_file, "
                     "or terminate TLS in front of it")
-    server = GrpcServer(settings.host, settings.port, tls=tls, require_client_cert=settings.require_client_cert,
+    server = GrpcServer(settings.host, settings.port, tls=tls, long_calls=settings.max_inflight,
+                        require_client_cert=settings.require_client_cert,
                         interceptors=[BearerTokenInterceptor(token)] if token else [])
     api = NotReady()
     router_pb2_grpc.add_RouterServicer_to_server(api, server.server)

@@ -5,9 +5,11 @@ import signal
 import threading
 import time
 
+import grpc
 import pytest
 
 from baton.up import LocalCluster
+from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
 from client import BatonClient, BatonError
 
 pytestmark = pytest.mark.slow
@@ -184,6 +186,36 @@ def test_every_process_serves_prometheus_metrics():
     for name in ("baton_decode_rows_in_use", "baton_decode_kv_allocated_bytes", "baton_decode_staged_bytes",
                  "baton_decode_preemptions_total", "baton_time_between_tokens_seconds_count"):
         assert name in scraped["decode"], name
+
+
+def test_a_decode_worker_full_of_requests_waiting_for_kv_still_takes_their_kv(tiny_reference):
+    """Every request waiting for KV holds its Decode call's server thread. With more of them than
+    the server once had threads (64), the KV pushes they wait for, and load polls, must still get in."""
+    held = 80
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=2,
+                      extra_env={"BATON_DECODE_MAX_PENDING": str(held + 1)}) as cluster:
+        with grpc.insecure_channel(cluster.decode_addrs[0]) as channel:
+            stub = workers_pb2_grpc.DecodeWorkerStub(channel)
+            waiting = [stub.Decode(workers_pb2.DecodeRequest(request_id=f"held-{i}", prompt_token_ids=[1, 2, 3],
+                                                             sampling=common_pb2.SamplingParams(max_tokens=4)),
+                                   timeout=60) for i in range(held)]
+            try:
+                for call in waiting:
+                    next(call)  # registered; its KV never comes
+                with BatonClient(cluster.router_address, timeout=30) as client:
+                    wait_for(lambda: waiting_for_kv(client) == held, 10, "the load poll answered and saw them all")
+                    prompt = [7, 8, 9, 10]
+                    result = client.generate(token_ids=prompt, max_tokens=8, ignore_eos=True)
+                    assert result.token_ids == tiny_reference.greedy(prompt, 8)
+            finally:
+                for call in waiting:
+                    call.cancel()
+        with BatonClient(cluster.router_address, timeout=30) as client:
+            wait_for(lambda: waiting_for_kv(client) == 0, 10, "the cancelled requests gone")
+
+
+def waiting_for_kv(client: BatonClient) -> int:
+    return next(w.decode for w in client.cluster_status().workers if w.role == "decode")["waiting_for_kv"]
 
 
 # --- overload past the workers' own bounds ---------------------------------------------------------

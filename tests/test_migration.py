@@ -196,6 +196,43 @@ def test_drain_past_its_grace_moves_every_request_and_frees_everything(runner):
         loop.stop()
 
 
+def test_every_request_here_counts_against_the_bound_not_only_those_waiting_for_kv(runner):
+    """Each holds its Decode call's server thread: one running, one landed and waiting for a row,
+    and with nothing waiting for KV a third is still refused (max_pending 1 + max_rows 1)."""
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    pool = StagingPool(StagingConfig(capacity_bytes=64 << 20, require_expected=True),
+                       on_landed=lambda rid: loop.on_landed(rid))
+    loop = DecodeLoop(DecodeCore(runner, DecodeConfig(max_rows=1)), pool, max_pending=1).start()
+    try:
+        for rid in ("running", "staged"):
+            outputs = loop.register(GenerationRequest(rid, list(range(5, 25)), params))
+            land(pool, prefilled(runner, rid, list(range(5, 25)), params))
+            if rid == "running":
+                outputs.get(timeout=10)
+        deadline = time.monotonic() + 10
+        while loop.num_pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loop.num_pending() == 0
+        with pytest.raises(OverflowError, match="2 requests are already here"):
+            loop.register(GenerationRequest("third", list(range(5, 25)), params))
+    finally:
+        loop.stop()
+
+
+def test_a_drain_that_times_out_says_which_requests_held_it(runner, caplog):
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    pool = StagingPool(StagingConfig(capacity_bytes=64 << 20, require_expected=True),
+                       on_landed=lambda rid: loop.on_landed(rid))
+    loop = DecodeLoop(DecodeCore(runner, DecodeConfig(max_rows=2)), pool, max_pending=8).start()
+    try:
+        loop.register(GenerationRequest("never-fed", list(range(5, 25)), params))  # its KV never comes
+        with caplog.at_level("WARNING", logger="decode_worker.loop"):
+            assert loop.drain(0.3, move_after=0) is False
+        assert "'never-fed': 'waiting for KV'" in caplog.text
+    finally:
+        loop.stop()
+
+
 def test_a_cancelled_moving_request_frees_its_kv(runner):
     params = SamplingParams(max_tokens=200, ignore_eos=True)
     pool = StagingPool(StagingConfig(capacity_bytes=64 << 20, require_expected=True),

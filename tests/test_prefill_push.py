@@ -19,7 +19,10 @@ from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_g
 from kvtransfer import Receiver, ReceiverConfig, StagingConfig, StagingPool
 from kvtransfer.grpc_transport import KVTransferServicer
 from kvtransfer.wire import grpc_channel_options, grpc_server_ping_options
-from prefill_worker.service import serve
+from engine.request import GenerationRequest
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from prefill_worker.service import PrefillJob, PrefillLoop, serve
 
 # 750 KiB of tiny-random KV (512 B a token) in 64 KiB chunks; the proxy breaks after 256 KiB.
 PROMPT = [(17 * i) % 1000 + 3 for i in range(1500)]
@@ -142,3 +145,27 @@ def test_push_channels_to_decode_workers_that_came_and_went_are_bounded(prefill_
     assert "127.0.0.1:1" not in loop._channels
     assert loop._channel("127.0.0.1:5") is loop._channels["127.0.0.1:5"]  # reused, not reopened
     assert loop._channel("127.0.0.1:1") is not first
+
+
+def test_prompts_being_pushed_count_against_the_queue_bound(tiny_model):
+    """Each prompt holds its Prefill call's server thread until its push ends, so prompts taken
+    off the queue still count: a slow decode worker cannot pile up more than max_queue of them."""
+    loop = PrefillLoop(ModelRunner(tiny_model, "torch"), PrefillSettings(max_queue=2)).start()
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # each push waits out its connect deadline
+        target = f"127.0.0.1:{silent.getsockname()[1]}"
+
+        def job(rid: str) -> PrefillJob:
+            return PrefillJob(GenerationRequest(rid, PROMPT[:64], SamplingParams(max_tokens=4)), target)
+
+        try:
+            pushing = [loop.submit(job(f"slow-{i}")) for i in range(2)]
+            deadline = time.monotonic() + 10
+            while (len(loop.queue) or len(loop._inflight) < 2) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not len(loop.queue) and len(loop._inflight) == 2, "both prompts taken and being pushed"
+            with pytest.raises(OverflowError, match="queued or being prefilled"):
+                loop.submit(job("one-too-many"))
+            for done in pushing:
+                assert isinstance(done.exception(timeout=30), Exception)  # the silent target: ABORTED later
+        finally:
+            loop.stop()
