@@ -110,7 +110,7 @@ class DecodeLoop:
         """Where each request still here is, for the log of a drain that timed out."""
         with self._lock:
             streams, pending, moving = list(self._streams), set(self._pending), set(self._moving)
-        live = set(self.core.live)  # read from another thread: a snapshot for a log line is enough
+        live = self.core.live.copy()  # the loop thread's; copy() is one step under the GIL
         return {rid: "waiting for KV" if rid in pending else "evicted, waiting for Handoff" if rid in moving
                 else "in the batch" if rid in live else "being handed off" for rid in streams}
 
