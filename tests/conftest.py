@@ -1,6 +1,9 @@
 """Shared fixtures: the real default model, a tiny random model, and transformers' own generate."""
 from __future__ import annotations
 
+from concurrent import futures
+
+import grpc
 import pytest
 import torch
 
@@ -39,3 +42,22 @@ def tiny_model() -> LoadedModel:
 @pytest.fixture(scope="session")
 def tiny_reference() -> Reference:
     return Reference("tiny-random")
+
+
+@pytest.fixture
+def grpc_server():
+    """start(add, servicer, options) -> the loopback address of a gRPC server serving the test's
+    servicer (`add` is the generated add_..._to_server); every one is stopped after the test."""
+    servers = []
+
+    def start(add, servicer, options=()) -> str:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=list(options))
+        add(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.stop(None)

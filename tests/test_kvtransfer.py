@@ -5,7 +5,6 @@ import itertools
 import socket
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
@@ -552,22 +551,10 @@ def big_receiver(capacity_bytes: int = 64 << 20) -> tuple[StagingPool, Receiver,
 
 
 @pytest.fixture
-def kv_server():
+def kv_server(grpc_server):
     """A KVTransfer gRPC server around a given servicer (as a decode worker's, pings welcome)."""
-    servers = []
-
-    def start(servicer) -> str:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                             options=grpc_channel_options() + grpc_server_ping_options())
-        pb_grpc.add_KVTransferServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        return f"127.0.0.1:{port}"
-
-    yield start
-    for server in servers:
-        server.stop(None)
+    return lambda servicer: grpc_server(pb_grpc.add_KVTransferServicer_to_server, servicer,
+                                        grpc_channel_options() + grpc_server_ping_options())
 
 
 def retrying_push(target: str, kv: SequenceKV, request_id: str = "r", **kwargs):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import socket
 import time
-from concurrent import futures
 
 import grpc
 import pytest
@@ -42,27 +41,20 @@ def prefill_worker():
 
 
 @pytest.fixture
-def decode_receiver(prefill_worker):
+def decode_receiver(prefill_worker, grpc_server):
     """Start a KVTransfer receiver for the prefill worker's model: (target, pool, landed ids)."""
     _, loop = prefill_worker
-    servers = []
 
     def start():
         landed: list[str] = []
         pool = StagingPool(StagingConfig(capacity_bytes=64 << 20), on_landed=landed.append)
         loaded = loop.runner.loaded
         receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape))
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                             options=grpc_channel_options() + grpc_server_ping_options())
-        kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(receiver), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        return f"127.0.0.1:{port}", pool, landed
+        target = grpc_server(kvtransfer_pb2_grpc.add_KVTransferServicer_to_server, KVTransferServicer(receiver),
+                             grpc_channel_options() + grpc_server_ping_options())
+        return target, pool, landed
 
-    yield start
-    for server in servers:
-        server.stop(None)
+    return start
 
 
 def prefill(address: str, request_id: str, decode_target: str):

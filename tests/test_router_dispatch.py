@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-from concurrent import futures
 
 import grpc
 import pytest
@@ -46,20 +45,8 @@ class _SettledFirst:
 
 
 @pytest.fixture
-def prefill_server():
-    servers = []
-
-    def start(servicer: _PrefillServicer) -> str:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        workers_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        return f"127.0.0.1:{port}"
-
-    yield start
-    for server in servers:
-        server.stop(None)
+def prefill_server(grpc_server):
+    return lambda servicer: grpc_server(workers_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer)
 
 
 def _chain(prefill_addresses: list[str]) -> tuple[_PrefillChain, WorkerPool]:
