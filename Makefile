@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-fast run proto lint clean
+.PHONY: setup test test-fast run proto clean
 
 setup: $(STAMP)
 
