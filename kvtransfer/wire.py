@@ -6,6 +6,8 @@ import zlib
 
 import torch
 
+from baton.server import SERVER_MIN_PING_INTERVAL_MS, keepalive_options
+
 DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
 # A receiver refuses larger chunks, so one KVChunk message never exceeds this plus framing.
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
@@ -64,12 +66,11 @@ def grpc_channel_options(chunk_bytes: int = MAX_CHUNK_BYTES) -> list[tuple[str, 
 #   within PUSH_KEEPALIVE_TIMEOUT_MS. Pings are answered by the transport, so a receiver that is
 #   only waiting for staging room (no data read for seconds) is not mistaken for a dead one;
 # - a connection that never completes its handshake is given up after PUSH_CONNECT_TIMEOUT_MS.
-# Receiving servers must let peers ping that often (SERVER_MIN_PING_INTERVAL_MS), or they
-# answer with GOAWAY "too_many_pings" and cut the push.
+# Receiving servers must let peers ping that often (baton.server.SERVER_MIN_PING_INTERVAL_MS),
+# or they answer with GOAWAY "too_many_pings" and cut the push.
 PUSH_KEEPALIVE_MS = 500
 PUSH_KEEPALIVE_TIMEOUT_MS = 500
 PUSH_CONNECT_TIMEOUT_MS = 1000
-SERVER_MIN_PING_INTERVAL_MS = 250
 # The receiver's side of the same promise: once it waits for the next message of a push, the
 # sender (which holds the whole KV in memory) has no reason to pause; a stream silent this long
 # is cut off and its staging bytes freed, so a retry of the same request id can land.
@@ -80,13 +81,7 @@ def grpc_push_channel_options() -> list[tuple[str, int]]:
     """Liveness options for a channel that pushes KV (keepalive pings, connect timeout, quick
     reconnects to a restarted receiver); add them to the channel's message-size options."""
     return [
-        ("grpc.keepalive_time_ms", PUSH_KEEPALIVE_MS),
-        ("grpc.keepalive_timeout_ms", PUSH_KEEPALIVE_TIMEOUT_MS),
-        # Any unanswered ping ends the connection this soon: a flow-control (BDP) ping already in
-        # flight holds back the keepalive ping, and waits a minute by default.
-        ("grpc.http2.ping_timeout_ms", PUSH_KEEPALIVE_TIMEOUT_MS),
-        ("grpc.http2.max_pings_without_data", 0),  # a receiver waiting for staging room reads no data
-        ("grpc.keepalive_permit_without_calls", 0),  # ping only while a push is open
+        *keepalive_options(PUSH_KEEPALIVE_MS, PUSH_KEEPALIVE_TIMEOUT_MS),
         ("grpc.min_reconnect_backoff_ms", PUSH_CONNECT_TIMEOUT_MS),  # also the connect deadline
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2000),

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from baton.config import TLSSettings
-from baton.server import channel
+from baton.server import channel, keepalive_options
 from baton.v1 import common_pb2, workers_pb2_grpc
 from router.policy import WorkerView
 
@@ -18,13 +18,7 @@ ROLES = ("prefill", "decode")
 # A worker that hangs (stopped process, cut network) answers no RST: without pings, the requests
 # it holds would wait for their deadlines. Pinging every 2 s while calls are open breaks their
 # streams within about 4 s, and the router moves them (UNAVAILABLE is a lost decode worker).
-WORKER_KEEPALIVE_OPTIONS = [
-    ("grpc.keepalive_time_ms", 2000),
-    ("grpc.keepalive_timeout_ms", 2000),
-    ("grpc.http2.ping_timeout_ms", 2000),  # also for a flow-control ping in flight (default: a minute)
-    ("grpc.http2.max_pings_without_data", 0),  # a decode stream may send nothing for a while
-    ("grpc.keepalive_permit_without_calls", 0),
-]
+WORKER_KEEPALIVE_OPTIONS = keepalive_options(ping_every_ms=2000, timeout_ms=2000)
 
 
 @dataclass
