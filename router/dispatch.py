@@ -125,10 +125,9 @@ class Dispatcher:
             route = self.route(prompt + sent, prefill_address if attempt == 0 else None, avoid)
             if pinned_tokens and attempt == 0 and len(prompt) - 1 >= pinned_tokens:
                 route.predicted_cached_tokens = max(route.predicted_cached_tokens, pinned_tokens)
-            remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
             attempt_id = request_id if attempt == 0 else f"{request_id}~{attempt}"
             try:
-                for out in self._attempt(attempt_id, prompt, sent, sampling, remaining, route, on_done, arrived):
+                for out in self._attempt(attempt_id, prompt, sent, sampling, deadline, route, on_done, arrived):
                     out.request_id = request_id
                     yield out
                 return
@@ -142,17 +141,17 @@ class Dispatcher:
                 log.warning("request %s lost its decode worker %s after %d tokens (%s); prefilling it again",
                             request_id, lost.worker.view.address, len(sent), lost.error.message)
 
-    def _attempt(self, request_id, prompt, sent: list[int], sampling, timeout, route: Route, on_done, arrived):
+    def _attempt(self, request_id, prompt, sent: list[int], sampling, deadline, route: Route, on_done, arrived):
         """One try: the prompt (plus the tokens already sent) is prefilled for the routed decode
         worker, whose stream is relayed; the prefill is retried on another worker if it fails.
 
         A decode worker that drains says `moving` on the stream: the request then continues on
         another decode worker, opened for prompt + sent[:-1] at step len(sent) - 1, and fed by the
         draining worker pushing the request's KV there (`_Handoff`) instead of by a prefill."""
-        prefill = _PrefillChain(self, route, request_id, prompt + sent, _left(sampling, len(sent)), len(sent), timeout)
+        prefill = _PrefillChain(self, route, request_id, prompt + sent, _left(sampling, len(sent)), len(sent),
+                                _until(deadline))
         leg = _Leg(route.decode, request_id, prompt + sent, len(sent), prefill)
         sources = [prefill]  # kept until the end: the prefill reply gives the usage and trace
-        deadline = None if timeout is None else time.monotonic() + timeout
 
         def finish(out, msg, decode: Worker) -> None:
             self._finish(out, msg, prefill.reply(), route, decode, len(prompt), len(sent), arrived)
