@@ -72,10 +72,8 @@ def _decode(query, key, value, ctx: DecodeAttention, scale):
 
         out = decode_attention(query[:, :, 0], key, value, ctx.starts, scale)  # [B, Hq, D]
         return out.unsqueeze(1)
-    mask = ctx.mask
-    if mask is None or mask.shape[-1] != key.shape[2]:
-        mask = DecodeAttention.for_window(ctx.starts.to(key.device), key.shape[2], "torch").mask  # [B, 1, 1, Tk]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    # ctx.mask: [B, 1, 1, window], built by for_window for the batch's whole window (the keys here)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=ctx.mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)
 
 
