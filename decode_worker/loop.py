@@ -61,7 +61,7 @@ class DecodeLoop:
         self.pool = pool
         self.max_pending = max_pending
         # Every request here holds its Decode call's server thread, so their number is bounded
-        # too, not only those waiting for KV (the server's threads are sized from this).
+        # too, not only those waiting for KV (the server sizes its threads from the same sum).
         self.max_requests = max_pending + core.config.max_rows
         self._inbox: "queue.Queue[tuple[str, str]]" = queue.Queue()
         self._pending: dict[str, _Pending] = {}  # registered, KV not yet added to the core

@@ -8,6 +8,7 @@ its KV moved rather than prefilled again.
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -160,12 +161,21 @@ def land(pool: StagingPool, item: PrefilledRequest) -> None:
     pool.land(reservation, item.kv, meta.SerializeToString())
 
 
-def test_drain_past_its_grace_moves_every_request_and_frees_everything(runner):
-    params = SamplingParams(max_tokens=200, ignore_eos=True)
+@contextlib.contextmanager
+def running_loop(runner: ModelRunner, max_rows: int = 2, max_pending: int = 8):
+    """(loop, pool): a started DecodeLoop whose staging pool tells it when a KV lands; stopped after."""
     pool = StagingPool(StagingConfig(capacity_bytes=64 << 20, require_expected=True),
                        on_landed=lambda rid: loop.on_landed(rid))
-    loop = DecodeLoop(DecodeCore(runner, DecodeConfig(max_rows=2)), pool, max_pending=8).start()
+    loop = DecodeLoop(DecodeCore(runner, DecodeConfig(max_rows=max_rows)), pool, max_pending=max_pending).start()
     try:
+        yield loop, pool
+    finally:
+        loop.stop()
+
+
+def test_drain_past_its_grace_moves_every_request_and_frees_everything(runner):
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    with running_loop(runner) as (loop, pool):
         streams = {}
         for i in range(3):  # two rows running, one staged behind them
             rid = f"d{i}"
@@ -192,18 +202,13 @@ def test_drain_past_its_grace_moves_every_request_and_frees_everything(runner):
         assert loop.migrations == {"sent": 2, "failed": 1}
         assert pool.stats().used_bytes == 0 and loop.core.batch.num_rows == 0 and not loop.core.live
         assert loop.core.finished_total == 0
-    finally:
-        loop.stop()
 
 
 def test_every_request_here_counts_against_the_bound_not_only_those_waiting_for_kv(runner):
     """Each holds its Decode call's server thread: one running, one landed and waiting for a row,
     and with nothing waiting for KV a third is still refused (max_pending 1 + max_rows 1)."""
     params = SamplingParams(max_tokens=200, ignore_eos=True)
-    pool = StagingPool(StagingConfig(capacity_bytes=64 << 20, require_expected=True),
-                       on_landed=lambda rid: loop.on_landed(rid))
-    loop = DecodeLoop(DecodeCore(runner, DecodeConfig(max_rows=1)), pool, max_pending=1).start()
-    try:
+    with running_loop(runner, max_rows=1, max_pending=1) as (loop, pool):
         for rid in ("running", "staged"):
             outputs = loop.register(GenerationRequest(rid, list(range(5, 25)), params))
             land(pool, prefilled(runner, rid, list(range(5, 25)), params))
@@ -215,30 +220,20 @@ def test_every_request_here_counts_against_the_bound_not_only_those_waiting_for_
         assert loop.num_pending() == 0
         with pytest.raises(OverflowError, match="2 requests are already here"):
             loop.register(GenerationRequest("third", list(range(5, 25)), params))
-    finally:
-        loop.stop()
 
 
 def test_a_drain_that_times_out_says_which_requests_held_it(runner, caplog):
     params = SamplingParams(max_tokens=200, ignore_eos=True)
-    pool = StagingPool(StagingConfig(capacity_bytes=64 << 20, require_expected=True),
-                       on_landed=lambda rid: loop.on_landed(rid))
-    loop = DecodeLoop(DecodeCore(runner, DecodeConfig(max_rows=2)), pool, max_pending=8).start()
-    try:
+    with running_loop(runner) as (loop, pool):
         loop.register(GenerationRequest("never-fed", list(range(5, 25)), params))  # its KV never comes
         with caplog.at_level("WARNING", logger="decode_worker.loop"):
             assert loop.drain(0.3, move_after=0) is False
         assert "'never-fed': 'waiting for KV'" in caplog.text
-    finally:
-        loop.stop()
 
 
 def test_a_cancelled_moving_request_frees_its_kv(runner):
     params = SamplingParams(max_tokens=200, ignore_eos=True)
-    pool = StagingPool(StagingConfig(capacity_bytes=64 << 20, require_expected=True),
-                       on_landed=lambda rid: loop.on_landed(rid))
-    loop = DecodeLoop(DecodeCore(runner, DecodeConfig(max_rows=2)), pool, max_pending=8).start()
-    try:
+    with running_loop(runner) as (loop, pool):
         outputs = loop.register(GenerationRequest("c", list(range(5, 25)), params))
         land(pool, prefilled(runner, "c", list(range(5, 25)), params))
         outputs.get(timeout=10)
@@ -252,8 +247,6 @@ def test_a_cancelled_moving_request_frees_its_kv(runner):
         with pytest.raises(LookupError):
             loop.take_moving("c")
         assert not loop.migrations and pool.stats().used_bytes == 0
-    finally:
-        loop.stop()
 
 
 # -- the Handoff RPC and a real cluster -------------------------------------------------------
