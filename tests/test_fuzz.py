@@ -23,6 +23,7 @@ payloads stay finite floats; NaN KV with sampling is covered by its own test the
 from __future__ import annotations
 
 import math
+import os
 import struct
 import subprocess
 import sys
@@ -49,7 +50,9 @@ from kvtransfer.wire import MAX_METADATA_BYTES
 pytestmark = pytest.mark.slow
 
 CALL_TIMEOUT_S = 30.0  # far above any request here; reaching it is a hang
-FUZZ = settings(deadline=None, database=None, print_blob=True,
+# Under CI the same examples are drawn every run, so the coverage floors below cannot flake there
+# (a random run once drew 19 invalid requests against a floor of 20); elsewhere each run draws anew.
+FUZZ = settings(deadline=None, database=None, print_blob=True, derandomize=bool(os.environ.get("CI")),
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.large_base_example])
 UINT32, UINT64 = 2**32 - 1, 2**64 - 1
