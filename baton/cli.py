@@ -6,6 +6,8 @@ import json
 import logging
 import sys
 
+from engine.executors import EXECUTORS
+from engine.model import DTYPE_CHOICES
 from engine.request import RequestError
 from engine.sampling import SamplingParams
 
@@ -30,12 +32,22 @@ def sampling_from_args(args) -> SamplingParams:
                           top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
 
 
+EXECUTOR_HELP = ("auto (default): Baton's own executor for Llama-family models, else the transformers forward; "
+                 "baton; transformers (the reference)")
+THREADS_HELP = "torch threads (default 0: one per core this process may use, or OMP_NUM_THREADS)"
+CORES_HELP = "bind the process to these CPU cores, e.g. 0-3 or 0,2 (default: no binding)"
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default",
                         help="'default' (SmolLM2-135M-Instruct), 'tiny-random', or a Hugging Face model directory")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="auto (default): bfloat16 where the device computes it fast, else float32")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--executor", default="auto", choices=EXECUTORS, help=EXECUTOR_HELP)
+    parser.add_argument("--threads", type=int, default=0, help=THREADS_HELP)
+    parser.add_argument("--cpu-cores", default="", metavar="LIST", help=CORES_HELP)
 
 
 def result_record(prompt: str, output) -> dict:
@@ -69,10 +81,16 @@ def cmd_generate(args) -> int:
         return 0
     from baton.local import LocalEngine
     from decode_worker.core import DecodeConfig
+    from engine import threads
     from engine.model import load_model
 
+    try:
+        threads.configure(args.threads, args.cpu_cores)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    engine = LocalEngine(loaded, DecodeConfig(max_rows=args.max_rows), attention_backend=args.attention_backend)
+    engine = LocalEngine(loaded, DecodeConfig(max_rows=args.max_rows), attention_backend=args.attention_backend,
+                         executor=args.executor)
     prompt_ids = [loaded.encode_text(p) if args.raw else loaded.encode_chat([{"role": "user", "content": p}])
                   for p in args.prompts]
     print_results(args.prompts, engine.generate(prompt_ids, params), args.json)
@@ -84,9 +102,13 @@ def _serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> None:
     parser.add_argument("--host", help="listen address (default 0.0.0.0)")
     parser.add_argument("--port", type=int, help=f"listen port (default {port})")
     parser.add_argument("--model", dest="model_name", help="model to serve (default 'default')")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES,
+                        help="auto (default): bfloat16 where the device computes it fast, else float32")
+    parser.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
+    parser.add_argument("--executor", choices=EXECUTORS, help=EXECUTOR_HELP)
+    parser.add_argument("--threads", type=int, help=THREADS_HELP)
+    parser.add_argument("--cpu-cores", metavar="LIST", help=CORES_HELP)
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = off)")
     parser.add_argument("--tls-cert", metavar="FILE",
                         help="this process's certificate (PEM): TLS on its port and to every other component")
@@ -145,7 +167,8 @@ def load_role_settings(args):
         if getattr(args, key, None) is not None:
             section[key] = getattr(args, key)
     model = {"name": args.model_name, "dtype": args.dtype, "device": args.device,
-             "attention_backend": args.attention_backend}
+             "attention_backend": args.attention_backend, "executor": args.executor, "threads": args.threads,
+             "cpu_cores": args.cpu_cores}
     tls = {"cert_file": args.tls_cert, "key_file": args.tls_key, "ca_file": args.tls_ca,
            "server_name": args.tls_server_name}
     return load_settings(args.config, overrides={"model": model, args.role: section, "tls": tls})

@@ -18,9 +18,12 @@ import yaml
 @dataclass
 class ModelSettings:
     name: str = "default"  # 'default', 'tiny-random', or a Hugging Face model directory
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 where the device computes it fast, else float32
     device: str = "auto"
     attention_backend: str = "auto"
+    executor: str = "auto"  # 'baton' (Llama family), 'transformers' (any model); auto: baton where it applies
+    threads: int = 0  # torch intra-op threads; 0: one per core this process may use
+    cpu_cores: str = ""  # bind the process to these cores, e.g. '0-3' (empty: no binding)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections import deque
 from decode_worker.core import DecodeConfig, DecodeCore
 from engine.model import LoadedModel
 from engine.request import GenerationRequest, RequestError, RequestOutput, validate_prompt
-from engine.runner import ModelRunner
+from engine.executors import make_runner
 from engine.sampling import SamplingParams
 from prefill_worker.batching import pick_batch
 from prefill_worker.core import PrefillCore
@@ -20,9 +20,10 @@ from prefill_worker.core import PrefillCore
 
 class LocalEngine:
     def __init__(self, loaded: LoadedModel, decode_config: DecodeConfig = DecodeConfig(),
-                 attention_backend: str = "auto", max_waiting: int = 100_000, prefix_cache_bytes: int = 0):
+                 attention_backend: str = "auto", max_waiting: int = 100_000, prefix_cache_bytes: int = 0,
+                 executor: str = "auto"):
         self.loaded = loaded
-        self.runner = ModelRunner(loaded, attention_backend)  # one model serves both phases
+        self.runner = make_runner(loaded, executor, attention_backend)  # one model serves both phases
         self.prefill = PrefillCore(self.runner, prefix_cache_bytes=prefix_cache_bytes)
         self.decode = DecodeCore(self.runner, decode_config)
         self.max_waiting = max_waiting

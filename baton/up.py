@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.config import TLSSettings
 from baton.server import channel
+from engine.threads import split_cores
 
 STARTUP_TIMEOUT_S = 600  # the first start converts the default model
 
@@ -115,11 +116,12 @@ class LocalCluster:
         self.model = model
         self.max_rows = max_rows
         self.env = dict(os.environ, **(extra_env or {}))
+        # With share_cores, each worker is bound to its own cores (as vLLM binds its CPU workers), so
+        # prefill and decode run side by side instead of every process spinning a thread on every
+        # core; with fewer cores than workers they share. OMP_NUM_THREADS in the environment wins.
+        self.worker_cores = [""] * (prefill + decode)
         if share_cores and "OMP_NUM_THREADS" not in self.env:
-            # The workers share this machine's cores: each takes its share, so prefill and decode
-            # run side by side instead of every process spinning a thread on every core.
-            share = str(max(1, (os.cpu_count() or 1) // (prefill + decode)))
-            self.env.update(OMP_NUM_THREADS=share, MKL_NUM_THREADS=share)
+            self.worker_cores = split_cores(prefill + decode)
         self.log_level = log_level
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
@@ -131,15 +133,19 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "baton.cli", "--log-level", self.log_level, *args]
         return subprocess.Popen(cmd, env=self.env, start_new_session=True)
 
+    def _cores(self, worker: int) -> tuple[str, ...]:
+        cores = self.worker_cores[worker]
+        return ("--cpu-cores", cores) if cores else ()
+
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> "LocalCluster":
         try:
-            for addr in self.prefill_addrs:
+            for i, addr in enumerate(self.prefill_addrs):
                 self.procs.append((addr, self._spawn("prefill", "--host", "127.0.0.1", "--port", addr.split(":")[1],
-                                                     "--model", self.model, *self.prefill_args)))
-            for addr in self.decode_addrs:
+                                                     "--model", self.model, *self._cores(i), *self.prefill_args)))
+            for i, addr in enumerate(self.decode_addrs, start=len(self.prefill_addrs)):
                 self.procs.append((addr, self._spawn("decode", "--host", "127.0.0.1", "--port", addr.split(":")[1],
                                                      "--model", self.model, "--max-rows", str(self.max_rows),
-                                                     *self.decode_args)))
+                                                     *self._cores(i), *self.decode_args)))
             for addr, proc in self.procs:
                 wait_serving(addr, proc, timeout, self.tls)
             routers = []

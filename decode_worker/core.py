@@ -12,7 +12,7 @@ from decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerCo
 from engine.batch_kv import BatchKV
 from engine.kv import SequenceKV
 from engine.request import PrefilledRequest, RequestError, RequestOutput, effective_max_tokens
-from engine.runner import ModelRunner
+from engine.executors import Runner
 from engine.sampling import INVALID_TOKEN, RequestSampler, SamplingParams, sample
 from engine.stopping import FinishReason, StopChecker
 
@@ -66,7 +66,7 @@ _STATUS = {FinishReason.STOP: Status.FINISHED_STOPPED, FinishReason.LENGTH: Stat
 
 
 class DecodeCore:
-    def __init__(self, runner: ModelRunner, config: DecodeConfig = DecodeConfig(),
+    def __init__(self, runner: Runner, config: DecodeConfig = DecodeConfig(),
                  on_kv_consumed: Callable[[str], None] | None = None):
         self.runner = runner
         self.config = config

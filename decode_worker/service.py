@@ -18,9 +18,9 @@ from baton.server import GrpcServer, NotReady, channel
 from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
 from decode_worker.core import DecodeConfig, DecodeCore
 from decode_worker.loop import DecodeLoop, Failure, Moving, NotMoving
-from engine.model import load_model
+
 from engine.request import GenerationRequest, RequestError, validate_prompt
-from engine.runner import ModelRunner
+from engine.executors import Runner, load_runner
 from kvtransfer.errors import KVPushFailed
 from kvtransfer.grpc_transport import KVTransferServicer, PushRetry, push_kv_retrying
 from kvtransfer.receiver import Receiver, ReceiverConfig
@@ -154,8 +154,8 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     server.add_service("baton.v1.KVTransfer")
     server.start()  # health answers NOT_SERVING while the model loads
     started = time.monotonic()
-    loaded = load_model(model.name, dtype=model.dtype, device=model.device)
-    runner = ModelRunner(loaded, model.attention_backend)
+    runner = load_runner(model)
+    loaded = runner.loaded
     core = DecodeCore(runner, DecodeConfig(max_rows=settings.max_rows, kv_budget_bytes=settings.kv_budget_bytes,
                                            high_watermark_bytes=settings.kv_high_watermark_bytes,
                                            low_watermark_bytes=settings.kv_low_watermark_bytes))

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.cpu import kernels as cpu_kernels
+
 ATTENTION_NAME = "baton"
 BACKENDS = ("auto", "torch", "triton")
 
@@ -20,14 +22,17 @@ class DecodeAttention:
     starts: torch.Tensor  # int32 [rows]: first valid window column per row
     backend: str
     mask: torch.Tensor | None = None  # torch backend: bool [rows, 1, 1, window], built once per step
+    starts64: torch.Tensor | None = None  # torch backend on CPU: int64 starts for Baton's C kernel
 
     @classmethod
     def for_window(cls, starts: torch.Tensor, window: int, backend: str) -> "DecodeAttention":
-        mask = None
+        mask = starts64 = None
         if backend == "torch":  # every layer reads the same mask: build it once, not per layer
             columns = torch.arange(window, device=starts.device)
             mask = (columns[None, :] >= starts[:, None])[:, None, None, :]
-        return cls(starts, backend, mask)
+            if starts.device.type == "cpu":
+                starts64 = starts.to(torch.int64)
+        return cls(starts, backend, mask, starts64)
 
 
 @dataclass
@@ -58,26 +63,31 @@ def _triton_ready() -> bool:
 def baton_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, baton=None, **_):
     # query: [B, Hq, Tq, D]; key, value: [B, Hkv, Tk, D] -> out [B, Tq, Hq, D]
     if isinstance(baton, DecodeAttention):
-        out = _decode(query, key, value, baton, scaling)
+        out = decode(query, key, value, baton, scaling)
     elif isinstance(baton, PrefillAttention):
-        out = _prefill(query, key, value, baton, scaling)
+        out = prefill(query, key, value, baton, scaling)
     else:
         raise RuntimeError("baton attention needs a DecodeAttention or PrefillAttention context")
     return out, None
 
 
-def _decode(query, key, value, ctx: DecodeAttention, scale):
+def decode(query, key, value, ctx: DecodeAttention, scale):
+    # query: [B, Hq, 1, D]; key, value: [B, Hkv, window, D] -> [B, 1, Hq, D]
     if ctx.backend == "triton":
         from engine.kernels import decode_attention
 
         out = decode_attention(query[:, :, 0], key, value, ctx.starts, scale)  # [B, Hq, D]
         return out.unsqueeze(1)
+    if ctx.starts64 is not None and query.dtype == torch.float32 and cpu_kernels.available():
+        # Baton's C kernel skips each row's padding columns instead of masking them
+        return cpu_kernels.decode_attention(query[:, :, 0], key, value, ctx.starts64, scale).unsqueeze(1)
     # ctx.mask: [B, 1, 1, window], built by for_window for the batch's whole window (the keys here)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=ctx.mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)
 
 
-def _prefill(query, key, value, ctx: PrefillAttention, scale):
+def prefill(query, key, value, ctx: PrefillAttention, scale):
+    # query: [B, Hq, Tq, D]; key, value: [B, Hkv, prefix + Tq, D] -> [B, Tq, Hq, D]
     if ctx.backend == "triton":
         from engine.kernels import prefill_attention
 

@@ -112,6 +112,12 @@ class BatchKV:
         n = self.num_rows
         return self.buffer[layer, 0, :n, :, window], self.buffer[layer, 1, :n, :, window]
 
+    def step_views(self, column: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a whole step: the opened column [layers, 2, rows, kv_heads, head_dim] to write new keys
+        and values into, and the window [layers, 2, rows, kv_heads, window, head_dim] to attend over."""
+        n, col = self.num_rows, self.offset + column
+        return self.buffer[:, :, :n, :, col], self.buffer[:, :, :n, :, self.offset:self.offset + self.length]
+
     def release(self, row: int) -> int | None:
         """Free a row; the last row moves into it. Returns the moved row's old index, if any."""
         last = self.num_rows - 1

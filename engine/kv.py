@@ -59,3 +59,10 @@ class SequenceKV:
     def from_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> "SequenceKV":
         """From per-layer (key, value) pairs, each [kv_heads, tokens, head_dim]."""
         return SequenceKV(torch.stack([torch.stack(kv) for kv in layers]))
+
+
+@dataclass
+class PrefillOutput:
+    logits: torch.Tensor  # [vocab] float32: next-token logits after the prompt
+    kv: SequenceKV  # the whole prompt's KV, prefix included
+    computed_tokens: int  # prompt tokens run through the model (the rest came from the prefix)

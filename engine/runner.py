@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache
 from engine import attention
 from engine.attention import DecodeAttention, PrefillAttention
 from engine.batch_kv import BatchKV
-from engine.kv import SequenceKV
+from engine.kv import PrefillOutput, SequenceKV
 from engine.model import LoadedModel
 
 
@@ -64,14 +64,11 @@ class _PrefillCache(Cache):
         return SequenceKV(torch.stack([torch.stack([k[0], v[0]]) for k, v in zip(self.keys, self.values)]))
 
 
-@dataclass
-class PrefillOutput:
-    logits: torch.Tensor  # [vocab] float32: next-token logits after the prompt
-    kv: SequenceKV  # the whole prompt's KV, prefix included
-    computed_tokens: int  # prompt tokens run through the model (the rest came from the prefix)
+class TransformersRunner:
+    """The reference executor: the stock transformers forward, for any model it loads."""
 
+    name = "transformers"
 
-class ModelRunner:
     def __init__(self, loaded: LoadedModel, attention_backend: str = "auto"):
         self.loaded = loaded
         self.model = loaded.model

@@ -15,7 +15,8 @@ import torch
 from baton.block_hash import BlockHasher
 from engine.kv import SequenceKV
 from engine.request import GenerationRequest, PrefilledRequest
-from engine.runner import ModelRunner, PrefillOutput
+from engine.executors import Runner
+from engine.kv import PrefillOutput
 from engine.sampling import RequestSampler, sample
 from prefill_worker.prefix_cache import KVEvents, PrefixCache
 
@@ -40,7 +41,7 @@ class _Pin:
 
 
 class PrefillCore:
-    def __init__(self, runner: ModelRunner, *, prefix_cache_bytes: int = 256 << 20,
+    def __init__(self, runner: Runner, *, prefix_cache_bytes: int = 256 << 20,
                  block_size: int = DEFAULT_BLOCK_SIZE):
         self.runner = runner
         self.block_size = block_size

@@ -21,9 +21,9 @@ from baton.messages import sampling_from_proto
 from baton.metrics import Metrics
 from baton.server import GrpcServer, NotReady, channel
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
-from engine.model import load_model
+
 from engine.request import GenerationRequest, RequestError, validate_prompt
-from engine.runner import ModelRunner
+from engine.executors import Runner, load_runner
 from kvtransfer.errors import KVPushFailed
 from kvtransfer.grpc_transport import PushRetry, push_kv_retrying
 from kvtransfer.wire import grpc_push_channel_options
@@ -56,7 +56,7 @@ class PrefillLoop:
     """One compute thread owns the PrefillCore (prefix cache included); RPC threads reach it only
     through the job queue and the control queue (pin/unpin), which it serves between batches."""
 
-    def __init__(self, runner: ModelRunner, settings: PrefillSettings, tls: TLSSettings | None = None,
+    def __init__(self, runner: Runner, settings: PrefillSettings, tls: TLSSettings | None = None,
                  block_size: int = 16, metrics: Metrics | None = None):
         self.runner = runner
         self.metrics = metrics or Metrics("prefill")
@@ -288,9 +288,10 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
     server.add_service("baton.v1.PrefillWorker")
     server.start()  # NOT_SERVING until the model is loaded
     started = time.monotonic()
-    loaded = load_model(model.name, dtype=model.dtype, device=model.device)
     metrics = Metrics("prefill")
-    loop = PrefillLoop(ModelRunner(loaded, model.attention_backend), settings, tls, settings.block_size,
+    runner = load_runner(model)
+    loaded = runner.loaded
+    loop = PrefillLoop(runner, settings, tls, settings.block_size,
                        metrics).start()
     metrics.gauge("baton_prefill_queue_depth", "Prompts waiting for prefill", lambda: len(loop.queue))
     metrics.gauge("baton_prefill_queued_tokens", "Prompt tokens waiting for prefill", lambda: loop.queue.queued_tokens)

@@ -30,7 +30,7 @@ def run_suite(name: str, out: Path, capsys, *extra: str) -> tuple[dict, str]:
 def test_list_names_every_suite_with_a_description(capsys):
     assert main(["--list"]) == 0
     printed = capsys.readouterr().out
-    for name in ("relay", "mixed", "prefix", "transfer", "roofline", "kernels"):
+    for name in ("engine", "relay", "mixed", "prefix", "transfer", "roofline", "kernels"):
         assert name in SUITES
         assert any(line.startswith(name) and len(line) > len(name) + 10 for line in printed.splitlines())
 
@@ -116,3 +116,18 @@ def test_roofline_quick_reports_the_weight_read_floor(tmp_path, capsys):
     document, printed = run_suite("roofline", tmp_path, capsys)
     assert document["weight_bytes"] > 100 << 20 and document["bandwidth_bytes_per_s"] > 0
     assert "% of roofline" in printed and len(document["steps"]["engine_step_s"]) == 8
+
+
+@pytest.mark.slow
+def test_engine_quick_races_the_executors_and_reports_a_missing_vllm(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("BATON_VLLM_PYTHON", raising=False)
+    document, printed = run_suite("engine", tmp_path, capsys)
+    assert {(r["engine"], r["batch_size"]) for r in document["runs"]} == {
+        ("local", 4), ("local-transformers", 4), ("static", 4)}
+    assert document["problems"]["vllm"].startswith("unavailable: no vLLM venv")
+    assert document["exactness"]["identical"], document["exactness"]["divergences"]
+    assert "vLLM / Baton" in printed and "x floor" in printed
+    measured = document["steps"]["measured"]
+    assert {(m["executor"], m["rows"]) for m in measured} == {(e, n) for e in ("baton", "transformers") for n in (1, 4)}
+    assert all(m["step_over_floor"] > 0 for m in measured)
+    assert (tmp_path / "engine_wall.png").is_file()

@@ -62,10 +62,11 @@ def run_with_random_arrivals(engine: LocalEngine, prompts, params, seed: int) ->
     return finals
 
 
-def check_engine_matches_generate(model, reference, count: int, max_tokens: int, max_rows: int):
+def check_engine_matches_generate(model, reference, count: int, max_tokens: int, max_rows: int,
+                                  executor: str = "auto"):
     prompts = mixed_prompts(model, count, seed=7)
     assert min(map(len, prompts)) <= 8 and max(map(len, prompts)) > 500
-    engine = LocalEngine(model, DecodeConfig(max_rows=max_rows, initial_columns=64))
+    engine = LocalEngine(model, DecodeConfig(max_rows=max_rows, initial_columns=64), executor=executor)
     start_bytes = engine.decode.batch.allocated_bytes()
     finals = run_with_random_arrivals(engine, prompts, SamplingParams(max_tokens=max_tokens), seed=11)
     mismatches = []
@@ -84,8 +85,10 @@ def check_engine_matches_generate(model, reference, count: int, max_tokens: int,
     assert batch.allocated_bytes() == start_bytes and batch.num_rows == 0
 
 
-def test_tiny_model_matches_generate(tiny_model, tiny_reference):
-    check_engine_matches_generate(tiny_model, tiny_reference, count=32, max_tokens=24, max_rows=4)
+@pytest.mark.parametrize("executor", ["baton", "transformers"])
+def test_tiny_model_matches_generate(tiny_model, tiny_reference, executor):
+    check_engine_matches_generate(tiny_model, tiny_reference, count=32, max_tokens=24, max_rows=4,
+                                  executor=executor)
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
 from decode_worker.core import DecodeConfig, DecodeCore, Evicted
 from decode_worker.loop import DecodeLoop, Moving, NotMoving
 from engine.request import GenerationRequest, PrefilledRequest
-from engine.runner import ModelRunner
+from engine.executors import make_runner
 from engine.sampling import SamplingParams
 from kvtransfer.staging import StagingConfig, StagingPool
 from prefill_worker.core import PrefillCore
@@ -31,8 +31,8 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def runner(tiny_model) -> ModelRunner:
-    return ModelRunner(tiny_model, "torch")
+def runner(tiny_model) :
+    return make_runner(tiny_model, attention_backend="torch")
 
 
 class Released:
@@ -45,7 +45,7 @@ class Released:
         self.ids.append(request_id)
 
 
-def prefilled(runner: ModelRunner, rid: str, prompt: list[int], params: SamplingParams) -> PrefilledRequest:
+def prefilled(runner, rid: str, prompt: list[int], params: SamplingParams) -> PrefilledRequest:
     return PrefillCore(runner, prefix_cache_bytes=0).prefill([GenerationRequest(rid, prompt, params)])[0]
 
 
@@ -162,7 +162,7 @@ def land(pool: StagingPool, item: PrefilledRequest) -> None:
 
 
 @contextlib.contextmanager
-def running_loop(runner: ModelRunner, max_rows: int = 2, max_pending: int = 8):
+def running_loop(runner, max_rows: int = 2, max_pending: int = 8):
     """(loop, pool): a started DecodeLoop whose staging pool tells it when a KV lands; stopped after."""
     pool = StagingPool(StagingConfig(capacity_bytes=64 << 20, require_expected=True),
                        on_landed=lambda rid: loop.on_landed(rid))

@@ -3,7 +3,7 @@ prefilling each whole prompt alone gives."""
 import torch
 
 from engine.request import GenerationRequest
-from engine.runner import ModelRunner
+from engine.executors import make_runner
 from engine.sampling import SamplingParams
 from prefill_worker.core import PrefillCore
 
@@ -12,7 +12,7 @@ SUFFIXES = [[7, 8, 9], list(range(500, 521)), [11], list(range(600, 606))]
 
 
 def test_prefill_batch_over_a_shared_prefix_matches_each_whole_prompt(tiny_model):
-    runner = ModelRunner(tiny_model)
+    runner = make_runner(tiny_model)
     prefix_kv = runner.prefill(PREFIX).kv  # causal: the same KV as the prompts' first tokens
     prompts = [PREFIX + s for s in SUFFIXES]
     before = runner.prompt_tokens_forwarded
@@ -27,13 +27,13 @@ def test_prefill_batch_over_a_shared_prefix_matches_each_whole_prompt(tiny_model
 
 
 def test_a_pinned_group_prefills_in_one_forward_with_the_first_tokens_of_a_cold_prefill(tiny_model):
-    cold = PrefillCore(ModelRunner(tiny_model), prefix_cache_bytes=0)
+    cold = PrefillCore(make_runner(tiny_model), prefix_cache_bytes=0)
     prompts = [PREFIX + s for s in SUFFIXES]
     params = SamplingParams(max_tokens=4)
     expected = [p.first_token for p in cold.prefill([GenerationRequest(f"c{i}", p, params)
                                                      for i, p in enumerate(prompts)])]
 
-    core = PrefillCore(ModelRunner(tiny_model))
+    core = PrefillCore(make_runner(tiny_model))
     held, computed = core.pin("group", PREFIX)
     assert (held, computed) == (len(PREFIX), len(PREFIX))
     calls = []
@@ -51,7 +51,7 @@ def test_a_pinned_group_prefills_in_one_forward_with_the_first_tokens_of_a_cold_
 
 
 def test_prompts_with_different_cached_prefixes_run_as_separate_batches(tiny_model):
-    core = PrefillCore(ModelRunner(tiny_model))
+    core = PrefillCore(make_runner(tiny_model))
     other = list(range(900, 932))
     core.pin("a", PREFIX)
     core.pin("b", other)

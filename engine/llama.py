@@ -1,0 +1,249 @@
+"""Baton's own executor for the Llama family (Llama, Mistral, Qwen2, SmolLM).
+
+It reads the weights of a loaded Hugging Face model once, fuses them for our layouts and runs
+the forward itself, with the same interface as the `transformers` reference runner:
+
+- one fused QKV and one fused gate/up projection per layer, weights prepacked for the CPU GEMM
+  (`engine.linear`); RMSNorm and SiLU as single fused calls; rotary applied to queries and keys
+  together from a cos/sin table built once;
+- decode writes each step's keys and values straight into the BATON batch column and attends
+  over the padded window with the row mask built once per step (Triton kernel on CUDA);
+- prefill writes the prompt's KV into one preallocated tensor that starts with the cached prefix,
+  so nothing is concatenated per layer, and runs the LM head on the last token of each prompt only.
+
+Numerics follow transformers' Llama forward operation for operation (norms in fp32, the same
+rotary tables), so greedy tokens equal `generate`'s in the same dtype.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine import attention
+from engine.attention import DecodeAttention, PrefillAttention
+from engine.batch_kv import BatchKV
+from engine.kv import PrefillOutput, SequenceKV
+from engine.linear import Linear, best_layout
+from engine.model import LoadedModel
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def unsupported_reason(loaded: LoadedModel) -> str | None:
+    """Why the Baton executor cannot run this model (None: it can)."""
+    cfg = loaded.config
+    arch = (getattr(cfg, "architectures", None) or [type(loaded.model).__name__])[0]
+    if arch not in ARCHITECTURES:
+        return f"architecture {arch} is not one of {', '.join(ARCHITECTURES)}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act!r} (only silu)"
+    window = getattr(cfg, "sliding_window", None)
+    if window and (getattr(cfg, "use_sliding_window", True) and window < loaded.max_context):
+        return f"sliding-window attention ({window} tokens)"
+    if getattr(cfg, "mlp_bias", False):
+        return "MLP biases"
+    return None
+
+
+def _fused(projections) -> torch.Tensor:
+    """One weight for several projections of the same input; the modules' own weights become views
+    of it, so the reference executor still runs and the weights are held once."""
+    fused = torch.cat([p.weight.detach() for p in projections])
+    at = 0
+    for p in projections:
+        p.weight = torch.nn.Parameter(fused[at:at + p.out_features], requires_grad=False)
+        at += p.out_features
+    return fused
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: Linear  # [hidden] -> [(q_heads + 2 * kv_heads) * head_dim]
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear  # [hidden] -> [2 * intermediate]
+    down: Linear
+
+
+class LlamaRunner:
+    """Prefill and BATON decode for a Llama-family model, without transformers on the hot path."""
+
+    name = "baton"
+
+    def __init__(self, loaded: LoadedModel, attention_backend: str = "auto"):
+        reason = unsupported_reason(loaded)
+        if reason:
+            raise ValueError(f"the Baton executor cannot run {loaded.name}: {reason}")
+        self.loaded = loaded
+        self.backend = attention.resolve_backend(attention_backend, loaded.device)
+        cfg, model = loaded.config, loaded.model
+        shape = loaded.kv_shape
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = shape.num_kv_heads
+        self.head_dim = shape.head_dim
+        self.eps = float(cfg.rms_norm_eps)
+        self.dtype = loaded.dtype
+        self.layout = best_layout(loaded.device, loaded.dtype)
+        decoder = model.get_decoder()
+        self.scale = decoder.layers[0].self_attn.scaling
+        self.embed = decoder.embed_tokens.weight  # [vocab, hidden]
+        self.layers = [self._fuse(layer, self.layout) for layer in decoder.layers]
+        self.norm = decoder.norm.weight
+        head = model.get_output_embeddings()
+        self.lm_head = Linear(head.weight, head.bias, layout=self.layout)
+        # cos, sin: [max_context, head_dim], from the model's own rotary module (any RoPE scaling)
+        positions = torch.arange(loaded.max_context, device=loaded.device)[None]
+        probe = torch.zeros(1, dtype=loaded.dtype, device=loaded.device)
+        cos, sin = decoder.rotary_emb(probe, positions)
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        # Counted, so tests and metrics can prove where each kind of token was computed.
+        self.prompt_tokens_forwarded = 0
+        self.decode_tokens_forwarded = 0
+        self.decode_steps = 0
+
+    @staticmethod
+    def _fuse(layer, layout: str) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        qkv_bias = None
+        if any(p.bias is not None for p in projections):
+            qkv_bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=p.weight.dtype,
+                                                                                 device=p.weight.device)
+                                  for p in projections])
+        return _Layer(
+            input_norm=layer.input_layernorm.weight,
+            qkv=Linear(_fused(projections), qkv_bias, layout=layout),
+            o=Linear(attn.o_proj.weight, attn.o_proj.bias, layout=layout),
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_up=Linear(_fused((mlp.gate_proj, mlp.up_proj)), layout=layout),
+            down=Linear(mlp.down_proj.weight, layout=layout),
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.loaded.device
+
+    # -- the pieces every forward shares ------------------------------------------------------
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, self.eps)
+        # transformers normalises in fp32 and casts back before the weight multiplies
+        return weight * F.rms_norm(x.float(), weight.shape, None, self.eps).to(x.dtype)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin: [N, 1, D] for token positions [N], gathered once per forward for every layer.
+        rotate_half(x) * sin == roll(x, D/2) * signed_sin with the first half of sin negated: the
+        same products, one op instead of four."""
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None].clone()
+        sin[..., :self.head_dim // 2].neg_()
+        return cos, sin
+
+    def _qkv(self, layer: _Layer, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
+        """x: [N, hidden] -> q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D], rotary applied."""
+        n, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = layer.qkv(x).view(n, hq + 2 * hkv, d)
+        qk, v = qkv[:, :hq + hkv], qkv[:, hq + hkv:]
+        cos, signed_sin = rotary
+        qk = qk * cos + qk.roll(d // 2, dims=-1) * signed_sin
+        return qk[:, :hq], qk[:, hq:], v
+
+    def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        gate, up = layer.gate_up(self._rms_norm(h, layer.post_norm)).chunk(2, dim=-1)
+        return h + layer.down(F.silu(gate) * up)
+
+    # -- decode -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def decode(self, batch: BatchKV, input_ids: list[int]) -> torch.Tensor:
+        """One step: feeds input_ids[i] to row i, returns next-token logits [rows, vocab] float32."""
+        rows = batch.num_rows
+        if len(input_ids) != rows:
+            raise ValueError(f"decode needs one token per occupied row: {rows} rows, {len(input_ids)} tokens")
+        positions = torch.tensor([batch.row_tokens(r) for r in range(rows)], device=self.device)
+        column = batch.append_column()
+        starts = torch.tensor(batch.starts, dtype=torch.int32, device=self.device)
+        ctx = DecodeAttention.for_window(starts, batch.length, self.backend)
+        rotary = self._rotary(positions)
+        h = self.embed[torch.tensor(input_ids, device=self.device)]  # [R, hidden]
+        new_kv, window = batch.step_views(column)
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._rms_norm(h, layer.input_norm), rotary)
+            new_kv[index, 0].copy_(k)
+            new_kv[index, 1].copy_(v)
+            keys, values = window[index]  # [R, Hkv, window, D] each
+            out = self._decode_attention(q[:, :, None], keys, values, ctx)  # [R, 1, Hq, D]
+            h = h + layer.o(out.reshape(rows, -1))
+            h = self._mlp(layer, h)
+        logits = self.lm_head(self._rms_norm(h, self.norm))
+        self.decode_tokens_forwarded += rows
+        self.decode_steps += 1
+        return logits.float()
+
+    def _decode_attention(self, q, keys, values, ctx: DecodeAttention):
+        try:
+            return attention.decode(q, keys, values, ctx, self.scale)
+        except Exception as exc:  # a Triton kernel that cannot build here must not fail every request
+            if ctx.backend != "triton":
+                raise
+            log.warning("Triton decode attention failed (%s); falling back to the torch path for this worker",
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            self.backend = "torch"
+            torch_ctx = DecodeAttention.for_window(ctx.starts, keys.shape[2], "torch")
+            ctx.backend, ctx.mask, ctx.starts64 = torch_ctx.backend, torch_ctx.mask, torch_ctx.starts64
+            return attention.decode(q, keys, values, ctx, self.scale)
+
+    # -- prefill ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, token_ids: list[int], prefix: SequenceKV | None = None) -> PrefillOutput:
+        cached = prefix.num_tokens if prefix is not None else 0
+        if not 0 <= cached < len(token_ids):
+            raise ValueError(f"a prefix of {cached} tokens must be shorter than the {len(token_ids)}-token prompt")
+        return self._prefill([token_ids], prefix)[0]
+
+    @torch.no_grad()
+    def prefill_batch(self, prompts: list[list[int]], prefix: SequenceKV | None = None) -> list[PrefillOutput]:
+        """Several prompts in one forward, right-padded: under the causal mask a real token never
+        sees the padding after it, so each prompt's KV and logits are its own. With `prefix`, every
+        prompt starts with those cached tokens (a BatchLLM group); only the rest is computed."""
+        cached = prefix.num_tokens if prefix is not None else 0
+        if any(len(p) <= cached for p in prompts):
+            raise ValueError(f"every prompt needs a token after the {cached}-token prefix")
+        return self._prefill(prompts, prefix)
+
+    def _prefill(self, prompts: list[list[int]], prefix: SequenceKV | None) -> list[PrefillOutput]:
+        cached = prefix.num_tokens if prefix is not None else 0
+        suffixes = [p[cached:] for p in prompts]
+        b, t = len(prompts), max(map(len, suffixes))
+        ids = torch.zeros(b, t, dtype=torch.long, device=self.device)
+        for i, s in enumerate(suffixes):
+            ids[i, :len(s)] = torch.tensor(s, device=self.device)
+        positions = torch.arange(cached, cached + t, device=self.device).repeat(b)  # [B * T]
+        # kv: [layers, 2, B, Hkv, cached + T, D]: the prefix once per prompt, then the new tokens
+        kv = torch.empty(len(self.layers), 2, b, self.num_kv_heads, cached + t, self.head_dim,
+                         dtype=self.dtype, device=self.device)
+        if cached:
+            kv[:, :, :, :, :cached] = prefix.data.to(kv)[:, :, None]
+        ctx = PrefillAttention(cached, self.backend)
+        rotary = self._rotary(positions)
+        h = self.embed[ids.view(-1)]  # [B * T, hidden]
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._rms_norm(h, layer.input_norm), rotary)
+            kv[index, 0, :, :, cached:] = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            kv[index, 1, :, :, cached:] = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, D]
+            out = attention.prefill(q, kv[index, 0], kv[index, 1], ctx, self.scale)  # [B, T, Hq, D]
+            h = h + layer.o(out.reshape(b * t, -1))
+            h = self._mlp(layer, h)
+        last = torch.tensor([i * t + len(s) - 1 for i, s in enumerate(suffixes)], device=self.device)
+        logits = self.lm_head(self._rms_norm(h[last], self.norm)).float()  # [B, vocab]
+        self.prompt_tokens_forwarded += sum(map(len, suffixes))
+        return [PrefillOutput(logits[i], SequenceKV(kv[:, :, i, :, :len(p)].contiguous()), len(s))
+                for i, (p, s) in enumerate(zip(prompts, suffixes))]

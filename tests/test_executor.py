@@ -1,0 +1,185 @@
+"""Baton's own executor: token-exact against transformers generate per dtype and architecture,
+its kernels against torch, its fallbacks, and the thread and core settings workers start with.
+(Both executors through random arrivals, left growth and release: test_engine_exact.py.)"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from baton.local import LocalEngine
+from decode_worker.core import DecodeConfig
+from engine import threads
+from engine.batch_kv import BatchKV
+from engine.cpu import kernels as cpu_kernels
+from engine.executors import make_runner
+from engine.linear import Linear, best_layout, onednn_packs
+from engine.llama import LlamaRunner
+from engine.model import LoadedModel, _finish, default_tokenizer, resolve_dtype
+from engine.runner import TransformersRunner
+from engine.sampling import SamplingParams
+
+
+class Greedy:
+    """transformers generate on an untouched copy of a model: the ground truth."""
+
+    def __init__(self, model):
+        self.model = copy.deepcopy(model).eval()
+        self.model.set_attn_implementation("sdpa")
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        out = self.model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                  pad_token_id=self.model.generation_config.pad_token_id)
+        return out[0, len(prompt_ids):].tolist()
+
+
+def tiny(architecture: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """A two-layer random model of the given family with the default tokenizer's vocabulary."""
+    import transformers
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.2)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),  # q/k/v biases, untied head
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[architecture]
+    extra = {"tie_word_embeddings": architecture == "llama", "architectures": [model_cls.__name__]}
+    if architecture == "mistral":
+        extra["sliding_window"] = None
+    torch.manual_seed(1)
+    model = model_cls(config_cls(**common, **extra))
+    if architecture == "qwen2":  # random biases, not the zeros they start as
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.2)
+    return _finish(model, default_tokenizer(), f"tiny-{architecture}", dtype, "cpu")
+
+
+PROMPTS = [[1, 4093, 28, 253, 9, 331], list(range(200, 260)), [17, 42, 99], list(range(1000, 1130, 3))]
+
+
+def engine_tokens(loaded: LoadedModel, executor: str, max_tokens: int, max_rows: int = 2) -> list[list[int]]:
+    engine = LocalEngine(loaded, DecodeConfig(max_rows=max_rows), executor=executor)
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral"])
+def test_baton_executor_matches_generate_per_architecture(architecture):
+    loaded = tiny(architecture)
+    reference = Greedy(loaded.model)
+    got = engine_tokens(loaded, "baton", max_tokens=16)
+    assert got == [reference.greedy(p, 16) for p in PROMPTS]
+
+
+def test_bf16_is_exact_against_generate_in_bf16():
+    """The contract per dtype: greedy tokens equal generate run in the same dtype."""
+    loaded = tiny("llama", torch.bfloat16)
+    reference = Greedy(loaded.model)
+    assert LlamaRunner(loaded).dtype == torch.bfloat16
+    assert engine_tokens(loaded, "baton", max_tokens=12) == [reference.greedy(p, 12) for p in PROMPTS]
+
+
+def test_executors_agree_on_prefill_kv_and_logits_with_a_cached_prefix(tiny_model):
+    fast, ref = LlamaRunner(tiny_model), TransformersRunner(copy.copy(tiny_model))
+    prefix = fast.prefill(list(range(300, 340))).kv
+    prompts = [list(range(300, 340)) + [5, 6, 7], list(range(300, 340)) + list(range(900, 930))]
+    for a, b in zip(fast.prefill_batch(prompts, prefix), ref.prefill_batch(prompts, prefix)):
+        assert a.computed_tokens == b.computed_tokens
+        torch.testing.assert_close(a.kv.data, b.kv.data, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)
+        assert int(a.logits.argmax()) == int(b.logits.argmax())
+
+
+def test_an_unsupported_model_falls_back_to_transformers_with_one_log_line(tiny_model, caplog):
+    odd = copy.copy(tiny_model)
+    odd.model = copy.deepcopy(tiny_model.model)
+    odd.model.config.hidden_act = "gelu"
+    with caplog.at_level(logging.WARNING, logger="engine.executors"):
+        runner = make_runner(odd)
+    assert isinstance(runner, TransformersRunner)
+    assert [r.message for r in caplog.records if "cannot run" in r.message and "gelu" in r.message]
+    with pytest.raises(ValueError, match="use --executor transformers"):
+        make_runner(odd, "baton")
+    with pytest.raises(ValueError, match="unknown executor"):
+        make_runner(tiny_model, "fast")
+    assert isinstance(make_runner(tiny_model), LlamaRunner)
+
+
+def test_a_triton_kernel_that_cannot_run_falls_back_to_torch_with_a_warning(tiny_model, caplog):
+    runner = LlamaRunner(tiny_model, "torch")
+    first = runner.prefill([5, 6, 7, 8])
+    batch = BatchKV(tiny_model.kv_shape, 2, max_columns=64)
+    batch.embed(first.kv)
+    expected = runner.decode(copy.deepcopy(batch), [9])
+    runner.backend = "triton"  # no GPU and no interpreter here: the kernel launch fails
+    with caplog.at_level(logging.WARNING, logger="engine.llama"):
+        got = runner.decode(batch, [9])
+    assert runner.backend == "torch" and any("falling back" in r.message for r in caplog.records)
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for Baton's small-row GEMM")
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
+def test_small_row_gemm_equals_f_linear(rows):
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(1001, 577) * 0.05, torch.randn(1001)  # N and K not multiples of 8
+    x = torch.randn(rows, 577)
+    got = Linear(weight, bias, layout="panels")(x)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    # many rows (a prompt) go to F.linear over the same weight
+    many = torch.randn(40, 577)
+    torch.testing.assert_close(Linear(weight, bias, layout="panels")(many), F.linear(many, weight, bias))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for Baton's CPU kernels")
+def test_cpu_decode_attention_equals_masked_sdpa_over_the_batch_window():
+    torch.manual_seed(0)
+    rows, heads, kv_heads, dim, window = 4, 9, 3, 64, 300
+    buffer = torch.randn(2, 2, 6, kv_heads, 512, dim)  # a BATON buffer: the window is a strided view
+    keys, values = buffer[1, 0, :rows, :, 100:100 + window], buffer[1, 1, :rows, :, 100:100 + window]
+    query = torch.randn(rows, heads, dim)
+    starts = torch.tensor([0, 50, window - 1, 10])  # ragged rows, one with a single valid column
+    mask = (torch.arange(window)[None, :] >= starts[:, None])[:, None, None, :]
+    expected = F.scaled_dot_product_attention(query[:, :, None], keys, values, attn_mask=mask, scale=0.125,
+                                              enable_gqa=True)[:, :, 0]
+    got = cpu_kernels.decode_attention(query, keys, values, starts, 0.125)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_layouts_and_auto_dtype_follow_what_this_cpu_can_do():
+    cpu = torch.device("cpu")
+    assert best_layout(torch.device("cuda"), torch.float32) == "plain"
+    assert best_layout(cpu, torch.float32) == ("panels" if cpu_kernels.available() else "onednn")
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if onednn_packs(torch.bfloat16) else torch.float32)
+    weight, x = torch.randn(64, 32), torch.randn(3, 32)
+    torch.testing.assert_close(Linear(weight, layout="onednn")(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown weight layout"):
+        Linear(weight, layout="fancy")
+
+
+def test_core_lists_parse_and_split():
+    assert threads.parse_cores("0-3,6") == [0, 1, 2, 3, 6]
+    for bad in ("", "a", "3-1", "-2"):
+        with pytest.raises(ValueError):
+            threads.parse_cores(bad)
+    assert threads.split_cores(2, [0, 1, 2, 3, 4]) == ["0,1,2", "3,4"]
+    assert threads.split_cores(3, [0, 1]) == ["", "", ""]  # fewer cores than workers: they share
+
+
+def test_a_worker_binds_to_its_cores_and_runs_one_thread_per_core():
+    code = ("import os, torch; from engine import threads; n = threads.configure(0, '0'); "
+            "print(n, torch.get_num_threads(), sorted(os.sched_getaffinity(0)))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["1", "1", "[0]"]
+    with pytest.raises(ValueError, match="do not exist"):
+        threads.configure(1, f"{os.cpu_count() + 5}")
