@@ -373,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
+    from baton.up import die_with_parent
+
+    die_with_parent()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format='{"time":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}')
     try:

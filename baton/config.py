@@ -84,6 +84,9 @@ class RouterSettings:
     # With tls.ca_file set: clients of the public API must present a certificate signed by that
     # CA (mutual TLS). false: server-side TLS only, e.g. for SDK users holding just a token.
     require_client_cert: bool = True
+    # On SIGTERM: refuse new requests and let those in flight finish for up to this many seconds
+    # before the worker channels close (Kubernetes sends SIGTERM on every rollout).
+    drain_timeout_s: float = 20.0
 
 
 @dataclass

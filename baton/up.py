@@ -22,6 +22,24 @@ from baton.server import channel
 from engine.threads import split_cores
 
 STARTUP_TIMEOUT_S = 600  # the first start converts the default model
+PARENT_ENV = "BATON_PARENT_PID"  # set for the processes Baton starts: they exit when that process dies
+
+
+def die_with_parent() -> None:
+    """In a process Baton started (PARENT_ENV set): have the kernel send SIGTERM (a drain) when its
+    parent dies, even by SIGKILL, so no worker outlives `baton up` holding its port. Linux only.
+
+    The kernel ties this to the parent *thread* that started the process: Baton starts its
+    processes from the main thread."""
+    expected = os.environ.pop(PARENT_ENV, "")
+    if not expected or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(expected):  # the parent died before the line above took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -131,7 +149,7 @@ class LocalCluster:
 
     def _spawn(self, *args: str) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "baton.cli", "--log-level", self.log_level, *args]
-        return subprocess.Popen(cmd, env=self.env, start_new_session=True)
+        return subprocess.Popen(cmd, env=dict(self.env, **{PARENT_ENV: str(os.getpid())}), start_new_session=True)
 
     def _cores(self, worker: int) -> tuple[str, ...]:
         cores = self.worker_cores[worker]

@@ -17,7 +17,8 @@ import grpc
 import grpc.aio
 
 from baton.v1 import router_pb2, router_pb2_grpc
-from client.channel import DEFAULT_MAX_MESSAGE_BYTES, ConnectionConfig, PemSource
+from client.channel import (DEFAULT_KEEPALIVE_S, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, ConnectionConfig,
+                            PemSource)
 from client.convert import (ResultAssembler, build_request, chunk_from_proto, cluster_status_from_proto,
                             model_info_from_proto)
 from client.errors import BatonError, Unavailable, error_from_rpc
@@ -91,14 +92,15 @@ class AsyncChunkStream:
 class AsyncBatonClient:
     """A grpc.aio connection to a Baton router; arguments as BatonClient's."""
 
-    def __init__(self, target: str, *, timeout: float | None = None, tls: bool = False,
+    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S, tls: bool = False,
                  root_certificates: PemSource = None, client_cert: PemSource = None,
                  client_key: PemSource = None, token: str | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls_server_name: str | None = None):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls_server_name: str | None = None,
+                 keepalive_s: float | None = DEFAULT_KEEPALIVE_S):
         self._config = ConnectionConfig.from_args(
             target, timeout=timeout, tls=tls, root_certificates=root_certificates, client_cert=client_cert,
             client_key=client_key, token=token, max_message_bytes=max_message_bytes,
-            tls_server_name=tls_server_name)
+            tls_server_name=tls_server_name, keepalive_s=keepalive_s)
         credentials = self._config.credentials()
         options = self._config.options()
         self._channel = (grpc.aio.secure_channel(self._config.target, credentials, options=options) if credentials

@@ -11,6 +11,13 @@ from pathlib import Path
 import grpc
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# A call left without a deadline waits forever on a router that froze; this one ends it.
+DEFAULT_TIMEOUT_S = 600.0
+# While calls are open the client pings the router this often, and gives up on the connection
+# when a ping is not answered within KEEPALIVE_TIMEOUT_S: a frozen or unreachable router is
+# noticed in seconds, not at the deadline. The router permits pings every 0.25 s.
+DEFAULT_KEEPALIVE_S = 10.0
+KEEPALIVE_TIMEOUT_S = 5.0
 
 PemSource = bytes | str | os.PathLike | None
 
@@ -26,13 +33,15 @@ class ConnectionConfig:
     token: str | None  # sent as `authorization: Bearer <token>` on every call
     max_message_bytes: int
     tls_server_name: str | None  # check the server's certificate for this name, not the target's host
+    keepalive_s: float | None  # ping the router this often while calls are open; None = never
 
     @classmethod
-    def from_args(cls, target: str, *, timeout: float | None = None, tls: bool = False,
+    def from_args(cls, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S, tls: bool = False,
                   root_certificates: PemSource = None, client_cert: PemSource = None,
                   client_key: PemSource = None, token: str | None = None,
                   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                  tls_server_name: str | None = None) -> "ConnectionConfig":
+                  tls_server_name: str | None = None,
+                  keepalive_s: float | None = DEFAULT_KEEPALIVE_S) -> "ConnectionConfig":
         if not isinstance(target, str) or not target.strip():
             raise ValueError(f"target must be 'host:port' of a Baton router (got {target!r})")
         check_timeout(timeout)
@@ -42,13 +51,17 @@ class ConnectionConfig:
             raise ValueError("root_certificates, client_cert, client_key and tls_server_name need tls=True")
         if token is not None and (not isinstance(token, str) or not token or "\n" in token):
             raise ValueError("token must be a non-empty single-line string (sent as 'authorization: Bearer <token>')")
+        if keepalive_s is not None and (isinstance(keepalive_s, bool) or not isinstance(keepalive_s, (int, float))
+                                        or not keepalive_s >= 0.25):
+            raise ValueError(f"keepalive_s must be seconds >= 0.25 between pings, or None for none (got {keepalive_s!r})")
         if not isinstance(max_message_bytes, int) or max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be an integer >= 1024 (got {max_message_bytes!r})")
         return cls(target=target.strip(), timeout=timeout, tls=tls,
                    root_certificates=_read_pem(root_certificates, "root_certificates"),
                    client_cert=_read_pem(client_cert, "client_cert"),
                    client_key=_read_pem(client_key, "client_key"),
-                   token=token, max_message_bytes=max_message_bytes, tls_server_name=tls_server_name)
+                   token=token, max_message_bytes=max_message_bytes, tls_server_name=tls_server_name,
+                   keepalive_s=keepalive_s)
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         """TLS channel credentials, or None for a plaintext channel."""
@@ -64,6 +77,12 @@ class ConnectionConfig:
         ]
         if self.tls_server_name:
             options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        if self.keepalive_s is not None:
+            options += [("grpc.keepalive_time_ms", int(self.keepalive_s * 1000)),
+                        ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+                        # a ping in flight for flow control must not hold the keepalive ping back
+                        ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+                        ("grpc.http2.max_pings_without_data", 0)]
         return options
 
     def metadata(self) -> tuple[tuple[str, str], ...]:

@@ -16,7 +16,8 @@ from typing import Any
 import grpc
 
 from baton.v1 import router_pb2, router_pb2_grpc
-from client.channel import DEFAULT_MAX_MESSAGE_BYTES, ConnectionConfig, PemSource
+from client.channel import (DEFAULT_KEEPALIVE_S, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, ConnectionConfig,
+                            PemSource)
 from client.convert import (ResultAssembler, batch_item_from_proto, build_request, chunk_from_proto,
                             cluster_status_from_proto, message_fields, model_info_from_proto, split_request_args)
 from client.errors import BatonError, Unavailable, error_from_rpc
@@ -89,21 +90,23 @@ class ChunkStream:
 class BatonClient:
     """A connection to a Baton router.
 
-    target: "host:port". timeout: the default deadline of every call, in seconds (None = none;
-    a call's own timeout= wins). tls: use TLS; root_certificates (PEM bytes or a path; None =
+    target: "host:port". timeout: the default deadline of every call, in seconds (default 600;
+    None = none; a call's own timeout= wins). keepalive_s: while calls are open, ping the router
+    this often (default 10 s) and fail them with UNAVAILABLE when it stops answering (None: never). tls: use TLS; root_certificates (PEM bytes or a path; None =
     system roots), client_cert + client_key for mutual TLS, tls_server_name to check the
     certificate for another name. token: sent as `authorization: Bearer <token>`.
     Failed calls raise client.errors.BatonError subclasses; bad arguments raise ValueError
     before anything is sent."""
 
-    def __init__(self, target: str, *, timeout: float | None = None, tls: bool = False,
+    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S, tls: bool = False,
                  root_certificates: PemSource = None, client_cert: PemSource = None,
                  client_key: PemSource = None, token: str | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls_server_name: str | None = None):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls_server_name: str | None = None,
+                 keepalive_s: float | None = DEFAULT_KEEPALIVE_S):
         self._config = ConnectionConfig.from_args(
             target, timeout=timeout, tls=tls, root_certificates=root_certificates, client_cert=client_cert,
             client_key=client_key, token=token, max_message_bytes=max_message_bytes,
-            tls_server_name=tls_server_name)
+            tls_server_name=tls_server_name, keepalive_s=keepalive_s)
         credentials = self._config.credentials()
         options = self._config.options()
         self._channel = (grpc.secure_channel(self._config.target, credentials, options=options) if credentials

@@ -173,7 +173,7 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     metrics.gauge("baton_decode_preemptions_total", "Rows parked on the host (priority or KV watermark)",
                   lambda: core.scheduler.parked_total)
     metrics.gauge("baton_decode_parked_bytes", "KV of parked rows held in host memory", core.parked_bytes)
-    metrics.serve(settings.metrics_port)
+    metrics.serve(settings.metrics_port, settings.host)
     receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape, max_tokens=core.max_columns))
     decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}", tls)
     kv_api.target = KVTransferServicer(receiver)

@@ -297,7 +297,7 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
     metrics.gauge("baton_prefill_queued_tokens", "Prompt tokens waiting for prefill", lambda: loop.queue.queued_tokens)
     metrics.gauge("baton_prefill_prefix_cache_bytes", "Prefix KV cache bytes in use",
                   lambda: loop.core.cache.used_bytes if loop.core.cache else 0)
-    metrics.serve(settings.metrics_port)
+    metrics.serve(settings.metrics_port, settings.host)
     api.target = PrefillWorkerServicer(loop)
     server.set_serving()
     log.info("prefill worker serving on port %d (model %s loaded in %.1fs)", server.port, loaded.fingerprint,

@@ -41,8 +41,13 @@ class BatchRunner:
         self.max_concurrency = max_concurrency
         self.kv_token_budget = kv_token_budget
 
-    def run(self, prompts: list[list[int]], samplings: list, timeout: float | None):
-        """Yield (index, GenerateResponse | DispatchError) as requests finish, then the summary."""
+    def run(self, prompts: list[list[int]], samplings: list, timeout: float | None, on_done=lambda cancel: None):
+        """Yield (index, GenerateResponse | DispatchError) as requests finish, then the summary.
+
+        `on_done(cancel)` registers what to call when the client's call ends (the servicer passes
+        context.add_callback): a batch whose client left stops submitting members and cancels
+        those running on every worker. The generator returns only once no member runs, so the
+        caller releases its slots when their work has really stopped."""
         started = time.monotonic()
         longest = max(map(len, prompts))
         plan = plan_batch(prompts, kv_token_budget=max(self.kv_token_budget, 2 * longest),
@@ -53,6 +58,24 @@ class BatchRunner:
         slots = threading.Semaphore(self.max_concurrency)
         lock = threading.Lock()
         batch_id = uuid.uuid4().hex[:8]
+        cancelled = threading.Event()
+        member_cancels: list = []
+
+        def register(cancel) -> None:  # a member's dispatch registers how to cancel it
+            with lock:
+                member_cancels.append(cancel)
+                late = cancelled.is_set()
+            if late:
+                cancel()
+
+        def cancel_all() -> None:
+            with lock:
+                cancelled.set()
+                cancels = list(member_cancels)
+            for cancel in cancels:
+                cancel()
+
+        on_done(cancel_all)
 
         def member_done(group: _Group) -> None:
             with lock:
@@ -63,8 +86,10 @@ class BatchRunner:
 
         def run_one(index: int, group: _Group) -> None:
             try:
+                if cancelled.is_set():
+                    raise DispatchError(grpc.StatusCode.CANCELLED, "the batch was cancelled")
                 results.put((index, self._collect(f"{batch_id}-{index}", prompts[index], samplings[index],
-                                                  timeout, group, stats)))
+                                                  timeout, group, stats, register)))
             except DispatchError as err:
                 results.put((index, err))
             finally:
@@ -75,6 +100,10 @@ class BatchRunner:
             for group in groups:
                 for index in group.members:
                     slots.acquire()
+                    if cancelled.is_set():  # the client left: what has not started never will
+                        slots.release()
+                        member_done(group)
+                        continue
                     if index == group.members[0] and group.prefix:
                         self._pin(group)
                     pool.submit(run_one, index, group)
@@ -84,13 +113,19 @@ class BatchRunner:
         pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix=f"batch-{batch_id}")
         threading.Thread(target=submit_all, args=(pool,), daemon=True).start()
         failed = cached = 0
-        while (item := results.get()) is not _DONE:
-            index, outcome = item
-            if isinstance(outcome, DispatchError):
-                failed += 1
-            else:
-                cached += outcome.usage.cached_tokens
-            yield index, outcome
+        item = None
+        try:
+            while (item := results.get()) is not _DONE:
+                index, outcome = item
+                if isinstance(outcome, DispatchError):
+                    failed += 1
+                else:
+                    cached += outcome.usage.cached_tokens
+                yield index, outcome
+        finally:
+            if item is not _DONE:  # the caller stopped reading: stop the members, wait until they have
+                cancel_all()
+                pool.shutdown(wait=True)
         total = sum(map(len, prompts))
         # A pinned prefix is computed once by the pin, then reused by every member: what the
         # batch saved is what members reused minus what the pins computed.
@@ -112,11 +147,11 @@ class BatchRunner:
             groups.append(_Group(uuid.uuid4().hex, members, prompts[members[0]][:shared], remaining=len(members)))
         return groups
 
-    def _collect(self, request_id, prompt, sampling, timeout, group: _Group, stats: RoutingStats):
+    def _collect(self, request_id, prompt, sampling, timeout, group: _Group, stats: RoutingStats, on_done):
         """Run one request to the end and fold its stream into one response."""
         result = router_pb2.GenerateResponse(request_id=request_id)
         text = []
-        for msg in self.dispatcher.run(request_id, prompt, sampling, timeout, on_done=lambda cancel: None,
+        for msg in self.dispatcher.run(request_id, prompt, sampling, timeout, on_done=on_done,
                                        prefill_address=group.prefill_address, pinned_tokens=group.pinned_tokens):
             result.prompt_token_ids.extend(msg.prompt_token_ids)
             result.token_ids.extend(msg.token_ids)

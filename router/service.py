@@ -2,6 +2,7 @@
 dispatcher (route by prefix index and load, open the decode stream, start the prefill, relay)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -43,6 +44,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.settings = settings
         self._inflight = 0
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._draining = False
 
     # -- translating the request ----------------------------------------------------------
 
@@ -74,6 +77,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def _admit(self, count: int, context) -> None:
         with self._lock:
+            if self._draining:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "this router is draining (shutting down); retry on "
+                                                           "another router replica")
             if self._inflight + count > self.settings.max_inflight:
                 self.metrics.overloaded.inc()
                 context.set_trailing_metadata((("retry-after-s", RETRY_AFTER_SECONDS),))
@@ -85,6 +91,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def _leave(self, count: int) -> None:
         with self._lock:
             self._inflight -= count
+            if self._inflight == 0:
+                self._idle.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Refuse new requests and wait up to `timeout` seconds for those in flight to finish;
+        True when none is left. The worker channels stay open until then."""
+        with self._lock:
+            self._draining = True
+            if self._inflight:
+                log.info("draining: %d request(s) in flight", self._inflight)
+            finished = self._idle.wait_for(lambda: self._inflight == 0, timeout)
+        if not finished:
+            log.warning("drain timed out after %.0fs with %d request(s) still in flight", timeout, self._inflight)
+        return finished
 
     def Generate(self, request, context):
         try:
@@ -129,20 +149,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except (RequestError, ValueError) as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {i}: {exc}")
         concurrency = request.max_concurrency or max(4, 2 * sum(v.capacity for v in self.pool.views("decode")))
-        concurrency = min(concurrency, self.settings.max_inflight)
+        # A batch holds router slots for its whole run: never more than it has members.
+        concurrency = min(concurrency, self.settings.max_inflight, count)
         self._admit(concurrency, context)
         try:
             runner = BatchRunner(self.dispatcher, concurrency)
-            for index, outcome in runner.run(prompts, [r.sampling for r in request.requests], context.time_remaining()):
-                if index is None:
-                    yield router_pb2.GenerateBatchResponse(summary=outcome)
-                elif isinstance(outcome, DispatchError):
-                    overloaded = outcome.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                    yield router_pb2.GenerateBatchResponse(
-                        index=index, error_code=outcome.code.name, error_message=outcome.message,
-                        retry_after_s=float(RETRY_AFTER_SECONDS) if overloaded else 0.0)
-                else:
-                    yield router_pb2.GenerateBatchResponse(index=index, result=outcome)
+            outcomes = runner.run(prompts, [r.sampling for r in request.requests], context.time_remaining(),
+                                  on_done=context.add_callback)
+            # closing() ends the batch's members before the slots below are released
+            with contextlib.closing(outcomes):
+                for index, outcome in outcomes:
+                    if index is None:
+                        yield router_pb2.GenerateBatchResponse(summary=outcome)
+                    elif isinstance(outcome, DispatchError):
+                        overloaded = outcome.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                        yield router_pb2.GenerateBatchResponse(
+                            index=index, error_code=outcome.code.name, error_message=outcome.message,
+                            retry_after_s=float(RETRY_AFTER_SECONDS) if overloaded else 0.0)
+                    else:
+                        yield router_pb2.GenerateBatchResponse(index=index, result=outcome)
         finally:
             self._leave(concurrency)
 
@@ -192,10 +217,11 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
     metrics.gauge("baton_router_inflight", "Requests in flight through this router", lambda: api.target._inflight)
     metrics.gauge("baton_router_routing_accuracy", "Predicted vs actual cached prompt tokens",
                   lambda: api.target.dispatcher.stats.accuracy)
-    metrics.serve(settings.metrics_port)
+    metrics.serve(settings.metrics_port, settings.host)
     server.set_serving()
     log.info("router serving on port %d (%s, %s)", server.port,
              "TLS" if tls is not None and tls.enabled else "plaintext", "bearer token" if token else "no auth")
     if not block:
         return server, pool
-    server.wait_for_signal(on_stop=lambda: (discovery.stop(), pool.stop()))
+    server.wait_for_signal(on_stop=lambda: (discovery.stop(), pool.stop()),
+                           drain=lambda: api.target.drain(settings.drain_timeout_s))

@@ -1,0 +1,172 @@
+"""Process lifecycles an operator relies on: the router drains on SIGTERM, `baton up` takes its
+workers with it even when killed, a batch cannot take every router slot, and listeners bind the
+host they were given. Real processes on loopback, the tiny random model."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from baton.up import LocalCluster, free_port, stop_process
+from client import BatonClient, BatonError
+
+pytestmark = pytest.mark.slow
+
+STREAM_TOKENS = 400
+
+
+def test_router_sigterm_mid_stream_finishes_every_stream_exactly(tiny_reference):
+    prompts = [[400 + 13 * i + j for j in range(5 + i)] for i in range(6)]
+    metrics_port = free_port()
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=6,
+                      router_args=("--metrics-port", str(metrics_port))) as cluster:
+        router = dict(cluster.procs)[cluster.router_address]
+        assert listening_address(metrics_port) == "127.0.0.1", "metrics must bind the configured host"
+        with BatonClient(cluster.router_address, timeout=120) as client:
+            started, results = threading.Barrier(len(prompts) + 1), {}
+
+            def run(i: int) -> None:
+                tokens = []
+                for n, chunk in enumerate(client.stream(token_ids=prompts[i], max_tokens=STREAM_TOKENS,
+                                                        ignore_eos=True)):
+                    tokens.extend(chunk.token_ids)
+                    if n == 0:
+                        started.wait(timeout=60)
+                results[i] = tokens
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            started.wait(timeout=60)  # every stream has its first tokens
+            router.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            with pytest.raises(BatonError) as refused:  # a draining router takes no new request
+                client.generate(token_ids=[5, 6, 7], max_tokens=2)
+            assert refused.value.code in ("UNAVAILABLE", "CANCELLED")
+            for t in threads:
+                t.join(timeout=120)
+        assert router.wait(timeout=30) == 0
+    for i, prompt in enumerate(prompts):
+        assert results.get(i) == tiny_reference.greedy(prompt, STREAM_TOKENS), f"stream {i}"
+
+
+def test_a_batch_takes_no_more_router_slots_than_it_has_members():
+    """A 3-request batch asking for max_concurrency 1024 leaves the router's other slots free."""
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=4,
+                      router_args=("--max-inflight", "4")) as cluster:
+        with BatonClient(cluster.router_address, timeout=120) as client:
+            outcome = {}
+            batch = threading.Thread(target=lambda: outcome.update(result=client.generate_batch(
+                [{"token_ids": [300 + i, 301, 302], "max_tokens": 600, "ignore_eos": True} for i in range(3)],
+                max_concurrency=1024)))
+            batch.start()
+            time.sleep(1.0)  # the batch is running
+            interactive = client.generate(token_ids=[7, 8, 9], max_tokens=4, ignore_eos=True)
+            batch.join(timeout=120)
+    assert len(interactive.token_ids) == 4
+    assert all(len(r.token_ids) == 600 for r in outcome["result"].results)
+
+
+def test_sigkill_of_baton_up_leaves_no_process():
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "baton.cli", "up", "--model", "tiny-random", "--port", str(port)],
+                          stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in up.stdout:
+            if line.startswith("ready"):
+                break
+        children = descendants(up.pid)
+        assert len(children) == 3, f"expected router, prefill and decode processes, found {children}"
+        up.kill()
+        up.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(alive(pid) for pid in children):
+            time.sleep(0.2)
+        left = [pid for pid in children if alive(pid)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"processes {left} outlived the baton up that started them"
+    finally:
+        if up.poll() is None:
+            stop_process(up)
+
+
+def descendants(pid: int) -> list[int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == parent]
+        found += kids
+        frontier += kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def listening_address(port: int) -> str | None:
+    """The IPv4 address a TCP socket listens on at `port`, from /proc/net/tcp."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        host, _, hex_port = local.partition(":")
+        if state == "0A" and int(hex_port, 16) == port:
+            return ".".join(str(int(host[i:i + 2], 16)) for i in (6, 4, 2, 0))
+    return None
+
+
+def test_the_sdk_gives_up_on_a_frozen_router_within_seconds():
+    """Keepalive pings notice a SIGSTOPped router long before the default deadline."""
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=2) as cluster:
+        router = dict(cluster.procs)[cluster.router_address]
+        with BatonClient(cluster.router_address, keepalive_s=1.0) as client:
+            assert client._config.timeout == 600.0  # a default deadline, not forever
+            stream = client.stream(token_ids=[5, 6, 7], max_tokens=1500, ignore_eos=True)
+            next(iter(stream))
+            router.send_signal(signal.SIGSTOP)
+            started = time.monotonic()
+            try:
+                with pytest.raises(BatonError) as failed:
+                    for _ in stream:
+                        pass
+                waited = time.monotonic() - started
+            finally:
+                router.send_signal(signal.SIGCONT)
+    assert failed.value.code == "UNAVAILABLE"
+    assert waited < 20, f"the client waited {waited:.1f}s on a frozen router"
+
+
+def test_a_cancelled_batch_stops_its_members_on_every_worker():
+    members, max_tokens = 4, 1900
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=members) as cluster:
+        with BatonClient(cluster.router_address, timeout=120) as client:
+            with pytest.raises(BatonError) as ended:  # the client leaves after 1.5 s
+                client.generate_batch([{"token_ids": [300 + i, 301, 302], "max_tokens": max_tokens, "ignore_eos": True}
+                                       for i in range(members)], max_concurrency=members, timeout=1.5)
+            assert ended.value.code == "DEADLINE_EXCEEDED"
+            left = time.monotonic()
+            while True:
+                decode = next(w.decode for w in client.cluster_status().workers if w.role == "decode")
+                if decode["rows_in_use"] == 0 and decode["waiting_for_kv"] == 0 or time.monotonic() - left > 5:
+                    break
+                time.sleep(0.05)
+    assert decode["rows_in_use"] == 0 and decode["waiting_for_kv"] == 0, decode
+    assert decode["decode_tokens_forwarded"] < members * max_tokens / 2, "the members ran on after the cancel"
