@@ -136,10 +136,12 @@ class LocalCluster:
         self.env = dict(os.environ, **(extra_env or {}))
         # With share_cores, each worker is bound to its own cores (as vLLM binds its CPU workers), so
         # prefill and decode run side by side instead of every process spinning a thread on every
-        # core; with fewer cores than workers they share. OMP_NUM_THREADS in the environment wins.
-        self.worker_cores = [""] * (prefill + decode)
+        # core; with fewer cores than workers they share them, one thread each. OMP_NUM_THREADS in
+        # the environment wins.
+        self.worker_args: list[tuple[str, ...]] = [()] * (prefill + decode)
         if share_cores and "OMP_NUM_THREADS" not in self.env:
-            self.worker_cores = split_cores(prefill + decode)
+            self.worker_args = [("--cpu-cores", cores) if cores else ("--threads", "1")
+                                 for cores in split_cores(prefill + decode)]
         self.log_level = log_level
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
@@ -151,19 +153,15 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "baton.cli", "--log-level", self.log_level, *args]
         return subprocess.Popen(cmd, env=dict(self.env, **{PARENT_ENV: str(os.getpid())}), start_new_session=True)
 
-    def _cores(self, worker: int) -> tuple[str, ...]:
-        cores = self.worker_cores[worker]
-        return ("--cpu-cores", cores) if cores else ()
-
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> "LocalCluster":
         try:
             for i, addr in enumerate(self.prefill_addrs):
                 self.procs.append((addr, self._spawn("prefill", "--host", "127.0.0.1", "--port", addr.split(":")[1],
-                                                     "--model", self.model, *self._cores(i), *self.prefill_args)))
+                                                     "--model", self.model, *self.worker_args[i], *self.prefill_args)))
             for i, addr in enumerate(self.decode_addrs, start=len(self.prefill_addrs)):
                 self.procs.append((addr, self._spawn("decode", "--host", "127.0.0.1", "--port", addr.split(":")[1],
                                                      "--model", self.model, "--max-rows", str(self.max_rows),
-                                                     *self._cores(i), *self.decode_args)))
+                                                     *self.worker_args[i], *self.decode_args)))
             for addr, proc in self.procs:
                 wait_serving(addr, proc, timeout, self.tls)
             routers = []

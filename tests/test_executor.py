@@ -114,13 +114,19 @@ def test_an_unsupported_model_falls_back_to_transformers_with_one_log_line(tiny_
     assert isinstance(make_runner(tiny_model), LlamaRunner)
 
 
-def test_a_triton_kernel_that_cannot_run_falls_back_to_torch_with_a_warning(tiny_model, caplog):
+def test_a_triton_kernel_that_cannot_run_falls_back_to_torch_with_a_warning(tiny_model, caplog, monkeypatch):
+    import engine.kernels
+
+    def cannot_build(*args, **kwargs):
+        raise RuntimeError("0 active drivers ([]). There should only be one.")  # what Triton says without a GPU
+
     runner = LlamaRunner(tiny_model, "torch")
     first = runner.prefill([5, 6, 7, 8])
     batch = BatchKV(tiny_model.kv_shape, 2, max_columns=64)
     batch.embed(first.kv)
     expected = runner.decode(copy.deepcopy(batch), [9])
-    runner.backend = "triton"  # no GPU and no interpreter here: the kernel launch fails
+    runner.backend = "triton"
+    monkeypatch.setattr(engine.kernels, "decode_attention", cannot_build, raising=False)
     with caplog.at_level(logging.WARNING, logger="engine.llama"):
         got = runner.decode(batch, [9])
     assert runner.backend == "torch" and any("falling back" in r.message for r in caplog.records)
@@ -173,6 +179,19 @@ def test_core_lists_parse_and_split():
             threads.parse_cores(bad)
     assert threads.split_cores(2, [0, 1, 2, 3, 4]) == ["0,1,2", "3,4"]
     assert threads.split_cores(3, [0, 1]) == ["", "", ""]  # fewer cores than workers: they share
+
+
+def test_baton_up_gives_each_worker_its_cores_or_one_thread(monkeypatch):
+    from baton.up import LocalCluster
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = threads.usable_cores()
+    pair = LocalCluster(prefill=1, decode=1, share_cores=True).worker_args
+    many = LocalCluster(prefill=len(cores), decode=1, share_cores=True).worker_args
+    if len(cores) >= 2:
+        assert [args[0] for args in pair] == ["--cpu-cores"] * 2 and pair[0][1] != pair[1][1]
+    assert many == [("--threads", "1")] * (len(cores) + 1)
+    assert LocalCluster(prefill=1, decode=1).worker_args == [(), ()]  # tests and benchmarks: no binding
 
 
 def test_a_worker_binds_to_its_cores_and_runs_one_thread_per_core():
