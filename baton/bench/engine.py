@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from baton.bench.common import BenchOptions, ratio, table
-from baton.bench.relay import parse_ints, race
+from baton.bench.relay import parse_engines, parse_ints, race
 from baton.bench.workloads import relay_queries
 
 DESCRIPTION = ("Baton's executor vs vLLM's CPU build vs transformers: the 30-query relay shape at 4 and 8 rows, "
@@ -29,6 +29,7 @@ STEP_WINDOW = 300
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", help="comma-separated rows (default 4,8; quick 4)")
+    parser.add_argument("--engines", help=f"comma-separated subset of {','.join(ENGINES)} (default all)")
     parser.add_argument("--queries", type=int, help="how many of the 30 queries (quick: 6)")
     parser.add_argument("--max-tokens", type=int, help="new tokens per query at most (default 200; quick 24)")
     parser.add_argument("--vllm-python", metavar="PATH",
@@ -41,11 +42,12 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     count = opts.extra.get("queries") or (6 if opts.quick else 30)
     max_tokens = opts.extra.get("max_tokens") or (24 if opts.quick else 200)
     sizes = parse_ints(opts.extra.get("batch_sizes"), [4] if opts.quick else [4, 8])
+    engines = parse_engines(opts.extra.get("engines"), ENGINES)
     result: dict[str, Any] = {}
     if not opts.extra.get("skip_race"):
         opts.say(f"engine: {count} relay queries, greedy, up to {max_tokens} new tokens, rows {sizes}, "
                  f"{opts.threads or 'default'} thread(s) / core(s) per engine")
-        result = race(opts, "engine", relay_queries(count, max_tokens), sizes, ENGINES, None)
+        result = race(opts, "engine", relay_queries(count, max_tokens), sizes, engines, None)
         result["versus"] = versus(opts, result, sizes)
         result["plots"].append(str(wall_plot(opts, result, sizes)))
     result["steps"] = step_table(opts, rows=(1, 4) if opts.quick else STEP_ROWS)
@@ -74,7 +76,7 @@ def wall_plot(opts: BenchOptions, result: dict[str, Any], sizes: list[int]):
 
     wall = {(r["engine"], r["batch_size"]): r["wall_s"] for r in result["runs"]}
     series = {ENGINE_LABELS[e]: [wall.get((e, b), 0.0) for b in sizes] for e in ENGINES
-              if any((e, b) in wall for b in sizes)}
+              if any((e, b) in wall for b in sizes)}  # in ENGINES' order, whatever ran
     return plots.bars(opts.plot_path("engine_wall.png"),
                       f"{len(result['queries'])} relay queries, greedy: seconds to finish all (lower is better)",
                       [f"{b} rows" for b in sizes], series, "seconds")

@@ -49,9 +49,9 @@ def parse_ints(text: str | None, default: list[int]) -> list[int]:
     return values
 
 
-def parse_engines(text: str | None) -> list[str]:
+def parse_engines(text: str | None, default=RELAY_ENGINES) -> list[str]:
     if not text:
-        return list(RELAY_ENGINES)
+        return list(default)
     chosen = [e.strip() for e in text.split(",") if e.strip()]
     bad = [e for e in chosen if e not in ENGINES]
     if bad or not chosen:
