@@ -106,7 +106,11 @@ class BatchRunner:
                         continue
                     if index == group.members[0] and group.prefix:
                         self._pin(group)
-                    pool.submit(run_one, index, group)
+                    try:
+                        pool.submit(run_one, index, group)
+                    except RuntimeError:  # cancelled between the check and here: the pool is shut
+                        slots.release()
+                        member_done(group)
             pool.shutdown(wait=True)
             results.put(_DONE)
 
