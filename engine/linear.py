@@ -9,6 +9,7 @@ On CUDA, and for dtypes neither packs, the plain weight and `F.linear`.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -61,7 +62,9 @@ def best_layout(device: torch.device, dtype: torch.dtype) -> str:
     return "onednn" if onednn_packs(dtype) else "plain"
 
 
+@functools.cache
 def onednn_packs(dtype: torch.dtype) -> bool:
+    """Probed once per dtype: every runner's layout choice and `dtype: auto` ask."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
