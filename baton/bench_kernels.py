@@ -84,7 +84,7 @@ def sdpa_decode(q, k, v, starts, scale):
 
 
 def bench_decode(shape, peak, dtype, device, time_ms) -> dict:
-    from engine.kernels import decode_attention
+    from baton.engine.kernels import decode_attention
 
     label, kv_heads, group, head_dim, rows, length = shape
     gen = torch.Generator().manual_seed(0)
@@ -103,7 +103,7 @@ def bench_decode(shape, peak, dtype, device, time_ms) -> dict:
 
 
 def bench_shared(shape, dtype, device, time_ms) -> dict:
-    from engine.kernels import decode_attention, prefix_shared_decode_attention
+    from baton.engine.kernels import decode_attention, prefix_shared_decode_attention
 
     label, kv_heads, group, head_dim, groups, per_group, prefix_len, own = shape
     rows = groups * per_group

@@ -6,10 +6,10 @@ import json
 import logging
 import sys
 
-from engine.executors import EXECUTORS
-from engine.model import DTYPE_CHOICES
-from engine.request import RequestError
-from engine.sampling import SamplingParams
+from baton.engine.executors import EXECUTORS
+from baton.engine.model import DTYPE_CHOICES
+from baton.engine.request import RequestError
+from baton.engine.sampling import SamplingParams
 
 USAGE_ERROR = 2
 
@@ -71,8 +71,8 @@ def cmd_generate(args) -> int:
         raise UsageError(f"--max-rows must be >= 1 (got {args.max_rows})")
     connection = connection_kwargs(args)  # checked before any model loads
     if args.router:
-        from client import BatonClient
-        from client.cli_support import sampling_kwargs
+        from baton.client import BatonClient
+        from baton.client.cli_support import sampling_kwargs
 
         with BatonClient(args.router, **connection) as client:
             outputs = client.generate_many(list(args.prompts), max_concurrency=16, raw=args.raw,
@@ -80,9 +80,9 @@ def cmd_generate(args) -> int:
         print_results(args.prompts, outputs, args.json)
         return 0
     from baton.local import LocalEngine
-    from decode_worker.core import DecodeConfig
-    from engine import threads
-    from engine.model import load_model
+    from baton.decode_worker.core import DecodeConfig
+    from baton.engine import threads
+    from baton.engine.model import load_model
 
     try:
         threads.configure(args.threads, args.cpu_cores)
@@ -177,11 +177,11 @@ def load_role_settings(args):
 def cmd_serve(args) -> int:
     settings = load_role_settings(args)
     if args.role == "router":
-        from router.service import serve
+        from baton.router.service import serve
     elif args.role == "prefill":
-        from prefill_worker.service import serve
+        from baton.prefill_worker.service import serve
     else:
-        from decode_worker.service import serve
+        from baton.decode_worker.service import serve
     serve(settings.model, getattr(settings, args.role), settings.tls)
     return 0
 
@@ -195,7 +195,7 @@ def read_batch_file(path: str) -> list[dict]:
 
     Every line is checked as the SDK would send it (types and ranges included), so a bad line
     is reported before any connection is made or local cluster started."""
-    from client.convert import build_request
+    from baton.client.convert import build_request
 
     requests = []
     try:
@@ -228,7 +228,7 @@ def read_batch_file(path: str) -> list[dict]:
 
 
 def cmd_batch(args) -> int:
-    from client import BatonClient, BatonError
+    from baton.client import BatonClient, BatonError
 
     # Everything that can be wrong with the input is found here, before a cluster starts.
     requests = read_batch_file(args.file)
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"baton {args.command}: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
     except Exception as exc:  # a refusal from a running cluster: say what it said, no traceback
-        if type(exc).__module__ != "client.errors":
+        if type(exc).__module__ != "baton.client.errors":
             raise
         print(f"baton {args.command}: {exc.code}: {exc.message}", file=sys.stderr)
         return 1

@@ -105,7 +105,7 @@ class PrefillSettings:
     def validate(self) -> None:
         """Refuse values that would otherwise fail only at the first KV push."""
         from baton.server import MAX_MESSAGE_BYTES
-        from kvtransfer.wire import MAX_CHUNK_BYTES, max_chunk_bytes_within
+        from baton.kvtransfer.wire import MAX_CHUNK_BYTES, max_chunk_bytes_within
 
         # A decode worker refuses chunks above MAX_CHUNK_BYTES, and a chunk plus its framing must
         # fit one gRPC message of the decode worker's server.

@@ -9,13 +9,13 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
-from decode_worker.core import DecodeConfig, DecodeCore
-from engine.model import LoadedModel
-from engine.request import GenerationRequest, RequestError, RequestOutput, validate_prompt
-from engine.executors import make_runner
-from engine.sampling import SamplingParams
-from prefill_worker.batching import pick_batch
-from prefill_worker.core import PrefillCore
+from baton.decode_worker.core import DecodeConfig, DecodeCore
+from baton.engine.model import LoadedModel
+from baton.engine.request import GenerationRequest, RequestError, RequestOutput, validate_prompt
+from baton.engine.executors import make_runner
+from baton.engine.sampling import SamplingParams
+from baton.prefill_worker.batching import pick_batch
+from baton.prefill_worker.core import PrefillCore
 
 
 class LocalEngine:

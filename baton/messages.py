@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from baton.v1 import common_pb2
-from engine.request import Trace
-from engine.sampling import SamplingParams
+from baton.engine.request import Trace
+from baton.engine.sampling import SamplingParams
 
 _DEFAULTS = SamplingParams()
 

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.config import TLSSettings
 from baton.server import channel
-from engine.threads import split_cores
+from baton.engine.threads import split_cores
 
 STARTUP_TIMEOUT_S = 600  # the first start converts the default model
 PARENT_ENV = "BATON_PARENT_PID"  # set for the processes Baton starts: they exit when that process dies
@@ -209,7 +209,7 @@ DEMO_PROMPTS = [
 
 
 def run_demo(address: str, out=sys.stdout) -> None:
-    from client import BatonClient
+    from baton.client import BatonClient
 
     with BatonClient(address, timeout=300) as client:
         print(f"\n> {DEMO_PROMPTS[0]}", file=out)

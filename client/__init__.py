@@ -1,14 +1,14 @@
 """Baton's gRPC client SDK (sync and asyncio). Light on purpose: grpc, protobuf and baton.v1 only.
 
-    from client import BatonClient
+    from baton.client import BatonClient
     with BatonClient("localhost:50051") as baton:
         print(baton.generate("What is the capital of France?", max_tokens=32).text)
 """
-from client.aio import AsyncBatonClient, AsyncChunkStream
-from client.errors import (BatonError, Cancelled, DeadlineExceeded, InvalidRequest, Overloaded, PermissionDenied,
+from baton.client.aio import AsyncBatonClient, AsyncChunkStream
+from baton.client.errors import (BatonError, Cancelled, DeadlineExceeded, InvalidRequest, Overloaded, PermissionDenied,
                            Unauthenticated, Unavailable, error_from_rpc)
-from client.sync import BatonClient, ChunkStream
-from client.types import (ClusterStatus, GenerationResult, ModelInfo, SamplingOptions, StreamChunk, Trace, Usage,
+from baton.client.sync import BatonClient, ChunkStream
+from baton.client.types import (ClusterStatus, GenerationResult, ModelInfo, SamplingOptions, StreamChunk, Trace, Usage,
                           WorkerStatus)
 
 __all__ = [

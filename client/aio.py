@@ -17,13 +17,13 @@ import grpc
 import grpc.aio
 
 from baton.v1 import router_pb2, router_pb2_grpc
-from client.channel import (DEFAULT_KEEPALIVE_S, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, ConnectionConfig,
+from baton.client.channel import (DEFAULT_KEEPALIVE_S, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, ConnectionConfig,
                             PemSource)
-from client.convert import (ResultAssembler, build_request, chunk_from_proto, cluster_status_from_proto,
+from baton.client.convert import (ResultAssembler, build_request, chunk_from_proto, cluster_status_from_proto,
                             model_info_from_proto)
-from client.errors import BatonError, Unavailable, error_from_rpc
-from client.many import finish_batch, prepare_batch
-from client.types import ClusterStatus, GenerationResult, ModelInfo, StreamChunk
+from baton.client.errors import BatonError, Unavailable, error_from_rpc
+from baton.client.many import finish_batch, prepare_batch
+from baton.client.types import ClusterStatus, GenerationResult, ModelInfo, StreamChunk
 
 
 class AsyncChunkStream:

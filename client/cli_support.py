@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from client.sync import BatonClient
-from client.types import SAMPLING_OPTION_NAMES, GenerationResult
+from baton.client.sync import BatonClient
+from baton.client.types import SAMPLING_OPTION_NAMES, GenerationResult
 
 
 def sampling_kwargs(params: Any) -> dict[str, Any]:

@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from baton.v1 import common_pb2, router_pb2
-from client.errors import BatonError, error_for_code
-from client.types import (UINT32_MAX, ClusterStatus, GenerationResult, ModelInfo, SamplingOptions,
+from baton.client.errors import BatonError, error_for_code
+from baton.client.types import (UINT32_MAX, ClusterStatus, GenerationResult, ModelInfo, SamplingOptions,
                           StreamChunk, Trace, Usage, WorkerStatus)
 
 # Keyword arguments of generate()/stream() that are not sampling options.

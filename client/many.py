@@ -4,10 +4,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from client.channel import check_timeout
-from client.convert import build_request, split_request_args
-from client.errors import BatonError
-from client.types import GenerationResult
+from baton.client.channel import check_timeout
+from baton.client.convert import build_request, split_request_args
+from baton.client.errors import BatonError
+from baton.client.types import GenerationResult
 
 _BATCH_WIDE_FORBIDDEN = ("prompt", "messages", "token_ids", "request_id")
 

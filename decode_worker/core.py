@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
-from engine.batch_kv import BatchKV
-from engine.kv import SequenceKV
-from engine.request import PrefilledRequest, RequestError, RequestOutput, effective_max_tokens
-from engine.executors import Runner
-from engine.sampling import INVALID_TOKEN, RequestSampler, SamplingParams, sample
-from engine.stopping import FinishReason, StopChecker
+from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
+from baton.engine.batch_kv import BatchKV
+from baton.engine.kv import SequenceKV
+from baton.engine.request import PrefilledRequest, RequestError, RequestOutput, effective_max_tokens
+from baton.engine.executors import Runner
+from baton.engine.sampling import INVALID_TOKEN, RequestSampler, SamplingParams, sample
+from baton.engine.stopping import FinishReason, StopChecker
 
 DEFAULT_KV_BUDGET_BYTES = 1 << 30
 

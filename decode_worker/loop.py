@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from baton.metrics import Metrics
 from baton.v1 import workers_pb2
-from decode_worker.core import DecodeCore, Evicted
-from engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput
-from kvtransfer.staging import StagingPool
+from baton.decode_worker.core import DecodeCore, Evicted
+from baton.engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput
+from baton.kvtransfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
 

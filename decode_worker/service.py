@@ -16,16 +16,16 @@ from baton.messages import sampling_from_proto
 from baton.metrics import Metrics
 from baton.server import GrpcServer, NotReady, channel
 from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
-from decode_worker.core import DecodeConfig, DecodeCore
-from decode_worker.loop import DecodeLoop, Failure, Moving, NotMoving
+from baton.decode_worker.core import DecodeConfig, DecodeCore
+from baton.decode_worker.loop import DecodeLoop, Failure, Moving, NotMoving
 
-from engine.request import GenerationRequest, RequestError, validate_prompt
-from engine.executors import Runner, load_runner
-from kvtransfer.errors import KVPushFailed
-from kvtransfer.grpc_transport import KVTransferServicer, PushRetry, push_kv_retrying
-from kvtransfer.receiver import Receiver, ReceiverConfig
-from kvtransfer.staging import StagingConfig, StagingPool
-from kvtransfer.wire import grpc_push_channel_options
+from baton.engine.request import GenerationRequest, RequestError, validate_prompt
+from baton.engine.executors import Runner, load_runner
+from baton.kvtransfer.errors import KVPushFailed
+from baton.kvtransfer.grpc_transport import KVTransferServicer, PushRetry, push_kv_retrying
+from baton.kvtransfer.receiver import Receiver, ReceiverConfig
+from baton.kvtransfer.staging import StagingConfig, StagingPool
+from baton.kvtransfer.wire import grpc_push_channel_options
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.cpu import kernels as cpu_kernels
+from baton.engine.cpu import kernels as cpu_kernels
 
 ATTENTION_NAME = "baton"
 BACKENDS = ("auto", "torch", "triton")
@@ -55,7 +55,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
 
 
 def _triton_ready() -> bool:
-    from engine.kernels import triton_available
+    from baton.engine.kernels import triton_available
 
     return triton_available()
 
@@ -74,7 +74,7 @@ def baton_attention(module, query, key, value, attention_mask, scaling=None, dro
 def decode(query, key, value, ctx: DecodeAttention, scale):
     # query: [B, Hq, 1, D]; key, value: [B, Hkv, window, D] -> [B, 1, Hq, D]
     if ctx.backend == "triton":
-        from engine.kernels import decode_attention
+        from baton.engine.kernels import decode_attention
 
         out = decode_attention(query[:, :, 0], key, value, ctx.starts, scale)  # [B, Hq, D]
         return out.unsqueeze(1)
@@ -89,7 +89,7 @@ def decode(query, key, value, ctx: DecodeAttention, scale):
 def prefill(query, key, value, ctx: PrefillAttention, scale):
     # query: [B, Hq, Tq, D]; key, value: [B, Hkv, prefix + Tq, D] -> [B, Tq, Hq, D]
     if ctx.backend == "triton":
-        from engine.kernels import prefill_attention
+        from baton.engine.kernels import prefill_attention
 
         # the kernel takes one sequence: q [Tq, Hq, D], k/v [Hkv, Tk, D]
         return torch.stack([prefill_attention(query[b].transpose(0, 1), key[b], value[b], ctx.prefix_len, scale)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv import KVShape, SequenceKV
+from baton.engine.kv import KVShape, SequenceKV
 
 
 class BatchKVFull(RuntimeError):

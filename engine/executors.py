@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from engine.llama import LlamaRunner, unsupported_reason
-from engine.model import LoadedModel, load_model
-from engine.runner import TransformersRunner
+from baton.engine.llama import LlamaRunner, unsupported_reason
+from baton.engine.model import LoadedModel, load_model
+from baton.engine.runner import TransformersRunner
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def make_runner(loaded: LoadedModel, executor: str = "auto", attention_backend: 
 def load_runner(settings) -> Runner:
     """A worker's model and executor from its `model` settings (baton.config.ModelSettings): threads
     and cores first, so loading already runs on them."""
-    from engine import threads
+    from baton.engine import threads
 
     threads.configure(settings.threads, settings.cpu_cores)
     loaded = load_model(settings.name, dtype=settings.dtype, device=settings.device)

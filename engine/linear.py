@@ -15,7 +15,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from engine.cpu import kernels as cpu_kernels
+from baton.engine.cpu import kernels as cpu_kernels
 
 log = logging.getLogger(__name__)
 

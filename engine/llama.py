@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import attention
-from engine.attention import DecodeAttention, PrefillAttention
-from engine.batch_kv import BatchKV
-from engine.kv import PrefillOutput, SequenceKV
-from engine.linear import Linear, best_layout
-from engine.model import LoadedModel
+from baton.engine import attention
+from baton.engine.attention import DecodeAttention, PrefillAttention
+from baton.engine.batch_kv import BatchKV
+from baton.engine.kv import PrefillOutput, SequenceKV
+from baton.engine.linear import Linear, best_layout
+from baton.engine.model import LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kv import KVShape
+from baton.engine.kv import KVShape
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
 def fast_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    from engine.linear import onednn_packs
+    from baton.engine.linear import onednn_packs
 
     return device.type == "cpu" and onednn_packs(torch.bfloat16)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.kv import SequenceKV
-from engine.sampling import SamplingParams
+from baton.engine.kv import SequenceKV
+from baton.engine.sampling import SamplingParams
 
 # Stages in the order a request passes them; the trace says how long each took.
 STAGES = ("queue", "prefill", "transfer", "staging", "admission", "decode")

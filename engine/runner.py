@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from engine import attention
-from engine.attention import DecodeAttention, PrefillAttention
-from engine.batch_kv import BatchKV
-from engine.kv import PrefillOutput, SequenceKV
-from engine.model import LoadedModel
+from baton.engine import attention
+from baton.engine.attention import DecodeAttention, PrefillAttention
+from baton.engine.batch_kv import BatchKV
+from baton.engine.kv import PrefillOutput, SequenceKV
+from baton.engine.model import LoadedModel
 
 
 class _BatchCache(Cache):

@@ -7,7 +7,7 @@
 
 Refusals are `KVTransferError` subclasses whose `.code` names the gRPC status (errors.py).
 """
-from kvtransfer.errors import (
+from baton.kvtransfer.errors import (
     KVBadStream,
     KVCancelled,
     KVCorrupt,
@@ -22,11 +22,11 @@ from kvtransfer.errors import (
     KVTruncated,
     KVUnexpected,
 )
-from kvtransfer.inprocess import push_in_process
-from kvtransfer.receiver import ReceiveResult, Receiver, ReceiverConfig
-from kvtransfer.sender import encode
-from kvtransfer.staging import StagedKV, StagingConfig, StagingPool, StagingStats
-from kvtransfer.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
+from baton.kvtransfer.inprocess import push_in_process
+from baton.kvtransfer.receiver import ReceiveResult, Receiver, ReceiverConfig
+from baton.kvtransfer.sender import encode
+from baton.kvtransfer.staging import StagedKV, StagingConfig, StagingPool, StagingStats
+from baton.kvtransfer.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

@@ -1,7 +1,7 @@
 """How close KV shipping over gRPC loopback gets to a plain memory copy of the same bytes.
 
-    python -m kvtransfer.bench --mbytes 64                 # receiver in its own process
-    python -m kvtransfer.bench --mbytes 64 --same-process  # sender and receiver share one GIL
+    python -m baton.kvtransfer.bench --mbytes 64                 # receiver in its own process
+    python -m baton.kvtransfer.bench --mbytes 64 --same-process  # sender and receiver share one GIL
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from typing import Iterator
 
 import torch
 
-from engine.kv import KVShape, SequenceKV
-from kvtransfer.grpc_transport import KVTransferServer, kvtransfer_channel, push_kv
-from kvtransfer.receiver import Receiver, ReceiverConfig
-from kvtransfer.staging import StagingConfig, StagingPool
-from kvtransfer.wire import DEFAULT_CHUNK_BYTES
+from baton.engine.kv import KVShape, SequenceKV
+from baton.kvtransfer.grpc_transport import KVTransferServer, kvtransfer_channel, push_kv
+from baton.kvtransfer.receiver import Receiver, ReceiverConfig
+from baton.kvtransfer.staging import StagingConfig, StagingPool
+from baton.kvtransfer.wire import DEFAULT_CHUNK_BYTES
 
 # Llama-like shape whose per-token KV (32 KiB) divides round byte counts.
 BENCH_SHAPE = KVShape(num_layers=32, num_kv_heads=4, head_dim=64, dtype=torch.float16)

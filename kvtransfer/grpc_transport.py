@@ -22,11 +22,11 @@ import grpc
 
 from baton.v1 import kvtransfer_pb2 as pb
 from baton.v1 import kvtransfer_pb2_grpc as pb_grpc
-from engine.kv import SequenceKV
-from kvtransfer.errors import KVPushFailed, KVTransferError
-from kvtransfer.receiver import ReceiveResult, Receiver
-from kvtransfer.sender import encode
-from kvtransfer.wire import (
+from baton.engine.kv import SequenceKV
+from baton.kvtransfer.errors import KVPushFailed, KVTransferError
+from baton.kvtransfer.receiver import ReceiveResult, Receiver
+from baton.kvtransfer.sender import encode
+from baton.kvtransfer.wire import (
     CHUNK_IDLE_TIMEOUT_S,
     DEFAULT_CHUNK_BYTES,
     grpc_channel_options,

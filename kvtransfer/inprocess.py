@@ -4,10 +4,10 @@ Same encode and receive code as gRPC, minus the socket, for tests and single-pro
 """
 from __future__ import annotations
 
-from engine.kv import SequenceKV
-from kvtransfer.receiver import ReceiveResult, Receiver
-from kvtransfer.sender import encode
-from kvtransfer.wire import DEFAULT_CHUNK_BYTES
+from baton.engine.kv import SequenceKV
+from baton.kvtransfer.receiver import ReceiveResult, Receiver
+from baton.kvtransfer.sender import encode
+from baton.kvtransfer.wire import DEFAULT_CHUNK_BYTES
 
 
 def push_in_process(

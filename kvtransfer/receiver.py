@@ -14,8 +14,8 @@ from typing import Iterable, Iterator
 import torch
 
 from baton.v1 import kvtransfer_pb2 as pb
-from engine.kv import KVShape, SequenceKV
-from kvtransfer.errors import (
+from baton.engine.kv import KVShape, SequenceKV
+from baton.kvtransfer.errors import (
     KVBadStream,
     KVCancelled,
     KVCorrupt,
@@ -24,8 +24,8 @@ from kvtransfer.errors import (
     KVTooLarge,
     KVTruncated,
 )
-from kvtransfer.staging import Reservation, StagingPool
-from kvtransfer.wire import MAX_CHUNK_BYTES, MAX_METADATA_BYTES, checksum, dtype_from_name
+from baton.kvtransfer.staging import Reservation, StagingPool
+from baton.kvtransfer.wire import MAX_CHUNK_BYTES, MAX_METADATA_BYTES, checksum, dtype_from_name
 
 
 @dataclass(frozen=True)

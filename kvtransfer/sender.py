@@ -6,8 +6,8 @@ from typing import Iterator
 import torch
 
 from baton.v1 import kvtransfer_pb2 as pb
-from engine.kv import SequenceKV
-from kvtransfer.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_METADATA_BYTES, checksum, dtype_name
+from baton.engine.kv import SequenceKV
+from baton.kvtransfer.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_METADATA_BYTES, checksum, dtype_name
 
 
 def encode(

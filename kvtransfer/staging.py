@@ -30,8 +30,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.kv import SequenceKV
-from kvtransfer.errors import KVCancelled, KVDuplicate, KVNotLanded, KVPoolFull, KVTooLarge, KVUnexpected
+from baton.engine.kv import SequenceKV
+from baton.kvtransfer.errors import KVCancelled, KVDuplicate, KVNotLanded, KVPoolFull, KVTooLarge, KVUnexpected
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.block_hash import BlockHasher
-from engine.kv import SequenceKV
-from engine.request import GenerationRequest, PrefilledRequest
-from engine.executors import Runner
-from engine.kv import PrefillOutput
-from engine.sampling import RequestSampler, sample
-from prefill_worker.prefix_cache import KVEvents, PrefixCache
+from baton.engine.kv import SequenceKV
+from baton.engine.request import GenerationRequest, PrefilledRequest
+from baton.engine.executors import Runner
+from baton.engine.kv import PrefillOutput
+from baton.engine.sampling import RequestSampler, sample
+from baton.prefill_worker.prefix_cache import KVEvents, PrefixCache
 
 DEFAULT_BLOCK_SIZE = 16
 

@@ -22,13 +22,13 @@ from baton.metrics import Metrics
 from baton.server import GrpcServer, NotReady, channel
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
 
-from engine.request import GenerationRequest, RequestError, validate_prompt
-from engine.executors import Runner, load_runner
-from kvtransfer.errors import KVPushFailed
-from kvtransfer.grpc_transport import PushRetry, push_kv_retrying
-from kvtransfer.wire import grpc_push_channel_options
-from prefill_worker.batching import PrefillQueue
-from prefill_worker.core import PrefillCore
+from baton.engine.request import GenerationRequest, RequestError, validate_prompt
+from baton.engine.executors import Runner, load_runner
+from baton.kvtransfer.errors import KVPushFailed
+from baton.kvtransfer.grpc_transport import PushRetry, push_kv_retrying
+from baton.kvtransfer.wire import grpc_push_channel_options
+from baton.prefill_worker.batching import PrefillQueue
+from baton.prefill_worker.core import PrefillCore
 
 log = logging.getLogger(__name__)
 

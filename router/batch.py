@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import grpc
 
 from baton.v1 import router_pb2, workers_pb2
-from router.batch_planner import plan_batch
-from router.dispatch import DispatchError, Dispatcher, RoutingStats
+from baton.router.batch_planner import plan_batch
+from baton.router.dispatch import DispatchError, Dispatcher, RoutingStats
 
 _DONE = object()
 

@@ -19,9 +19,9 @@ import grpc
 
 from baton.block_hash import BlockHasher
 from baton.v1 import common_pb2, router_pb2, workers_pb2
-from router.policy import NoWorkers, Picker
-from router.prefix_index import PrefixIndex
-from router.workers import Worker, WorkerPool
+from baton.router.policy import NoWorkers, Picker
+from baton.router.prefix_index import PrefixIndex
+from baton.router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 

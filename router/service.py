@@ -17,14 +17,14 @@ from baton.messages import sampling_from_proto
 from baton.metrics import Metrics
 from baton.server import GrpcServer, NotReady
 from baton.v1 import router_pb2, router_pb2_grpc
-from engine.model import TokenizerView, load_tokenizer_view
-from engine.request import RequestError, validate_prompt
-from router.batch import BatchRunner
-from router.dispatch import DispatchError, Dispatcher
-from router.policy import Picker, RoutingWeights
-from router.prefix_index import PrefixIndexConfig, build_prefix_index
-from router.discovery import WorkerSet, discovery_from_settings
-from router.workers import WorkerPool
+from baton.engine.model import TokenizerView, load_tokenizer_view
+from baton.engine.request import RequestError, validate_prompt
+from baton.router.batch import BatchRunner
+from baton.router.dispatch import DispatchError, Dispatcher
+from baton.router.policy import Picker, RoutingWeights
+from baton.router.prefix_index import PrefixIndexConfig, build_prefix_index
+from baton.router.discovery import WorkerSet, discovery_from_settings
+from baton.router.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 

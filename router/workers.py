@@ -10,7 +10,7 @@ import grpc
 from baton.config import TLSSettings
 from baton.server import channel, keepalive_options
 from baton.v1 import common_pb2, workers_pb2_grpc
-from router.policy import WorkerView
+from baton.router.policy import WorkerView
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from engine.model import LoadedModel, load_model
+from baton.engine.model import LoadedModel, load_model
 
 
 class Reference:

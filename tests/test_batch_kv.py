@@ -1,8 +1,8 @@
 """The BATON batch KV layout: embedding, left growth, column release, row reuse, accounting."""
 import torch
 
-from engine.batch_kv import BatchKV, BatchKVFull
-from engine.kv import KVShape, SequenceKV
+from baton.engine.batch_kv import BatchKV, BatchKVFull
+from baton.engine.kv import KVShape, SequenceKV
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.batch_planner import (
+from baton.router.batch_planner import (
     PrefixGroup,
     PrefixTree,
     brute_force_prefix_reuse,

@@ -16,9 +16,9 @@ import grpc
 import pytest
 
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
-from client import (AsyncBatonClient, BatonClient, BatonError, Cancelled, DeadlineExceeded, GenerationResult,
+from baton.client import (AsyncBatonClient, BatonClient, BatonError, Cancelled, DeadlineExceeded, GenerationResult,
                     InvalidRequest, Overloaded, PermissionDenied, Unauthenticated, Unavailable)
-from client.cli_support import generate_via_router
+from baton.client.cli_support import generate_via_router
 
 DEFAULT_MAX_TOKENS = 4
 SLOW_TOKEN_SECONDS = 0.05
@@ -422,7 +422,7 @@ def test_async_errors_deadlines_and_cancellation(router):
 # --- cli_support and packaging ---
 
 def test_generate_via_router_takes_engine_sampling_params(router):
-    from engine.sampling import SamplingParams
+    from baton.engine.sampling import SamplingParams
 
     servicer, target = router
     outputs = generate_via_router(target, ["one", "two"], SamplingParams(max_tokens=3, seed=4), raw=True)
@@ -501,7 +501,7 @@ def test_mutual_tls_sync_and_async(certificates):
 
 
 def test_a_batch_member_refused_for_overload_carries_the_retry_hint():
-    from client.convert import batch_item_from_proto
+    from baton.client.convert import batch_item_from_proto
 
     refused = batch_item_from_proto(router_pb2.GenerateBatchResponse(
         index=3, error_code="RESOURCE_EXHAUSTED", error_message="queue full", retry_after_s=1.0))

@@ -9,8 +9,8 @@ import pytest
 
 from baton.up import LocalCluster
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
-from client import BatonClient
-from client.errors import DeadlineExceeded
+from baton.client import BatonClient
+from baton.client.errors import DeadlineExceeded
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """The decode scheduler's policy, without a model: admission, row reuse, release, limits."""
 import pytest
 
-from decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
+from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
 
 
 def seq(rid: str, prompt: int = 4, max_new: int = 3) -> DecodeSequence:

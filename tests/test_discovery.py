@@ -11,8 +11,8 @@ import yaml
 from fake_kube_api import FakeKubeApi, endpoint, label_selector_matches
 
 from baton.config import RouterSettings
-from router.discovery import KubernetesDiscovery, StaticDiscovery, WorkerSet, discovery_from_settings
-from router.discovery.endpoint_slices import routable_addresses
+from baton.router.discovery import KubernetesDiscovery, StaticDiscovery, WorkerSet, discovery_from_settings
+from baton.router.discovery.endpoint_slices import routable_addresses
 
 NAMESPACE = "serving"
 PREFILL = {"app.kubernetes.io/name": "baton", "baton.io/role": "prefill"}

@@ -14,16 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from baton.local import LocalEngine
-from decode_worker.core import DecodeConfig
-from engine import threads
-from engine.batch_kv import BatchKV
-from engine.cpu import kernels as cpu_kernels
-from engine.executors import make_runner
-from engine.linear import Linear, best_layout, onednn_packs
-from engine.llama import LlamaRunner
-from engine.model import LoadedModel, _finish, default_tokenizer, resolve_dtype
-from engine.runner import TransformersRunner
-from engine.sampling import SamplingParams
+from baton.decode_worker.core import DecodeConfig
+from baton.engine import threads
+from baton.engine.batch_kv import BatchKV
+from baton.engine.cpu import kernels as cpu_kernels
+from baton.engine.executors import make_runner
+from baton.engine.linear import Linear, best_layout, onednn_packs
+from baton.engine.llama import LlamaRunner
+from baton.engine.model import LoadedModel, _finish, default_tokenizer, resolve_dtype
+from baton.engine.runner import TransformersRunner
+from baton.engine.sampling import SamplingParams
 
 
 class Greedy:
@@ -103,7 +103,7 @@ def test_an_unsupported_model_falls_back_to_transformers_with_one_log_line(tiny_
     odd = copy.copy(tiny_model)
     odd.model = copy.deepcopy(tiny_model.model)
     odd.model.config.hidden_act = "gelu"
-    with caplog.at_level(logging.WARNING, logger="engine.executors"):
+    with caplog.at_level(logging.WARNING, logger="baton.engine.executors"):
         runner = make_runner(odd)
     assert isinstance(runner, TransformersRunner)
     assert [r.message for r in caplog.records if "cannot run" in r.message and "gelu" in r.message]
@@ -115,7 +115,7 @@ def test_an_unsupported_model_falls_back_to_transformers_with_one_log_line(tiny_
 
 
 def test_a_triton_kernel_that_cannot_run_falls_back_to_torch_with_a_warning(tiny_model, caplog, monkeypatch):
-    import engine.kernels
+    from baton.engine import kernels
 
     def cannot_build(*args, **kwargs):
         raise RuntimeError("0 active drivers ([]). There should only be one.")  # what Triton says without a GPU
@@ -126,8 +126,8 @@ def test_a_triton_kernel_that_cannot_run_falls_back_to_torch_with_a_warning(tiny
     batch.embed(first.kv)
     expected = runner.decode(copy.deepcopy(batch), [9])
     runner.backend = "triton"
-    monkeypatch.setattr(engine.kernels, "decode_attention", cannot_build, raising=False)
-    with caplog.at_level(logging.WARNING, logger="engine.llama"):
+    monkeypatch.setattr(kernels, "decode_attention", cannot_build, raising=False)
+    with caplog.at_level(logging.WARNING, logger="baton.engine.llama"):
         got = runner.decode(batch, [9])
     assert runner.backend == "torch" and any("falling back" in r.message for r in caplog.records)
     torch.testing.assert_close(got, expected)
@@ -195,7 +195,7 @@ def test_baton_up_gives_each_worker_its_cores_or_one_thread(monkeypatch):
 
 
 def test_a_worker_binds_to_its_cores_and_runs_one_thread_per_core():
-    code = ("import os, torch; from engine import threads; n = threads.configure(0, '0'); "
+    code = ("import os, torch; from baton.engine import threads; n = threads.configure(0, '0'); "
             "print(n, torch.get_num_threads(), sorted(os.sched_getaffinity(0)))")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)

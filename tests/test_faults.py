@@ -10,7 +10,7 @@ import pytest
 
 from baton.up import LocalCluster
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
-from client import BatonClient, BatonError
+from baton.client import BatonClient, BatonError
 
 pytestmark = pytest.mark.slow
 

@@ -33,7 +33,7 @@ if not CUDA:
 
 pytest.importorskip("triton")
 
-from engine.kernels import (decode_attention, decode_attention_ref, prefill_attention,  # noqa: E402
+from baton.engine.kernels import (decode_attention, decode_attention_ref, prefill_attention,  # noqa: E402
                             prefill_attention_ref, prefill_attention_varlen, prefill_attention_varlen_ref,
                             prefix_shared_decode_attention, prefix_shared_decode_attention_ref, triton_available)
 
@@ -154,7 +154,7 @@ def test_decode_rejects_bad_shapes():
 
 @in_process
 def test_merge_weights_partials_by_lse_and_ignores_empty_ones():
-    from engine.kernels._common import merge_partials
+    from baton.engine.kernels._common import merge_partials
 
     gen = torch.Generator().manual_seed(6)
     mid_o = torch.randn(2, 3, 4, 32, generator=gen)  # [n, H, slots, D]
@@ -325,7 +325,7 @@ def test_triton_available_follows_interpreter_flag(monkeypatch):
 def test_kernels_compile_for_sm90_bf16():
     """The native bf16 dot path never runs in the interpreter; compile it for sm_90 at least."""
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "engine.kernels.compile_check", "bf16"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "baton.engine.kernels.compile_check", "bf16"], env=env,
                           capture_output=True, text=True, timeout=300, cwd=_repo_root())
     if proc.returncode == 3:
         pytest.skip("this triton install has no CUDA backend")

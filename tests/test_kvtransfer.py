@@ -15,8 +15,8 @@ from breaking_proxy import BreakingProxy
 
 from baton.v1 import kvtransfer_pb2 as pb
 from baton.v1 import kvtransfer_pb2_grpc as pb_grpc
-from engine.kv import KVShape, SequenceKV
-from kvtransfer import (
+from baton.engine.kv import KVShape, SequenceKV
+from baton.kvtransfer import (
     KVCancelled,
     KVNotLanded,
     KVPoolFull,
@@ -29,9 +29,9 @@ from kvtransfer import (
     encode,
     push_in_process,
 )
-from kvtransfer.bench import measure_loopback_throughput
-from kvtransfer.errors import KVPushFailed
-from kvtransfer.grpc_transport import (
+from baton.kvtransfer.bench import measure_loopback_throughput
+from baton.kvtransfer.errors import KVPushFailed
+from baton.kvtransfer.grpc_transport import (
     KVTransferServer,
     KVTransferServicer,
     PushRetry,
@@ -39,7 +39,7 @@ from kvtransfer.grpc_transport import (
     push_kv,
     push_kv_retrying,
 )
-from kvtransfer.wire import (
+from baton.kvtransfer.wire import (
     CHUNK_IDLE_TIMEOUT_S,
     PUSH_CONNECT_TIMEOUT_MS,
     PUSH_KEEPALIVE_MS,
@@ -730,7 +730,7 @@ def test_a_sender_gone_silent_mid_stream_is_cut_off_and_its_staging_bytes_freed(
 def test_kv_chunk_bytes_out_of_range_is_refused_when_settings_load(tmp_path):
     from baton.config import load_settings
     from baton.server import MAX_MESSAGE_BYTES
-    from kvtransfer.wire import MAX_CHUNK_BYTES, max_chunk_bytes_within
+    from baton.kvtransfer.wire import MAX_CHUNK_BYTES, max_chunk_bytes_within
 
     limit = max_chunk_bytes_within(MAX_MESSAGE_BYTES)
     assert 0 < limit <= MAX_CHUNK_BYTES
@@ -763,7 +763,7 @@ def test_the_largest_allowed_kv_chunk_fits_a_baton_server_and_one_byte_more_woul
     """The bound is the real one: a decode worker's server (GrpcServer, 16 MiB messages) takes
     chunks of the largest allowed kv_chunk_bytes; the wire's own maximum would not fit."""
     from baton.server import MAX_MESSAGE_BYTES, GrpcServer, channel
-    from kvtransfer.wire import MAX_CHUNK_BYTES, max_chunk_bytes_within
+    from baton.kvtransfer.wire import MAX_CHUNK_BYTES, max_chunk_bytes_within
 
     limit = max_chunk_bytes_within(MAX_MESSAGE_BYTES)
     pool = StagingPool(StagingConfig(capacity_bytes=64 << 20))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from baton.up import LocalCluster, free_port, stop_process
-from client import BatonClient, BatonError
+from baton.client import BatonClient, BatonError
 
 pytestmark = pytest.mark.slow
 

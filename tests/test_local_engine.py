@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from baton.local import LocalEngine
-from decode_worker.core import DecodeConfig
-from engine.request import RequestError
-from engine.sampling import SamplingParams
+from baton.decode_worker.core import DecodeConfig
+from baton.engine.request import RequestError
+from baton.engine.sampling import SamplingParams
 
 
 def test_thousand_requests_leave_kv_allocation_where_it_started(tiny_model):

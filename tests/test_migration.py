@@ -19,13 +19,13 @@ import pytest
 
 from baton.up import LocalCluster
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
-from decode_worker.core import DecodeConfig, DecodeCore, Evicted
-from decode_worker.loop import DecodeLoop, Moving, NotMoving
-from engine.request import GenerationRequest, PrefilledRequest
-from engine.executors import make_runner
-from engine.sampling import SamplingParams
-from kvtransfer.staging import StagingConfig, StagingPool
-from prefill_worker.core import PrefillCore
+from baton.decode_worker.core import DecodeConfig, DecodeCore, Evicted
+from baton.decode_worker.loop import DecodeLoop, Moving, NotMoving
+from baton.engine.request import GenerationRequest, PrefilledRequest
+from baton.engine.executors import make_runner
+from baton.engine.sampling import SamplingParams
+from baton.kvtransfer.staging import StagingConfig, StagingPool
+from baton.prefill_worker.core import PrefillCore
 
 MAX_TOKENS = 24
 
@@ -226,7 +226,7 @@ def test_a_drain_that_times_out_says_which_requests_held_it(runner, caplog):
     params = SamplingParams(max_tokens=200, ignore_eos=True)
     with running_loop(runner) as (loop, pool):
         loop.register(GenerationRequest("never-fed", list(range(5, 25)), params))  # its KV never comes
-        with caplog.at_level("WARNING", logger="decode_worker.loop"):
+        with caplog.at_level("WARNING", logger="baton.decode_worker.loop"):
             assert loop.drain(0.3, move_after=0) is False
         assert "'never-fed': 'waiting for KV'" in caplog.text
 
@@ -254,7 +254,7 @@ def test_a_cancelled_moving_request_frees_its_kv(runner):
 
 def test_handoff_refuses_bad_requests_with_clear_statuses():
     from baton.config import DecodeSettings, ModelSettings
-    from decode_worker.service import serve
+    from baton.decode_worker.service import serve
 
     server, loop = serve(ModelSettings(name="tiny-random"), DecodeSettings(host="127.0.0.1", port=0), block=False)
     try:
@@ -293,9 +293,9 @@ class InProcessCluster:
 
     def __init__(self, max_rows: int = 4):
         from baton.config import DecodeSettings, ModelSettings, PrefillSettings, RouterSettings
-        from decode_worker.service import serve as serve_decode
-        from prefill_worker.service import serve as serve_prefill
-        from router.service import serve as serve_router
+        from baton.decode_worker.service import serve as serve_decode
+        from baton.prefill_worker.service import serve as serve_prefill
+        from baton.router.service import serve as serve_router
 
         model = ModelSettings(name="tiny-random")
         self.prefill_server, self.prefill = serve_prefill(model, PrefillSettings(host="127.0.0.1", port=0), block=False)
@@ -320,14 +320,14 @@ class InProcessCluster:
 def test_a_failed_handoff_falls_back_to_a_new_prefill(monkeypatch, tiny_reference):
     """The draining worker cannot reach the target: each request is prefilled again instead, and
     still ends with the exact greedy tokens."""
-    import decode_worker.service
-    from client import BatonClient
-    from kvtransfer.errors import KVPushFailed
+    from baton.decode_worker import service as decode_service
+    from baton.client import BatonClient
+    from baton.kvtransfer.errors import KVPushFailed
 
     def unreachable(*args, **kwargs):
         raise KVPushFailed("UNAVAILABLE", "injected: the target cannot be reached")
 
-    monkeypatch.setattr(decode_worker.service, "push_kv_retrying", unreachable)
+    monkeypatch.setattr(decode_service, "push_kv_retrying", unreachable)
     prompts = [[600 + 7 * i + j for j in range(4 + 3 * i)] for i in range(6)]
     max_tokens = 64
     cluster = InProcessCluster()
@@ -370,7 +370,7 @@ def test_a_failed_handoff_falls_back_to_a_new_prefill(monkeypatch, tiny_referenc
 def test_sigterm_moves_running_requests_kv_to_the_other_decode_worker(tiny_reference):
     """Drained as soon as tokens flow: requests running there move with their KV after the
     grace, and those still waiting for their prefill's KV move as soon as it lands."""
-    from client import BatonClient
+    from baton.client import BatonClient
 
     prompts = [[100 + 9 * i + j for j in range(5 + 3 * i)] for i in range(10)]
     max_tokens = 128

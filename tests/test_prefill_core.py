@@ -2,10 +2,10 @@
 prefilling each whole prompt alone gives."""
 import torch
 
-from engine.request import GenerationRequest
-from engine.executors import make_runner
-from engine.sampling import SamplingParams
-from prefill_worker.core import PrefillCore
+from baton.engine.request import GenerationRequest
+from baton.engine.executors import make_runner
+from baton.engine.sampling import SamplingParams
+from baton.prefill_worker.core import PrefillCore
 
 PREFIX = list(range(200, 240))  # 2 full blocks of 16 and a partial one of 8
 SUFFIXES = [[7, 8, 9], list(range(500, 521)), [11], list(range(600, 606))]

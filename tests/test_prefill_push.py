@@ -15,13 +15,13 @@ from breaking_proxy import BreakingProxy
 
 from baton.config import ModelSettings, PrefillSettings
 from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
-from kvtransfer import Receiver, ReceiverConfig, StagingConfig, StagingPool
-from kvtransfer.grpc_transport import KVTransferServicer
-from kvtransfer.wire import grpc_channel_options, grpc_server_ping_options
-from engine.request import GenerationRequest
-from engine.executors import make_runner
-from engine.sampling import SamplingParams
-from prefill_worker.service import PrefillJob, PrefillLoop, serve
+from baton.kvtransfer import Receiver, ReceiverConfig, StagingConfig, StagingPool
+from baton.kvtransfer.grpc_transport import KVTransferServicer
+from baton.kvtransfer.wire import grpc_channel_options, grpc_server_ping_options
+from baton.engine.request import GenerationRequest
+from baton.engine.executors import make_runner
+from baton.engine.sampling import SamplingParams
+from baton.prefill_worker.service import PrefillJob, PrefillLoop, serve
 
 # 750 KiB of tiny-random KV (512 B a token) in 64 KiB chunks; the proxy breaks after 256 KiB.
 PROMPT = [(17 * i) % 1000 + 3 for i in range(1500)]
@@ -126,7 +126,7 @@ def test_a_push_to_a_decode_worker_that_never_answers_is_aborted_within_seconds(
 
 
 def test_push_channels_to_decode_workers_that_came_and_went_are_bounded(prefill_worker, monkeypatch):
-    import prefill_worker.service as service
+    import baton.prefill_worker.service as service
 
     _, loop = prefill_worker
     monkeypatch.setattr(service, "MAX_PUSH_CHANNELS", 3)

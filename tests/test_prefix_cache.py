@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from baton.block_hash import BlockHasher
-from prefill_worker.prefix_cache import KVEvents, PrefixCache
+from baton.prefill_worker.prefix_cache import KVEvents, PrefixCache
 
 HASHER = BlockHasher("test-model", block_size=1)
 BLOCK_BYTES = 100

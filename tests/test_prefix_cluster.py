@@ -7,9 +7,9 @@ import random
 import pytest
 
 from baton.up import LocalCluster
-from client import BatonClient
+from baton.client import BatonClient
 from redis_server import redis_server_fixture
-from router.batch_planner import simulate_lru_prefix_cache, synthetic_batch
+from baton.router.batch_planner import simulate_lru_prefix_cache, synthetic_batch
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from redis_server import redis_server_fixture
 
 from baton.block_hash import BlockHasher
-from router.prefix_index import (InMemoryPrefixIndex, PrefixIndexConfig, RedisPrefixIndex,
+from baton.router.prefix_index import (InMemoryPrefixIndex, PrefixIndexConfig, RedisPrefixIndex,
                                  build_prefix_index)
 
 redis_server = redis_server_fixture()

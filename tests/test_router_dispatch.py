@@ -8,9 +8,9 @@ import pytest
 
 from baton.up import free_port
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
-from router.dispatch import Dispatcher, Route, _DecodeLost, _PrefillChain
-from router.prefix_index import PrefixIndexConfig, build_prefix_index
-from router.workers import WorkerPool
+from baton.router.dispatch import Dispatcher, Route, _DecodeLost, _PrefillChain
+from baton.router.prefix_index import PrefixIndexConfig, build_prefix_index
+from baton.router.workers import WorkerPool
 
 
 class _PrefillServicer(workers_pb2_grpc.PrefillWorkerServicer):

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from engine.sampling import RequestSampler, SamplingParams, sample
+from baton.engine.sampling import RequestSampler, SamplingParams, sample
 
 
 def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from baton.config import TLSSettings, load_settings
 from baton.server import MAX_MESSAGE_BYTES, channel
 from baton.up import LocalCluster, free_port, stop_process, wait_serving
 from baton.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc, router_pb2, router_pb2_grpc
-from client import BatonClient, Unauthenticated, Unavailable
+from baton.client import BatonClient, Unauthenticated, Unavailable
 
 TOKEN = "baton-test-token-6f1d2c8a9b"
 REPO = Path(__file__).resolve().parent.parent

@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from engine.sampling import SamplingParams
-from engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
+from baton.engine.sampling import SamplingParams
+from baton.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
 
 # A byte-level fake tokenizer: each id is a byte string, as in GPT-2 style BPE vocabularies.
 EOS = 0

@@ -8,9 +8,9 @@ import textwrap
 SCRIPT = textwrap.dedent("""
     import json
     from baton.local import LocalEngine
-    from decode_worker.core import DecodeConfig
-    from engine.model import load_model
-    from engine.sampling import SamplingParams
+    from baton.decode_worker.core import DecodeConfig
+    from baton.engine.model import load_model
+    from baton.engine.sampling import SamplingParams
 
     model = load_model("tiny-random")
     prompts = [[5, 6, 7], list(range(100, 140)), [9], list(range(300, 317))]

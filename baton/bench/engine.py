@@ -85,9 +85,9 @@ def wall_plot(opts: BenchOptions, result: dict[str, Any], sizes: list[int]):
 def step_table(opts: BenchOptions, rows: tuple[int, ...]) -> dict[str, Any]:
     import torch
 
-    from engine.batch_kv import BatchKV
-    from engine.executors import make_runner
-    from engine.model import load_model
+    from baton.engine.batch_kv import BatchKV
+    from baton.engine.executors import make_runner
+    from baton.engine.model import load_model
 
     floor_gbps = read_bandwidth_gbps()
     measured = []

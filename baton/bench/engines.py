@@ -204,8 +204,8 @@ def _drain(manager, request_ids: list[str]) -> list[tuple[Any, float]]:
 def run_local(loaded, prompts: list[list[int]], caps: list[int], batch_size: int,
               executor: str = "auto") -> EngineRun:
     from baton.local import LocalEngine
-    from decode_worker.core import DecodeConfig
-    from engine.sampling import SamplingParams
+    from baton.decode_worker.core import DecodeConfig
+    from baton.engine.sampling import SamplingParams
 
     engine = LocalEngine(loaded, DecodeConfig(max_rows=batch_size), executor=executor)
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
@@ -233,7 +233,7 @@ def run_local(loaded, prompts: list[list[int]], caps: list[int], batch_size: int
 
 def run_cluster(opts: BenchOptions, prompts: list[list[int]], caps: list[int], batch_size: int) -> EngineRun:
     from baton.up import LocalCluster
-    from client import BatonClient
+    from baton.client import BatonClient
 
     env = opts.worker_env()
     with LocalCluster(prefill=1, decode=1, model=opts.model, max_rows=batch_size, extra_env=env) as cluster:
@@ -277,7 +277,7 @@ def run_vllm(opts: BenchOptions, loaded, prompts: list[list[int]], caps: list[in
     import subprocess
     from pathlib import Path
 
-    from engine.model import DEFAULT_MODEL, default_model_dir
+    from baton.engine.model import DEFAULT_MODEL, default_model_dir
 
     python = opts.extra.get("vllm_python") or os.environ.get("BATON_VLLM_PYTHON")
     if not python or not Path(python).is_file():

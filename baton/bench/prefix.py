@@ -17,7 +17,7 @@ from typing import Any
 
 from baton.bench import plots
 from baton.bench.common import BenchOptions, Stopwatch, ratio, table
-from router.batch_planner import plan_batch, simulate_lru_prefix_cache, synthetic_batch
+from baton.router.batch_planner import plan_batch, simulate_lru_prefix_cache, synthetic_batch
 
 PAPER = {"planner": 0.549, "lru": 0.442, "optimum": 0.56}
 BLOCK_SIZE = 16
@@ -96,10 +96,10 @@ def timed_figures(opts: BenchOptions, shapes: dict[str, Any], problems: dict[str
     import torch
 
     from baton.local import LocalEngine
-    from decode_worker.core import DecodeConfig
-    from engine.model import load_model
-    from engine.executors import make_runner
-    from engine.sampling import SamplingParams
+    from baton.decode_worker.core import DecodeConfig
+    from baton.engine.model import load_model
+    from baton.engine.executors import make_runner
+    from baton.engine.sampling import SamplingParams
 
     loaded = load_model(opts.model)
     prompts = synthetic_batch(**shapes["timed"], seed=1, vocab=loaded.config.vocab_size)
@@ -158,7 +158,7 @@ def timed_figures(opts: BenchOptions, shapes: dict[str, Any], problems: dict[str
 def cluster_figures(opts: BenchOptions, prompts: list[list[int]], max_tokens: int,
                     problems: dict[str, str]) -> dict[str, Any]:
     from baton.up import LocalCluster
-    from client import BatonClient, BatonError
+    from baton.client import BatonClient, BatonError
 
     requests = [{"token_ids": p, "max_tokens": max_tokens} for p in prompts]
     out: dict[str, Any] = {}

@@ -65,7 +65,7 @@ def parse_engines(text: str | None, default=RELAY_ENGINES) -> list[str]:
 def race(opts: BenchOptions, suite: str, queries: list[Query], sizes: list[int], engines: list[str],
          paper: dict[int, float] | None) -> dict[str, Any]:
     """Run every engine at every batch size on the same prompts; tables, plots and the JSON body."""
-    from engine.model import load_model
+    from baton.engine.model import load_model
 
     hf = load_model(opts.model)
     hf.model.set_attn_implementation("sdpa")  # transformers' engines run the stock model

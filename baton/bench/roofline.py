@@ -35,11 +35,11 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     import torch
 
     from baton.local import LocalEngine
-    from decode_worker.core import DecodeConfig
-    from engine.batch_kv import BatchKV
-    from engine.model import load_model
-    from engine.executors import make_runner
-    from engine.sampling import SamplingParams
+    from baton.decode_worker.core import DecodeConfig
+    from baton.engine.batch_kv import BatchKV
+    from baton.engine.model import load_model
+    from baton.engine.executors import make_runner
+    from baton.engine.sampling import SamplingParams
 
     steps = 8 if opts.quick else 40
     copy_mib = 128 if opts.quick else 512

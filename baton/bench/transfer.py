@@ -19,9 +19,9 @@ MIB = 1 << 20
 def run(opts: BenchOptions) -> dict[str, Any]:
     import torch
 
-    from engine.model import load_model
-    from engine.executors import make_runner
-    from kvtransfer.bench import measure_loopback_throughput
+    from baton.engine.model import load_model
+    from baton.engine.executors import make_runner
+    from baton.kvtransfer.bench import measure_loopback_throughput
 
     sizes_mib = [1, 4] if opts.quick else [1, 16, 64]
     repeats = 2 if opts.quick else 5

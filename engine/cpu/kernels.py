@@ -97,7 +97,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _build(compiler: str) -> Path:
-    from engine.model import cache_root
+    from baton.engine.model import cache_root
 
     digest = hashlib.sha256(SOURCE.read_bytes())
     digest.update(" ".join((compiler, *FLAGS, platform.machine(), _cpu_identity())).encode())

@@ -17,14 +17,14 @@ from __future__ import annotations
 import importlib
 import os
 
-from engine.kernels.reference import (decode_attention_ref, prefill_attention_ref, prefill_attention_varlen_ref,
+from baton.engine.kernels.reference import (decode_attention_ref, prefill_attention_ref, prefill_attention_varlen_ref,
                                       prefix_shared_decode_attention_ref)
 
 _LAZY = {
-    "decode_attention": "engine.kernels.decode",
-    "prefill_attention": "engine.kernels.prefill",
-    "prefill_attention_varlen": "engine.kernels.prefill",
-    "prefix_shared_decode_attention": "engine.kernels.prefix_shared",
+    "decode_attention": "baton.engine.kernels.decode",
+    "prefill_attention": "baton.engine.kernels.prefill",
+    "prefill_attention_varlen": "baton.engine.kernels.prefill",
+    "prefix_shared_decode_attention": "baton.engine.kernels.prefix_shared",
 }
 
 __all__ = [*_LAZY, "triton_available", "decode_attention_ref", "prefill_attention_ref",
@@ -48,5 +48,5 @@ def triton_available() -> bool:
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'engine.kernels' has no attribute {name!r}")
+        raise AttributeError(f"module 'baton.engine.kernels' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)

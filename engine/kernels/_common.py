@@ -136,7 +136,7 @@ def check_launchable(kernel, *tensors: torch.Tensor) -> bool:
     if device.type != "cuda" and not interpreted:
         raise RuntimeError(
             "Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set in the environment before "
-            "engine.kernels' kernel modules are first imported; use engine.kernels.reference on CPU")
+            "baton.engine.kernels' kernel modules are first imported; use baton.engine.kernels.reference on CPU")
     return interpreted
 
 

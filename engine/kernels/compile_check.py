@@ -1,4 +1,4 @@
-"""Compile every kernel for sm_90 without a GPU: `python -m engine.kernels.compile_check [bf16 fp32 fp16]`.
+"""Compile every kernel for sm_90 without a GPU: `python -m baton.engine.kernels.compile_check [bf16 fp32 fp16]`.
 
 The interpreter accepts programs the compiler rejects (types, loop-carried values, layouts),
 and it never runs the native fp16/bf16 dot path. Compiling to a cubin with the ptxas that ships
@@ -13,7 +13,7 @@ import sys
 import triton
 from triton.compiler import ASTSource
 
-from engine.kernels import _common, decode, prefill, prefix_shared
+from baton.engine.kernels import _common, decode, prefill, prefix_shared
 
 SCALARS = {"qk_scale": "fp32"}
 

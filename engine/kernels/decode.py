@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._common import (LOG2E, attend_range, block_d, block_g, check_launchable, default_splits,
+from baton.engine.kernels._common import (LOG2E, attend_range, block_d, block_g, check_launchable, default_splits,
                                     merge_partials, needs_upcast, store_result)
 
 BLOCK_N = 64

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._common import LOG2E, attend_range, block_d, check_launchable, needs_upcast, store_result
+from baton.engine.kernels._common import LOG2E, attend_range, block_d, check_launchable, needs_upcast, store_result
 
 BLOCK_M = 32
 BLOCK_N = 32

@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._common import (LOG2E, attend_range, block_d, block_g, check_launchable, default_splits,
+from baton.engine.kernels._common import (LOG2E, attend_range, block_d, block_g, check_launchable, default_splits,
                                     merge_partials, needs_upcast, store_result)
-from engine.kernels.decode import BLOCK_N, decode_program
+from baton.engine.kernels.decode import BLOCK_N, decode_program
 
 MAX_BLOCK_M = 64
 

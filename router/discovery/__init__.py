@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Protocol
 
-from router.discovery.static import StaticDiscovery
-from router.discovery.worker_set import ROLES, WorkerSet
+from baton.router.discovery.static import StaticDiscovery
+from baton.router.discovery.worker_set import ROLES, WorkerSet
 
 if TYPE_CHECKING:
     from baton.config import RouterSettings
-    from router.discovery.kubernetes_watch import KubernetesDiscovery
+    from baton.router.discovery.kubernetes_watch import KubernetesDiscovery
 
 __all__ = ["ROLES", "Discovery", "KubernetesDiscovery", "StaticDiscovery", "WorkerSet", "discovery_from_settings"]
 
@@ -34,7 +34,7 @@ def discovery_from_settings(settings: RouterSettings) -> Discovery:
     if settings.discovery == "kubernetes":
         if settings.prefill_workers or settings.decode_workers:
             log.warning("router.prefill_workers/decode_workers are ignored with router.discovery=kubernetes")
-        from router.discovery.kubernetes_watch import KubernetesDiscovery
+        from baton.router.discovery.kubernetes_watch import KubernetesDiscovery
         return KubernetesDiscovery(namespace=settings.namespace)
     raise ValueError(f"router.discovery is {settings.discovery!r}; set it to 'static' (addresses from "
                      "router.prefill_workers/decode_workers) or 'kubernetes' (EndpointSlices)")
@@ -42,6 +42,6 @@ def discovery_from_settings(settings: RouterSettings) -> Discovery:
 
 def __getattr__(name: str):
     if name == "KubernetesDiscovery":
-        from router.discovery.kubernetes_watch import KubernetesDiscovery
+        from baton.router.discovery.kubernetes_watch import KubernetesDiscovery
         return KubernetesDiscovery
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

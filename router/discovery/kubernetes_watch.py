@@ -17,8 +17,8 @@ from pathlib import Path
 
 import kubernetes
 
-from router.discovery.endpoint_slices import role_selector, routable_addresses, service_selector
-from router.discovery.worker_set import ROLES, WorkerSet
+from baton.router.discovery.endpoint_slices import role_selector, routable_addresses, service_selector
+from baton.router.discovery.worker_set import ROLES, WorkerSet
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from router.discovery.worker_set import WorkerSet
+from baton.router.discovery.worker_set import WorkerSet
 
 log = logging.getLogger(__name__)
 

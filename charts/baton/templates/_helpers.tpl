@@ -195,7 +195,7 @@ plus the keys the chart derives. Derived keys win, and the values schema refuses
 {{/*
 A probe of one kind (startup, readiness, liveness) for a role. Plaintext: the kubelet's own
 gRPC probe against grpc.health.v1.Health. TLS: the kubelet cannot speak TLS gRPC, so the
-probe runs baton-health (deploy/grpc_health_check.py, in the image) with the pod's certificate.
+probe runs baton-health (baton/health_check.py, in the image) with the pod's certificate.
 */}}
 {{- define "baton.probe" -}}
 {{- $root := .root }}
