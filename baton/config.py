@@ -14,6 +14,8 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from baton.transport import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES, max_chunk_bytes_within
+
 
 @dataclass
 class ModelSettings:
@@ -104,9 +106,6 @@ class PrefillSettings:
 
     def validate(self) -> None:
         """Refuse values that would otherwise fail only at the first KV push."""
-        from baton.server import MAX_MESSAGE_BYTES
-        from baton.kvtransfer.wire import MAX_CHUNK_BYTES, max_chunk_bytes_within
-
         # A decode worker refuses chunks above MAX_CHUNK_BYTES, and a chunk plus its framing must
         # fit one gRPC message of the decode worker's server.
         limit = max_chunk_bytes_within(MAX_MESSAGE_BYTES)

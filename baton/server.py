@@ -12,37 +12,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from baton.config import TLSSettings
+from baton.transport import GRPC_OPTIONS, SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
-
-# KV chunks are a few MB; prompts and token streams are small. Bounded either way.
-MAX_MESSAGE_BYTES = 16 << 20
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),
-]
-# Servers let peers ping this often (gRPC's default cuts a peer off after two pings within 5
-# minutes): KV pushes ping their receiver every 500 ms while open (kvtransfer.wire), the router
-# its workers every 2 s, to notice a hung peer within seconds.
-SERVER_MIN_PING_INTERVAL_MS = 250
-SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS)]
-
-
-def keepalive_options(ping_every_ms: int, timeout_ms: int) -> list[tuple[str, int]]:
-    """Channel options that ping the peer every `ping_every_ms` while calls are open and drop the
-    connection when a ping is not answered within `timeout_ms`: a hung peer (stopped process, cut
-    network) sends no reset, so nothing else would end the calls it holds before their deadlines."""
-    return [
-        ("grpc.keepalive_time_ms", ping_every_ms),
-        ("grpc.keepalive_timeout_ms", timeout_ms),
-        # Also for a flow-control (BDP) ping already in flight, which holds back the keepalive
-        # ping and waits a minute by default.
-        ("grpc.http2.ping_timeout_ms", timeout_ms),
-        ("grpc.http2.max_pings_without_data", 0),  # a stream may carry no data for a while
-        ("grpc.keepalive_permit_without_calls", 0),  # only while calls are open
-    ]
-
 
 def _read_pem(path: str, setting: str) -> bytes:
     try:

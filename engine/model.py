@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from baton.engine.kv import KVShape
+from baton.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +138,6 @@ def load_tokenizer_view(name: str = DEFAULT_MODEL) -> TokenizerView:
         raise ModelLoadError(f"model path {str(path)!r} is not a Hugging Face model directory (no config.json)")
     with _quiet_progress():
         return TokenizerView(AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path), name)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
 
 
 def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:

@@ -6,14 +6,10 @@ import zlib
 
 import torch
 
-from baton.server import SERVER_MIN_PING_INTERVAL_MS, keepalive_options
-
-DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
-# A receiver refuses larger chunks, so one KVChunk message never exceeds this plus framing.
-MAX_CHUNK_BYTES = 16 * 1024 * 1024
-MAX_METADATA_BYTES = 64 * 1024
-# Header fields, protobuf framing and metadata on top of the largest payload.
-_MESSAGE_OVERHEAD_BYTES = MAX_METADATA_BYTES + 64 * 1024
+# The size limits live with the other gRPC settings, which the configuration also checks against.
+from baton.transport import (  # noqa: F401 - part of the wire format's surface
+    _MESSAGE_OVERHEAD_BYTES, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_METADATA_BYTES, SERVER_MIN_PING_INTERVAL_MS,
+    grpc_message_limit, keepalive_options, max_chunk_bytes_within)
 
 # The raw bytes are sent as this host holds them; every platform we run on is little-endian,
 # and the proto promises little-endian, so refuse to run rather than send misordered bytes.
@@ -43,16 +39,6 @@ def checksum(payload: bytes | memoryview) -> int:
     return zlib.crc32(payload)
 
 
-def grpc_message_limit(chunk_bytes: int = MAX_CHUNK_BYTES) -> int:
-    """gRPC max message length that fits one KVChunk carrying chunk_bytes of payload."""
-    return chunk_bytes + _MESSAGE_OVERHEAD_BYTES
-
-
-def max_chunk_bytes_within(message_limit: int) -> int:
-    """The largest chunk_bytes whose KVChunk messages fit a gRPC message limit (and the wire's)."""
-    return min(MAX_CHUNK_BYTES, message_limit - _MESSAGE_OVERHEAD_BYTES)
-
-
 def grpc_channel_options(chunk_bytes: int = MAX_CHUNK_BYTES) -> list[tuple[str, int]]:
     """Options for both the sending channel and the receiving server."""
     limit = grpc_message_limit(chunk_bytes)
@@ -66,7 +52,7 @@ def grpc_channel_options(chunk_bytes: int = MAX_CHUNK_BYTES) -> list[tuple[str, 
 #   within PUSH_KEEPALIVE_TIMEOUT_MS. Pings are answered by the transport, so a receiver that is
 #   only waiting for staging room (no data read for seconds) is not mistaken for a dead one;
 # - a connection that never completes its handshake is given up after PUSH_CONNECT_TIMEOUT_MS.
-# Receiving servers must let peers ping that often (baton.server.SERVER_MIN_PING_INTERVAL_MS),
+# Receiving servers must let peers ping that often (baton.transport.SERVER_MIN_PING_INTERVAL_MS),
 # or they answer with GOAWAY "too_many_pings" and cut the push.
 PUSH_KEEPALIVE_MS = 500
 PUSH_KEEPALIVE_TIMEOUT_MS = 500

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from baton.config import TLSSettings
-from baton.server import channel, keepalive_options
+from baton.server import channel
+from baton.transport import keepalive_options
 from baton.v1 import common_pb2, workers_pb2_grpc
 from baton.router.policy import WorkerView
 

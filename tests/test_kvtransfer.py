@@ -568,7 +568,7 @@ def retrying_push(target: str, kv: SequenceKV, request_id: str = "r", **kwargs):
 
 
 def test_the_server_options_welcome_the_senders_keepalive_pings():
-    from baton.server import SERVER_OPTIONS
+    from baton.transport import SERVER_OPTIONS
 
     assert ("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS) in SERVER_OPTIONS
     assert SERVER_MIN_PING_INTERVAL_MS <= PUSH_KEEPALIVE_MS / 2
@@ -729,7 +729,7 @@ def test_a_sender_gone_silent_mid_stream_is_cut_off_and_its_staging_bytes_freed(
 # -- prefill.kv_chunk_bytes: refused at settings load unless a chunk fits the wire and a message ----
 def test_kv_chunk_bytes_out_of_range_is_refused_when_settings_load(tmp_path):
     from baton.config import load_settings
-    from baton.server import MAX_MESSAGE_BYTES
+    from baton.transport import MAX_MESSAGE_BYTES
     from baton.kvtransfer.wire import MAX_CHUNK_BYTES, max_chunk_bytes_within
 
     limit = max_chunk_bytes_within(MAX_MESSAGE_BYTES)
@@ -762,7 +762,8 @@ def test_a_prefill_worker_with_a_bad_kv_chunk_bytes_exits_2_before_loading_the_m
 def test_the_largest_allowed_kv_chunk_fits_a_baton_server_and_one_byte_more_would_not():
     """The bound is the real one: a decode worker's server (GrpcServer, 16 MiB messages) takes
     chunks of the largest allowed kv_chunk_bytes; the wire's own maximum would not fit."""
-    from baton.server import MAX_MESSAGE_BYTES, GrpcServer, channel
+    from baton.server import GrpcServer, channel
+    from baton.transport import MAX_MESSAGE_BYTES
     from baton.kvtransfer.wire import MAX_CHUNK_BYTES, max_chunk_bytes_within
 
     limit = max_chunk_bytes_within(MAX_MESSAGE_BYTES)

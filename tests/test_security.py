@@ -19,7 +19,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from baton.auth import TOKEN_ENV, BearerTokenInterceptor, load_token
 from baton.config import TLSSettings, load_settings
-from baton.server import MAX_MESSAGE_BYTES, channel
+from baton.server import channel
+from baton.transport import MAX_MESSAGE_BYTES
 from baton.up import LocalCluster, free_port, stop_process, wait_serving
 from baton.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc, router_pb2, router_pb2_grpc
 from baton.client import BatonClient, Unauthenticated, Unavailable

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from baton.paths import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
@@ -97,7 +99,6 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _build(compiler: str) -> Path:
-    from baton.engine.model import cache_root
 
     digest = hashlib.sha256(SOURCE.read_bytes())
     digest.update(" ".join((compiler, *FLAGS, platform.machine(), _cpu_identity())).encode())

@@ -1,0 +1,49 @@
+"""gRPC settings every Baton channel and server shares. The bottom floor: imports nothing of Baton's."""
+from __future__ import annotations
+
+# KV chunks are a few MB; prompts and token streams are small. Bounded either way.
+MAX_MESSAGE_BYTES = 16 << 20
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+# Servers let peers ping this often (gRPC's default cuts a peer off after two pings within 5
+# minutes): KV pushes ping their receiver every 500 ms while open (kvtransfer.wire), the router
+# its workers every 2 s, to notice a hung peer within seconds.
+SERVER_MIN_PING_INTERVAL_MS = 250
+SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS)]
+
+
+def keepalive_options(ping_every_ms: int, timeout_ms: int) -> list[tuple[str, int]]:
+    """Channel options that ping the peer every `ping_every_ms` while calls are open and drop the
+    connection when a ping is not answered within `timeout_ms`: a hung peer (stopped process, cut
+    network) sends no reset, so nothing else would end the calls it holds before their deadlines."""
+    return [
+        ("grpc.keepalive_time_ms", ping_every_ms),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        # Also for a flow-control (BDP) ping already in flight, which holds back the keepalive
+        # ping and waits a minute by default.
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        ("grpc.http2.max_pings_without_data", 0),  # a stream may carry no data for a while
+        ("grpc.keepalive_permit_without_calls", 0),  # only while calls are open
+    ]
+
+
+# The KV wire format's sizes (kvtransfer.wire): a receiver refuses larger chunks, so one KVChunk
+# message never exceeds MAX_CHUNK_BYTES plus framing.
+DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
+MAX_CHUNK_BYTES = 16 * 1024 * 1024
+MAX_METADATA_BYTES = 64 * 1024
+# Header fields, protobuf framing and metadata on top of the largest payload.
+_MESSAGE_OVERHEAD_BYTES = MAX_METADATA_BYTES + 64 * 1024
+
+
+def grpc_message_limit(chunk_bytes: int = MAX_CHUNK_BYTES) -> int:
+    """gRPC max message length that fits one KVChunk carrying chunk_bytes of payload."""
+    return chunk_bytes + _MESSAGE_OVERHEAD_BYTES
+
+
+def max_chunk_bytes_within(message_limit: int) -> int:
+    """The largest chunk_bytes whose KVChunk messages fit a gRPC message limit (and the wire's)."""
+    return min(MAX_CHUNK_BYTES, message_limit - _MESSAGE_OVERHEAD_BYTES)

@@ -1,0 +1,119 @@
+"""The import graph keeps the architecture's floors: no circle, nothing on the bottom floor reaches
+up, and the policy modules stay plain Python (read from the source, nothing is imported)."""
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Shared by every process and imported by every part: they may import only each other.
+BOTTOM = {"baton", "baton.auth", "baton.block_hash", "baton.config", "baton.health_check", "baton.metrics",
+          "baton.paths", "baton.protogen", "baton.server", "baton.transport"}
+# The commands and benchmarks: nothing below them imports them.
+TOP = ("baton.cli", "baton.up", "baton.local", "baton.bench", "baton.bench_kernels")
+# Policy: plain Python over ints and lists (DESIGN.md).
+POLICY = ["baton.decode_worker.scheduler", "baton.prefill_worker.batching", "baton.router.policy",
+          "baton.router.batch_planner", "baton.router.prefix_index.base", "baton.router.prefix_index.memory"]
+HEAVY = ("torch", "grpc", "redis", "kubernetes", "numpy", "transformers")
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the installed namespace, from pyproject's package-dir mapping."""
+    folders = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    found = {}
+    for package, folder in folders.items():
+        for path in (REPO / folder).rglob("*.py"):
+            parts = list(path.relative_to(REPO / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def imports(path: Path) -> set[str]:
+    """Absolute module names a file imports, anywhere in it (lazy imports count too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: {dep for dep in imports(path) if dep in known and dep != name} for name, path in known.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], 0
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_itself_back_in_a_circle():
+    assert cycles(graph()) == []
+
+
+def test_the_bottom_floor_imports_only_the_bottom_floor():
+    wrong = {name: sorted(dep for dep in deps if dep not in BOTTOM and not dep.startswith("baton.v1"))
+             for name, deps in graph().items() if name in BOTTOM}
+    assert {name: deps for name, deps in wrong.items() if deps} == {}
+
+
+def test_nothing_below_the_commands_imports_them():
+    def top(name: str) -> bool:
+        return any(name == t or name.startswith(t + ".") for t in TOP)
+
+    wrong = {name: sorted(filter(top, deps)) for name, deps in graph().items() if not top(name)}
+    assert {name: deps for name, deps in wrong.items() if deps} == {}
+
+
+def test_policy_modules_import_no_torch_grpc_redis_or_kubernetes():
+    known = modules()
+    policy = {name: path for name, path in known.items() if any(name == p or name.startswith(p + ".") for p in POLICY)}
+    assert len(policy) >= len(POLICY)
+    wrong = {name: sorted(dep for dep in imports(path) if dep.split(".")[0] in HEAVY) for name, path in policy.items()}
+    assert {name: deps for name, deps in wrong.items() if deps} == {}
