@@ -182,7 +182,7 @@ def cmd_serve(args) -> int:
         from baton.prefill_worker.service import serve
     else:
         from baton.decode_worker.service import serve
-    serve(settings.model, getattr(settings, args.role), settings.tls)
+    serve(settings.model, getattr(settings, args.role), settings.tls, cluster=settings.cluster)
     return 0
 
 

@@ -1,6 +1,6 @@
 """One configuration schema for every process, read once at start: file, then environment, then flags.
 
-A YAML file holds sections `model`, `router`, `prefill`, `decode`, `tls`; each key of a section
+A YAML file holds sections `model`, `router`, `prefill`, `decode`, `tls`, `cluster`; each key of a section
 can also come from the environment as BATON_<SECTION>_<KEY> (e.g. BATON_DECODE_MAX_ROWS=16) and
 from a command-line flag (--max-rows 16). The Helm chart and docker-compose set exactly these keys.
 """
@@ -63,6 +63,16 @@ class TLSSettings:
 
 
 @dataclass
+class ClusterSettings:
+    """The credential the router and the workers present to each other, distinct from any client's:
+    with it set, worker ports refuse every call that lacks it (see baton/auth.py). `baton up`, the
+    compose file and the Helm chart set one; unset, worker ports are open to whoever reaches them."""
+
+    token: str = ""  # the token itself; usually from the environment as BATON_CLUSTER_TOKEN (a Secret)
+    token_file: str = ""  # or a file holding it
+
+
+@dataclass
 class RouterSettings:
     host: str = "0.0.0.0"
     port: int = 50051
@@ -99,6 +109,9 @@ class PrefillSettings:
     max_batch_tokens: int = 4096  # prompt tokens per prefill batch
     max_batch_size: int = 8
     prefix_cache_bytes: int = 256 << 20
+    # The decode workers this worker may push KV to (host:port each, as the router discovered them);
+    # a Prefill naming any other is refused. Empty: any target a caller holding the cluster token names.
+    decode_workers: list[str] = field(default_factory=list)
     block_size: int = 16
     kv_chunk_bytes: int = 2 << 20  # KV payload bytes per message of a push (validate() says how many fit)
     advertise: str = ""  # host:port others use to reach this worker (default: host:port)
@@ -140,7 +153,7 @@ class DecodeSettings:
 
 
 SECTIONS = {"model": ModelSettings, "router": RouterSettings, "prefill": PrefillSettings,
-            "decode": DecodeSettings, "tls": TLSSettings}
+            "decode": DecodeSettings, "tls": TLSSettings, "cluster": ClusterSettings}
 
 
 @dataclass
@@ -150,6 +163,7 @@ class Settings:
     prefill: PrefillSettings = field(default_factory=PrefillSettings)
     decode: DecodeSettings = field(default_factory=DecodeSettings)
     tls: TLSSettings = field(default_factory=TLSSettings)
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
 
 
 def known_keys() -> dict[str, set[str]]:

@@ -11,7 +11,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from baton.config import TLSSettings
+from baton.auth import ClusterTokenInterceptor, load_cluster_token, with_cluster_token
+from baton.config import ClusterSettings, TLSSettings
 from baton.transport import GRPC_OPTIONS, SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -24,20 +25,32 @@ def _read_pem(path: str, setting: str) -> bytes:
                          "point it at a readable PEM file") from None
 
 
-def channel(target: str, tls: TLSSettings | None = None, extra_options=()) -> grpc.Channel:
+def channel(target: str, tls: TLSSettings | None = None, extra_options=(), cluster_token: str | None = None
+            ) -> grpc.Channel:
     """A channel to another Baton component: TLS when this process has a certificate (the peer is
     checked against tls.ca_file, or the system roots), presenting that certificate for mutual TLS.
     With tls.server_name the peer's certificate must name that host instead of the target's.
-    extra_options are added to the channel's options (e.g. kvtransfer's push keepalive)."""
+    extra_options are added to the channel's options (e.g. kvtransfer's push keepalive); with
+    cluster_token, every call presents the cluster credential (calls to workers)."""
     if tls is None or not tls.enabled:
-        return grpc.insecure_channel(target, options=[*GRPC_OPTIONS, *extra_options])
+        return with_cluster_token(grpc.insecure_channel(target, options=[*GRPC_OPTIONS, *extra_options]), cluster_token)
     tls.validate()
     creds = grpc.ssl_channel_credentials(
         root_certificates=_read_pem(tls.ca_file, "ca_file") if tls.ca_file else None,
         private_key=_read_pem(tls.key_file, "key_file"),
         certificate_chain=_read_pem(tls.cert_file, "cert_file"),
     )
-    return grpc.secure_channel(target, creds, options=[*tls_channel_options(tls), *extra_options])
+    return with_cluster_token(grpc.secure_channel(target, creds, options=[*tls_channel_options(tls), *extra_options]),
+                              cluster_token)
+
+
+def cluster_token(cluster: ClusterSettings | None, role: str) -> str | None:
+    """This process's cluster credential, from its settings; says so when there is none."""
+    token = load_cluster_token(cluster.token, cluster.token_file) if cluster is not None else None
+    if token is None and role != "router":
+        log.warning("no cluster token (cluster.token / BATON_CLUSTER_TOKEN): this %s worker's port answers "
+                    "anyone who can reach it", role)
+    return token
 
 
 def tls_channel_options(tls: TLSSettings) -> list[tuple[str, object]]:
@@ -215,17 +228,19 @@ class GrpcServer:
     """A gRPC server with the stock health service (NOT_SERVING until `set_serving`) and reflection.
 
     `interceptors` run before every call (the router's bearer-token check), then CallConventions;
+    with `cluster_token` (a worker's port), every call but health must carry the cluster credential;
     `require_client_cert` (with tls.ca_file) turns mutual TLS on for this port."""
 
     def __init__(self, host: str, port: int, *, long_calls: int = 32, tls: TLSSettings | None = None,
-                 require_client_cert: bool = True, interceptors=()):
+                 require_client_cert: bool = True, interceptors=(), cluster_token: str | None = None):
         # A call holds a thread for its whole life. `long_calls` bounds those that last (a client's
         # request, a decode stream, a queued prompt); the role refuses more. The short ones get
         # threads of their own: a decode worker full of streams waiting for KV must still take
         # the KV pushes they wait for, and answer load polls and health checks.
         workers = long_calls + SHORT_CALL_THREADS
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
-                                  interceptors=[*interceptors, CallConventions()])
+                                  interceptors=[*interceptors, *([ClusterTokenInterceptor(cluster_token)] if cluster_token
+                                                                 else []), CallConventions()])
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]

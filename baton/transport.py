@@ -1,6 +1,8 @@
 """gRPC settings every Baton channel and server shares. The bottom floor: imports nothing of Baton's."""
 from __future__ import annotations
 
+import re
+
 # KV chunks are a few MB; prompts and token streams are small. Bounded either way.
 MAX_MESSAGE_BYTES = 16 << 20
 GRPC_OPTIONS = [
@@ -47,3 +49,14 @@ def grpc_message_limit(chunk_bytes: int = MAX_CHUNK_BYTES) -> int:
 def max_chunk_bytes_within(message_limit: int) -> int:
     """The largest chunk_bytes whose KVChunk messages fit a gRPC message limit (and the wire's)."""
     return min(MAX_CHUNK_BYTES, message_limit - _MESSAGE_OVERHEAD_BYTES)
+
+
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})")
+
+
+def check_address(address: str, what: str) -> str:
+    """`address` when it is a plain host:port (no scheme, path or options), else ValueError."""
+    match = _HOST_PORT.fullmatch(address)
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        raise ValueError(f"{what} must be host:port (got {address[:100]!r})")
+    return address

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton.auth import CLUSTER_TOKEN_ENV
 from baton.config import TLSSettings
 from baton.server import channel
 from baton.engine.threads import split_cores
@@ -106,7 +108,9 @@ class LocalCluster:
     """Starts and stops the processes; usable from tests and benchmarks as a context manager.
 
     With `tls`, every process serves TLS with that certificate and uses it toward the others (its
-    ca_file turns on mutual TLS); `auth_token_file` makes the routers require that bearer token."""
+    ca_file turns on mutual TLS); `auth_token_file` makes the routers require that bearer token. The
+    workers answer only calls carrying the cluster token (`cluster_token`), which every process of
+    the cluster is given and no client is."""
 
     def __init__(self, *, port: int = 0, prefill: int = 1, decode: int = 1, model: str = "default",
                  max_rows: int = 8, extra_env: dict | None = None, log_level: str = "WARNING", routers: int = 1,
@@ -134,6 +138,12 @@ class LocalCluster:
         self.model = model
         self.max_rows = max_rows
         self.env = dict(os.environ, **(extra_env or {}))
+        # The cluster credential: workers answer only the router and each other (baton/auth.py).
+        # One given in the environment is shared; otherwise each cluster makes its own.
+        self.cluster_token = self.env.get(CLUSTER_TOKEN_ENV) or secrets.token_hex(32)
+        self.env[CLUSTER_TOKEN_ENV] = self.cluster_token
+        # Prefill workers push KV only to this cluster's decode workers.
+        self.env["BATON_PREFILL_DECODE_WORKERS"] = ",".join(self.decode_addrs)
         # With share_cores, each worker is bound to its own cores (as vLLM binds its CPU workers), so
         # prefill and decode run side by side instead of every process spinning a thread on every
         # core; with fewer cores than workers they share them, one thread each. OMP_NUM_THREADS in

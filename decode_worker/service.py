@@ -11,10 +11,11 @@ import time
 
 import grpc
 
-from baton.config import DecodeSettings, ModelSettings, TLSSettings
+from baton.config import ClusterSettings, DecodeSettings, ModelSettings, TLSSettings
 from baton.messages import sampling_from_proto
 from baton.metrics import Metrics
-from baton.server import GrpcServer, NotReady, channel
+from baton.server import GrpcServer, NotReady, channel, cluster_token
+from baton.transport import check_address
 from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
 from baton.decode_worker.core import DecodeConfig, DecodeCore
 from baton.decode_worker.loop import DecodeLoop, Failure, Moving, NotMoving
@@ -42,10 +43,12 @@ _HANDOFF_STATUS = {"RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
 
 
 class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, loop: DecodeLoop, address: str, tls: TLSSettings | None = None):
+    def __init__(self, loop: DecodeLoop, address: str, tls: TLSSettings | None = None,
+                 cluster_token: str | None = None):
         self.loop = loop
         self.address = address
         self.tls = tls
+        self.cluster_token = cluster_token
 
     def Decode(self, request, context):
         loaded = self.loop.core.runner.loaded
@@ -96,9 +99,10 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
         if not (request_id and target and target_id):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "request_id, target (host:port of another decode worker) and target_request_id are required")
-        host, _, port = target.rpartition(":")
-        if not host or not port.isdigit():
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"target {target!r} is not host:port")
+        try:
+            check_address(target, "target")
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if target == self.address:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"target {target} is this decode worker; name another one")
         try:
@@ -113,7 +117,8 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
         failure = None
         try:  # the KV is freed whatever happens: a failed handoff falls back to a new prefill
             # The prefill push's liveness settings and retries: a dead target is known within seconds.
-            with channel(target, self.tls, extra_options=grpc_push_channel_options()) as ch:
+            with channel(target, self.tls, extra_options=grpc_push_channel_options(),
+                         cluster_token=self.cluster_token) as ch:
                 push_kv_retrying(ch, target_id, str(self.loop.core.runner.loaded.fingerprint), evicted.kv,
                                  meta.SerializeToString(), timeout_s=min(HANDOFF_SECONDS, remaining or HANDOFF_SECONDS),
                                  retry=PushRetry(attempts=2, backoff_s=0.2))
@@ -145,8 +150,11 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
         )
 
 
-def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | None = None, *, block: bool = True):
-    server = GrpcServer(settings.host, settings.port, tls=tls, long_calls=settings.max_pending + settings.max_rows)
+def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | None = None, *,
+          cluster: ClusterSettings | None = None, block: bool = True):
+    token = cluster_token(cluster, "decode")
+    server = GrpcServer(settings.host, settings.port, tls=tls, long_calls=settings.max_pending + settings.max_rows,
+                        cluster_token=token)
     decode_api, kv_api = NotReady(), NotReady()
     workers_pb2_grpc.add_DecodeWorkerServicer_to_server(decode_api, server.server)
     kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(kv_api, server.server)
@@ -175,7 +183,7 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     metrics.gauge("baton_decode_parked_bytes", "KV of parked rows held in host memory", core.parked_bytes)
     metrics.serve(settings.metrics_port, settings.host)
     receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape, max_tokens=core.max_columns))
-    decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}", tls)
+    decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}", tls, token)
     kv_api.target = KVTransferServicer(receiver)
     server.set_serving()
     log.info("decode worker serving on port %d (model %s loaded in %.1fs)", server.port, loaded.fingerprint,

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from baton.config import ModelSettings, PrefillSettings, TLSSettings
+from baton.config import ClusterSettings, ModelSettings, PrefillSettings, TLSSettings
 from baton.messages import sampling_from_proto
 from baton.metrics import Metrics
-from baton.server import GrpcServer, NotReady, channel
+from baton.server import GrpcServer, NotReady, channel, cluster_token
+from baton.transport import check_address
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
 
 from baton.engine.request import GenerationRequest, RequestError, validate_prompt
@@ -57,12 +58,14 @@ class PrefillLoop:
     through the job queue and the control queue (pin/unpin), which it serves between batches."""
 
     def __init__(self, runner: Runner, settings: PrefillSettings, tls: TLSSettings | None = None,
-                 block_size: int = 16, metrics: Metrics | None = None):
+                 block_size: int = 16, metrics: Metrics | None = None, cluster_token: str | None = None):
         self.runner = runner
         self.metrics = metrics or Metrics("prefill")
         self.core = PrefillCore(runner, prefix_cache_bytes=settings.prefix_cache_bytes, block_size=block_size)
         self.settings = settings
         self.tls = tls
+        self.cluster_token = cluster_token
+        self.decode_workers = frozenset(settings.decode_workers)
         self.queue = PrefillQueue(settings.max_queue, settings.max_batch_tokens, settings.max_batch_size)
         self.fingerprint = str(runner.loaded.fingerprint)
         self.requests_done = 0
@@ -203,7 +206,8 @@ class PrefillLoop:
                 self._channels.move_to_end(target)
                 return self._channels[target]
             # Keepalive pings and a connect deadline: a push to a dead decode worker fails fast.
-            self._channels[target] = channel(target, self.tls, extra_options=grpc_push_channel_options())
+            self._channels[target] = channel(target, self.tls, extra_options=grpc_push_channel_options(),
+                                             cluster_token=self.cluster_token)
             while len(self._channels) > MAX_PUSH_CHANNELS:  # decode workers come and go (pod IPs): bounded
                 self._channels.popitem(last=False)[1].close()
             return self._channels[target]
@@ -218,6 +222,11 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
         try:
             if not request.request_id or not request.decode_target:
                 raise RequestError("request_id and decode_target are required")
+            check_address(request.decode_target, "decode_target")
+            if self.loop.decode_workers and request.decode_target not in self.loop.decode_workers:
+                # Not a port scanner: KV goes only to decode workers of this cluster.
+                context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                              f"decode_target {request.decode_target} is not one of this cluster's decode workers")
             if request.model_fingerprint and request.model_fingerprint != self.loop.fingerprint:
                 raise RequestError(f"this worker serves model {self.loop.fingerprint}, "
                                    f"not {request.model_fingerprint}; route to a worker of that model")
@@ -281,8 +290,12 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
         )
 
 
-def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | None = None, *, block: bool = True):
-    server = GrpcServer(settings.host, settings.port, tls=tls, long_calls=settings.max_queue)
+def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | None = None, *,
+          cluster: ClusterSettings | None = None, block: bool = True):
+    for address in settings.decode_workers:
+        check_address(address, "prefill.decode_workers entries")
+    token = cluster_token(cluster, "prefill")
+    server = GrpcServer(settings.host, settings.port, tls=tls, long_calls=settings.max_queue, cluster_token=token)
     api = NotReady()
     workers_pb2_grpc.add_PrefillWorkerServicer_to_server(api, server.server)
     server.add_service("baton.v1.PrefillWorker")
@@ -291,8 +304,7 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
     metrics = Metrics("prefill")
     runner = load_runner(model)
     loaded = runner.loaded
-    loop = PrefillLoop(runner, settings, tls, settings.block_size,
-                       metrics).start()
+    loop = PrefillLoop(runner, settings, tls, settings.block_size, metrics, cluster_token=token).start()
     metrics.gauge("baton_prefill_queue_depth", "Prompts waiting for prefill", lambda: len(loop.queue))
     metrics.gauge("baton_prefill_queued_tokens", "Prompt tokens waiting for prefill", lambda: loop.queue.queued_tokens)
     metrics.gauge("baton_prefill_prefix_cache_bytes", "Prefix KV cache bytes in use",

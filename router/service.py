@@ -12,10 +12,10 @@ import uuid
 import grpc
 
 from baton.auth import BearerTokenInterceptor, load_token
-from baton.config import ModelSettings, RouterSettings, TLSSettings
+from baton.config import ClusterSettings, ModelSettings, RouterSettings, TLSSettings
 from baton.messages import sampling_from_proto
 from baton.metrics import Metrics
-from baton.server import GrpcServer, NotReady
+from baton.server import GrpcServer, NotReady, cluster_token
 from baton.v1 import router_pb2, router_pb2_grpc
 from baton.engine.model import TokenizerView, load_tokenizer_view
 from baton.engine.request import RequestError, validate_prompt
@@ -188,7 +188,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return status
 
 
-def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | None = None, *, block: bool = True):
+def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | None = None, *,
+          cluster: ClusterSettings | None = None, block: bool = True):
     token = load_token(settings.auth_token_file, os.environ)
     if token and not (tls is not None and tls.enabled):
         log.warning("the bearer token reaches this router in plaintext: set tls.cert_file/key_file, "
@@ -204,7 +205,7 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
     index = build_prefix_index(PrefixIndexConfig(backend=settings.prefix_index, max_blocks=settings.index_max_blocks,
                                                  redis_url=settings.redis_url or "redis://127.0.0.1:6379/0",
                                                  namespace=settings.index_namespace))
-    pool = WorkerPool(tls, settings.load_poll_seconds)
+    pool = WorkerPool(tls, settings.load_poll_seconds, cluster_token(cluster, "router"))
     workers = WorkerSet()
     workers.subscribe(lambda role, added, removed: pool.set_workers(role, workers.get(role)))
     discovery = discovery_from_settings(settings)

@@ -34,8 +34,9 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, tls: TLSSettings | None = None, poll_seconds: float = 0.2):
+    def __init__(self, tls: TLSSettings | None = None, poll_seconds: float = 0.2, cluster_token: str | None = None):
         self.tls = tls
+        self.cluster_token = cluster_token  # presented on every call to a worker
         self.poll_seconds = poll_seconds
         self._workers: dict[str, dict[str, Worker]] = {role: {} for role in ROLES}
         self._lock = threading.Lock()
@@ -64,7 +65,7 @@ class WorkerPool:
                 current.pop(address).channel.close()
                 log.info("worker left role=%s address=%s", role, address)
             for address in set(addresses) - set(current):
-                ch = channel(address, self.tls, extra_options=WORKER_KEEPALIVE_OPTIONS)
+                ch = channel(address, self.tls, extra_options=WORKER_KEEPALIVE_OPTIONS, cluster_token=self.cluster_token)
                 # Not healthy until its first load report says it serves our model.
                 current[address] = Worker(role, WorkerView(address, healthy=False), ch, stub_class(ch))
                 log.info("worker joined role=%s address=%s", role, address)

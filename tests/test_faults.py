@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 
+from baton.server import channel as server_channel
 from baton.up import LocalCluster
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
 from baton.client import BatonClient, BatonError
@@ -194,7 +195,7 @@ def test_a_decode_worker_full_of_requests_waiting_for_kv_still_takes_their_kv(ti
     held = 80
     with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=2,
                       extra_env={"BATON_DECODE_MAX_PENDING": str(held + 1)}) as cluster:
-        with grpc.insecure_channel(cluster.decode_addrs[0]) as channel:
+        with server_channel(cluster.decode_addrs[0], cluster_token=cluster.cluster_token) as channel:
             stub = workers_pb2_grpc.DecodeWorkerStub(channel)
             waiting = [stub.Decode(workers_pb2.DecodeRequest(request_id=f"held-{i}", prompt_token_ids=[1, 2, 3],
                                                              sampling=common_pb2.SamplingParams(max_tokens=4)),

@@ -40,6 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from baton.server import channel
 from baton.up import LocalCluster, free_port, stop_process, wait_serving
 from baton.v1 import common_pb2, kvtransfer_pb2 as kv_pb, kvtransfer_pb2_grpc, router_pb2, router_pb2_grpc
 from baton.v1 import workers_pb2, workers_pb2_grpc
@@ -95,7 +96,7 @@ def model(router) -> Model:
 
 @pytest.fixture(scope="module")
 def decode_channel(cluster):
-    with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
+    with channel(cluster.decode_addrs[0], cluster_token=cluster.cluster_token) as ch:  # as the router calls it
         yield ch
 
 

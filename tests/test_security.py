@@ -7,6 +7,7 @@ certificate. Every process serves mutual TLS; the router also requires a bearer 
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -17,12 +18,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from baton.auth import TOKEN_ENV, BearerTokenInterceptor, load_token
+from baton.auth import CLUSTER_TOKEN_KEY, TOKEN_ENV, BearerTokenInterceptor, load_cluster_token, load_token
 from baton.config import TLSSettings, load_settings
 from baton.server import channel
 from baton.transport import MAX_MESSAGE_BYTES
 from baton.up import LocalCluster, free_port, stop_process, wait_serving
-from baton.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc, router_pb2, router_pb2_grpc
+from baton.v1 import (common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc, router_pb2, router_pb2_grpc, workers_pb2,
+                      workers_pb2_grpc)
 from baton.client import BatonClient, Unauthenticated, Unavailable
 
 TOKEN = "baton-test-token-6f1d2c8a9b"
@@ -96,7 +98,7 @@ def public_router(pki, cluster):
          "--model", "tiny-random", "--prefill-workers", ",".join(cluster.prefill_addrs),
          "--decode-workers", ",".join(cluster.decode_addrs), "--tls-cert", tls.cert_file, "--tls-key", tls.key_file,
          "--tls-ca", tls.ca_file, "--no-require-client-cert", "--auth-token-file", str(pki / "token")],
-        start_new_session=True)
+        env=dict(os.environ, BATON_CLUSTER_TOKEN=cluster.cluster_token), start_new_session=True)
     try:
         wait_serving(address, proc, 120, tls)
         yield address
@@ -240,7 +242,8 @@ def test_oversized_messages_are_resource_exhausted_and_processes_stay_up(pki, cl
     with raw_secure_channel(pki, decode, client_cert="node", max_send=2 * oversized) as ch:
         chunk = kvtransfer_pb2.KVChunk(data=kvtransfer_pb2.KVData(payload=b"\0" * oversized))
         with pytest.raises(grpc.RpcError) as err:
-            kvtransfer_pb2_grpc.KVTransferStub(ch).Push(iter([chunk]), timeout=30)
+            kvtransfer_pb2_grpc.KVTransferStub(ch).Push(iter([chunk]), timeout=30,
+                                                        metadata=[(CLUSTER_TOKEN_KEY, cluster.cluster_token)])
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     with user_client(pki, cluster.router_address) as client:
         assert len(client.generate("still up", max_tokens=3, ignore_eos=True).token_ids) == 3
@@ -367,3 +370,100 @@ def test_tls_server_name_is_validated_and_becomes_a_channel_option(pki):
     args = build_parser().parse_args(["prefill", "--tls-cert", "/c.pem", "--tls-key", "/k.pem",
                                       "--tls-server-name", DNS_ONLY_NAME])
     assert load_role_settings(args).tls.server_name == DNS_ONLY_NAME
+
+
+# --- the cluster credential: worker ports answer only the router and other workers --------------
+
+def worker_methods() -> list[tuple[str, bool, bool]]:
+    """(path, client streams, server streams) of every RPC a prefill or decode worker serves."""
+    services = [workers_pb2.DESCRIPTOR.services_by_name["PrefillWorker"],
+                workers_pb2.DESCRIPTOR.services_by_name["DecodeWorker"],
+                kvtransfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"]]
+    return [(f"/{service.full_name}/{method.name}", method.client_streaming, method.server_streaming)
+            for service in services for method in service.methods]
+
+
+def call_raw(ch: grpc.Channel, path: str, client_streams: bool, server_streams: bool, metadata=()) -> grpc.StatusCode:
+    """Calls `path` with an empty message, never parsed if the caller is refused; the status."""
+    raw = dict(request_serializer=None, response_deserializer=None)
+    make = {(False, False): ch.unary_unary, (False, True): ch.unary_stream,
+            (True, False): ch.stream_unary, (True, True): ch.stream_stream}[client_streams, server_streams]
+    request = iter([b""]) if client_streams else b""
+    try:
+        reply = make(path, **raw)(request, timeout=10, metadata=metadata)
+        if server_streams:
+            list(reply)
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def assert_worker_rpcs_need_the_cluster_token(addresses, open_channel, token) -> None:
+    methods = worker_methods()
+    assert {"/baton.v1.PrefillWorker/Prefill", "/baton.v1.PrefillWorker/PinPrefix", "/baton.v1.DecodeWorker/Decode",
+            "/baton.v1.DecodeWorker/Handoff", "/baton.v1.PrefillWorker/Cancel", "/baton.v1.KVTransfer/Push",
+            "/baton.v1.PrefillWorker/GetLoad"} <= {path for path, _, _ in methods}
+    for address in addresses:
+        for path, client_streams, server_streams in methods:
+            for what, metadata in {"no cluster token": (), "a wrong cluster token": ((CLUSTER_TOKEN_KEY, "x" * 64),),
+                                   "the client's bearer token": (("authorization", f"Bearer {TOKEN}"),)}.items():
+                with open_channel(address) as ch:
+                    code = call_raw(ch, path, client_streams, server_streams, metadata)
+                assert code == grpc.StatusCode.UNAUTHENTICATED, f"{address} {path} answered {code} with {what}"
+    # The credential itself opens them: a load poll as the router makes it (addresses[0] is a prefill worker).
+    with open_channel(addresses[0]) as ch:
+        assert call_raw(ch, "/baton.v1.PrefillWorker/GetLoad", False, False, ((CLUSTER_TOKEN_KEY, token),)) == \
+            grpc.StatusCode.OK
+
+
+@pytest.fixture(scope="module")
+def plain_cluster():
+    with LocalCluster(prefill=1, decode=1, model="tiny-random") as running:
+        yield running
+
+
+@pytest.mark.slow
+def test_worker_ports_refuse_every_call_without_the_cluster_token(plain_cluster, tiny_reference):
+    assert_worker_rpcs_need_the_cluster_token(plain_cluster.prefill_addrs + plain_cluster.decode_addrs,
+                                              grpc.insecure_channel, plain_cluster.cluster_token)
+    with BatonClient(plain_cluster.router_address, timeout=60) as client:  # the router holds it
+        result = client.generate(token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True)
+    assert result.token_ids == tiny_reference.greedy([5, 6, 7], 4)
+
+
+@pytest.mark.slow
+def test_a_client_certificate_from_the_clusters_ca_opens_no_worker_port(pki, cluster):
+    """Mutual TLS authenticates the peer; only the cluster token says it is the router or a worker."""
+    assert_worker_rpcs_need_the_cluster_token(cluster.prefill_addrs + cluster.decode_addrs,
+                                              lambda address: raw_secure_channel(pki, address, client_cert="user"),
+                                              cluster.cluster_token)
+
+
+@pytest.mark.slow
+def test_prefill_refuses_a_decode_target_outside_the_cluster(plain_cluster):
+    prefill = plain_cluster.prefill_addrs[0]
+    token = ((CLUSTER_TOKEN_KEY, plain_cluster.cluster_token),)
+    with grpc.insecure_channel(prefill) as ch:
+        stub = workers_pb2_grpc.PrefillWorkerStub(ch)
+        for target, code in [("127.0.0.1:1", grpc.StatusCode.PERMISSION_DENIED),  # a port scan, an SSRF
+                             ("10.0.0.7:6379", grpc.StatusCode.PERMISSION_DENIED),
+                             ("http://127.0.0.1:80/", grpc.StatusCode.INVALID_ARGUMENT),
+                             ("127.0.0.1:99999", grpc.StatusCode.INVALID_ARGUMENT)]:
+            request = workers_pb2.PrefillRequest(request_id="outside", prompt_token_ids=[5, 6, 7], decode_target=target,
+                                                 sampling=common_pb2.SamplingParams(max_tokens=2))
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Prefill(request, timeout=10, metadata=token)
+            assert err.value.code() == code, target
+            assert target[:20] in err.value.details()
+
+
+def test_the_cluster_token_comes_from_one_place():
+    assert load_cluster_token("", "") is None
+    assert load_cluster_token(" abc ", "") == "abc"
+    with pytest.raises(ValueError, match="keep one"):
+        load_cluster_token("abc", "/some/file")
+    with pytest.raises(ValueError, match="cluster.token_file: cannot read"):
+        load_cluster_token("", "/no/such/file")
+    with pytest.raises(ValueError, match="printable ASCII"):
+        load_cluster_token("a b", "")
+    assert load_settings(env={"BATON_CLUSTER_TOKEN": "t0k3n"}).cluster.token == "t0k3n"
