@@ -13,6 +13,7 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -114,7 +115,13 @@ class Dispatcher:
         plus the tokens already sent is prefilled again, and the stream goes on from there with
         no token lost or repeated (the sampler resumes at the same step of the same seed). A
         draining decode worker hands its requests' KV itself to another one instead (see
-        `_attempt`); only when that fails is the request prefilled again."""
+        `_attempt`); only when that fails is the request prefilled again.
+
+        `request_id` is the caller's label, echoed in the responses; on the workers the request goes
+        by the router's own unique id, so two callers choosing the same id never meet there (one's
+        cancel cannot end the other's request)."""
+        key = uuid.uuid4().hex
+        log.debug("request %s runs as %s", request_id, key)
         arrived = time.monotonic()
         deadline = None if timeout is None else arrived + timeout
         sent: list[int] = []
@@ -125,7 +132,7 @@ class Dispatcher:
             route = self.route(prompt + sent, prefill_address if attempt == 0 else None, avoid)
             if pinned_tokens and attempt == 0 and len(prompt) - 1 >= pinned_tokens:
                 route.predicted_cached_tokens = max(route.predicted_cached_tokens, pinned_tokens)
-            attempt_id = request_id if attempt == 0 else f"{request_id}~{attempt}"
+            attempt_id = key if attempt == 0 else f"{key}~{attempt}"
             try:
                 for out in self._attempt(attempt_id, prompt, sent, sampling, deadline, route, on_done, arrived):
                     out.request_id = request_id
@@ -138,8 +145,8 @@ class Dispatcher:
                     raise lost.error from None
                 if lost.seed is not None and not sampling.HasField("seed"):
                     sampling.seed = lost.seed  # so the moved request keeps its random stream
-                log.warning("request %s lost its decode worker %s after %d tokens (%s); prefilling it again",
-                            request_id, lost.worker.view.address, len(sent), lost.error.message)
+                log.warning("request %s (%s) lost its decode worker %s after %d tokens (%s); prefilling it again",
+                            request_id, key, lost.worker.view.address, len(sent), lost.error.message)
 
     def _attempt(self, request_id, prompt, sent: list[int], sampling, deadline, route: Route, on_done, arrived):
         """One try: the prompt (plus the tokens already sent) is prefilled for the routed decode

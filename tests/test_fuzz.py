@@ -670,6 +670,24 @@ def test_reusing_a_request_id_back_to_back_serves_every_request(cluster):
             assert outcome[-1].finish_reason == "length", f"attempt {attempt}: the stream ended unfinished"
 
 
+def test_two_callers_with_the_same_request_id_do_not_meet(cluster, tiny_reference):
+    """The id is the caller's label: on the workers each request goes by the router's own id, so
+    one caller cancelling its stream cannot end another's request that happens to share the id."""
+    prompt = [7, 8, 9, 10]
+    with BatonClient(cluster.router_address, timeout=60) as first, BatonClient(cluster.router_address,
+                                                                                timeout=60) as second:
+        leaving = first.stream(token_ids=prompt, max_tokens=200, ignore_eos=True, request_id="shared")
+        staying = second.stream(token_ids=prompt, max_tokens=40, ignore_eos=True, request_id="shared")
+        next(leaving), next(staying)  # both admitted
+        for _, chunk in zip(range(3), leaving):
+            pass
+        leaving.close()  # the router cancels its request on every worker
+        result = staying.result()
+    assert result.request_id == "shared"
+    assert result.finish_reason == "length"
+    assert result.token_ids == tiny_reference.greedy(prompt, 40)
+
+
 def test_undecodable_kv_metadata_fails_only_its_request(cluster, model, decode_channel, tiny_reference):
     """It once killed the decode loop: every later request hung and the staged bytes leaked."""
     bad = push_for(decode_channel, model, f"meta-{uuid.uuid4().hex}", [1, 2, 3], b"\xff\xff\xff")
