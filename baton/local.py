@@ -34,9 +34,8 @@ class LocalEngine:
     def submit(self, prompt_token_ids: list[int], params: SamplingParams = SamplingParams(),
                request_id: str | None = None) -> str:
         """Queue a prompt; raises RequestError (nothing queued) if it cannot be served."""
-        validate_prompt(prompt_token_ids, params, max_context=self.loaded.max_context,
+        validate_prompt(prompt_token_ids, params, max_context=self.decode.max_context,
                         vocab_size=self.loaded.config.vocab_size)
-        self.decode.check_fits(len(prompt_token_ids), params)
         if len(self.waiting) >= self.max_waiting:
             raise RequestError(f"{self.max_waiting} requests are already waiting; retry later")
         request_id = request_id or f"local-{next(self._ids)}"

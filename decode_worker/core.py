@@ -95,14 +95,19 @@ class DecodeCore:
     def max_columns(self) -> int:
         return self.scheduler.config.max_columns
 
+    @property
+    def max_context(self) -> int:
+        """Prompt plus generated tokens one request may reach here: the model's context, or less when
+        the KV budget buys fewer columns (the last token's KV is never stored). max_tokens beyond it
+        is cut, as at the model's own context."""
+        return min(self.runner.loaded.max_context, self.max_columns + 1)
+
     def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        """Refuse early a request whose KV could never fit this worker's batch."""
-        max_new = effective_max_tokens(prompt_len, params, self.runner.loaded.max_context)
-        if prompt_len + max_new - 1 > self.max_columns:
+        """Refuse early a prompt that leaves no room here for even one new token."""
+        if prompt_len >= self.max_context:
             raise RequestError(
-                f"prompt ({prompt_len} tokens) plus max_tokens ({max_new}) needs {prompt_len + max_new - 1} KV "
-                f"columns but this decode worker allows {self.max_columns}; lower max_tokens or shorten the prompt"
-            )
+                f"the prompt has {prompt_len} tokens but this deployment serves a context of {self.max_context} "
+                f"tokens (prompt plus output); shorten it to at most {self.max_context - 1} tokens")
 
     def add(self, prefilled: PrefilledRequest) -> RequestOutput:
         """Take a prefilled request; returns its first output (already final if one token was enough)."""
@@ -113,11 +118,11 @@ class DecodeCore:
         prompt_len = len(req.prompt_token_ids)
         self.check_fits(prompt_len, req.params)
         checker = StopChecker(req.params, loaded.decode, eos_token_ids=loaded.eos_token_ids,
-                              prompt_ids=req.prompt_token_ids, max_model_len=loaded.max_context)
+                              prompt_ids=req.prompt_token_ids, max_model_len=self.max_context)
         step = checker.append(prefilled.first_token)
         req.trace.mark("staged")
         seq = DecodeSequence(req.request_id, prompt_len,
-                             effective_max_tokens(prompt_len, req.params, loaded.max_context),
+                             effective_max_tokens(prompt_len, req.params, self.max_context),
                              [prefilled.first_token], priority=req.params.priority)
         # Continue the random stream the prefill's first draw started.
         sampler = RequestSampler(replace(req.params, seed=prefilled.seed), tokens_generated=req.resume_step + 1)

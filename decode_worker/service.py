@@ -147,6 +147,7 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             draining=self.loop.draining.is_set(), preemptions=core.scheduler.parked_total,
             parked_bytes=core.parked_bytes(), migrations_out=self.loop.migrations["sent"],
             migrations_failed=self.loop.migrations["failed"], migrations_in=self.loop.migrations["received"],
+            max_context=core.max_context,
         )
 
 

@@ -80,7 +80,8 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, *, max_
         raise RequestError("the prompt is empty; send at least one token or a non-empty message")
     if len(prompt_token_ids) >= max_context:
         raise RequestError(
-            f"the prompt has {len(prompt_token_ids)} tokens but the model's context is {max_context}; "
+            f"the prompt has {len(prompt_token_ids)} tokens but the context served is {max_context} "
+            f"(prompt plus output); "
             f"shorten it to at most {max_context - 1} tokens"
         )
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)

@@ -72,8 +72,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def _validated(self, request) -> list[int]:
         prompt = self._prompt_ids(request)
         params = sampling_from_proto(request.sampling)
-        validate_prompt(prompt, params, max_context=self.model.max_context, vocab_size=self.model.vocab_size)
+        validate_prompt(prompt, params, max_context=self.max_context(), vocab_size=self.model.vocab_size)
         return prompt
+
+    def max_context(self) -> int:
+        """The context this cluster serves: the model's, or the smallest a decode worker reports
+        (its KV budget may buy fewer columns); what GetModelInfo advertises and prompts are held to."""
+        served = [w.last_load.max_context for w in self.pool.all()
+                  if w.role == "decode" and w.view.healthy and w.last_load is not None and w.last_load.max_context]
+        return min([self.model.max_context, *served])
 
     def _admit(self, count: int, context) -> None:
         with self._lock:
@@ -173,7 +180,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def GetModelInfo(self, request, context):
         fingerprints = {w.fingerprint for w in self.pool.all() if w.fingerprint}
-        return router_pb2.ModelInfo(name=self.model.name, max_context=self.model.max_context,
+        return router_pb2.ModelInfo(name=self.model.name, max_context=self.max_context(),
                                     model_fingerprint=",".join(sorted(fingerprints)), vocab_size=self.model.vocab_size)
 
     def GetClusterStatus(self, request, context):

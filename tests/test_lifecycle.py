@@ -170,3 +170,23 @@ def test_a_cancelled_batch_stops_its_members_on_every_worker():
                 time.sleep(0.05)
     assert decode["rows_in_use"] == 0 and decode["waiting_for_kv"] == 0, decode
     assert decode["decode_tokens_forwarded"] < members * max_tokens / 2, "the members ran on after the cancel"
+
+
+def test_the_advertised_context_is_the_one_served_and_max_tokens_is_cut_to_it(tiny_model, tiny_reference):
+    """A decode worker whose KV budget buys 64 columns a row serves 65 tokens of context (the last
+    token's KV is never stored): GetModelInfo says so, max_tokens past it is cut, and a prompt
+    that leaves no room is refused naming the real limit."""
+    rows, columns = 2, 64
+    budget = rows * columns * tiny_model.kv_shape.bytes_per_token()
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=rows,
+                      extra_env={"BATON_DECODE_KV_BUDGET_BYTES": str(budget)}) as cluster:
+        with BatonClient(cluster.router_address, timeout=60) as client:
+            context = client.model_info().max_context
+            assert context == columns + 1 < tiny_model.max_context
+            prompt = [9, 10, 11, 12, 13]
+            result = client.generate(token_ids=prompt, max_tokens=10_000, ignore_eos=True)
+            assert result.finish_reason == "length"
+            assert len(prompt) + len(result.token_ids) == context
+            assert result.token_ids == tiny_reference.greedy(prompt, context - len(prompt))
+            with pytest.raises(BatonError, match=f"context served is {context}"):
+                client.generate(token_ids=list(range(1, context + 1)), max_tokens=1)

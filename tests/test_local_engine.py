@@ -26,8 +26,8 @@ def test_thousand_requests_leave_kv_allocation_where_it_started(tiny_model):
 
 @pytest.mark.parametrize("prompt, params, message", [
     ([], SamplingParams(), "prompt is empty"),
-    (list(range(3000)), SamplingParams(), "context is 2048"),
-    ([5, 6], SamplingParams(max_tokens=500), "lower max_tokens"),
+    (list(range(3000)), SamplingParams(), "context served is 101"),  # the KV budget's, not the model's 2048
+    (list(range(101)), SamplingParams(), "shorten it to at most 100 tokens"),
     ([10**6], SamplingParams(), "outside the model's vocabulary"),
 ])
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny_model, prompt, params, message):
@@ -39,6 +39,14 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny_model, promp
     while engine.has_work():
         finals.update({o.request_id: o for o in engine.step() if o.finished})
     assert len(finals[good].token_ids) == 4
+
+
+def test_max_tokens_past_the_served_context_is_cut_to_it(tiny_model, tiny_reference):
+    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2, kv_budget_bytes=2 * 512 * 100))
+    (out,) = engine.generate([[5, 6]], SamplingParams(max_tokens=500, ignore_eos=True))
+    assert engine.decode.max_context == 101
+    assert len(out.token_ids) == 99 and out.finish_reason == "length"
+    assert out.token_ids == tiny_reference.greedy([5, 6], 99)
 
 
 @pytest.mark.parametrize("field, value, message", [
