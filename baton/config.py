@@ -109,6 +109,8 @@ class PrefillSettings:
     max_batch_tokens: int = 4096  # prompt tokens per prefill batch
     max_batch_size: int = 8
     prefix_cache_bytes: int = 256 << 20
+    max_pins: int = 256  # batch groups' pinned prefixes held at once (their KV counts in prefix_cache_bytes)
+    pin_ttl_s: float = 3600.0  # a pin not released by then is dropped (its router may have died)
     # The decode workers this worker may push KV to (host:port each, as the router discovered them);
     # a Prefill naming any other is refused. Empty: any target a caller holding the cluster token names.
     decode_workers: list[str] = field(default_factory=list)
@@ -118,7 +120,10 @@ class PrefillSettings:
     metrics_port: int = 0
 
     def validate(self) -> None:
-        """Refuse values that would otherwise fail only at the first KV push."""
+        """Refuse values that would otherwise fail only at the first KV push or pin."""
+        if self.max_pins < 0 or not self.pin_ttl_s > 0:
+            raise ValueError(f"prefill.max_pins must be >= 0 and prefill.pin_ttl_s > 0 "
+                             f"(got {self.max_pins} and {self.pin_ttl_s})")
         # A decode worker refuses chunks above MAX_CHUNK_BYTES, and a chunk plus its framing must
         # fit one gRPC message of the decode worker's server.
         limit = max_chunk_bytes_within(MAX_MESSAGE_BYTES)

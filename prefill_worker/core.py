@@ -8,6 +8,7 @@ partial block, so members reuse the shared prefix to the token, not just to the 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -36,18 +37,29 @@ class Reuse:
 @dataclass
 class _Pin:
     blocks: list[int]  # full-block hashes held locked
+    expires: float  # time.monotonic() after which the pin is dropped (a router that died never unpins)
     partial: tuple | None = None
     partial_kv: torch.Tensor | None = field(default=None, repr=False)  # [layers, 2, kv_heads, tail, head_dim]
 
 
+DEFAULT_MAX_PINS = 256
+DEFAULT_PIN_TTL_S = 3600.0
+
+
 class PrefillCore:
     def __init__(self, runner: Runner, *, prefix_cache_bytes: int = 256 << 20,
-                 block_size: int = DEFAULT_BLOCK_SIZE):
+                 block_size: int = DEFAULT_BLOCK_SIZE, max_pins: int = DEFAULT_MAX_PINS,
+                 pin_ttl_s: float = DEFAULT_PIN_TTL_S):
         self.runner = runner
         self.block_size = block_size
         self.hasher = BlockHasher(str(runner.loaded.fingerprint), block_size)
         block_bytes = runner.loaded.kv_shape.bytes_per_token() * block_size
         self.cache = PrefixCache(prefix_cache_bytes, block_bytes) if prefix_cache_bytes >= block_bytes else None
+        # Pins are bounded three ways: their full blocks live in the prefix cache (locked), each
+        # partial block reserves a block of the same budget, and there are at most max_pins of
+        # them, each dropped pin_ttl_s after it was made.
+        self.max_pins = max_pins
+        self.pin_ttl_s = pin_ttl_s
         self.pins: dict[str, _Pin] = {}
         self.partials: dict[tuple, torch.Tensor] = {}  # (parent hash, tail tokens) -> KV, while pinned
         self.cached_tokens_total = 0
@@ -130,6 +142,10 @@ class PrefillCore:
             raise ValueError(f"group {group_id!r} is already pinned")
         if not prefix:
             raise ValueError("a pinned prefix needs at least one token")
+        self.expire_pins()
+        if len(self.pins) >= self.max_pins:
+            raise OverflowError(f"{self.max_pins} prefixes are pinned on this worker already (prefill.max_pins); "
+                                "the group runs unpinned")
         b = self.block_size
         full = self.hasher.hash_prompt(prefix)
         tail = prefix[len(full) * b:]
@@ -141,8 +157,8 @@ class PrefillCore:
             self._remember(full, out.kv)
         held = full[:self.cache.match(full)]
         self.cache.lock(held)
-        pin = _Pin(held)
-        if tail and len(held) == len(full):
+        pin = _Pin(held, time.monotonic() + self.pin_ttl_s)
+        if tail and len(held) == len(full) and self.cache.reserve(1):  # a partial block is charged as a whole one
             pin.partial = (held[-1] if held else None, tuple(tail))
             pin.partial_kv = out.kv.data[:, :, :, len(full) * b:].clone()
             self.partials[pin.partial] = pin.partial_kv
@@ -154,9 +170,19 @@ class PrefillCore:
         if pin is None:
             return False
         self.cache.unlock(pin.blocks)
-        if pin.partial is not None and not any(p.partial == pin.partial for p in self.pins.values()):
-            self.partials.pop(pin.partial, None)
+        if pin.partial is not None:
+            self.cache.release(1)
+            if not any(p.partial == pin.partial for p in self.pins.values()):
+                self.partials.pop(pin.partial, None)
         return True
+
+    def expire_pins(self, now: float | None = None) -> list[str]:
+        """Drop the pins past their time; returns their group ids."""
+        now = time.monotonic() if now is None else now
+        expired = [group_id for group_id, pin in self.pins.items() if pin.expires <= now]
+        for group_id in expired:
+            self.unpin(group_id)
+        return expired
 
     def drain_events(self) -> KVEvents:
         return self.cache.drain_events() if self.cache is not None else KVEvents()

@@ -15,6 +15,8 @@ Policy:
   unlocked leaves (so chains stay prefix-closed). A block is used when `match` or `insert`
   walks through it or `unlock` releases it. If the unlocked blocks cannot make room,
   `insert` changes nothing and returns None (the scheduler decides what to do).
+- Room can also be reserved for KV held outside the tree (`reserve` / `release`: a pinned
+  group's partial last block), so everything the cache's owner keeps counts against one budget.
 - Every stored and evicted hash becomes a KV event for the router's index
   (`drain_events`); evicted payloads go to `on_evict(block_hash, payload)` so the owner
   can free the memory behind them.
@@ -61,6 +63,7 @@ class PrefixCache:
         self._on_evict = on_evict
         self._blocks: dict[int, _Block] = {}
         self._num_unreferenced = 0
+        self._reserved = 0  # blocks of room held for KV outside the tree
         self._clock = 0
         # (last_used, hash) of unlocked leaves; stale entries are skipped when popped.
         self._evictable_heap: list[tuple[int, int]] = []
@@ -77,11 +80,15 @@ class PrefixCache:
 
     @property
     def used_bytes(self) -> int:
-        return len(self._blocks) * self.bytes_per_block
+        return (len(self._blocks) + self._reserved) * self.bytes_per_block
 
     @property
     def free_blocks(self) -> int:
-        return self.capacity_blocks - len(self._blocks)
+        return self.capacity_blocks - len(self._blocks) - self._reserved
+
+    @property
+    def reserved_blocks(self) -> int:
+        return self._reserved
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -167,6 +174,21 @@ class PrefixCache:
         if lock:
             self.lock(block_hashes)
         return new_hashes
+
+    def reserve(self, num_blocks: int) -> bool:
+        """Take room for `num_blocks` blocks of KV kept outside the tree, evicting unlocked blocks
+        as `insert` would; False (nothing changed) when they cannot make room."""
+        shortfall = num_blocks - self.free_blocks
+        if shortfall > self._num_unreferenced:
+            return False
+        self._evict(max(shortfall, 0))
+        self._reserved += num_blocks
+        return True
+
+    def release(self, num_blocks: int) -> None:
+        if not 0 <= num_blocks <= self._reserved:
+            raise ValueError(f"release of {num_blocks} blocks, but {self._reserved} are reserved")
+        self._reserved -= num_blocks
 
     def evict(self, num_blocks: int) -> int:
         """Evict up to `num_blocks` unlocked blocks (LRU leaves first); returns how many."""

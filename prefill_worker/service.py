@@ -61,7 +61,8 @@ class PrefillLoop:
                  block_size: int = 16, metrics: Metrics | None = None, cluster_token: str | None = None):
         self.runner = runner
         self.metrics = metrics or Metrics("prefill")
-        self.core = PrefillCore(runner, prefix_cache_bytes=settings.prefix_cache_bytes, block_size=block_size)
+        self.core = PrefillCore(runner, prefix_cache_bytes=settings.prefix_cache_bytes, block_size=block_size,
+                                max_pins=settings.max_pins, pin_ttl_s=settings.pin_ttl_s)
         self.settings = settings
         self.tls = tls
         self.cluster_token = cluster_token
@@ -137,6 +138,10 @@ class PrefillLoop:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._serve_control()
+            if self.core.pins:
+                for group_id in self.core.expire_pins():
+                    log.warning("pin of group %s expired after prefill.pin_ttl_s=%ss without an unpin", group_id,
+                                self.core.pin_ttl_s)
             jobs = self.queue.take_batch(timeout=0.05)
             if not jobs:
                 continue
@@ -270,6 +275,8 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
             events = self.loop.call(lambda core: core.drain_events())
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except OverflowError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return workers_pb2.PinPrefixReply(pinned_tokens=pinned, computed_tokens=computed,
                                           stored_blocks=events.stored, evicted_blocks=events.evicted)
 

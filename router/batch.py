@@ -4,7 +4,9 @@ The batch planner finds the shared prefixes of the whole batch ahead of time and
 prefix-sharing groups (largest R = 1/(L_prefix + sum L_distinct) first). For each group the
 router pins its prefix on one prefill worker (computed once, held in that worker's prefix
 cache), sends every member there, and unpins when the last member is done. At most
-`max_concurrency` requests are in flight, so groups are pinned as their turn comes.
+`max_concurrency` requests are in flight, so groups are pinned as their turn comes, and at most
+MAX_PINS_PER_BATCH at once: one caller's batch cannot hold every prefill worker's pins (the
+groups past it run unpinned, routed by the prefix index).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from baton.router.batch_planner import plan_batch
 from baton.router.dispatch import DispatchError, Dispatcher, RoutingStats
 
 _DONE = object()
+MAX_PINS_PER_BATCH = 16
 
 
 @dataclass
@@ -60,6 +63,7 @@ class BatchRunner:
         batch_id = uuid.uuid4().hex[:8]
         cancelled = threading.Event()
         member_cancels: list = []
+        pins_held = [0]
 
         def register(cancel) -> None:  # a member's dispatch registers how to cancel it
             with lock:
@@ -83,6 +87,8 @@ class BatchRunner:
                 last = group.remaining == 0
             if last and group.prefill_address:
                 self._unpin(group)
+                with lock:
+                    pins_held[0] -= 1
 
         def run_one(index: int, group: _Group) -> None:
             try:
@@ -104,8 +110,11 @@ class BatchRunner:
                         slots.release()
                         member_done(group)
                         continue
-                    if index == group.members[0] and group.prefix:
+                    if index == group.members[0] and group.prefix and pins_held[0] < MAX_PINS_PER_BATCH:
                         self._pin(group)
+                        if group.prefill_address:
+                            with lock:
+                                pins_held[0] += 1
                     try:
                         pool.submit(run_one, index, group)
                     except RuntimeError:  # cancelled between the check and here: the pool is shut

@@ -1,5 +1,7 @@
 """Prefill over cached prefixes: a group sharing one prefix runs as one batch, and gives what
 prefilling each whole prompt alone gives."""
+import time
+
 import torch
 
 from baton.engine.request import GenerationRequest
@@ -64,3 +66,30 @@ def test_prompts_with_different_cached_prefixes_run_as_separate_batches(tiny_mod
     got = core.prefill(requests)
     assert sorted(calls) == sorted([(2, len(PREFIX)), (1, len(other)), (1, 0)])
     assert [p.cached_tokens for p in got] == [len(PREFIX), len(other), len(PREFIX), 0]
+
+
+def test_pins_are_bounded_in_count_charged_to_the_cache_budget_and_expire(tiny_model):
+    """1,000 pins once added 600 MB to a worker: their partial blocks lived outside every budget."""
+    runner = make_runner(tiny_model)
+    block_bytes = tiny_model.kv_shape.bytes_per_token() * 16
+    core = PrefillCore(runner, prefix_cache_bytes=8 * block_bytes, max_pins=6, pin_ttl_s=60)
+    prefixes = [[1000 + 100 * g + t for t in range(20)] for g in range(8)]  # one full block and 4 tokens each
+    held = [core.pin(f"g{g}", prefixes[g])[0] for g in range(4)]
+    assert held == [20] * 4  # each: its full block locked, its partial block reserved
+    assert (core.cache.num_blocks, core.cache.reserved_blocks) == (4, 4)
+    assert core.cache.used_bytes <= core.cache.capacity_bytes
+    # The budget is now all locked or reserved: a fifth pin keeps nothing outside it.
+    assert core.pin("g4", prefixes[4])[0] == 0
+    assert core.cache.used_bytes <= core.cache.capacity_bytes
+    core.pin("g5", prefixes[5])
+    try:
+        core.pin("g6", prefixes[6])
+        raise AssertionError("a seventh pin went past max_pins=6")
+    except OverflowError as exc:
+        assert "prefill.max_pins" in str(exc)
+    assert core.unpin("g0") and core.cache.reserved_blocks == 3
+    assert core.pin("g6", prefixes[6])[0] > 0  # room again
+    # A router that died never unpins: the pins go at their time, with their locks and room.
+    assert sorted(core.expire_pins(now=time.monotonic() + 61)) == ["g1", "g2", "g3", "g4", "g5", "g6"]
+    assert not core.pins and not core.partials and core.cache.reserved_blocks == 0
+    assert core.cache.num_evictable_blocks == core.cache.num_blocks  # nothing locked any more

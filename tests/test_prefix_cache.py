@@ -52,6 +52,20 @@ def test_insert_stores_only_new_blocks_and_match_returns_their_payloads():
     assert cache.insert(A, slots(A)) == []
 
 
+def test_reserved_room_counts_against_the_capacity_and_evicts_like_an_insert():
+    cache, _ = make_cache(4)
+    cache.insert(A, slots(A))
+    cache.lock(A[:2])
+    assert cache.reserve(2)  # evicts the two unlocked leaves
+    assert (cache.num_blocks, cache.reserved_blocks, cache.free_blocks, cache.used_bytes) == (2, 2, 0, 400)
+    assert not cache.reserve(1)  # only locked blocks left: nothing changes
+    assert cache.insert(C, slots(C)) is None
+    cache.release(2)
+    assert cache.free_blocks == 2 and cache.insert(C, slots(C)) == C
+    with pytest.raises(ValueError, match="reserved"):
+        cache.release(1)
+
+
 def test_lru_evicts_least_recently_used_leaves_first():
     cache, evicted = make_cache(6)
     cache.insert(A, slots(A))
