@@ -114,7 +114,7 @@ class DecodeLoop:
         return {rid: "waiting for KV" if rid in pending else "evicted, waiting for Handoff" if rid in moving
                 else "in the batch" if rid in live else "being handed off" for rid in streams}
 
-    def register(self, request: GenerationRequest) -> "queue.Queue":
+    def register(self, request: GenerationRequest, push_token: str = "") -> "queue.Queue":
         if self.draining.is_set():
             raise ConnectionAbortedError("this decode worker is draining; send the request elsewhere")
         with self._lock:
@@ -129,7 +129,7 @@ class DecodeLoop:
             entry = _Pending(request, queue.Queue())
             self._pending[request.request_id] = entry
             self._streams[request.request_id] = entry
-        self.pool.expect(request.request_id)
+        self.pool.expect(request.request_id, push_token)  # only the push carrying it takes staging room
         return entry.outputs
 
     def on_landed(self, request_id: str) -> None:

@@ -60,7 +60,7 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             validate_prompt(prompt, params, max_context=loaded.max_context, vocab_size=loaded.config.vocab_size)
             gen = GenerationRequest(request.request_id, prompt, params, resume_step=request.resume_step)
             gen.trace.mark("arrived")
-            outputs = self.loop.register(gen)
+            outputs = self.loop.register(gen, request.push_token)
         except (RequestError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OverflowError as exc:
@@ -121,7 +121,7 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
                          cluster_token=self.cluster_token) as ch:
                 push_kv_retrying(ch, target_id, str(self.loop.core.runner.loaded.fingerprint), evicted.kv,
                                  meta.SerializeToString(), timeout_s=min(HANDOFF_SECONDS, remaining or HANDOFF_SECONDS),
-                                 retry=PushRetry(attempts=2, backoff_s=0.2))
+                                 retry=PushRetry(attempts=2, backoff_s=0.2), push_token=request.push_token)
         except KVPushFailed as exc:
             failure = exc
         finally:

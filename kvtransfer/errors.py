@@ -6,8 +6,10 @@ stays free of grpc. The mapping is part of the wire contract (see kvtransfer.pro
     INVALID_ARGUMENT     the stream itself is wrong: malformed, corrupt, foreign, mis-shaped
     RESOURCE_EXHAUSTED   the KV cannot fit: larger than the pool, or no room before the timeout
     FAILED_PRECONDITION  the receiver is not expecting this request id
+    PERMISSION_DENIED    the push does not carry the token the request was registered with
     ALREADY_EXISTS       this request id already has KV staged or in flight
-    ABORTED              the stream ended early (sender died, network cut); safe to retry
+    ABORTED              the stream ended early (sender died, network cut) or ran slower than the
+                         receiver's minimum rate; safe to retry
     CANCELLED            the request was cancelled on the receiving side
 """
 from __future__ import annotations
@@ -55,6 +57,12 @@ class KVUnexpected(KVTransferError):
     code = "FAILED_PRECONDITION"
 
 
+class KVWrongToken(KVTransferError):
+    """The push's token is not the one the request's Decode call registered."""
+
+    code = "PERMISSION_DENIED"
+
+
 class KVDuplicate(KVTransferError):
     """KV for this request id is already staged, in flight, or taken and not yet released."""
 
@@ -69,6 +77,12 @@ class KVNotLanded(KVTransferError):
 
 class KVTruncated(KVTransferError):
     """The stream ended before its KVEnd message."""
+
+    code = "ABORTED"
+
+
+class KVTooSlow(KVTransferError):
+    """The stream fell below the receiver's minimum rate: staging room is not held for a trickle."""
 
     code = "ABORTED"
 

@@ -188,13 +188,14 @@ def push_kv(
     metadata: bytes = b"",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     timeout_s: float | None = None,
+    push_token: str = "",
 ) -> pb.PushReply:
     """Stream kv to a KVTransfer server; raises KVPushFailed with the status if it is refused.
 
     A target string opens (and closes) a channel for this push only; pass a channel from
     `kvtransfer_channel` to reuse the connection.
     """
-    chunks = encode(request_id, fingerprint, kv, metadata, chunk_bytes)
+    chunks = encode(request_id, fingerprint, kv, metadata, chunk_bytes, push_token)
     owned = isinstance(channel_or_target, str)
     channel = kvtransfer_channel(channel_or_target) if owned else channel_or_target
     try:
@@ -244,6 +245,7 @@ def push_kv_retrying(
     retry: PushRetry = PushRetry(),
     should_stop: Callable[[], bool] = lambda: False,
     on_retry: Callable[[int, KVPushFailed], None] | None = None,
+    push_token: str = "",
 ) -> PushOutcome:
     """push_kv, retried while the failure is the connection's or the stream's (RETRYABLE_PUSH_CODES).
 
@@ -268,7 +270,7 @@ def push_kv_retrying(
                 raise KVPushFailed("DEADLINE_EXCEEDED", f"the KV push of {request_id!r} ran out of time after "
                                    f"{attempt - 1} attempts") from (failures[-1] if failures else None)
             try:
-                reply = push_kv(channel, request_id, fingerprint, kv, metadata, chunk_bytes, remaining)
+                reply = push_kv(channel, request_id, fingerprint, kv, metadata, chunk_bytes, remaining, push_token)
                 return PushOutcome(reply, attempt, tuple(failures))
             except KVPushFailed as failure:
                 failures.append(failure)

@@ -22,10 +22,12 @@ from baton.kvtransfer.errors import (
     KVForeignModel,
     KVShapeMismatch,
     KVTooLarge,
+    KVTooSlow,
     KVTruncated,
 )
 from baton.kvtransfer.staging import Reservation, StagingPool
-from baton.kvtransfer.wire import MAX_CHUNK_BYTES, MAX_METADATA_BYTES, checksum, dtype_from_name
+from baton.kvtransfer.wire import (MAX_CHUNK_BYTES, MAX_METADATA_BYTES, MIN_PUSH_BYTES_PER_S, PUSH_RATE_GRACE_S, checksum,
+                                   dtype_from_name)
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,10 @@ class ReceiverConfig:
     max_tokens: int | None = None  # longest sequence it would admit; None: bounded by the pool
     reserve_timeout_s: float = 10.0  # longest wait for staging room before RESOURCE_EXHAUSTED
     max_chunk_bytes: int = MAX_CHUNK_BYTES
+    # Once staging room is held, the KV must keep coming at least this fast (after a grace):
+    # a push trickling a chunk a second would otherwise hold its room for as long as it likes.
+    min_bytes_per_s: float = MIN_PUSH_BYTES_PER_S
+    rate_grace_s: float = PUSH_RATE_GRACE_S
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ class Receiver:
         started = time.monotonic()
         self._check_header(header)
         wait = self.config.reserve_timeout_s if timeout_s is None else min(timeout_s, self.config.reserve_timeout_s)
-        reservation = self.pool.reserve(header.request_id, header.total_bytes, wait)
+        reservation = self.pool.reserve(header.request_id, header.total_bytes, wait, header.push_token)
         reserved = time.monotonic()
         try:
             kv, num_chunks = self._assemble(header, stream, reservation)
@@ -123,6 +129,7 @@ class Receiver:
         )
         target = memoryview(data.view(torch.uint8).reshape(-1).numpy())
         received = num_chunks = 0
+        started = time.monotonic()
         for message in stream:
             if reservation.cancelled:
                 raise KVCancelled(f"request {rid!r} was cancelled while its KV arrived")
@@ -145,6 +152,11 @@ class Receiver:
                 target[received : received + size] = payload
                 received += size
                 num_chunks += 1
+                late = time.monotonic() - started - self.config.rate_grace_s
+                if late > 0 and received < total and received < self.config.min_bytes_per_s * late:
+                    raise KVTooSlow(f"KV for {rid!r} arrived at {received / (late + self.config.rate_grace_s):.0f} "
+                                    f"bytes/s, below this receiver's minimum of {self.config.min_bytes_per_s:.0f}; "
+                                    "its staging room was freed (retry the push)")
             elif kind == "end":
                 end = message.end
                 if received != total or end.num_chunks != num_chunks or end.total_bytes != total:

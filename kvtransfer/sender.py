@@ -16,6 +16,7 @@ def encode(
     kv: SequenceKV,
     metadata: bytes = b"",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    push_token: str = "",
 ) -> Iterator[pb.KVChunk]:
     """The chunk stream for kv; chunks are cut lazily so only one is in memory at a time.
 
@@ -24,7 +25,7 @@ def encode(
     Raises ValueError at call time, before any chunk exists, for KV no receiver could accept.
     """
     _check_sendable(request_id, kv, metadata, chunk_bytes)
-    return _chunks(request_id, fingerprint, kv, metadata, chunk_bytes)
+    return _chunks(request_id, fingerprint, kv, metadata, chunk_bytes, push_token)
 
 
 def _check_sendable(request_id: str, kv: SequenceKV, metadata: bytes, chunk_bytes: int) -> None:
@@ -40,7 +41,7 @@ def _check_sendable(request_id: str, kv: SequenceKV, metadata: bytes, chunk_byte
 
 
 def _chunks(
-    request_id: str, fingerprint: str, kv: SequenceKV, metadata: bytes, chunk_bytes: int
+    request_id: str, fingerprint: str, kv: SequenceKV, metadata: bytes, chunk_bytes: int, push_token: str
 ) -> Iterator[pb.KVChunk]:
     # Layer-major raw bytes, exactly SequenceKV.data; view(uint8) keeps bf16 bit-exact.
     data = kv.data.detach().to("cpu").contiguous()
@@ -59,6 +60,7 @@ def _chunks(
             chunk_bytes=chunk_bytes,
             layout=pb.KV_LAYOUT_LAYER_MAJOR,
             metadata=metadata,
+            push_token=push_token,
         )
     )
     num_chunks = 0

@@ -3,8 +3,10 @@
 The pool bounds bytes (never more than `capacity_bytes` reserved, even transiently) and
 entries. Every request id moves through one lifecycle; each step names who calls it:
 
-    expect(id)                  decode worker, when the router opens Decode (the allow-list;
-                                required before reserve when `require_expected`)
+    expect(id, token)           decode worker, when the router opens Decode (the allow-list;
+                                required before reserve when `require_expected`; a push must
+                                then present the same token, so only the push the router
+                                meant for this request takes room)
     reserve(id, n, timeout)     receiver, at header time: waits FIFO for room, or refuses
       land(reservation, kv, m)  receiver, after the last verified chunk: RESERVED -> LANDED,
                                 then `on_landed(id)` wakes the scheduler
@@ -23,6 +25,7 @@ no-op, so cleanup paths may call them twice.
 from __future__ import annotations
 
 import enum
+import hmac
 import logging
 import threading
 import time
@@ -31,7 +34,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from baton.engine.kv import SequenceKV
-from baton.kvtransfer.errors import KVCancelled, KVDuplicate, KVNotLanded, KVPoolFull, KVTooLarge, KVUnexpected
+from baton.kvtransfer.errors import (KVCancelled, KVDuplicate, KVNotLanded, KVPoolFull, KVTooLarge, KVUnexpected,
+                                     KVWrongToken)
 
 log = logging.getLogger(__name__)
 
@@ -124,24 +128,25 @@ class StagingPool:
         self._lock = threading.Condition()
         self._entries: dict[str, Reservation] = {}
         self._waiters: deque[_Waiter] = deque()  # FIFO, so a large KV is not starved by small ones
-        self._expected: set[str] = set()
+        self._expected: dict[str, str] = {}  # request id -> the push token its KV must carry ("" any)
         self._counters = _Counters()
 
     # -- allow-list ---------------------------------------------------------------------------
-    def expect(self, request_id: str) -> None:
+    def expect(self, request_id: str, push_token: str = "") -> None:
         with self._lock:
             expected = self._expected
             if request_id not in expected and len(expected) >= self.config.max_expected:
                 raise KVPoolFull(f"staging pool already expects {len(expected)} requests (max_expected)")
-            expected.add(request_id)
+            expected[request_id] = push_token
 
     def is_expected(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._expected
 
     # -- receiver side ------------------------------------------------------------------------
-    def reserve(self, request_id: str, nbytes: int, timeout_s: float | None) -> Reservation:
-        """Claim nbytes for request_id, waiting up to timeout_s (None: forever) for room."""
+    def reserve(self, request_id: str, nbytes: int, timeout_s: float | None, push_token: str = "") -> Reservation:
+        """Claim nbytes for request_id, waiting up to timeout_s (None: forever) for room. With
+        `require_expected`, the id must be expected and `push_token` be the token it was expected with."""
         if nbytes <= 0:
             raise ValueError(f"reserve needs a positive byte count, got {nbytes}")
         capacity = self.config.capacity_bytes
@@ -153,8 +158,13 @@ class StagingPool:
         deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
         with self._lock:
             self._expire_landed_locked()
-            if self.config.require_expected and request_id not in self._expected:
-                raise KVUnexpected(f"this decode worker is not expecting KV for request {request_id!r}")
+            if self.config.require_expected:
+                if request_id not in self._expected:
+                    raise KVUnexpected(f"this decode worker is not expecting KV for request {request_id!r}")
+                wanted = self._expected[request_id]
+                if wanted and not hmac.compare_digest(wanted.encode(), push_token.encode()):
+                    raise KVWrongToken(f"KV for request {request_id!r} does not carry the push token its "
+                                       "Decode call registered")
             if request_id in self._entries or any(w.request_id == request_id for w in self._waiters):
                 raise KVDuplicate(f"KV for request {request_id!r} is already staged or arriving")
             if len(self._waiters) >= self.config.max_entries:
@@ -223,18 +233,18 @@ class StagingPool:
         with self._lock:
             entry = self._entries.get(request_id)
             if entry is None:
-                self._expected.discard(request_id)
+                self._expected.pop(request_id, None)
                 return 0
             if entry.state is EntryState.RESERVED:
                 raise KVNotLanded(f"KV for request {request_id!r} is still arriving; use cancel() to stop it")
             self._remove_locked(entry)
-            self._expected.discard(request_id)
+            self._expected.pop(request_id, None)
             return entry.nbytes
 
     def cancel(self, request_id: str) -> int:
         """Forget request_id everywhere; returns the bytes freed (0 if it held none)."""
         with self._lock:
-            self._expected.discard(request_id)
+            self._expected.pop(request_id, None)
             for waiter in self._waiters:
                 if waiter.request_id == request_id:
                     waiter.cancelled = True
@@ -303,6 +313,6 @@ class StagingPool:
         for entry in stale:
             log.warning("dropping KV for request %r: landed %.0fs ago and never taken", entry.request_id, ttl)
             self._remove_locked(entry)
-            self._expected.discard(entry.request_id)
+            self._expected.pop(entry.request_id, None)
             self._counters.expired_total += 1
         return bool(stale)

@@ -49,6 +49,7 @@ MAX_PUSH_CHANNELS = 64
 class PrefillJob:
     request: GenerationRequest
     decode_target: str
+    push_token: str = ""  # presented with the KV push; the decode worker registered the same
     done: Future = field(default_factory=Future)
     cancelled: bool = False
 
@@ -195,7 +196,7 @@ class PrefillLoop:
             push_kv_retrying(self._channel(job.decode_target), job.request.request_id, self.fingerprint, prefilled.kv,
                              meta.SerializeToString(), chunk_bytes=self.settings.kv_chunk_bytes,
                              timeout_s=PUSH_TIMEOUT_SECONDS, retry=PUSH_RETRY, should_stop=lambda: job.cancelled,
-                             on_retry=retrying)
+                             on_retry=retrying, push_token=job.push_token)
             reply.transfer_seconds = time.monotonic() - trace.marks["prefill_end"]
             self.metrics.transfers.labels("ok").inc()
             self.metrics.transfer_bytes.inc(prefilled.kv.nbytes)
@@ -239,7 +240,7 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
             prompt = list(request.prompt_token_ids)
             validate_prompt(prompt, params, max_context=loaded.max_context, vocab_size=loaded.config.vocab_size)
             job = PrefillJob(GenerationRequest(request.request_id, prompt, params, resume_step=request.resume_step),
-                             request.decode_target)
+                             request.decode_target, request.push_token)
             done = self.loop.submit(job)
         except (RequestError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -187,7 +188,8 @@ class Dispatcher:
         try:
             call = leg.worker.stub.Decode(
                 workers_pb2.DecodeRequest(request_id=leg.request_id, prompt_token_ids=leg.prompt,
-                                          sampling=_left(sampling, leg.resume_step), resume_step=leg.resume_step),
+                                          sampling=_left(sampling, leg.resume_step), resume_step=leg.resume_step,
+                                          push_token=leg.source.push_token),
                 timeout=_until(deadline))
             next(call)  # registered: its KV will be accepted
             leg.source.start(on_give_up=call.cancel)
@@ -315,6 +317,8 @@ class _KVSource:
     try's KV had already landed before its worker died) must not stop the stream."""
 
     def __init__(self):
+        # Handed to both ends: the decode worker stages KV only from the push that carries it.
+        self.push_token = secrets.token_hex(16)
         self._lock = threading.Lock()
         self._cancelled = False
         self._delivered = False
@@ -367,7 +371,7 @@ class _PrefillChain(_KVSource):
                 workers_pb2.PrefillRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
                                            sampling=self.sampling, decode_target=self.route.decode.view.address,
                                            model_fingerprint=self.route.decode.fingerprint,
-                                           resume_step=self.resume_step),
+                                           resume_step=self.resume_step, push_token=self.push_token),
                 timeout=self.timeout)
         # Outside the lock: a call that already failed (a dead worker fails at once) runs _done
         # right here, and its retry takes the lock again.
@@ -445,7 +449,7 @@ class _Handoff(_KVSource):
         self.source = source
         self.source_call = source_call
         self.request = workers_pb2.HandoffRequest(request_id=source_request_id, target=target.view.address,
-                                                  target_request_id=target_request_id)
+                                                  target_request_id=target_request_id, push_token=self.push_token)
         self._seed = seed
         self.timeout = timeout
         self.call = None

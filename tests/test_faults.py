@@ -7,11 +7,14 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from baton.server import channel as server_channel
 from baton.up import LocalCluster
-from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
+from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
 from baton.client import BatonClient, BatonError
+from baton.engine.kv import SequenceKV
+from baton.kvtransfer import encode
 
 pytestmark = pytest.mark.slow
 
@@ -373,3 +376,62 @@ def test_twice_what_the_workers_hold_gets_resource_exhausted_and_memory_stays_bo
         assert p["queued"] <= OVERLOAD_QUEUE
     assert all(g * 2**20 < RSS_GROWTH_LIMIT for g in growth.values()), f"worker RSS grew by {growth} MiB"
     assert decode["requests_finished"] >= len(served) + 2 * len(prompts)
+
+
+def test_a_slow_push_flood_cannot_starve_the_decode_worker(tiny_model, tiny_reference):
+    """Eight pushes trickling 64 KiB every 0.9 s once filled both decode workers' staging pools for
+    a minute and every normal request was refused. Now a push below the receiver's minimum rate is
+    cut after its grace and its room freed, so the requests the router admitted still land. The
+    flood comes from inside (it holds the cluster token and registers its own Decode calls): the
+    worst case, since outsiders cannot reach the port at all."""
+    flood, kv_tokens = 8, 2000
+    kv_bytes = kv_tokens * tiny_model.kv_shape.bytes_per_token()
+    env = {"BATON_DECODE_STAGING_BYTES": str(flood * kv_bytes), "BATON_DECODE_MAX_PENDING": "32"}
+    prompts = [[700 + 9 * i + j for j in range(6 + i)] for i in range(6)]
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=4, extra_env=env) as cluster, \
+            server_channel(cluster.decode_addrs[0], cluster_token=cluster.cluster_token) as ch:
+        decode = workers_pb2_grpc.DecodeWorkerStub(ch)
+        fingerprint = decode.GetLoad(common_pb2.LoadRequest(), timeout=10).model_fingerprint
+        held = [decode.Decode(workers_pb2.DecodeRequest(
+            request_id=f"flood-{i}", prompt_token_ids=list(range(1, kv_tokens + 1)), push_token=f"token-{i}",
+            sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=120) for i in range(flood)]
+        for call in held:
+            next(call)  # registered: staging room will be granted to its push
+        kv = SequenceKV(torch.zeros(tiny_model.kv_shape.num_layers, 2, tiny_model.kv_shape.num_kv_heads, kv_tokens,
+                                    tiny_model.kv_shape.head_dim, dtype=tiny_model.kv_shape.dtype))
+        outcomes: dict[int, tuple[str, float]] = {}
+
+        def trickle(i: int) -> None:
+            def chunks():
+                for n, chunk in enumerate(encode(f"flood-{i}", fingerprint, kv, chunk_bytes=64 << 10,
+                                                 push_token=f"token-{i}")):
+                    if n > 1:
+                        time.sleep(0.9)
+                    yield chunk
+            started = time.monotonic()
+            try:
+                kvtransfer_pb2_grpc.KVTransferStub(ch).Push(chunks(), timeout=120)
+                outcomes[i] = ("OK", time.monotonic() - started)
+            except grpc.RpcError as err:
+                outcomes[i] = (err.code().name, time.monotonic() - started)
+
+        pushers = [threading.Thread(target=trickle, args=(i,)) for i in range(flood)]
+        for t in pushers:
+            t.start()
+        time.sleep(1.0)  # the flood holds every byte of staging now
+        started = time.monotonic()
+        try:
+            with BatonClient(cluster.router_address, timeout=60) as client:
+                results = client.generate_many([{"token_ids": p, "max_tokens": 12, "ignore_eos": True}
+                                                for p in prompts])
+        finally:
+            served_after = time.monotonic() - started
+            for t in pushers:
+                t.join(timeout=60)
+            for call in held:
+                call.cancel()
+    print(f"\nnormal requests served {served_after:.1f}s into the flood; pushes ended {sorted(outcomes.values())}")
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == tiny_reference.greedy(prompt, 12)
+    assert all(code == "ABORTED" and seconds < 6 for code, seconds in outcomes.values()), outcomes
+    assert len(outcomes) == flood

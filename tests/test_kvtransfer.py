@@ -396,6 +396,46 @@ def test_duplicate_and_unexpected_request_ids(make_link):
     assert_pool_empty(link.pool)
 
 
+def test_a_push_must_carry_the_token_its_request_registered(make_link):
+    """Only the push the router meant for a request takes its staging room."""
+    link = make_link(require_expected=True)
+    kv = random_kv(SHAPES["float32"], 3)
+    link.pool.expect("r", "s3cret")
+    for token in ("", "wrong"):
+        assert refusal(lambda: link.push_chunks(encode("r", FINGERPRINT, kv, push_token=token))).code == \
+            "PERMISSION_DENIED"
+        assert link.pool.stats().entries == 0 and link.pool.is_expected("r")
+    link.push_chunks(encode("r", FINGERPRINT, kv, push_token="s3cret"))
+    assert link.landed == ["r"]
+    assert raw_bytes(link.pool.take("r").kv) == raw_bytes(kv)
+
+
+def test_a_push_slower_than_the_minimum_rate_is_cut_and_its_room_freed():
+    """A chunk every 0.2 s never trips the idle cut-off; the rate floor ends it after the grace."""
+    pool = StagingPool(StagingConfig(capacity_bytes=1 << 20))
+    receiver = Receiver(pool, ReceiverConfig(FINGERPRINT, SHAPES["float32"], min_bytes_per_s=64 << 10,
+                                             rate_grace_s=0.5))
+    kv = random_kv(SHAPES["float32"], 1024)  # 256 KiB, sent 1 KiB at a time: 5 KiB/s
+
+    def trickle():
+        for i, chunk in enumerate(encode("r", FINGERPRINT, kv, chunk_bytes=1024)):
+            if i > 1:
+                time.sleep(0.2)
+            yield chunk
+
+    with KVTransferServer(receiver) as server, kvtransfer_channel(server.target) as channel:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.KVTransferStub(channel).Push(trickle(), timeout=30)
+        cut = time.monotonic() - started
+        assert err.value.code() == grpc.StatusCode.ABORTED and "minimum" in err.value.details()
+        wait_until(lambda: pool.stats().entries == 0)
+        push_kv(channel, "r", FINGERPRINT, kv)  # at full speed the same request lands
+    print(f"\na trickling push was cut after {cut:.2f}s (grace 0.5 s, floor 64 KiB/s)")
+    assert cut < 3.0
+    assert raw_bytes(pool.take("r").kv) == raw_bytes(kv)
+
+
 def test_take_release_protocol_errors():
     pool = StagingPool(StagingConfig(capacity_bytes=1000))
     reservation = pool.reserve("r", 600, timeout_s=0)

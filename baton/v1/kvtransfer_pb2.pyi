@@ -14,7 +14,7 @@ KV_LAYOUT_UNSPECIFIED: KVLayout
 KV_LAYOUT_LAYER_MAJOR: KVLayout
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim", "num_tokens", "total_bytes", "chunk_bytes", "layout", "metadata")
+    __slots__ = ("request_id", "model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim", "num_tokens", "total_bytes", "chunk_bytes", "layout", "metadata", "push_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class KVHeader(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_fingerprint: str
     dtype: str
@@ -37,7 +38,8 @@ class KVHeader(_message.Message):
     chunk_bytes: int
     layout: KVLayout
     metadata: bytes
-    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, str]] = ..., metadata: _Optional[bytes] = ...) -> None: ...
+    push_token: str
+    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, str]] = ..., metadata: _Optional[bytes] = ..., push_token: _Optional[str] = ...) -> None: ...
 
 class KVData(_message.Message):
     __slots__ = ("seq", "offset", "payload", "crc32")
