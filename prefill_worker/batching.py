@@ -1,7 +1,9 @@
 """Which waiting prompts prefill together: plain Python, no tensors.
 
-The oldest prompt always goes first (no starvation); prompts of similar length join it, because
-a batch is padded to its longest prompt and padding is wasted compute.
+The oldest prompt of the highest priority goes first (interactive requests before batch members,
+which the router runs at a lower priority; within one priority nothing starves); prompts of that
+priority and similar length join it, because a batch is padded to its longest prompt and padding
+is wasted compute.
 """
 from __future__ import annotations
 
@@ -11,15 +13,22 @@ from collections import OrderedDict
 SIMILAR_LENGTH_RATIO = 1.5
 
 
-def pick_batch(lengths: list[int], max_batch_tokens: int, max_batch_size: int) -> list[int]:
-    """Indices (into arrival order) of the next batch: the oldest prompt plus length-similar ones
-    while the padded size (count x longest) stays within max_batch_tokens."""
+def pick_batch(lengths: list[int], max_batch_tokens: int, max_batch_size: int,
+               priorities: list[int] | None = None) -> list[int]:
+    """Indices (into arrival order) of the next batch: the oldest prompt of the highest priority
+    plus length-similar ones of that priority while the padded size (count x longest) stays
+    within max_batch_tokens."""
     if not lengths:
         return []
-    head = lengths[0]
-    chosen = [0]
+    if priorities is None:
+        priorities = [0] * len(lengths)
+    top = max(priorities)
+    same = [i for i in range(len(lengths)) if priorities[i] == top]
+    first = same[0]
+    head = lengths[first]
+    chosen = [first]
     longest = head
-    for i in sorted(range(1, len(lengths)), key=lambda i: abs(lengths[i] - head)):
+    for i in sorted(same[1:], key=lambda i: abs(lengths[i] - head)):
         if len(chosen) >= max_batch_size:
             break
         n = lengths[i]
@@ -33,13 +42,13 @@ def pick_batch(lengths: list[int], max_batch_tokens: int, max_batch_size: int) -
 
 
 class PrefillQueue:
-    """Bounded, thread-safe; items are keyed by request id and carry their prompt length."""
+    """Bounded, thread-safe; items are keyed by request id and carry their prompt length and priority."""
 
     def __init__(self, max_queue: int, max_batch_tokens: int, max_batch_size: int):
         self.max_queue = max_queue
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
-        self._items: OrderedDict[str, tuple[object, int]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[object, int, int]] = OrderedDict()
         self._cond = threading.Condition()
         self._closed = False
 
@@ -49,16 +58,16 @@ class PrefillQueue:
     @property
     def queued_tokens(self) -> int:
         with self._cond:
-            return sum(n for _, n in self._items.values())
+            return sum(n for _, n, _ in self._items.values())
 
-    def put(self, job, num_tokens: int) -> None:
+    def put(self, job, num_tokens: int, priority: int = 0) -> None:
         request_id = job.request.request_id
         with self._cond:
             if len(self._items) >= self.max_queue:
                 raise OverflowError(f"{self.max_queue} prompts are already queued for prefill; retry later")
             if request_id in self._items:
                 raise ValueError(f"request id {request_id!r} is already queued")
-            self._items[request_id] = (job, num_tokens)
+            self._items[request_id] = (job, num_tokens, priority)
             self._cond.notify()
 
     def remove(self, request_id: str, job=None):
@@ -77,7 +86,8 @@ class PrefillQueue:
             if not self._items:
                 return []
             ids = list(self._items)
-            picked = pick_batch([self._items[i][1] for i in ids], self.max_batch_tokens, self.max_batch_size)
+            picked = pick_batch([self._items[i][1] for i in ids], self.max_batch_tokens, self.max_batch_size,
+                                [self._items[i][2] for i in ids])
             return [self._items.pop(ids[i])[0] for i in picked]
 
     def close(self) -> None:

@@ -108,7 +108,8 @@ class PrefillLoop:
             raise OverflowError(f"{self.settings.max_queue} prompts are already queued or being prefilled here; "
                                 "retry later")
         job.request.trace.mark("arrived")
-        self.queue.put(job, len(job.request.prompt_token_ids))  # raises OverflowError when full
+        # Raises OverflowError when full; higher priorities (interactive requests) prefill first.
+        self.queue.put(job, len(job.request.prompt_token_ids), job.request.params.priority)
         return job.done
 
     def cancel(self, request_id: str, job: PrefillJob | None = None) -> bool:

@@ -25,6 +25,17 @@ from baton.router.dispatch import DispatchError, Dispatcher, RoutingStats
 
 _DONE = object()
 MAX_PINS_PER_BATCH = 16
+# Batch members run this far below the priority they asked for, so interactive requests (0 unless
+# set) take prefill turns and decode rows first; within a batch the members keep their order.
+BATCH_PRIORITY_OFFSET = 1 << 16
+INT32_MIN = -(1 << 31)
+
+
+def batch_priority(sampling):
+    """A member's sampling parameters at batch priority (a copy)."""
+    lowered = type(sampling).FromString(sampling.SerializeToString())
+    lowered.priority = max(INT32_MIN, sampling.priority - BATCH_PRIORITY_OFFSET)
+    return lowered
 
 
 @dataclass
@@ -52,6 +63,7 @@ class BatchRunner:
         those running on every worker. The generator returns only once no member runs, so the
         caller releases its slots when their work has really stopped."""
         started = time.monotonic()
+        samplings = [batch_priority(s) for s in samplings]
         longest = max(map(len, prompts))
         plan = plan_batch(prompts, kv_token_budget=max(self.kv_token_budget, 2 * longest),
                           max_tokens_per_iteration=max(4096, longest))

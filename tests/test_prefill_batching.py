@@ -1,0 +1,40 @@
+"""Which prompts prefill together, and in what order: plain Python, milliseconds."""
+from __future__ import annotations
+
+from baton.prefill_worker.batching import PrefillQueue, pick_batch
+from baton.router.batch import BATCH_PRIORITY_OFFSET, batch_priority
+from baton.v1 import common_pb2
+
+
+def test_the_oldest_prompt_leads_and_similar_lengths_join_it():
+    assert pick_batch([10, 100, 12, 14, 9], max_batch_tokens=1000, max_batch_size=8) == [0, 2, 3, 4]
+    assert pick_batch([10, 12, 14], max_batch_tokens=28, max_batch_size=8) == [0, 1]  # the closest; 3 x 14 > 28
+    assert pick_batch([], 100, 8) == []
+
+
+def test_a_higher_priority_prompt_goes_first_and_takes_only_its_own_priority_along():
+    lengths = [10, 10, 11, 10]
+    priorities = [-BATCH_PRIORITY_OFFSET, 0, -BATCH_PRIORITY_OFFSET, 0]  # batch, interactive, batch, interactive
+    assert pick_batch(lengths, 1000, 8, priorities) == [1, 3]
+    assert pick_batch(lengths, 1000, 8, [0] * 4) == [0, 1, 2, 3]
+
+
+class Job:
+    def __init__(self, request_id: str):
+        self.request = type("Request", (), {"request_id": request_id})()
+
+
+def test_the_queue_serves_interactive_prompts_before_batch_members_that_came_first():
+    queue = PrefillQueue(max_queue=8, max_batch_tokens=1000, max_batch_size=8)
+    for i in range(3):
+        queue.put(Job(f"batch-{i}"), 10, priority=-BATCH_PRIORITY_OFFSET)
+    queue.put(Job("chat"), 400, priority=0)
+    assert [j.request.request_id for j in queue.take_batch(0.01)] == ["chat"]
+    assert [j.request.request_id for j in queue.take_batch(0.01)] == ["batch-0", "batch-1", "batch-2"]
+
+
+def test_batch_members_run_below_interactive_requests_and_keep_their_order():
+    asked = [common_pb2.SamplingParams(max_tokens=3, priority=p) for p in (0, 5, -(1 << 31))]
+    lowered = [batch_priority(s) for s in asked]
+    assert [s.priority for s in lowered] == [-BATCH_PRIORITY_OFFSET, 5 - BATCH_PRIORITY_OFFSET, -(1 << 31)]
+    assert all(s.max_tokens == 3 for s in lowered) and asked[1].priority == 5  # a copy
