@@ -131,3 +131,13 @@ def test_engine_quick_races_the_executors_and_reports_a_missing_vllm(tmp_path, c
     assert {(m["executor"], m["rows"]) for m in measured} == {(e, n) for e in ("baton", "transformers") for n in (1, 4)}
     assert all(m["step_over_floor"] > 0 for m in measured)
     assert (tmp_path / "engine_wall.png").is_file()
+
+
+@pytest.mark.slow
+def test_fairness_quick_times_interactive_probes_idle_and_under_both_loads(tmp_path, capsys):
+    document, printed = run_suite("fairness", tmp_path, capsys)
+    probes = document["probes"]
+    assert set(probes) == {"idle", "batch (low priority)", "same priority"}
+    assert len(probes["idle"]["ttft_s"]) == 6 and all(t > 0 for t in probes["idle"]["ttft_s"])
+    assert probes["batch (low priority)"]["load_wall_s"] > 0 and probes["same priority"]["load_wall_s"] > 0
+    assert "p99 / idle" in printed
