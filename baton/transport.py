@@ -12,7 +12,7 @@ GRPC_OPTIONS = [
 ]
 # Servers let peers ping this often (gRPC's default cuts a peer off after two pings within 5
 # minutes): KV pushes ping their receiver every 500 ms while open (kvtransfer.wire), the router
-# its workers every 2 s, to notice a hung peer within seconds.
+# its workers as often, to notice a hung peer within about a second.
 SERVER_MIN_PING_INTERVAL_MS = 250
 SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS)]
 

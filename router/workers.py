@@ -17,9 +17,11 @@ log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
 # A worker that hangs (stopped process, cut network) answers no RST: without pings, the requests
-# it holds would wait for their deadlines. Pinging every 2 s while calls are open breaks their
-# streams within about 4 s, and the router moves them (UNAVAILABLE is a lost decode worker).
-WORKER_KEEPALIVE_OPTIONS = keepalive_options(ping_every_ms=2000, timeout_ms=2000)
+# it holds would wait for their deadlines. Pinging every 500 ms while calls are open breaks their
+# streams within about a second, and the router moves them (UNAVAILABLE is a lost decode worker).
+# The router's connection is the one that notices: a KV push into a stopped decode worker fills
+# its socket and flow-control window, and then its own pings cannot even be written.
+WORKER_KEEPALIVE_OPTIONS = keepalive_options(ping_every_ms=500, timeout_ms=500)
 
 
 @dataclass

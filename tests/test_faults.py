@@ -435,3 +435,46 @@ def test_a_slow_push_flood_cannot_starve_the_decode_worker(tiny_model, tiny_refe
         assert result.token_ids == tiny_reference.greedy(prompt, 12)
     assert all(code == "ABORTED" and seconds < 6 for code, seconds in outcomes.values()), outcomes
     assert len(outcomes) == flood
+
+
+def test_a_decode_worker_going_silent_while_its_kv_is_pushed_loses_no_request(default_reference):
+    """SIGSTOP right after the decode worker registered a request and before the prefill worker
+    pushes its KV (a long prompt takes about a second to prefill): the push meets a silent peer.
+    The request must move (another decode worker, prefilled again) and finish exact."""
+    prompt_text = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(120))
+    with LocalCluster(prefill=1, decode=2, model="default", max_rows=2) as cluster:
+        procs = dict(cluster.procs)
+        with BatonClient(cluster.router_address, timeout=120) as client:
+            client.generate("warm up both decode workers", max_tokens=2)
+            client.generate("and the second one too", max_tokens=2)
+            outcome: dict[str, object] = {}
+
+            def run() -> None:
+                try:
+                    outcome["result"] = client.generate(prompt_text, max_tokens=16, ignore_eos=True)
+                except BatonError as exc:
+                    outcome["error"] = exc
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            silenced = None
+            deadline = time.monotonic() + 60
+            while silenced is None and time.monotonic() < deadline:  # the request is registered: stop its worker
+                for worker in client.cluster_status().workers:
+                    if worker.role == "decode" and worker.decode.get("waiting_for_kv", 0) > 0:
+                        silenced, silenced_address = procs[worker.address], worker.address
+                        silenced.send_signal(signal.SIGSTOP)
+                        stopped_at = time.monotonic()
+                        break
+                time.sleep(0.01)
+            assert silenced is not None, "the request never reached a decode worker"
+            try:
+                thread.join(timeout=90)
+                finished = time.monotonic() - stopped_at
+            finally:
+                silenced.send_signal(signal.SIGCONT)
+    assert "error" not in outcome, outcome.get("error")
+    result = outcome["result"]
+    assert result.token_ids == default_reference.greedy(result.prompt_token_ids, 16)
+    print(f"\nthe request finished {finished:.1f}s after its decode worker went silent, on {result.trace.decode_worker}")
+    assert result.trace.decode_worker != silenced_address
