@@ -64,9 +64,6 @@ class BlockHasher:
         """The parent of every chain's first block (depends on fingerprint and block size)."""
         return _to_int(self._seed)
 
-    def num_full_blocks(self, num_tokens: int) -> int:
-        return num_tokens // self.block_size
-
     def hash_prompt(self, token_ids: Sequence[int]) -> list[int]:
         """Hashes of every full block of `token_ids`, in order; the partial tail is skipped."""
         return self._hash_blocks(self._seed, token_ids)

@@ -6,7 +6,6 @@ from a command-line flag (--max-rows 16). The Helm chart and docker-compose set 
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -234,6 +233,3 @@ def _coerce(raw: Any, kind, where: str) -> Any:
     except (TypeError, ValueError):
         raise ValueError(f"{where}: cannot read {raw!r} as {getattr(kind, '__name__', kind)}") from None
 
-
-def as_dict(settings: Settings) -> dict:
-    return dataclasses.asdict(settings)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from baton.v1 import common_pb2
-from baton.engine.request import Trace
 from baton.engine.sampling import SamplingParams
 
 _DEFAULTS = SamplingParams()
@@ -30,9 +29,3 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos, priority=msg.priority,
     )
 
-
-def trace_to_proto(trace: Trace, stage_seconds: dict[str, float] | None = None) -> common_pb2.Trace:
-    return common_pb2.Trace(
-        stage_seconds=stage_seconds if stage_seconds is not None else trace.durations(),
-        cached_tokens=trace.cached_tokens, prefill_worker=trace.prefill_worker, decode_worker=trace.decode_worker,
-    )
