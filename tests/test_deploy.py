@@ -7,6 +7,7 @@ processes actually accept.
 """
 from __future__ import annotations
 
+import base64
 import copy
 import fcntl
 import json
@@ -25,6 +26,8 @@ import pytest
 import yaml
 
 from baton.config import known_keys, load_settings
+from baton.decode_worker.service import DRAIN_SECONDS as DECODE_DRAIN_S
+from baton.prefill_worker.service import DRAIN_SECONDS as PREFILL_DRAIN_S
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "baton"
@@ -52,6 +55,7 @@ DERIVED_KEYS = {
     "prefill": {"port", "metrics_port", "advertise"},
     "decode": {"port", "metrics_port", "advertise"},
     "tls": {"cert_file", "key_file", "ca_file", "server_name"},
+    "cluster": {"token", "token_file"},  # BATON_CLUSTER_TOKEN from the cluster-token Secret
 }
 # Cases rendered besides the example files: the code paths no example takes.
 EXTRA_CASES = {
@@ -64,7 +68,11 @@ EXTRA_CASES = {
     "tls-server-name": {
         "tls": {"enabled": True, "secretName": "baton-tls", "hasCA": False, "serverName": "workers.baton.internal"},
     },
+    "own-cluster-token": {"clusterAuth": {"tokenSecret": {"name": "my-cluster-token", "key": "secret"}}},
+    "short-grace": {"preStopSleepSeconds": 15},  # 15 + the router's 20 s drain > its 30 s: refused
 }
+# Rendered on purpose with what the chart must refuse.
+FAILING_CASES = {"short-grace": "must exceed preStopSleepSeconds"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,7 +178,13 @@ def container(deployment: dict) -> dict:
     return only
 
 
-RENDERED_CASES = ["default", *(p.stem for p in EXAMPLES), *EXTRA_CASES]
+RENDERED_CASES = ["default", *(p.stem for p in EXAMPLES), *(c for c in EXTRA_CASES if c not in FAILING_CASES)]
+# The chart makes a random cluster token at each render: goldens hold a placeholder instead.
+_RANDOM_TOKEN = re.compile(r"(kind: Secret\n(?:.*\n)*?data:\n  token: )\S+", re.M)
+
+
+def masked(manifest: str) -> str:
+    return _RANDOM_TOKEN.sub(r"\1RANDOM-48-CHARACTERS-BASE64", manifest)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,7 +216,7 @@ def test_lint_harness_reports_a_broken_chart(helm_python, tmp_path):
 def test_rendered_manifests_match_the_golden_files(helm_report, case):
     """A chart change shows up as a reviewed diff of what it renders. After an intended change:
     BATON_UPDATE_GOLDEN=1 python -m pytest tests/test_deploy.py -k golden"""
-    manifest = helm_report[case]["render"]["manifest"]
+    manifest = masked(helm_report[case]["render"]["manifest"])
     assert manifest, helm_report[case]["render"]["error"]
     golden = GOLDEN / f"{case}.yaml"
     if os.environ.get("BATON_UPDATE_GOLDEN") == "1":
@@ -233,7 +247,7 @@ def test_every_role_has_its_objects(helm_report, case):
     redis = values.get("redis", {}).get("enabled", True)
     assert len(find(docs, "StatefulSet", f"{RELEASE}-redis")) == int(redis)
     assert {d["kind"] for d in docs} <= {"Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",
-                                         "PodDisruptionBudget", "HorizontalPodAutoscaler", "StatefulSet"}
+                                         "PodDisruptionBudget", "HorizontalPodAutoscaler", "StatefulSet", "Secret"}
 
 
 def test_gpu_2p4d_requests_one_gpu_per_worker(helm_report):
@@ -258,6 +272,45 @@ def test_gpu_2p4d_requests_one_gpu_per_worker(helm_report):
     assert config["model"] == {"name": "/models/Llama-3.2-1B-Instruct", "dtype": "bfloat16", "device": "cuda",
                                "attention_backend": "triton", "executor": "auto", "threads": 0}
     assert config["decode"]["max_rows"] == 64 and config["router"]["prefix_index"] == "redis"
+
+
+@pytest.mark.parametrize("case", RENDERED_CASES)
+def test_every_pod_reads_the_cluster_token_from_a_secret(helm_report, case):
+    docs = rendered(helm_report, case)
+    own = case == "own-cluster-token"
+    secret_name, key = ("my-cluster-token", "secret") if own else (f"{RELEASE}-cluster-token", "token")
+    if own:
+        assert not find(docs, "Secret", f"{RELEASE}-cluster-token")  # the named one is used as it is
+    else:
+        secret = one(docs, "Secret", secret_name)
+        token = base64.b64decode(secret["data"][key]).decode()
+        assert len(token) == 48 and token.isalnum()
+        assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # upgrades keep it
+    for role in ROLES:
+        env = {e["name"]: e for e in container(one(docs, "Deployment", role_name(role)))["env"]}
+        assert env["BATON_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": secret_name, "key": key}, role
+        assert "value" not in env["BATON_CLUSTER_TOKEN"]  # never in the pod spec or the ConfigMap
+    assert "cluster" not in chart_config(docs)
+
+
+@pytest.mark.parametrize("case", RENDERED_CASES)
+def test_pods_leave_discovery_before_sigterm_and_get_time_to_drain(helm_report, case):
+    """preStop sleeps first (the Service and the router's discovery drop the pod), then SIGTERM
+    starts the drain; the grace period covers both, or the kubelet kills the pod mid-drain."""
+    docs = rendered(helm_report, case)
+    config = chart_config(docs)
+    drain = {"router": config["router"]["drain_timeout_s"], "prefill": PREFILL_DRAIN_S, "decode": DECODE_DRAIN_S}
+    for role in ROLES:
+        deployment = one(docs, "Deployment", role_name(role))
+        command = container(deployment)["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[0] == "sleep"
+        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace > int(command[1]) + drain[role], role
+
+
+def test_a_grace_period_shorter_than_prestop_plus_drain_is_refused(helm_report):
+    render = helm_report["short-grace"]["render"]
+    assert not render["ok"] and FAILING_CASES["short-grace"] in render["error"]
 
 
 @pytest.mark.parametrize("case", RENDERED_CASES)
@@ -452,7 +505,7 @@ def test_schema_config_blocks_cover_every_config_key(schema):
     """Each key a process accepts is settable in its role's `config` block or derived by the chart."""
     blocks = {"model": schema["definitions"]["modelConfig"], "router": schema["definitions"]["routerConfig"],
               "prefill": schema["definitions"]["prefillConfig"], "decode": schema["definitions"]["decodeConfig"],
-              "tls": {"properties": {}}}
+              "tls": {"properties": {}}, "cluster": {"properties": {}}}
     for section, keys in known_keys().items():
         settable = set(blocks[section]["properties"])
         assert not settable & DERIVED_KEYS[section], f"{section}: a derived key is also settable"
@@ -492,10 +545,25 @@ def docker_compose() -> str:
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
-    done = subprocess.run([docker_compose(), "-f", str(COMPOSE_FILE), "config"], capture_output=True, text=True,
-                          cwd=REPO, env={k: v for k, v in os.environ.items() if not k.startswith("BATON_")})
+    done = compose_config(BATON_CLUSTER_TOKEN=COMPOSE_TOKEN)
     assert done.returncode == 0, f"docker-compose config rejected docker-compose.yaml:\n{done.stderr}"
     return yaml.safe_load(done.stdout)
+
+
+COMPOSE_TOKEN = "compose-test-token"
+
+
+def compose_config(**env) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
+    return subprocess.run([docker_compose(), "-f", str(COMPOSE_FILE), "config"], capture_output=True, text=True,
+                          cwd=REPO, env={**clean, **env})
+
+
+def test_compose_refuses_to_start_without_a_cluster_token(compose):
+    done = compose_config()
+    assert done.returncode != 0 and "BATON_CLUSTER_TOKEN" in done.stderr
+    for role in ROLES:
+        assert compose["services"][role]["environment"]["BATON_CLUSTER_TOKEN"] == COMPOSE_TOKEN
 
 
 def test_compose_runs_each_role_with_the_shared_config(compose):
@@ -518,6 +586,7 @@ def test_compose_runs_each_role_with_the_shared_config(compose):
     assert settings.router.discovery == "static" and settings.router.prefix_index == "redis"
     assert settings.router.prefill_workers == [f"prefill:{settings.prefill.port}"]
     assert settings.router.decode_workers == [f"decode:{settings.decode.port}"]
+    assert settings.prefill.decode_workers == settings.router.decode_workers  # KV only to the cluster's
     assert settings.router.redis_url == "redis://redis:6379/0"
 
 

@@ -161,6 +161,21 @@ plus the keys the chart derives. Derived keys win, and the values schema refuses
 {{- end }}
 
 {{/* Settings that cannot be expressed in values.schema.json; each failure says what to change. */}}
+{{/*
+The Secret holding the cluster token: the one named in values, or the one the chart creates.
+*/}}
+{{- define "baton.clusterTokenSecret" -}}
+{{- .Values.clusterAuth.tokenSecret.name | default (printf "%s-cluster-token" (include "baton.fullname" .)) }}
+{{- end }}
+
+{{/*
+Seconds a role drains on SIGTERM: the router's router.config.drain_timeout_s, the workers' fixed
+20 s (DRAIN_SECONDS in prefill_worker/service.py and decode_worker/service.py).
+*/}}
+{{- define "baton.drainSeconds" -}}
+{{- if eq .role "router" }}{{ .root.Values.router.config.drain_timeout_s | default 20 }}{{ else }}20{{ end }}
+{{- end }}
+
 {{- define "baton.validate" -}}
 {{- $v := .Values }}
 {{- if and $v.redis.enabled (or $v.redis.externalUrl $v.redis.externalUrlSecret.name) }}
@@ -185,6 +200,10 @@ plus the keys the chart derives. Derived keys win, and the values schema refuses
 {{- end }}
 {{- if eq (int $r.service.port) (int $r.service.metricsPort) }}
 {{- fail (printf "%s.service.port and %s.service.metricsPort must differ (both %d)" $role $role (int $r.service.port)) }}
+{{- end }}
+{{- $drain := include "baton.drainSeconds" (dict "root" $ "role" $role) | float64 }}
+{{- if le (float64 $r.terminationGracePeriodSeconds) (addf (float64 $v.preStopSleepSeconds) $drain) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%d) must exceed preStopSleepSeconds (%d) plus the %s drain (%v s), or Kubernetes kills it mid-drain" $role (int $r.terminationGracePeriodSeconds) (int $v.preStopSleepSeconds) $role $drain) }}
 {{- end }}
 {{- if and $r.autoscaling.enabled (gt (int $r.autoscaling.minReplicas) (int $r.autoscaling.maxReplicas)) }}
 {{- fail (printf "%s.autoscaling.minReplicas (%d) is above maxReplicas (%d)" $role (int $r.autoscaling.minReplicas) (int $r.autoscaling.maxReplicas)) }}
