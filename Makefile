@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-fast run proto clean
+.PHONY: setup test test-fast test-unit test-engine test-cluster test-deploy run proto clean
 
 setup: $(STAMP)
 
@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml constraints.txt
 test: setup
 	$(BIN)/python -m pytest -q
 
-test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+# Tiers (tests/README.md): test-fast is the unit tier, offline, well under a minute.
+test-fast: test-unit
+
+test-unit test-engine test-cluster test-deploy: setup
+	$(BIN)/python -m pytest -q -m $(patsubst test-%,%,$@)
 
 run: setup
 	$(BIN)/baton up --demo

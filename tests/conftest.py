@@ -1,4 +1,6 @@
-"""Shared fixtures: the real default model, a tiny random model, and transformers' own generate."""
+"""Shared fixtures (the real default model, a tiny random model, transformers' own generate) and
+the test tiers: every test is marked unit, engine, cluster or deploy by what it needs (README.md
+in this folder; `make test-fast` runs the unit tier)."""
 from __future__ import annotations
 
 from concurrent import futures
@@ -61,3 +63,48 @@ def grpc_server():
     yield start
     for server in servers:
         server.stop(None)
+
+
+# --- tiers ----------------------------------------------------------------------------------------
+
+# Each file's tier: what its tests need. A test in a unit file that loads a model is engine, one
+# that needs redis-server or is marked slow is cluster. A new file must be placed here.
+TIERS = {
+    "unit": {  # plain Python and small tensors, milliseconds to a second; loopback at most
+        "test_batch_planner.py", "test_block_hash.py", "test_decode_scheduler.py", "test_discovery.py",
+        "test_imports.py", "test_prefill_batching.py", "test_prefix_cache.py", "test_prefix_index.py",
+        "test_protogen.py", "test_sampling.py", "test_stopping.py", "test_batch_kv.py", "test_cli.py",
+    },
+    "engine": {  # loads a model and runs forwards in this process
+        "test_engine_exact.py", "test_executor.py", "test_kernels.py", "test_local_engine.py",
+        "test_prefill_core.py", "test_triton_backend.py",
+    },
+    "cluster": {  # real gRPC servers, worker processes, redis-server
+        "test_bench.py", "test_bench_chaos.py", "test_cli_batch.py", "test_client.py", "test_cluster.py",
+        "test_faults.py", "test_fuzz.py", "test_kvtransfer.py", "test_lifecycle.py", "test_migration.py",
+        "test_prefill_push.py", "test_prefix_cluster.py", "test_router_dispatch.py", "test_security.py",
+    },
+    "deploy": {"test_deploy.py", "test_packaging.py"},  # the chart, compose, the image, wheels and venvs
+}
+_TIER_OF_FILE = {name: tier for tier, names in TIERS.items() for name in names}
+_MODEL_FIXTURES = {"tiny_model", "tiny_reference", "default_model", "default_reference"}
+
+
+def tier_of(item) -> str:
+    name = item.path.name
+    if name not in _TIER_OF_FILE:
+        raise pytest.UsageError(f"{name} has no test tier: add it to TIERS in tests/conftest.py")
+    tier = _TIER_OF_FILE[name]
+    if tier == "unit":
+        if "redis_server" in item.fixturenames or "redis" in getattr(getattr(item, "callspec", None), "id", ""):
+            return "cluster"
+        if _MODEL_FIXTURES & set(item.fixturenames):
+            return "engine"
+        if item.get_closest_marker("slow"):
+            return "cluster"
+    return tier
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier_of(item)))

@@ -296,12 +296,12 @@ def test_half_a_tls_setup_is_refused_when_settings_load(tmp_path):
     assert not settings.tls.enabled
 
 
-def test_router_with_an_unreadable_token_file_exits_with_a_message(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "baton.cli", "router", "--port", str(free_port()),
-                           "--model", "tiny-random", "--auth-token-file", str(tmp_path / "missing")],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert done.returncode == 2
-    assert "router.auth_token_file: cannot read" in done.stderr
+def test_router_with_an_unreadable_token_file_exits_with_a_message(tmp_path, capsys):
+    from baton.cli import main
+
+    assert main(["router", "--port", str(free_port()), "--model", "tiny-random",
+                 "--auth-token-file", str(tmp_path / "missing")]) == 2  # before it listens or loads anything
+    assert "router.auth_token_file: cannot read" in capsys.readouterr().err
 
 
 def test_missing_certificate_file_is_named(tmp_path):
