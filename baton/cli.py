@@ -1,17 +1,28 @@
-"""The `baton` command line. Bad input exits with status 2 and a message saying what to change."""
+"""The `baton` command line. Bad input exits with status 2 and a message saying what to change.
+
+Heavy imports (torch, transformers, the servers) happen inside the commands, so `baton --help`
+and argument errors answer at once."""
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
-from baton.engine.executors import EXECUTORS
-from baton.engine.model import DTYPE_CHOICES
-from baton.engine.request import RequestError
-from baton.engine.sampling import SamplingParams
+from baton.config import DTYPE_CHOICES, EXECUTOR_CHOICES
+from baton.logs import LEVELS, level_name
 
 USAGE_ERROR = 2
+# What Baton reads from the environment besides BATON_<SECTION>_<KEY> config overrides.
+ENVIRONMENT = """environment:
+  BATON_<SECTION>_<KEY>   any config key, e.g. BATON_DECODE_MAX_ROWS=16 (sections: model, router,
+                          prefill, decode, tls, cluster); a flag wins over it, it wins over --config
+  BATON_CLUSTER_TOKEN     the token the router and workers present to each other (cluster.token);
+                          worker ports refuse calls without it. `baton up` makes one per cluster
+  BATON_AUTH_TOKEN        the bearer token clients must send to the router (or router.auth_token_file)
+  BATON_CACHE_DIR         where converted models and compiled CPU kernels are kept (~/.cache/baton)
+  BATON_CPU_KERNELS=0     use oneDNN/torch instead of Baton's C kernels on CPU
+  BATON_VLLM_PYTHON       the vLLM venv's python for `baton bench engine`
+  OMP_NUM_THREADS         torch threads when --threads is 0"""
 
 
 class UsageError(Exception):
@@ -21,13 +32,15 @@ class UsageError(Exception):
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
-    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
+    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: random)")
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable; default none)")
 
 
-def sampling_from_args(args) -> SamplingParams:
+def sampling_from_args(args):
+    from baton.engine.sampling import SamplingParams
+
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
 
@@ -43,9 +56,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="'default' (SmolLM2-135M-Instruct), 'tiny-random', or a Hugging Face model directory")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="auto (default): bfloat16 where the device computes it fast, else float32")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    parser.add_argument("--executor", default="auto", choices=EXECUTORS, help=EXECUTOR_HELP)
+    parser.add_argument("--device", default="auto", help="auto (default: CUDA where present), cpu, cuda, cuda:N")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                        help="auto (default): Triton kernels on CUDA, torch (and Baton's C kernel) on CPU")
+    parser.add_argument("--executor", default="auto", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
     parser.add_argument("--threads", type=int, default=0, help=THREADS_HELP)
     parser.add_argument("--cpu-cores", default="", metavar="LIST", help=CORES_HELP)
 
@@ -98,15 +112,15 @@ def cmd_generate(args) -> int:
 
 
 def _serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> None:
-    parser.add_argument("--config", help="YAML config file (sections model, router, prefill, decode, tls)")
+    parser.add_argument("--config", help="YAML config file (sections model, router, prefill, decode, tls, cluster)")
     parser.add_argument("--host", help="listen address (default 0.0.0.0)")
     parser.add_argument("--port", type=int, help=f"listen port (default {port})")
     parser.add_argument("--model", dest="model_name", help="model to serve (default 'default')")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES,
                         help="auto (default): bfloat16 where the device computes it fast, else float32")
     parser.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
-    parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
-    parser.add_argument("--executor", choices=EXECUTORS, help=EXECUTOR_HELP)
+    parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], help="auto (default), torch or triton")
+    parser.add_argument("--executor", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
     parser.add_argument("--threads", type=int, help=THREADS_HELP)
     parser.add_argument("--cpu-cores", metavar="LIST", help=CORES_HELP)
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = off)")
@@ -290,8 +304,10 @@ def cmd_up(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="baton", description="Disaggregated prefill/decode LLM serving.")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    parser = argparse.ArgumentParser(prog="baton", description="Disaggregated prefill/decode LLM serving.",
+                                     epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="warning", type=level_name, metavar="{" + ",".join(LEVELS) + "}",
+                        help="JSON log lines on stderr at this level and above (default warning)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for prompts, locally or through a router")
@@ -304,19 +320,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_connection_args(gen)
     add_model_args(gen)
     add_sampling_args(gen)
-    gen.add_argument("prompts", nargs="*", metavar="PROMPT")
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="the prompts, each as a chat message unless --raw")
     gen.set_defaults(func=cmd_generate)
 
     router = sub.add_parser("router", help="run the router (the public API)")
     _serve_args(router, "router", 50051)
-    router.add_argument("--prefill-workers", type=lambda s: s.split(","), help="host:port,host:port")
-    router.add_argument("--decode-workers", type=lambda s: s.split(","), help="host:port,host:port")
-    router.add_argument("--discovery", choices=["static", "kubernetes"])
-    router.add_argument("--prefix-index", choices=["memory", "redis"])
-    router.add_argument("--redis-url")
-    router.add_argument("--max-inflight", type=int, help="requests in flight before RESOURCE_EXHAUSTED")
-    router.add_argument("--index-namespace", help="Redis key prefix of this deployment's prefix index")
-    router.add_argument("--block-size", type=int, help="prefix block tokens (must equal the prefill workers')")
+    router.add_argument("--prefill-workers", type=lambda s: s.split(","), metavar="HOST:PORT,...",
+                        help="static discovery: the prefill workers (router.prefill_workers)")
+    router.add_argument("--decode-workers", type=lambda s: s.split(","), metavar="HOST:PORT,...",
+                        help="static discovery: the decode workers (router.decode_workers)")
+    router.add_argument("--discovery", choices=["static", "kubernetes"],
+                        help="static (default): the lists above; kubernetes: the workers' EndpointSlices")
+    router.add_argument("--prefix-index", choices=["memory", "redis"],
+                        help="memory (default): this router's own; redis: shared by every router replica")
+    router.add_argument("--redis-url", help="with --prefix-index redis (default redis://127.0.0.1:6379/0)")
+    router.add_argument("--max-inflight", type=int, help="requests in flight before RESOURCE_EXHAUSTED (default 1024)")
+    router.add_argument("--index-namespace", help="Redis key prefix of this deployment's prefix index (default baton)")
+    router.add_argument("--block-size", type=int, help="prefix block tokens, equal to the prefill workers' (default 16)")
     router.add_argument("--auth-token-file", metavar="FILE",
                         help="a file holding the bearer token every API call must send (default: no token)")
     router.add_argument("--require-client-cert", action=argparse.BooleanOptionalAction, default=None,
@@ -325,19 +345,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     prefill = sub.add_parser("prefill", help="run a prefill worker")
     _serve_args(prefill, "prefill", 50061)
-    prefill.add_argument("--max-queue", type=int)
-    prefill.add_argument("--max-batch-tokens", type=int)
-    prefill.add_argument("--prefix-cache-bytes", type=int, help="prefix KV cache size (0 turns it off)")
+    prefill.add_argument("--max-queue", type=int,
+                         help="prompts queued or being prefilled before RESOURCE_EXHAUSTED (default 256)")
+    prefill.add_argument("--max-batch-tokens", type=int, help="prompt tokens per prefill batch (default 4096)")
+    prefill.add_argument("--prefix-cache-bytes", type=int,
+                         help="prefix KV cache size, pins included (default 268435456; 0 turns it off)")
     prefill.add_argument("--block-size", type=int, help="prefix block tokens (default 16)")
     prefill.set_defaults(func=cmd_serve)
 
     decode = sub.add_parser("decode", help="run a decode worker")
     _serve_args(decode, "decode", 50071)
-    decode.add_argument("--max-rows", type=int)
-    decode.add_argument("--kv-budget-bytes", type=int)
-    decode.add_argument("--staging-bytes", type=int)
+    decode.add_argument("--max-rows", type=int, help="decode batch rows (default 8)")
+    decode.add_argument("--kv-budget-bytes", type=int,
+                        help="the batch KV never exceeds this; it also bounds the context served (default 1 GiB)")
+    decode.add_argument("--staging-bytes", type=int, help="CPU staging pool for landed KV (default 512 MiB)")
     decode.add_argument("--drain-move-after-s", type=float,
-                        help="on SIGTERM, seconds before running requests move with their KV to another decode worker")
+                        help="on SIGTERM, seconds before running requests move with their KV to another decode worker "
+                             "(default 5)")
     decode.set_defaults(func=cmd_serve)
 
     batch = sub.add_parser("batch", help="a large offline batch with shared prefixes (BatchLLM)")
@@ -360,8 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051, help="router port (default 50051)")
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
-    up.add_argument("--model", default="default")
-    up.add_argument("--max-rows", type=int, default=8)
+    up.add_argument("--model", default="default",
+                    help="'default' (SmolLM2-135M-Instruct), 'tiny-random', or a Hugging Face model directory")
+    up.add_argument("--max-rows", type=int, default=8, help="decode batch rows per decode worker (default 8)")
     up.add_argument("--demo", action="store_true", help="send a short demo workload through the SDK, then stop")
     up.set_defaults(func=cmd_up)
     return parser
@@ -373,14 +398,14 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
+    from baton.logs import configure
     from baton.up import die_with_parent
 
     die_with_parent()
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format='{"time":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}')
+    configure(args.log_level)
     try:
         return args.func(args)
-    except (UsageError, RequestError, ValueError) as exc:
+    except (UsageError, ValueError) as exc:  # engine.request.RequestError is a ValueError
         print(f"baton {args.command}: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
     except Exception as exc:  # a refusal from a running cluster: say what it said, no traceback

