@@ -21,7 +21,7 @@ from baton.decode_worker.core import DecodeConfig, DecodeCore
 from baton.decode_worker.loop import DecodeLoop, Failure, Moving, NotMoving
 
 from baton.engine.request import GenerationRequest, RequestError, validate_prompt
-from baton.engine.executors import Runner, load_runner
+from baton.engine.executors import load_runner
 from baton.kvtransfer.errors import KVPushFailed
 from baton.kvtransfer.grpc_transport import KVTransferServicer, PushRetry, push_kv_retrying
 from baton.kvtransfer.receiver import Receiver, ReceiverConfig

@@ -1,223 +1,36 @@
-"""The prefill worker process: queue prompts, prefill them in length-similar batches, push their KV.
+"""The prefill worker process: its gRPC servicer (translation only) and `serve`.
 
-Prefill RPCs wait on a bounded queue; one compute thread takes the next batch (prompts of
-similar length together, bounded by tokens and count), runs it, samples each first token, and
-hands each KV to a sender pool so pushing to decode workers overlaps the next batch's compute.
+The work itself is `PrefillLoop` (prefill_worker/loop.py); this module checks each call,
+hands it to the loop and turns what the loop reports into replies.
 """
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import grpc
 
 from baton.config import ClusterSettings, ModelSettings, PrefillSettings, TLSSettings
 from baton.messages import sampling_from_proto
 from baton.metrics import Metrics
-from baton.server import GrpcServer, NotReady, channel, cluster_token
+from baton.server import GrpcServer, NotReady, cluster_token
 from baton.transport import check_address
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
 
 from baton.engine.request import GenerationRequest, RequestError, validate_prompt
-from baton.engine.executors import Runner, load_runner
+from baton.engine.executors import load_runner
 from baton.kvtransfer.errors import KVPushFailed
-from baton.kvtransfer.grpc_transport import PushRetry, push_kv_retrying
-from baton.kvtransfer.wire import grpc_push_channel_options
-from baton.prefill_worker.batching import PrefillQueue
-from baton.prefill_worker.core import PrefillCore
+from baton.prefill_worker.loop import DRAIN_SECONDS, PrefillDone, PrefillJob, PrefillLoop
 
 log = logging.getLogger(__name__)
 
-# On SIGTERM: seconds to finish queued prompts before stopping (inside Kubernetes' 30 s grace).
-DRAIN_SECONDS = 20.0
-# A KV push, retries included, never takes longer than this. It is only the backstop: a broken
-# push is noticed within about a second (kvtransfer.wire), and a receiver waiting for staging
-# room answers RESOURCE_EXHAUSTED after its own reserve timeout.
-PUSH_TIMEOUT_SECONDS = 30.0
-PUSH_RETRY = PushRetry(attempts=3, backoff_s=0.2)
-# Channels kept open to decode workers; far more than a deployment has, but not unbounded as
-# workers are replaced over days. The least recently used one is closed first.
-MAX_PUSH_CHANNELS = 64
 
-
-@dataclass
-class PrefillJob:
-    request: GenerationRequest
-    decode_target: str
-    push_token: str = ""  # presented with the KV push; the decode worker registered the same
-    done: Future = field(default_factory=Future)
-    cancelled: bool = False
-
-
-class PrefillLoop:
-    """One compute thread owns the PrefillCore (prefix cache included); RPC threads reach it only
-    through the job queue and the control queue (pin/unpin), which it serves between batches."""
-
-    def __init__(self, runner: Runner, settings: PrefillSettings, tls: TLSSettings | None = None,
-                 block_size: int = 16, metrics: Metrics | None = None, cluster_token: str | None = None):
-        self.runner = runner
-        self.metrics = metrics or Metrics("prefill")
-        self.core = PrefillCore(runner, prefix_cache_bytes=settings.prefix_cache_bytes, block_size=block_size,
-                                max_pins=settings.max_pins, pin_ttl_s=settings.pin_ttl_s)
-        self.settings = settings
-        self.tls = tls
-        self.cluster_token = cluster_token
-        self.decode_workers = frozenset(settings.decode_workers)
-        self.queue = PrefillQueue(settings.max_queue, settings.max_batch_tokens, settings.max_batch_size)
-        self.fingerprint = str(runner.loaded.fingerprint)
-        self.requests_done = 0
-        self._senders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-push")
-        self._channels: "OrderedDict[str, grpc.Channel]" = OrderedDict()  # most recently used last
-        self._lock = threading.Lock()
-        self._control: "queue.Queue[tuple]" = queue.Queue()
-        self._stop = threading.Event()
-        self.draining = threading.Event()
-        self._inflight: set[Future] = set()  # taken from the queue, not yet pushed
-        self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
-
-    def start(self) -> "PrefillLoop":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.queue.close()
-        self._thread.join(timeout=10)
-        self._senders.shutdown(wait=False, cancel_futures=True)
-
-    def drain(self, timeout: float) -> bool:
-        """Take no new prompts; finish (and push) the queued ones, up to timeout."""
-        self.draining.set()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not len(self.queue) and not self._inflight:
-                return True
-            time.sleep(0.1)
-        return False
-
-    def submit(self, job: PrefillJob) -> Future:
-        if self.draining.is_set():
-            raise ConnectionAbortedError("this prefill worker is draining; send the prompt elsewhere")
-        if len(self.queue) + len(self._inflight) >= self.settings.max_queue:
-            # Prompts being prefilled or pushed count too: each holds its Prefill call's thread.
-            raise OverflowError(f"{self.settings.max_queue} prompts are already queued or being prefilled here; "
-                                "retry later")
-        job.request.trace.mark("arrived")
-        # Raises OverflowError when full; higher priorities (interactive requests) prefill first.
-        self.queue.put(job, len(job.request.prompt_token_ids), job.request.params.priority)
-        return job.done
-
-    def cancel(self, request_id: str, job: PrefillJob | None = None) -> bool:
-        job = self.queue.remove(request_id, job)
-        if job is not None:
-            job.cancelled = True
-            job.done.cancel()
-            return True
-        return False
-
-    def call(self, fn, *args, timeout: float | None = None):
-        """Run fn(core, *args) on the compute thread, between batches; returns its result."""
-        done: Future = Future()
-        self._control.put((fn, args, done))
-        return done.result(timeout=timeout)
-
-    def _serve_control(self) -> None:
-        while True:
-            try:
-                fn, args, done = self._control.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                done.set_result(fn(self.core, *args))
-            except Exception as exc:
-                done.set_exception(exc)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._serve_control()
-            if self.core.pins:
-                for group_id in self.core.expire_pins():
-                    log.warning("pin of group %s expired after prefill.pin_ttl_s=%ss without an unpin", group_id,
-                                self.core.pin_ttl_s)
-            jobs = self.queue.take_batch(timeout=0.05)
-            if not jobs:
-                continue
-            jobs = [j for j in jobs if not j.cancelled and j.done.set_running_or_notify_cancel()]
-            if not jobs:
-                continue
-            for job in jobs:
-                self._inflight.add(job.done)
-                job.done.add_done_callback(self._inflight.discard)
-            try:
-                self._prefill(jobs)
-            except Exception as exc:  # one bad batch must not take the worker down
-                log.exception("prefill batch failed")
-                for job in jobs:
-                    if not job.done.done():
-                        job.done.set_exception(exc)
-
-    def _prefill(self, jobs: list[PrefillJob]) -> None:
-        prefilled = self.core.prefill([j.request for j in jobs])
-        events = self.core.drain_events()
-        for i, (job, done) in enumerate(zip(jobs, prefilled)):
-            # The batch's KV events ride on its first reply; the router applies them.
-            self._senders.submit(self._push, job, done, events if i == 0 else None)
-        self.requests_done += len(jobs)
-
-    def _push(self, job: PrefillJob, prefilled, events) -> None:
-        trace = job.request.trace
-        meta = workers_pb2.KVMetadata(
-            first_token=prefilled.first_token, seed=prefilled.seed, cached_tokens=prefilled.cached_tokens,
-            queue_seconds=trace.marks["prefill_start"] - trace.marks["arrived"],
-            prefill_seconds=trace.marks["prefill_end"] - trace.marks["prefill_start"],
-        )
-        reply = workers_pb2.PrefillReply(
-            request_id=job.request.request_id, first_token=prefilled.first_token, seed=prefilled.seed,
-            cached_tokens=prefilled.cached_tokens,
-            computed_tokens=len(job.request.prompt_token_ids) - prefilled.cached_tokens,
-            queue_seconds=meta.queue_seconds, prefill_seconds=meta.prefill_seconds,
-        )
-        if events is not None:
-            reply.stored_blocks.extend(events.stored)
-            reply.evicted_blocks.extend(events.evicted)
-
-        def retrying(attempt: int, failure: KVPushFailed) -> None:
-            self.metrics.transfers.labels("retried").inc()
-            log.warning("KV push of request %s to %s failed (attempt %d): %s; retrying", job.request.request_id,
-                        job.decode_target, attempt, failure)
-
-        try:
-            if job.cancelled:
-                raise RequestError("cancelled")
-            push_kv_retrying(self._channel(job.decode_target), job.request.request_id, self.fingerprint, prefilled.kv,
-                             meta.SerializeToString(), chunk_bytes=self.settings.kv_chunk_bytes,
-                             timeout_s=PUSH_TIMEOUT_SECONDS, retry=PUSH_RETRY, should_stop=lambda: job.cancelled,
-                             on_retry=retrying, push_token=job.push_token)
-            reply.transfer_seconds = time.monotonic() - trace.marks["prefill_end"]
-            self.metrics.transfers.labels("ok").inc()
-            self.metrics.transfer_bytes.inc(prefilled.kv.nbytes)
-            self.metrics.prefix_actual.inc(prefilled.cached_tokens)
-            job.done.set_result(reply)
-        except Exception as exc:
-            self.metrics.transfers.labels("cancelled" if job.cancelled else "failed").inc()
-            job.done.set_exception(exc)
-
-    def _channel(self, target: str) -> grpc.Channel:
-        with self._lock:
-            if target in self._channels:
-                self._channels.move_to_end(target)
-                return self._channels[target]
-            # Keepalive pings and a connect deadline: a push to a dead decode worker fails fast.
-            self._channels[target] = channel(target, self.tls, extra_options=grpc_push_channel_options(),
-                                             cluster_token=self.cluster_token)
-            while len(self._channels) > MAX_PUSH_CHANNELS:  # decode workers come and go (pod IPs): bounded
-                self._channels.popitem(last=False)[1].close()
-            return self._channels[target]
+def reply_from(request_id: str, done: PrefillDone) -> workers_pb2.PrefillReply:
+    return workers_pb2.PrefillReply(
+        request_id=request_id, first_token=done.first_token, seed=done.seed, cached_tokens=done.cached_tokens,
+        computed_tokens=done.computed_tokens, queue_seconds=done.queue_seconds,
+        prefill_seconds=done.prefill_seconds, transfer_seconds=done.transfer_seconds,
+        stored_blocks=done.stored_blocks, evicted_blocks=done.evicted_blocks)
 
 
 class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
@@ -253,7 +66,8 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
         while True:
             remaining = context.time_remaining()
             try:
-                return done.result(timeout=min(0.5, remaining) if remaining is not None else 0.5)
+                return reply_from(request.request_id,
+                                  done.result(timeout=min(0.5, remaining) if remaining is not None else 0.5))
             except TimeoutError:
                 if not context.is_active():
                     self.loop.cancel(request.request_id, job)

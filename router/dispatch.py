@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import secrets
 import threading
 import time
 import uuid
@@ -21,18 +20,13 @@ import grpc
 
 from baton.block_hash import BlockHasher
 from baton.v1 import common_pb2, router_pb2, workers_pb2
+from baton.router.errors import DecodeLost, DispatchError, cause
+from baton.router.kv_sources import Handoff, KVSource, PrefillChain
 from baton.router.policy import NoWorkers, Picker
 from baton.router.prefix_index import PrefixIndex
 from baton.router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
-
-
-class DispatchError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass
@@ -139,7 +133,7 @@ class Dispatcher:
                     out.request_id = request_id
                     yield out
                 return
-            except _DecodeLost as lost:
+            except DecodeLost as lost:
                 self.pool.mark_failed(lost.worker)
                 avoid.add(lost.worker.view.address)
                 if attempt + 1 == MAX_ATTEMPTS:
@@ -155,8 +149,8 @@ class Dispatcher:
 
         A decode worker that drains says `moving` on the stream: the request then continues on
         another decode worker, opened for prompt + sent[:-1] at step len(sent) - 1, and fed by the
-        draining worker pushing the request's KV there (`_Handoff`) instead of by a prefill."""
-        prefill = _PrefillChain(self, route, request_id, prompt + sent, _left(sampling, len(sent)), len(sent),
+        draining worker pushing the request's KV there (`Handoff`) instead of by a prefill."""
+        prefill = PrefillChain(self, route, request_id, prompt + sent, _left(sampling, len(sent)), len(sent),
                                 _until(deadline))
         leg = _Leg(route.decode, request_id, prompt + sent, len(sent), prefill)
         sources = [prefill]  # kept until the end: the prefill reply gives the usage and trace
@@ -220,7 +214,7 @@ class Dispatcher:
                 raise lost from None
             failure = leg.source.failure()
             if failure is None and err.code() in DECODE_LOST and call is not None:
-                raise _DecodeLost(self._cause(err), leg.source.seed(), leg.worker) from None
+                raise DecodeLost(self._cause(err), leg.source.seed(), leg.worker) from None
             raise self._cause(failure or err) from None
         finally:
             if call is not None and not handing_off:
@@ -240,11 +234,11 @@ class Dispatcher:
                 raise NoWorkers("the chosen decode worker just left")
         except NoWorkers as exc:
             source_call.cancel()  # frees the KV there
-            raise _DecodeLost(DispatchError(grpc.StatusCode.UNAVAILABLE, f"no handoff: {exc}"), seed,
+            raise DecodeLost(DispatchError(grpc.StatusCode.UNAVAILABLE, f"no handoff: {exc}"), seed,
                               leg.worker) from None
         log.info("decode worker %s is draining; handing request %s to %s after %d tokens", leg.worker.view.address,
                  leg.request_id, target.view.address, len(sent))
-        source = _Handoff(leg.worker, source_call, leg.request_id, target, request_id, seed, _until(deadline))
+        source = Handoff(leg.worker, source_call, leg.request_id, target, request_id, seed, _until(deadline))
         return _Leg(target, request_id, prompt + sent[:-1], len(sent) - 1, source)
 
     def _finish(self, out, msg, reply, route: Route, decode: Worker, prompt_len: int, completion: int,
@@ -262,17 +256,12 @@ class Dispatcher:
             predicted_cached_tokens=route.predicted_cached_tokens,
             prefill_worker=route.prefill.view.address, decode_worker=decode.view.address))
 
-    @staticmethod
-    def _cause(err) -> DispatchError:
-        code = err.code() if hasattr(err, "code") else grpc.StatusCode.INTERNAL
-        details = err.details() if hasattr(err, "details") else str(err)
-        return DispatchError(code, details or code.name)
+    _cause = staticmethod(cause)
 
 
 MAX_ATTEMPTS = 3  # tries per request across workers
 # The decode stream broke because its worker went away (not because of the request itself).
 DECODE_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
-PREFILL_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
 
 DEFAULT_MAX_TOKENS = 256  # engine.sampling.SamplingParams' default, for requests that set none
@@ -290,16 +279,6 @@ def _until(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.001, deadline - time.monotonic())
 
 
-class _DecodeLost(Exception):
-    """The request must go on elsewhere: `worker`, its decode worker, failed or could not hand it off."""
-
-    def __init__(self, error: DispatchError, seed: int | None, worker: Worker):
-        super().__init__(error.message)
-        self.error = error
-        self.seed = seed
-        self.worker = worker
-
-
 @dataclass
 class _Leg:
     """One decode worker's part of a request: a Decode call there, fed by one KV source."""
@@ -308,180 +287,4 @@ class _Leg:
     request_id: str  # its id on that worker
     prompt: list[int]  # the tokens whose KV it gets
     resume_step: int  # tokens generated before; after a handoff, its first token is the last of them again
-    source: "_KVSource"
-
-
-class _KVSource:
-    """What feeds a leg's decode worker its KV. Once that worker has sent a token the KV is there,
-    and a later failure of the source (say a prefill retry whose push is refused because the first
-    try's KV had already landed before its worker died) must not stop the stream."""
-
-    def __init__(self):
-        # Handed to both ends: the decode worker stages KV only from the push that carries it.
-        self.push_token = secrets.token_hex(16)
-        self._lock = threading.Lock()
-        self._cancelled = False
-        self._delivered = False
-        self._give_up = None
-        self._failure = None
-
-    def delivered(self) -> None:
-        self._delivered = True
-
-    def _failed(self, err) -> None:
-        if self._delivered:
-            log.info("%s failed after its KV was delivered (%s); ignored", type(self).__name__, err.code().name)
-            return
-        self._failure = err
-        if self._give_up is not None:
-            self._give_up()
-
-    def failure(self):
-        return self._failure
-
-
-class _PrefillChain(_KVSource):
-    """Prefill on the routed worker; if it fails for a worker-side reason, once more on another.
-    When it finally fails, `on_give_up` stops the decode stream waiting for KV that never comes."""
-
-    def __init__(self, dispatcher: Dispatcher, route: Route, request_id, prompt, sampling, resume_step, timeout):
-        super().__init__()
-        self.dispatcher = dispatcher
-        self.route = route
-        self.request_id = request_id
-        self.prompt = prompt
-        self.sampling = sampling
-        self.resume_step = resume_step
-        self.timeout = timeout
-        self.tries = 0
-        self.call = None
-        self._acquired = None
-
-    def start(self, on_give_up) -> None:
-        self._give_up = on_give_up
-        self._launch(self.route.prefill)
-
-    def _launch(self, worker: Worker) -> None:
-        with self._lock:
-            if self._cancelled:
-                return
-            self.tries += 1
-            self._swap_acquired(worker)
-            self.call = call = worker.stub.Prefill.future(
-                workers_pb2.PrefillRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
-                                           sampling=self.sampling, decode_target=self.route.decode.view.address,
-                                           model_fingerprint=self.route.decode.fingerprint,
-                                           resume_step=self.resume_step, push_token=self.push_token),
-                timeout=self.timeout)
-        # Outside the lock: a call that already failed (a dead worker fails at once) runs _done
-        # right here, and its retry takes the lock again.
-        call.add_done_callback(self._done)
-
-    def _swap_acquired(self, worker: Worker) -> None:
-        if self._acquired is not None:
-            self.dispatcher.pool.release(self._acquired)
-        self.dispatcher.pool.acquire(worker)
-        self._acquired = worker
-
-    def _done(self, call) -> None:
-        if call.cancelled() or call.exception() is None:
-            return
-        err = call.exception()
-        retry = self.tries < 2 and not self._cancelled and not self._delivered and err.code() in PREFILL_RETRYABLE
-        if retry:
-            failed = self.route.prefill
-            self.dispatcher.pool.mark_failed(failed)
-            others = [v for v in self.dispatcher.pool.views("prefill") if v.healthy and v.address != failed.view.address]
-            if others:
-                worker = self.dispatcher.pool.get("prefill", self.dispatcher.picker.pick_prefill(others, len(self.prompt)).address)
-                if worker is not None:
-                    log.warning("prefill on %s failed (%s); retrying on %s", failed.view.address, err.code().name,
-                                worker.view.address)
-                    self.route.prefill = worker
-                    self._launch(worker)
-                    return
-        self._failed(err)
-
-    def lost(self) -> _DecodeLost | None:
-        """ABORTED: the prompt was prefilled but its KV could not be delivered to the decode worker."""
-        failure = self._failure
-        if failure is not None and failure.code() == grpc.StatusCode.ABORTED:
-            return _DecodeLost(Dispatcher._cause(failure), self.seed(), self.route.decode)
-        return None
-
-    def reply(self) -> workers_pb2.PrefillReply:
-        """The prefill's reply, for the usage, trace and prefix index; an empty one when the KV
-        arrived but no reply will (its worker died right after the push)."""
-        try:
-            return self.call.result(timeout=REPLY_WAIT_S)
-        except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError) as exc:
-            log.info("request %s finished without its prefill reply (%s)", self.request_id, type(exc).__name__)
-            return workers_pb2.PrefillReply()
-
-    def seed(self) -> int | None:
-        call = self.call
-        if call is not None and call.done() and not call.cancelled() and call.exception() is None:
-            return call.result().seed
-        return None
-
-    def cancel(self) -> None:
-        with self._lock:
-            self._cancelled = True
-            if self.call is not None and not self.call.done():
-                self.call.cancel()
-            if self._acquired is not None:
-                self.dispatcher.pool.release(self._acquired)
-                self._acquired = None
-
-
-# How long a finished request waits for its prefill's reply; it normally comes with the KV.
-REPLY_WAIT_S = 10.0
-
-
-class _Handoff(_KVSource):
-    """A leg's KV source after the previous decode worker began draining: that worker pushes the
-    request's KV to this leg's worker (`DecodeWorker.Handoff`). Its Decode call there stays open
-    until then, holding the KV; cancelling it frees whatever is left."""
-
-    def __init__(self, source: Worker, source_call, source_request_id: str, target: Worker, target_request_id: str,
-                 seed: int, timeout: float | None):
-        super().__init__()
-        self.source = source
-        self.source_call = source_call
-        self.request = workers_pb2.HandoffRequest(request_id=source_request_id, target=target.view.address,
-                                                  target_request_id=target_request_id, push_token=self.push_token)
-        self._seed = seed
-        self.timeout = timeout
-        self.call = None
-
-    def start(self, on_give_up) -> None:
-        self._give_up = on_give_up
-        with self._lock:
-            if self._cancelled:
-                return
-            self.call = self.source.stub.Handoff.future(self.request, timeout=self.timeout)
-        self.call.add_done_callback(self._done)
-
-    def _done(self, call) -> None:
-        self.source_call.cancel()  # the handoff is over: nothing is left there to hold
-        if call.cancelled() or call.exception() is None:
-            return
-        err = call.exception()
-        log.warning("%s could not hand request %s to %s (%s: %s)", self.source.view.address, self.request.request_id,
-                    self.request.target, err.code().name, err.details())
-        self._failed(err)
-
-    def lost(self) -> _DecodeLost | None:
-        """Any failure: the KV did not arrive, so the request is prefilled again."""
-        failure = self._failure
-        return None if failure is None else _DecodeLost(Dispatcher._cause(failure), self._seed, self.source)
-
-    def seed(self) -> int:
-        return self._seed
-
-    def cancel(self) -> None:
-        with self._lock:
-            self._cancelled = True
-            if self.call is not None and not self.call.done():
-                self.call.cancel()
-        self.source_call.cancel()
+    source: "KVSource"

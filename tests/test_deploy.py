@@ -27,7 +27,7 @@ import yaml
 
 from baton.config import known_keys, load_settings
 from baton.decode_worker.service import DRAIN_SECONDS as DECODE_DRAIN_S
-from baton.prefill_worker.service import DRAIN_SECONDS as PREFILL_DRAIN_S
+from baton.prefill_worker.loop import DRAIN_SECONDS as PREFILL_DRAIN_S
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "baton"

@@ -21,7 +21,8 @@ from baton.kvtransfer.wire import grpc_channel_options, grpc_server_ping_options
 from baton.engine.request import GenerationRequest
 from baton.engine.executors import make_runner
 from baton.engine.sampling import SamplingParams
-from baton.prefill_worker.service import PrefillJob, PrefillLoop, serve
+from baton.prefill_worker.loop import PrefillJob, PrefillLoop
+from baton.prefill_worker.service import serve
 
 # 750 KiB of tiny-random KV (512 B a token) in 64 KiB chunks; the proxy breaks after 256 KiB.
 PROMPT = [(17 * i) % 1000 + 3 for i in range(1500)]
@@ -126,7 +127,7 @@ def test_a_push_to_a_decode_worker_that_never_answers_is_aborted_within_seconds(
 
 
 def test_push_channels_to_decode_workers_that_came_and_went_are_bounded(prefill_worker, monkeypatch):
-    import baton.prefill_worker.service as service
+    import baton.prefill_worker.loop as service
 
     _, loop = prefill_worker
     monkeypatch.setattr(service, "MAX_PUSH_CHANNELS", 3)

@@ -8,7 +8,9 @@ import pytest
 
 from baton.up import free_port
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
-from baton.router.dispatch import Dispatcher, Route, _DecodeLost, _PrefillChain
+from baton.router.dispatch import Dispatcher, Route
+from baton.router.errors import DecodeLost
+from baton.router.kv_sources import PrefillChain
 from baton.router.prefix_index import PrefixIndexConfig, build_prefix_index
 from baton.router.workers import WorkerPool
 
@@ -49,7 +51,7 @@ def prefill_server(grpc_server):
     return lambda servicer: grpc_server(workers_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer)
 
 
-def _chain(prefill_addresses: list[str]) -> tuple[_PrefillChain, WorkerPool]:
+def _chain(prefill_addresses: list[str]) -> tuple[PrefillChain, WorkerPool]:
     pool = WorkerPool()
     pool.set_workers("prefill", prefill_addresses)
     pool.set_workers("decode", [f"127.0.0.1:{free_port()}"])  # named as the KV's target, never called
@@ -57,11 +59,11 @@ def _chain(prefill_addresses: list[str]) -> tuple[_PrefillChain, WorkerPool]:
         worker.view.healthy = True
     dispatcher = Dispatcher(pool, build_prefix_index(PrefixIndexConfig()), block_size=16)
     route = Route(pool.get("prefill", prefill_addresses[0]), pool.all()[-1], 0)
-    chain = _PrefillChain(dispatcher, route, "r1", [1, 2, 3, 4], common_pb2.SamplingParams(max_tokens=4), 0, 10.0)
+    chain = PrefillChain(dispatcher, route, "r1", [1, 2, 3, 4], common_pb2.SamplingParams(max_tokens=4), 0, 10.0)
     return chain, pool
 
 
-def _start(chain: _PrefillChain) -> threading.Event:
+def _start(chain: PrefillChain) -> threading.Event:
     gave_up = threading.Event()
     starter = threading.Thread(target=chain.start, args=(gave_up.set,), daemon=True)
     starter.start()
@@ -102,7 +104,7 @@ def test_a_prefill_that_fails_after_its_kv_was_delivered_does_not_stop_the_strea
         if delivered:
             assert reply == workers_pb2.PrefillReply() and chain.lost() is None and not gave_up.is_set()
         else:
-            assert gave_up.wait(10) and isinstance(chain.lost(), _DecodeLost)
+            assert gave_up.wait(10) and isinstance(chain.lost(), DecodeLost)
         chain.cancel()
     finally:
         pool.stop()

@@ -170,7 +170,7 @@ The Secret holding the cluster token: the one named in values, or the one the ch
 
 {{/*
 Seconds a role drains on SIGTERM: the router's router.config.drain_timeout_s, the workers' fixed
-20 s (DRAIN_SECONDS in prefill_worker/service.py and decode_worker/service.py).
+20 s (DRAIN_SECONDS in prefill_worker/loop.py and decode_worker/service.py).
 */}}
 {{- define "baton.drainSeconds" -}}
 {{- if eq .role "router" }}{{ .root.Values.router.config.drain_timeout_s | default 20 }}{{ else }}20{{ end }}

@@ -1,0 +1,194 @@
+"""What feeds a decode worker a request's KV: a prefill (retried once on another prefill worker)
+or a draining decode worker handing it over. The router's dispatch opens the Decode call, then
+starts the source; a source that fails for good stops that call (`on_give_up`)."""
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+
+import grpc
+
+from baton.v1 import workers_pb2
+from baton.router.errors import DecodeLost, cause
+from baton.router.workers import Worker
+
+log = logging.getLogger(__name__)
+
+PREFILL_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+
+
+class KVSource:
+    """What feeds a leg's decode worker its KV. Once that worker has sent a token the KV is there,
+    and a later failure of the source (say a prefill retry whose push is refused because the first
+    try's KV had already landed before its worker died) must not stop the stream."""
+
+    def __init__(self):
+        # Handed to both ends: the decode worker stages KV only from the push that carries it.
+        self.push_token = secrets.token_hex(16)
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._delivered = False
+        self._give_up = None
+        self._failure = None
+
+    def delivered(self) -> None:
+        self._delivered = True
+
+    def _failed(self, err) -> None:
+        if self._delivered:
+            log.info("%s failed after its KV was delivered (%s); ignored", type(self).__name__, err.code().name)
+            return
+        self._failure = err
+        if self._give_up is not None:
+            self._give_up()
+
+    def failure(self):
+        return self._failure
+
+
+class PrefillChain(KVSource):
+    """Prefill on the routed worker; if it fails for a worker-side reason, once more on another.
+    When it finally fails, `on_give_up` stops the decode stream waiting for KV that never comes."""
+
+    def __init__(self, dispatcher, route, request_id, prompt, sampling, resume_step, timeout):
+        super().__init__()
+        self.dispatcher = dispatcher
+        self.route = route
+        self.request_id = request_id
+        self.prompt = prompt
+        self.sampling = sampling
+        self.resume_step = resume_step
+        self.timeout = timeout
+        self.tries = 0
+        self.call = None
+        self._acquired = None
+
+    def start(self, on_give_up) -> None:
+        self._give_up = on_give_up
+        self._launch(self.route.prefill)
+
+    def _launch(self, worker: Worker) -> None:
+        with self._lock:
+            if self._cancelled:
+                return
+            self.tries += 1
+            self._swap_acquired(worker)
+            self.call = call = worker.stub.Prefill.future(
+                workers_pb2.PrefillRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
+                                           sampling=self.sampling, decode_target=self.route.decode.view.address,
+                                           model_fingerprint=self.route.decode.fingerprint,
+                                           resume_step=self.resume_step, push_token=self.push_token),
+                timeout=self.timeout)
+        # Outside the lock: a call that already failed (a dead worker fails at once) runs _done
+        # right here, and its retry takes the lock again.
+        call.add_done_callback(self._done)
+
+    def _swap_acquired(self, worker: Worker) -> None:
+        if self._acquired is not None:
+            self.dispatcher.pool.release(self._acquired)
+        self.dispatcher.pool.acquire(worker)
+        self._acquired = worker
+
+    def _done(self, call) -> None:
+        if call.cancelled() or call.exception() is None:
+            return
+        err = call.exception()
+        retry = self.tries < 2 and not self._cancelled and not self._delivered and err.code() in PREFILL_RETRYABLE
+        if retry:
+            failed = self.route.prefill
+            self.dispatcher.pool.mark_failed(failed)
+            others = [v for v in self.dispatcher.pool.views("prefill") if v.healthy and v.address != failed.view.address]
+            if others:
+                worker = self.dispatcher.pool.get("prefill", self.dispatcher.picker.pick_prefill(others, len(self.prompt)).address)
+                if worker is not None:
+                    log.warning("prefill on %s failed (%s); retrying on %s", failed.view.address, err.code().name,
+                                worker.view.address)
+                    self.route.prefill = worker
+                    self._launch(worker)
+                    return
+        self._failed(err)
+
+    def lost(self) -> DecodeLost | None:
+        """ABORTED: the prompt was prefilled but its KV could not be delivered to the decode worker."""
+        failure = self._failure
+        if failure is not None and failure.code() == grpc.StatusCode.ABORTED:
+            return DecodeLost(cause(failure), self.seed(), self.route.decode)
+        return None
+
+    def reply(self) -> workers_pb2.PrefillReply:
+        """The prefill's reply, for the usage, trace and prefix index; an empty one when the KV
+        arrived but no reply will (its worker died right after the push)."""
+        try:
+            return self.call.result(timeout=REPLY_WAIT_S)
+        except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError) as exc:
+            log.info("request %s finished without its prefill reply (%s)", self.request_id, type(exc).__name__)
+            return workers_pb2.PrefillReply()
+
+    def seed(self) -> int | None:
+        call = self.call
+        if call is not None and call.done() and not call.cancelled() and call.exception() is None:
+            return call.result().seed
+        return None
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self.call is not None and not self.call.done():
+                self.call.cancel()
+            if self._acquired is not None:
+                self.dispatcher.pool.release(self._acquired)
+                self._acquired = None
+
+
+# How long a finished request waits for its prefill's reply; it normally comes with the KV.
+REPLY_WAIT_S = 10.0
+
+
+class Handoff(KVSource):
+    """A leg's KV source after the previous decode worker began draining: that worker pushes the
+    request's KV to this leg's worker (`DecodeWorker.Handoff`). Its Decode call there stays open
+    until then, holding the KV; cancelling it frees whatever is left."""
+
+    def __init__(self, source: Worker, source_call, source_request_id: str, target: Worker, target_request_id: str,
+                 seed: int, timeout: float | None):
+        super().__init__()
+        self.source = source
+        self.source_call = source_call
+        self.request = workers_pb2.HandoffRequest(request_id=source_request_id, target=target.view.address,
+                                                  target_request_id=target_request_id, push_token=self.push_token)
+        self._seed = seed
+        self.timeout = timeout
+        self.call = None
+
+    def start(self, on_give_up) -> None:
+        self._give_up = on_give_up
+        with self._lock:
+            if self._cancelled:
+                return
+            self.call = self.source.stub.Handoff.future(self.request, timeout=self.timeout)
+        self.call.add_done_callback(self._done)
+
+    def _done(self, call) -> None:
+        self.source_call.cancel()  # the handoff is over: nothing is left there to hold
+        if call.cancelled() or call.exception() is None:
+            return
+        err = call.exception()
+        log.warning("%s could not hand request %s to %s (%s: %s)", self.source.view.address, self.request.request_id,
+                    self.request.target, err.code().name, err.details())
+        self._failed(err)
+
+    def lost(self) -> DecodeLost | None:
+        """Any failure: the KV did not arrive, so the request is prefilled again."""
+        failure = self._failure
+        return None if failure is None else DecodeLost(cause(failure), self._seed, self.source)
+
+    def seed(self) -> int:
+        return self._seed
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self.call is not None and not self.call.done():
+                self.call.cancel()
+        self.source_call.cancel()
