@@ -45,6 +45,16 @@ def check_token(token: str, source: str) -> str:
     return token
 
 
+def read_token_file(path: str, setting: str) -> str:
+    """The token in the file `setting` names, checked; ValueError naming the setting otherwise."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ValueError(f"{setting}: cannot read {path!r} ({why})") from None
+    return check_token(text.strip(), f"{setting} {path!r}")
+
+
 def load_token(token_file: str, env: Mapping[str, str]) -> str | None:
     """The router's token: from router.auth_token_file, else the BATON_AUTH_TOKEN environment
     variable; None when neither is set (no auth). Both set is refused as ambiguous."""
@@ -52,12 +62,7 @@ def load_token(token_file: str, env: Mapping[str, str]) -> str | None:
     if token_file and from_env is not None:
         raise ValueError(f"both router.auth_token_file and {TOKEN_ENV} are set; keep one")
     if token_file:
-        try:
-            text = Path(token_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise ValueError(f"router.auth_token_file: cannot read {token_file!r} ({why})") from None
-        return check_token(text.strip(), f"router.auth_token_file {token_file!r}")
+        return read_token_file(token_file, "router.auth_token_file")
     if from_env is not None:
         return check_token(from_env.strip(), f"environment variable {TOKEN_ENV}")
     return None
@@ -127,12 +132,7 @@ def load_cluster_token(token: str, token_file: str) -> str | None:
     if token and token_file:
         raise ValueError("both cluster.token (BATON_CLUSTER_TOKEN) and cluster.token_file are set; keep one")
     if token_file:
-        try:
-            text = Path(token_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise ValueError(f"cluster.token_file: cannot read {token_file!r} ({why})") from None
-        return check_token(text.strip(), f"cluster.token_file {token_file!r}")
+        return read_token_file(token_file, "cluster.token_file")
     if token:
         return check_token(token.strip(), "cluster.token (BATON_CLUSTER_TOKEN)")
     return None
