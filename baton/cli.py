@@ -39,7 +39,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_from_args(args):
-    from baton.engine.sampling import SamplingParams
+    from baton.sampling import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))

@@ -13,7 +13,7 @@ from baton.decode_worker.core import DecodeConfig, DecodeCore
 from baton.engine.model import LoadedModel
 from baton.engine.request import GenerationRequest, RequestError, RequestOutput, validate_prompt
 from baton.engine.executors import make_runner
-from baton.engine.sampling import SamplingParams
+from baton.sampling import SamplingParams
 from baton.prefill_worker.batching import pick_batch
 from baton.prefill_worker.core import PrefillCore
 

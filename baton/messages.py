@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from baton.v1 import common_pb2
-from baton.engine.sampling import SamplingParams
+from baton.sampling import SamplingParams
 
 _DEFAULTS = SamplingParams()
 

@@ -50,18 +50,20 @@ def build_request(prompt: str | None = None, *, messages: ChatMessages | None = 
             request.messages.messages.append(message)
     else:
         request.token_ids.ids.extend(_checked_token_ids(token_ids))
-    request.sampling.CopyFrom(sampling_to_proto(SamplingOptions.from_kwargs(sampling)))
+    given = {name for name, value in sampling.items() if value is not None}
+    request.sampling.CopyFrom(sampling_to_proto(SamplingOptions.from_kwargs(sampling), given))
     return request
 
 
-def sampling_to_proto(options: SamplingOptions) -> common_pb2.SamplingParams:
+def sampling_to_proto(options: SamplingOptions, given: set[str] = frozenset()) -> common_pb2.SamplingParams:
+    """The wire form. max_tokens and top_p go only when the caller `given` them, so the server
+    applies its own defaults otherwise; no seed means a fresh one per request."""
     proto = common_pb2.SamplingParams(temperature=options.temperature, top_k=options.top_k,
                                       stop=list(options.stop), stop_token_ids=list(options.stop_token_ids),
                                       ignore_eos=options.ignore_eos, priority=options.priority)
-    # Optional fields stay unset when None so the server applies its own defaults.
-    if options.max_tokens is not None:
+    if "max_tokens" in given:
         proto.max_tokens = options.max_tokens
-    if options.top_p is not None:
+    if "top_p" in given:
         proto.top_p = options.top_p
     if options.seed is not None:
         proto.seed = options.seed

@@ -1,17 +1,14 @@
 """What the SDK accepts and returns: plain dataclasses, no gRPC.
 
-`SamplingOptions` mirrors `engine.sampling.SamplingParams` field for field and is checked
-here, before any RPC, so a bad value fails at once with a message saying what to change.
+Sampling options are `baton.sampling.SamplingParams`, the class the router and the engine use,
+checked here before any RPC, so a bad value fails at once with a message saying what to change.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-UINT32_MAX = 2**32 - 1
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-MAX_SEED = 2**63 - 1  # the engine's bound; the wire field is wider
+from baton.sampling import INT32_MAX, INT32_MIN, MAX_SEED, SAMPLING_OPTION_NAMES, UINT32_MAX, SamplingParams  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -93,76 +90,5 @@ class BatchOutcome:
     summary: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class SamplingOptions:
-    """How a request chooses its tokens and when it ends. None / defaults leave the server's
-    defaults (max_tokens 256, greedy, top_p 1, a fresh random seed)."""
-
-    max_tokens: int | None = None
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float | None = None  # (0, 1]
-    top_k: int = 0  # 0 = off
-    seed: int | None = None  # same seed, same tokens
-    stop: tuple[str, ...] = ()  # stop strings, not included in the text
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    priority: int = 0  # higher runs first under pressure
-
-    def __post_init__(self) -> None:
-        # Accept a single stop string, lists, and int temperatures; store one normal form.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif isinstance(self.stop, (list, tuple)):
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if isinstance(self.stop_token_ids, (list, tuple)):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if _is_int(value):
-                object.__setattr__(self, name, float(value))
-        self._validate()
-
-    @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any]) -> "SamplingOptions":
-        """Build from keyword arguments; an unknown name is a TypeError listing the known ones."""
-        unknown = sorted(set(kwargs) - SAMPLING_OPTION_NAMES)
-        if unknown:
-            raise TypeError(f"unknown sampling option(s) {', '.join(unknown)}; "
-                            f"known: {', '.join(sorted(SAMPLING_OPTION_NAMES))}")
-        return cls(**kwargs)
-
-    def _validate(self) -> None:
-        if self.max_tokens is not None and not _int_in(self.max_tokens, 1, UINT32_MAX):
-            raise ValueError(f"max_tokens must be an integer >= 1 (got {self.max_tokens!r}); "
-                             "ask for at least one new token, or leave it unset for the server default")
-        t = self.temperature
-        if not isinstance(t, float) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (got {t!r}); "
-                             "use 0 for greedy decoding or e.g. 0.7 for sampling")
-        p = self.top_p
-        if p is not None and (not isinstance(p, float) or not 0.0 < p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1] (got {p!r}); use 1.0 or leave it unset to turn it off")
-        if not _int_in(self.top_k, 0, UINT32_MAX):
-            raise ValueError(f"top_k must be an integer >= 0 (got {self.top_k!r}); use 0 to turn it off")
-        if self.seed is not None and not _int_in(self.seed, 0, MAX_SEED):
-            raise ValueError(f"seed must be an integer in 0..2**63-1 or None (got {self.seed!r})")
-        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them (got {self.stop!r})")
-        if not isinstance(self.stop_token_ids, tuple) or not all(
-                _int_in(t, 0, UINT32_MAX) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of token ids >= 0 (got {self.stop_token_ids!r})")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False (got {self.ignore_eos!r})")
-        if not _int_in(self.priority, INT32_MIN, INT32_MAX):
-            raise ValueError(f"priority must be a 32-bit integer (got {self.priority!r}); higher runs first")
-
-
-SAMPLING_OPTION_NAMES = frozenset(f.name for f in fields(SamplingOptions))
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int_in(value: Any, low: int, high: int) -> bool:
-    return _is_int(value) and low <= value <= high
+# The SDK's sampling options are the one SamplingParams the router and the engine use too.
+SamplingOptions = SamplingParams

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 
 from baton.engine.kv import SequenceKV
-from baton.engine.sampling import SamplingParams
+from baton.sampling import SamplingParams
 
 # Stages in the order a request passes them; the trace says how long each took.
 STAGES = ("queue", "prefill", "transfer", "staging", "admission", "decode")

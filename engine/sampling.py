@@ -10,118 +10,14 @@ CUDA random streams differ).
 """
 from __future__ import annotations
 
-import math
-import numbers
 import secrets
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 256
-MAX_SEED = 2**63 - 1
-# Below this a temperature only amplifies float noise, so it is treated as greedy (as vLLM does).
-GREEDY_TEMPERATURE_EPS = 1e-5
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request chooses its tokens and when it ends. Validated on construction."""
-
-    max_tokens: int = 256
-    temperature: float = 0.0  # 0 = greedy (argmax); top_k / top_p are then irrelevant
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
-    seed: int | None = None  # None = a fresh random seed per request
-    stop: tuple[str, ...] = ()  # stop strings; not included in the returned text
-    stop_token_ids: tuple[int, ...] = ()  # end the request when sampled, like EOS
-    ignore_eos: bool = False
-    priority: int = 0
-
-    def __post_init__(self) -> None:
-        # Normalise JSON-ish input (lists, a single stop string, int temperatures) once here.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif isinstance(self.stop, (list, tuple)):
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if isinstance(self.stop_token_ids, (list, tuple)):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if isinstance(value, numbers.Real) and not isinstance(value, bool):
-                object.__setattr__(self, name, float(value))
-        self.validate()
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE_EPS
-
-    def validate(self) -> None:
-        """Raise ValueError naming the bad field, its value and what to change."""
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1 (got {self.max_tokens!r}); "
-                             "ask for at least one new token")
-        t = self.temperature
-        if not isinstance(t, float) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (got {t!r}); "
-                             "use 0 for greedy decoding or e.g. 0.7 for sampling")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (got {self.top_k!r}); use 0 to turn it off")
-        p = self.top_p
-        if not isinstance(p, float) or not 0.0 < p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (got {p!r}); use 1.0 to turn it off")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise ValueError(f"seed must be an integer in 0..2**63-1 or null (got {self.seed!r})")
-        self._validate_stops()
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false (got {self.ignore_eos!r})")
-        if not _is_int(self.priority):
-            raise ValueError(f"priority must be an integer (got {self.priority!r})")
-
-    def _validate_stops(self) -> None:
-        if not isinstance(self.stop, tuple):
-            raise ValueError(f"stop must be a string or a list of strings (got {self.stop!r})")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed (got {len(self.stop)}); "
-                             "send fewer stop strings")
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"every stop string must be a non-empty string (got {s!r}); "
-                                 "remove empty stop strings")
-            if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters "
-                                 f"(got one of {len(s)}); shorten it")
-        if not isinstance(self.stop_token_ids, tuple):
-            raise ValueError(f"stop_token_ids must be a list of integers (got {self.stop_token_ids!r})")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed "
-                             f"(got {len(self.stop_token_ids)}); send fewer")
-        for token_id in self.stop_token_ids:
-            if not _is_int(token_id) or token_id < 0:
-                raise ValueError(f"stop_token_ids must be integers >= 0 (got {token_id!r}); "
-                                 "remove negative or non-integer ids")
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form (tuples become lists)."""
-        out = asdict(self)
-        out["stop"] = list(self.stop)
-        out["stop_token_ids"] = list(self.stop_token_ids)
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
-        """Inverse of to_dict; missing keys take defaults, unknown keys are refused."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
-        return cls(**data)
+# The parameters themselves are plain Python, shared with the SDK and the router.
+from baton.sampling import (GREEDY_TEMPERATURE_EPS, MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,  # noqa: F401
+                            MAX_STOP_TOKEN_IDS, SamplingParams)
 
 
 def _step_seed(seed: int, step: int) -> int:

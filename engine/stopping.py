@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Collection, Sequence
 
-from baton.engine.sampling import SamplingParams
+from baton.sampling import SamplingParams
 
 Decode = Callable[[Sequence[int]], str]
 

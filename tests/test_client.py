@@ -422,7 +422,7 @@ def test_async_errors_deadlines_and_cancellation(router):
 # --- cli_support and packaging ---
 
 def test_generate_via_router_takes_engine_sampling_params(router):
-    from baton.engine.sampling import SamplingParams
+    from baton.sampling import SamplingParams
 
     servicer, target = router
     outputs = generate_via_router(target, ["one", "two"], SamplingParams(max_tokens=3, seed=4), raw=True)

@@ -12,7 +12,7 @@ import pytest
 
 from baton.local import LocalEngine
 from baton.decode_worker.core import DecodeConfig
-from baton.engine.sampling import SamplingParams
+from baton.sampling import SamplingParams
 
 WORDS = ("river stone lantern quiet harbor engine violet market thunder paper garden orbit copper "
          "silent meadow signal winter candle forest bridge planet whisper mirror shadow").split()

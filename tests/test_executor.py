@@ -23,7 +23,7 @@ from baton.engine.linear import Linear, best_layout, onednn_packs
 from baton.engine.llama import LlamaRunner
 from baton.engine.model import LoadedModel, _finish, default_tokenizer, resolve_dtype
 from baton.engine.runner import TransformersRunner
-from baton.engine.sampling import SamplingParams
+from baton.sampling import SamplingParams
 
 
 class Greedy:

@@ -45,7 +45,7 @@ from baton.up import LocalCluster, free_port, stop_process, wait_serving
 from baton.v1 import common_pb2, kvtransfer_pb2 as kv_pb, kvtransfer_pb2_grpc, router_pb2, router_pb2_grpc
 from baton.v1 import workers_pb2, workers_pb2_grpc
 from baton.client import BatonClient
-from baton.engine.sampling import MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from baton.sampling import MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from baton.kvtransfer.wire import MAX_METADATA_BYTES
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 from baton.local import LocalEngine
 from baton.decode_worker.core import DecodeConfig
 from baton.engine.request import RequestError
-from baton.engine.sampling import SamplingParams
+from baton.sampling import SamplingParams
 
 
 def test_thousand_requests_leave_kv_allocation_where_it_started(tiny_model):

@@ -23,7 +23,7 @@ from baton.decode_worker.core import DecodeConfig, DecodeCore, Evicted
 from baton.decode_worker.loop import DecodeLoop, Moving, NotMoving
 from baton.engine.request import GenerationRequest, PrefilledRequest
 from baton.engine.executors import make_runner
-from baton.engine.sampling import SamplingParams
+from baton.sampling import SamplingParams
 from baton.kvtransfer.staging import StagingConfig, StagingPool
 from baton.prefill_worker.core import PrefillCore
 

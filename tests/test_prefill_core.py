@@ -6,7 +6,7 @@ import torch
 
 from baton.engine.request import GenerationRequest
 from baton.engine.executors import make_runner
-from baton.engine.sampling import SamplingParams
+from baton.sampling import SamplingParams
 from baton.prefill_worker.core import PrefillCore
 
 PREFIX = list(range(200, 240))  # 2 full blocks of 16 and a partial one of 8

@@ -20,7 +20,7 @@ from baton.kvtransfer.grpc_transport import KVTransferServicer
 from baton.kvtransfer.wire import grpc_channel_options, grpc_server_ping_options
 from baton.engine.request import GenerationRequest
 from baton.engine.executors import make_runner
-from baton.engine.sampling import SamplingParams
+from baton.sampling import SamplingParams
 from baton.prefill_worker.loop import PrefillJob, PrefillLoop
 from baton.prefill_worker.service import serve
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from baton.engine.sampling import RequestSampler, SamplingParams, sample
+from baton.v1 import common_pb2
 
 
 def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -187,3 +188,15 @@ def test_json_round_trip_and_normalisation():
     assert SamplingParams.from_dict({}) == SamplingParams()
     with pytest.raises(ValueError, match="unknown sampling parameter.*topk"):
         SamplingParams.from_dict({"topk": 3})
+
+
+def test_one_sampling_params_for_the_sdk_the_router_and_the_engine():
+    """Validated once, in one torch-free place (baton/sampling.py)."""
+    import baton.engine.sampling as engine_sampling
+    import baton.sampling as shared
+    from baton.client import SamplingOptions
+    from baton.messages import sampling_from_proto
+
+    assert SamplingOptions is shared.SamplingParams is engine_sampling.SamplingParams
+    assert type(sampling_from_proto(common_pb2.SamplingParams(max_tokens=3))) is shared.SamplingParams
+    assert "torch" not in shared.__dict__

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from baton.engine.sampling import SamplingParams
+from baton.sampling import SamplingParams
 from baton.engine.stopping import FinishReason, IncrementalDetokenizer, StopChecker
 
 # A byte-level fake tokenizer: each id is a byte string, as in GPT-2 style BPE vocabularies.

@@ -10,7 +10,7 @@ SCRIPT = textwrap.dedent("""
     from baton.local import LocalEngine
     from baton.decode_worker.core import DecodeConfig
     from baton.engine.model import load_model
-    from baton.engine.sampling import SamplingParams
+    from baton.sampling import SamplingParams
 
     model = load_model("tiny-random")
     prompts = [[5, 6, 7], list(range(100, 140)), [9], list(range(300, 317))]

@@ -205,7 +205,7 @@ def run_local(loaded, prompts: list[list[int]], caps: list[int], batch_size: int
               executor: str = "auto") -> EngineRun:
     from baton.local import LocalEngine
     from baton.decode_worker.core import DecodeConfig
-    from baton.engine.sampling import SamplingParams
+    from baton.sampling import SamplingParams
 
     engine = LocalEngine(loaded, DecodeConfig(max_rows=batch_size), executor=executor)
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up

@@ -99,7 +99,7 @@ def timed_figures(opts: BenchOptions, shapes: dict[str, Any], problems: dict[str
     from baton.decode_worker.core import DecodeConfig
     from baton.engine.model import load_model
     from baton.engine.executors import make_runner
-    from baton.engine.sampling import SamplingParams
+    from baton.sampling import SamplingParams
 
     loaded = load_model(opts.model)
     prompts = synthetic_batch(**shapes["timed"], seed=1, vocab=loaded.config.vocab_size)

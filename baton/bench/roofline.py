@@ -39,7 +39,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     from baton.engine.batch_kv import BatchKV
     from baton.engine.model import load_model
     from baton.engine.executors import make_runner
-    from baton.engine.sampling import SamplingParams
+    from baton.sampling import SamplingParams
 
     steps = 8 if opts.quick else 40
     copy_mib = 128 if opts.quick else 512
