@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 MAX_STOP_STRINGS = 16
@@ -108,13 +108,6 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be integers >= 0 (got {token_id!r}); "
                                  "remove negative or non-integer ids")
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form (tuples become lists)."""
-        out = asdict(self)
-        out["stop"] = list(self.stop)
-        out["stop_token_ids"] = list(self.stop_token_ids)
-        return out
-
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "SamplingParams":
         """Build from keyword arguments (the SDK's): None leaves a default; an unknown name is a
@@ -124,15 +117,6 @@ class SamplingParams:
             raise TypeError(f"unknown sampling option(s) {', '.join(unknown)}; "
                             f"known: {', '.join(sorted(SAMPLING_OPTION_NAMES))}")
         return cls(**{name: value for name, value in kwargs.items() if value is not None})
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
-        """Inverse of to_dict; missing keys take defaults, unknown keys are refused."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
-        return cls(**data)
 
 
 SAMPLING_OPTION_NAMES = frozenset(f.name for f in fields(SamplingParams))

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 
@@ -14,7 +15,7 @@ def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 def _draws(params: SamplingParams, logits_row: torch.Tensor, count: int) -> list[int]:
     """`count` independent draws from one logits row: one seeded request per draw, one batch."""
-    samplers = [RequestSampler(SamplingParams(**{**params.to_dict(), "seed": s})) for s in range(count)]
+    samplers = [RequestSampler(dataclasses.replace(params, seed=s)) for s in range(count)]
     return sample(logits_row.expand(count, -1).contiguous(), samplers)
 
 
@@ -116,7 +117,7 @@ def test_top_k_one_and_tiny_top_p_equal_greedy():
     logits[4, 10] = logits[4, 250] = logits[4].max() + 1  # a tie: the filtered path must pick 10
     greedy = torch.argmax(logits, dim=-1).tolist()
     for params in (SamplingParams(temperature=5.0, top_k=1), SamplingParams(temperature=5.0, top_p=1e-6)):
-        samplers = [RequestSampler(SamplingParams(**{**params.to_dict(), "seed": i})) for i in range(6)]
+        samplers = [RequestSampler(dataclasses.replace(params, seed=i)) for i in range(6)]
         assert sample(logits, samplers) == greedy
 
 
@@ -180,14 +181,13 @@ def test_validation_says_what_to_change(kwargs, message):
         SamplingParams(**kwargs)
 
 
-def test_json_round_trip_and_normalisation():
-    params = SamplingParams(max_tokens=9, temperature=0.5, top_k=4, top_p=0.9, seed=3,
-                            stop=("\n\n", "END"), stop_token_ids=(7,), ignore_eos=True, priority=2)
-    assert SamplingParams.from_dict(json.loads(json.dumps(params.to_dict()))) == params
-    assert SamplingParams.from_dict({"stop": "END", "temperature": 1}).stop == ("END",)
-    assert SamplingParams.from_dict({}) == SamplingParams()
-    with pytest.raises(ValueError, match="unknown sampling parameter.*topk"):
-        SamplingParams.from_dict({"topk": 3})
+def test_keyword_input_is_normalised_and_unknown_names_refused():
+    params = SamplingParams.from_kwargs(json.loads('{"stop": "END", "temperature": 1, "stop_token_ids": [7], '
+                                                   '"max_tokens": null}'))
+    assert (params.stop, params.temperature, params.stop_token_ids, params.max_tokens) == (("END",), 1.0, (7,), 256)
+    assert SamplingParams.from_kwargs({}) == SamplingParams()
+    with pytest.raises(TypeError, match="unknown sampling option.*topk"):
+        SamplingParams.from_kwargs({"topk": 3})
 
 
 def test_one_sampling_params_for_the_sdk_the_router_and_the_engine():
