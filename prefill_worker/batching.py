@@ -11,6 +11,10 @@ import threading
 from collections import OrderedDict
 
 SIMILAR_LENGTH_RATIO = 1.5
+# Prompts below priority 0 (batch members) prefill in batches of at most this many tokens: a
+# forward cannot be interrupted, so an interactive prompt arriving meanwhile waits for a short
+# one. Small batches cost little here: a prefill forward is compute-bound from a few dozen tokens.
+BACKGROUND_BATCH_TOKENS = 256
 
 
 def pick_batch(lengths: list[int], max_batch_tokens: int, max_batch_size: int,
@@ -23,6 +27,8 @@ def pick_batch(lengths: list[int], max_batch_tokens: int, max_batch_size: int,
     if priorities is None:
         priorities = [0] * len(lengths)
     top = max(priorities)
+    if top < 0:
+        max_batch_tokens = min(max_batch_tokens, BACKGROUND_BATCH_TOKENS)
     same = [i for i in range(len(lengths)) if priorities[i] == top]
     first = same[0]
     head = lengths[first]

@@ -1,7 +1,7 @@
 """Which prompts prefill together, and in what order: plain Python, milliseconds."""
 from __future__ import annotations
 
-from baton.prefill_worker.batching import PrefillQueue, pick_batch
+from baton.prefill_worker.batching import BACKGROUND_BATCH_TOKENS, PrefillQueue, pick_batch
 from baton.router.batch import BATCH_PRIORITY_OFFSET, batch_priority
 from baton.v1 import common_pb2
 
@@ -17,6 +17,14 @@ def test_a_higher_priority_prompt_goes_first_and_takes_only_its_own_priority_alo
     priorities = [-BATCH_PRIORITY_OFFSET, 0, -BATCH_PRIORITY_OFFSET, 0]  # batch, interactive, batch, interactive
     assert pick_batch(lengths, 1000, 8, priorities) == [1, 3]
     assert pick_batch(lengths, 1000, 8, [0] * 4) == [0, 1, 2, 3]
+
+
+def test_batch_members_prefill_in_short_forwards_so_an_interactive_prompt_waits_little():
+    lengths = [50] * 8
+    assert len(pick_batch(lengths, 4096, 8, [0] * 8)) == 8
+    background = pick_batch(lengths, 4096, 8, [-BATCH_PRIORITY_OFFSET] * 8)
+    assert len(background) * 50 <= BACKGROUND_BATCH_TOKENS and background == [0, 1, 2, 3, 4]
+    assert pick_batch([1000], 4096, 8, [-1]) == [0]  # a long member still goes, alone
 
 
 class Job:
