@@ -14,7 +14,7 @@ SIMILAR_LENGTH_RATIO = 1.5
 # Prompts below priority 0 (batch members) prefill in batches of at most this many tokens: a
 # forward cannot be interrupted, so an interactive prompt arriving meanwhile waits for a short
 # one. Small batches cost little here: a prefill forward is compute-bound from a few dozen tokens.
-BACKGROUND_BATCH_TOKENS = 256
+BACKGROUND_BATCH_TOKENS = 96
 
 
 def pick_batch(lengths: list[int], max_batch_tokens: int, max_batch_size: int,

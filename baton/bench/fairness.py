@@ -37,9 +37,13 @@ def probe_requests(count: int) -> list[dict]:
             for topic in (f"fact number {k}" for k in range(count))]
 
 
-def p99(values: list[float]) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def p99(values: list[float]) -> float:
+    return percentile(values, 0.99)
 
 
 def time_probes(client, probes: list[dict], keep_going=lambda: True) -> list[float]:
@@ -83,7 +87,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     from baton.client import BatonClient
     from baton.up import LocalCluster
 
-    probes_n = 6 if opts.quick else 30
+    probes_n = int(opts.extra.get("probes") or (6 if opts.quick else 30))
     batch_n = 12 if opts.quick else BATCH_SIZE
     max_tokens = 16 if opts.quick else 64
     model = "tiny-random" if opts.quick and opts.model == "default" else opts.model
@@ -114,13 +118,18 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     results: dict[str, Any] = {"model": model, "batch_size": batch_n, "max_tokens": max_tokens, "probes": {}}
     for name, times, wall in (("idle", idle, None), ("batch (low priority)", batch, batch_s),
                               ("same priority", same, same_s)):
-        rows.append([name, len(times), median(times) if times else None, p99(times) if times else None,
+        rows.append([name, len(times), median(times) if times else None,
+                     percentile(times, 0.9) if times else None, p99(times) if times else None,
                      ratio(p99(times), p99(idle)) if times and idle else None, wall])
         results["probes"][name] = {"ttft_s": times, "load_wall_s": wall}
     results["p99_ratio_batch_vs_idle"] = ratio(p99(batch), p99(idle)) if batch and idle else None
     results["p99_ratio_same_priority_vs_idle"] = ratio(p99(same), p99(idle)) if same and idle else None
     opts.say(f"\nInteractive TTFT ({model}, {probes_n} probes each, one every {PROBE_GAP_S}s; load: {batch_n} "
              f"requests x {max_tokens} tokens)")
-    opts.say(table(["while", "probes", "TTFT p50 s", "TTFT p99 s", "p99 / idle", "load wall s"], rows))
+    opts.say(table(["while", "probes", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "p99 / idle", "load wall s"], rows))
     opts.say("goal: batch p99 within 2x of idle")
     return results
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--probes", type=int, default=None, help="interactive probes per phase (default 30; --quick 6)")
