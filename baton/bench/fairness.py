@@ -77,7 +77,7 @@ def under_load(client, probes: list[dict], load, wait_busy) -> tuple[list[float]
 
     thread = threading.Thread(target=run_load, daemon=True)
     thread.start()
-    wait_busy()
+    wait_busy(done)
     times = time_probes(client, probes, keep_going=lambda: not done.is_set())
     thread.join()
     return times, elapsed[0]
@@ -96,9 +96,9 @@ def run(opts: BenchOptions) -> dict[str, Any]:
                       share_cores=True) as cluster, BatonClient(cluster.router_address, timeout=600) as client:
         decode = cluster.decode_addrs[0]
 
-        def wait_busy() -> None:  # until the load holds decode rows
+        def wait_busy(load_done: threading.Event) -> None:  # until the load holds decode rows (or is over)
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not load_done.is_set():
                 worker = next((w for w in client.cluster_status().workers if w.address == decode), None)
                 if worker is not None and worker.decode.get("rows_in_use", 0) > 0:
                     return
