@@ -114,6 +114,7 @@ class PrefillSettings:
     prefix_cache_bytes: int = 256 << 20
     max_pins: int = 256  # batch groups' pinned prefixes held at once (their KV counts in prefix_cache_bytes)
     pin_ttl_s: float = 3600.0  # a pin not released by then is dropped (its router may have died)
+    drain_timeout_s: float = 20.0  # on SIGTERM: queued prompts get this long to be prefilled and pushed
     # The decode workers this worker may push KV to (host:port each, as the router discovered them);
     # a Prefill naming any other is refused. Empty: any target a caller holding the cluster token names.
     decode_workers: list[str] = field(default_factory=list)
@@ -124,6 +125,8 @@ class PrefillSettings:
 
     def validate(self) -> None:
         """Refuse values that would otherwise fail only at the first KV push or pin."""
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"prefill.drain_timeout_s must be >= 0 seconds (got {self.drain_timeout_s})")
         if self.max_pins < 0 or not self.pin_ttl_s > 0:
             raise ValueError(f"prefill.max_pins must be >= 0 and prefill.pin_ttl_s > 0 "
                              f"(got {self.max_pins} and {self.pin_ttl_s})")
@@ -150,14 +153,17 @@ class DecodeSettings:
     kv_low_watermark_bytes: int = 0  # and rows are admitted only while it stays at or below this
     # On SIGTERM (drain): seconds to let running requests finish before their KV moves to another
     # decode worker that has room (the router re-prefills a request when none takes it). At or past
-    # the 20 s drain, nothing moves and what is left is re-prefilled.
+    # drain_timeout_s, nothing moves and what is left is re-prefilled.
     drain_move_after_s: float = 5.0
+    drain_timeout_s: float = 20.0  # on SIGTERM: how long the drain may take in all
     advertise: str = ""
     metrics_port: int = 0
 
     def validate(self) -> None:
         if not self.drain_move_after_s >= 0:
             raise ValueError(f"decode.drain_move_after_s must be >= 0 seconds (got {self.drain_move_after_s})")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"decode.drain_timeout_s must be >= 0 seconds (got {self.drain_timeout_s})")
 
 
 SECTIONS = {"model": ModelSettings, "router": RouterSettings, "prefill": PrefillSettings,

@@ -30,10 +30,6 @@ from baton.kvtransfer.wire import grpc_push_channel_options
 
 log = logging.getLogger(__name__)
 
-# On SIGTERM: seconds before the server stops. Running requests get decode.drain_move_after_s of
-# it to finish, then move with their KV (Handoff); whatever is still here at the end is cut off,
-# and the router prefills it again elsewhere.
-DRAIN_SECONDS = 20.0
 HANDOFF_SECONDS = 30.0  # longest a Handoff's KV push may take
 # How a target's refusal of a handed-off KV reads to the Handoff caller.
 _HANDOFF_STATUS = {"RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -192,4 +188,4 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     if not block:
         return server, loop
     server.wait_for_signal(on_stop=loop.stop,
-                           drain=lambda: loop.drain(DRAIN_SECONDS, move_after=settings.drain_move_after_s))
+                           drain=lambda: loop.drain(settings.drain_timeout_s, move_after=settings.drain_move_after_s))

@@ -32,8 +32,6 @@ from baton.prefill_worker.core import PrefillCore
 
 log = logging.getLogger(__name__)
 
-# On SIGTERM: seconds to finish queued prompts before stopping (inside Kubernetes' 30 s grace).
-DRAIN_SECONDS = 20.0
 # A KV push, retries included, never takes longer than this. It is only the backstop: a broken
 # push is noticed within about a second (kvtransfer.wire), and a receiver waiting for staging
 # room answers RESOURCE_EXHAUSTED after its own reserve timeout.

@@ -20,7 +20,7 @@ from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
 from baton.engine.request import GenerationRequest, RequestError, validate_prompt
 from baton.engine.executors import load_runner
 from baton.kvtransfer.errors import KVPushFailed
-from baton.prefill_worker.loop import DRAIN_SECONDS, PrefillDone, PrefillJob, PrefillLoop
+from baton.prefill_worker.loop import PrefillDone, PrefillJob, PrefillLoop
 
 log = logging.getLogger(__name__)
 
@@ -139,4 +139,4 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
              time.monotonic() - started)
     if not block:
         return server, loop
-    server.wait_for_signal(on_stop=loop.stop, drain=lambda: loop.drain(DRAIN_SECONDS))
+    server.wait_for_signal(on_stop=loop.stop, drain=lambda: loop.drain(settings.drain_timeout_s))

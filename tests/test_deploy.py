@@ -26,8 +26,6 @@ import pytest
 import yaml
 
 from baton.config import known_keys, load_settings
-from baton.decode_worker.service import DRAIN_SECONDS as DECODE_DRAIN_S
-from baton.prefill_worker.loop import DRAIN_SECONDS as PREFILL_DRAIN_S
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "baton"
@@ -70,9 +68,11 @@ EXTRA_CASES = {
     },
     "own-cluster-token": {"clusterAuth": {"tokenSecret": {"name": "my-cluster-token", "key": "secret"}}},
     "short-grace": {"preStopSleepSeconds": 15},  # 15 + the router's 20 s drain > its 30 s: refused
+    "long-decode-drain": {"decode": {"config": {"drain_timeout_s": 58}}},  # 5 + 58 > the decode pods' 60 s
 }
 # Rendered on purpose with what the chart must refuse.
-FAILING_CASES = {"short-grace": "must exceed preStopSleepSeconds"}
+FAILING_CASES = {"short-grace": "must exceed preStopSleepSeconds",
+                 "long-decode-drain": "decode.terminationGracePeriodSeconds (60) must exceed"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,7 +299,7 @@ def test_pods_leave_discovery_before_sigterm_and_get_time_to_drain(helm_report, 
     starts the drain; the grace period covers both, or the kubelet kills the pod mid-drain."""
     docs = rendered(helm_report, case)
     config = chart_config(docs)
-    drain = {"router": config["router"]["drain_timeout_s"], "prefill": PREFILL_DRAIN_S, "decode": DECODE_DRAIN_S}
+    drain = {role: config[role]["drain_timeout_s"] for role in ROLES}
     for role in ROLES:
         deployment = one(docs, "Deployment", role_name(role))
         command = container(deployment)["lifecycle"]["preStop"]["exec"]["command"]
@@ -308,9 +308,10 @@ def test_pods_leave_discovery_before_sigterm_and_get_time_to_drain(helm_report, 
         assert grace > int(command[1]) + drain[role], role
 
 
-def test_a_grace_period_shorter_than_prestop_plus_drain_is_refused(helm_report):
-    render = helm_report["short-grace"]["render"]
-    assert not render["ok"] and FAILING_CASES["short-grace"] in render["error"]
+@pytest.mark.parametrize("case", sorted(FAILING_CASES))
+def test_a_grace_period_shorter_than_prestop_plus_drain_is_refused(helm_report, case):
+    render = helm_report[case]["render"]
+    assert not render["ok"] and FAILING_CASES[case] in render["error"]
 
 
 @pytest.mark.parametrize("case", RENDERED_CASES)

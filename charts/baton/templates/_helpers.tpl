@@ -169,11 +169,10 @@ The Secret holding the cluster token: the one named in values, or the one the ch
 {{- end }}
 
 {{/*
-Seconds a role drains on SIGTERM: the router's router.config.drain_timeout_s, the workers' fixed
-20 s (DRAIN_SECONDS in prefill_worker/loop.py and decode_worker/service.py).
+Seconds a role drains on SIGTERM: its config's drain_timeout_s (20 unless set).
 */}}
 {{- define "baton.drainSeconds" -}}
-{{- if eq .role "router" }}{{ .root.Values.router.config.drain_timeout_s | default 20 }}{{ else }}20{{ end }}
+{{- (index .root.Values .role).config.drain_timeout_s | default 20 }}
 {{- end }}
 
 {{- define "baton.validate" -}}
