@@ -3,6 +3,7 @@ the test tiers: every test is marked unit, engine, cluster or deploy by what it 
 in this folder; `make test-fast` runs the unit tier)."""
 from __future__ import annotations
 
+import os
 from concurrent import futures
 
 import grpc
@@ -11,12 +12,17 @@ import torch
 
 from baton.engine.model import LoadedModel, load_model
 
+# The suite checks tokens exactly, which only fp32 makes portable: under `dtype: auto` a CPU with
+# fast bf16 (AVX-512/AMX) would run bf16, whose rounding breaks near-tied logits differently in
+# two implementations. Worker processes read it too (BATON_<SECTION>_<KEY>); bf16 has its own tests.
+TEST_DTYPE = os.environ.setdefault("BATON_MODEL_DTYPE", "float32")
+
 
 class Reference:
     """`transformers` generate on a separate copy of the same weights: the ground truth."""
 
     def __init__(self, name: str):
-        self.loaded = load_model(name)
+        self.loaded = load_model(name, dtype=TEST_DTYPE)
         self.loaded.model.set_attn_implementation("sdpa")
 
     def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -28,7 +34,7 @@ class Reference:
 
 @pytest.fixture(scope="session")
 def default_model() -> LoadedModel:
-    return load_model("default")
+    return load_model("default", dtype=TEST_DTYPE)
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +44,7 @@ def default_reference() -> Reference:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> LoadedModel:
-    return load_model("tiny-random")
+    return load_model("tiny-random", dtype=TEST_DTYPE)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ SCRIPT = textwrap.dedent("""
     from baton.engine.model import load_model
     from baton.sampling import SamplingParams
 
-    model = load_model("tiny-random")
+    model = load_model("tiny-random", dtype="float32")
     prompts = [[5, 6, 7], list(range(100, 140)), [9], list(range(300, 317))]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     result = {}
