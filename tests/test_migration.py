@@ -17,6 +17,8 @@ from dataclasses import replace
 import grpc
 import pytest
 
+from conftest import TEST_DTYPE
+
 from baton.up import LocalCluster
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
 from baton.decode_worker.core import DecodeConfig, DecodeCore, Evicted
@@ -256,7 +258,7 @@ def test_handoff_refuses_bad_requests_with_clear_statuses():
     from baton.config import DecodeSettings, ModelSettings
     from baton.decode_worker.service import serve
 
-    server, loop = serve(ModelSettings(name="tiny-random"), DecodeSettings(host="127.0.0.1", port=0), block=False)
+    server, loop = serve(ModelSettings(name="tiny-random", dtype=TEST_DTYPE), DecodeSettings(host="127.0.0.1", port=0), block=False)
     try:
         address = f"127.0.0.1:{server.port}"
         with grpc.insecure_channel(address) as ch:
@@ -297,7 +299,7 @@ class InProcessCluster:
         from baton.prefill_worker.service import serve as serve_prefill
         from baton.router.service import serve as serve_router
 
-        model = ModelSettings(name="tiny-random")
+        model = ModelSettings(name="tiny-random", dtype=TEST_DTYPE)
         self.prefill_server, self.prefill = serve_prefill(model, PrefillSettings(host="127.0.0.1", port=0), block=False)
         self.decode = [serve_decode(model, DecodeSettings(host="127.0.0.1", port=0, max_rows=max_rows), block=False)
                        for _ in range(2)]

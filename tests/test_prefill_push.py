@@ -12,6 +12,7 @@ import time
 import grpc
 import pytest
 from breaking_proxy import BreakingProxy
+from conftest import TEST_DTYPE
 
 from baton.config import ModelSettings, PrefillSettings
 from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
@@ -32,7 +33,7 @@ BREAK_AFTER = 256 << 10
 @pytest.fixture(scope="module")
 def prefill_worker():
     """(address, PrefillLoop) of a real prefill worker with small KV chunks (many per push)."""
-    server, loop = serve(ModelSettings(name="tiny-random"),
+    server, loop = serve(ModelSettings(name="tiny-random", dtype=TEST_DTYPE),
                          PrefillSettings(host="127.0.0.1", port=0, kv_chunk_bytes=64 << 10), block=False)
     try:
         yield f"127.0.0.1:{server.port}", loop

@@ -59,6 +59,9 @@ def suite_parser(suite: Suite) -> argparse.ArgumentParser:
                         help="torch threads in this process and in every worker it starts (default 1: steadiest "
                              "on a small shared machine; 0 = torch's default)")
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a model directory")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                        help="model dtype here and in every worker (default float32: the only one whose tokens "
+                             "can be checked exactly against transformers on every CPU)")
     add = getattr(suite.load(), "add_arguments", None)
     if add:
         add(parser)
@@ -73,7 +76,7 @@ def list_suites(out=None) -> None:
 
 
 USAGE = "usage: baton bench SUITE [--quick] [--json] [--out DIR] [--threads N]   |   baton bench --list"
-_COMMON = {"quick", "json", "out", "threads", "model"}
+_COMMON = {"quick", "json", "out", "threads", "model", "dtype"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 0:
         parser.error(f"--threads must be >= 0 (got {args.threads})")
     opts = BenchOptions(quick=args.quick, out_dir=Path(args.out), threads=args.threads, model=args.model,
+                        dtype=args.dtype,
                         out=sys.stderr if args.json else sys.stdout,
                         extra={k: v for k, v in vars(args).items() if k not in _COMMON})
     opts.out_dir.mkdir(parents=True, exist_ok=True)

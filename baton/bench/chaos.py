@@ -467,12 +467,7 @@ def _short(text: str, n: int = 90) -> str:
 # ---------------------------------------------------------------------------------- the run
 
 
-# fp32 everywhere: a random model's logits are full of near-ties that bf16 rounding breaks one way
-# in transformers and another in Baton's fused executor, so only fp32 tokens can be checked exactly.
-DTYPE = "float32"
-
-
-def references(model: str, seed: int) -> tuple[Any, list[list[int]], list[list[int]]]:
+def references(model: str, dtype: str, seed: int) -> tuple[Any, list[list[int]], list[list[int]]]:
     """Seeded random prompts and their greedy continuations from transformers generate. A prompt
     whose greedy run meets EOS early is dropped (the load sets ignore_eos; generate stops)."""
     import torch
@@ -480,7 +475,7 @@ def references(model: str, seed: int) -> tuple[Any, list[list[int]], list[list[i
     from baton.engine.model import load_model
 
     rng = random.Random(seed)
-    loaded = load_model(model, dtype=DTYPE)
+    loaded = load_model(model, dtype=dtype)
     loaded.model.set_attn_implementation("sdpa")
     vocab = loaded.model.config.vocab_size
     prompts, expected = [], []
@@ -507,10 +502,10 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     every = float(opts.extra.get("fault_every") or (5 if opts.quick else 12))
     model = opts.model  # tiny-random unless --model default (SmolLM2-135M) or a directory is given
     opts.progress(f"chaos: greedy references for {PROMPTS} seeded prompts ({model})")
-    loaded, prompts, expected = references(model, seed)
+    loaded, prompts, expected = references(model, opts.dtype, seed)
 
     opts.progress(f"chaos: starting 2 prefill + 2 decode workers and a router ({model})")
-    env = {**opts.worker_env(), "BATON_MODEL_DTYPE": DTYPE}
+    env = opts.worker_env()
     with LocalCluster(prefill=2, decode=2, model=model, max_rows=4, extra_env=env) as cluster:
         chaos = Chaos(opts, cluster, prompts, expected, seed)
         chaos.kv_shape = loaded.kv_shape

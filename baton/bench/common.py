@@ -22,6 +22,9 @@ class BenchOptions:
     out_dir: Path = Path(DEFAULT_OUT_DIR)
     threads: int = 1  # torch intra-op threads in this process and in every worker it starts; 0 = torch default
     model: str = "default"
+    # Benchmarks check tokens exactly against transformers, which only fp32 makes portable (bf16
+    # rounding breaks near-tied logits differently in two implementations); peers run fp32 too.
+    dtype: str = "float32"
     # The table and progress go here; with --json stdout carries the JSON document alone.
     out: TextIO = field(default=sys.stdout)
     extra: dict[str, Any] = field(default_factory=dict)  # suite-specific arguments by name
@@ -36,11 +39,11 @@ class BenchOptions:
         return self.out_dir / name
 
     def worker_env(self) -> dict[str, str]:
-        """Environment for worker processes so they use the same thread count as this one."""
-        if self.threads <= 0:
-            return {}
-        n = str(self.threads)
-        return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+        """Environment for worker processes so they use the same threads and dtype as this one."""
+        env = {"BATON_MODEL_DTYPE": self.dtype}
+        if self.threads > 0:
+            env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
+        return env
 
 
 def apply_threads(threads: int) -> int:

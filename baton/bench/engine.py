@@ -92,7 +92,7 @@ def step_table(opts: BenchOptions, rows: tuple[int, ...]) -> dict[str, Any]:
     floor_gbps = read_bandwidth_gbps()
     measured = []
     for executor in ("baton", "transformers"):
-        loaded = load_model(opts.model)
+        loaded = load_model(opts.model, dtype=opts.dtype)
         runner = make_runner(loaded, executor)
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
         prompt = [1 + (i * 7919) % 40000 for i in range(STEP_WINDOW)]

@@ -101,7 +101,7 @@ def timed_figures(opts: BenchOptions, shapes: dict[str, Any], problems: dict[str
     from baton.engine.executors import make_runner
     from baton.sampling import SamplingParams
 
-    loaded = load_model(opts.model)
+    loaded = load_model(opts.model, dtype=opts.dtype)
     prompts = synthetic_batch(**shapes["timed"], seed=1, vocab=loaded.config.vocab_size)
     max_tokens = shapes["max_tokens"]
     plan = plan_batch(prompts, kv_token_budget=1 << 20, max_tokens_per_iteration=1 << 20)

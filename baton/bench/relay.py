@@ -67,10 +67,10 @@ def race(opts: BenchOptions, suite: str, queries: list[Query], sizes: list[int],
     """Run every engine at every batch size on the same prompts; tables, plots and the JSON body."""
     from baton.engine.model import load_model
 
-    hf = load_model(opts.model)
+    hf = load_model(opts.model, dtype=opts.dtype)
     hf.model.set_attn_implementation("sdpa")  # transformers' engines run the stock model
     # LocalEngine's executors re-point the model's weights and swap in their own attention
-    baton = load_model(opts.model) if any(e.startswith("local") for e in engines) else None
+    baton = load_model(opts.model, dtype=opts.dtype) if any(e.startswith("local") for e in engines) else None
     prompts = [hf.encode_chat(q.chat()) for q in queries]
     caps = [q.max_tokens for q in queries]
     opts.say(f"prompt tokens: {min(map(len, prompts))}..{max(map(len, prompts))}; "

@@ -44,13 +44,13 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     steps = 8 if opts.quick else 40
     copy_mib = 128 if opts.quick else 512
     bandwidth, copy_s = measure_bandwidth(copy_mib << 20, repeats=3 if opts.quick else 8)
-    loaded = load_model(opts.model)
+    loaded = load_model(opts.model, dtype=opts.dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     floor_s = weight_bytes / bandwidth
     prompt = loaded.encode_chat([{"role": "user", "content": "Tell me a long story about the sea."}])
 
     # Bare transformers forward with its own cache, batch 1 (a separate copy keeps stock attention).
-    hf = load_model(opts.model)
+    hf = load_model(opts.model, dtype=opts.dtype)
     hf.model.set_attn_implementation("sdpa")
     with torch.no_grad():
         out = hf.model(torch.tensor([prompt]), use_cache=True)

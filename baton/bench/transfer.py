@@ -25,7 +25,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
 
     sizes_mib = [1, 4] if opts.quick else [1, 16, 64]
     repeats = 2 if opts.quick else 5
-    loaded = load_model(opts.model)
+    loaded = load_model(opts.model, dtype=opts.dtype)
     runner = make_runner(loaded)
     per_token = loaded.kv_shape.bytes_per_token()
     max_prompt = loaded.max_context - 1
