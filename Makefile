@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-fast test-unit test-engine test-cluster test-deploy run proto clean
+.PHONY: setup test test-fast test-unit test-engine test-cluster test-deploy run serve proto clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ test-unit test-engine test-cluster test-deploy: setup
 
 run: setup
 	$(BIN)/baton up --demo
+
+# The same cluster, left serving (gRPC on 50051, the OpenAI API on 8000) until Ctrl-C.
+serve: setup
+	$(BIN)/baton up
 
 proto: setup
 	$(BIN)/python -m baton.protogen

@@ -177,7 +177,8 @@ def load_role_settings(args):
     section = {k: getattr(args, k, None) for k in ("host", "port", "metrics_port")}
     for key in ("max_rows", "kv_budget_bytes", "staging_bytes", "max_queue", "max_batch_tokens", "prefix_cache_bytes",
                 "block_size", "prefill_workers", "decode_workers", "discovery", "prefix_index", "redis_url",
-                "index_namespace", "max_inflight", "auth_token_file", "require_client_cert", "drain_move_after_s"):
+                "index_namespace", "max_inflight", "auth_token_file", "require_client_cert", "drain_move_after_s",
+                "http_port", "served_model_name", "chat_template"):
         if getattr(args, key, None) is not None:
             section[key] = getattr(args, key)
     model = {"name": args.model_name, "dtype": args.dtype, "device": args.device,
@@ -341,6 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a file holding the bearer token every API call must send (default: no token)")
     router.add_argument("--require-client-cert", action=argparse.BooleanOptionalAction, default=None,
                         help="with --tls-ca: API clients must present a certificate (default: yes)")
+    router.add_argument("--http-port", type=int,
+                        help="the OpenAI-compatible HTTP API on this port (default 8000; 0 = off)")
+    router.add_argument("--served-model-name", metavar="NAME",
+                        help="the model name OpenAI clients send (default: the model's own, SmolLM2-135M-Instruct)")
+    router.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                        help="a Jinja chat template (or a file holding one) instead of the tokenizer's")
     router.set_defaults(func=cmd_serve)
 
     prefill = sub.add_parser("prefill", help="run a prefill worker")
@@ -382,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="a local cluster as processes on loopback")
     up.add_argument("--port", type=int, default=50051, help="router port (default 50051)")
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="the router's OpenAI-compatible HTTP API (default 8000; 0 = off)")
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     up.add_argument("--model", default="default",

@@ -102,6 +102,21 @@ class RouterSettings:
     # On SIGTERM: refuse new requests and let those in flight finish for up to this many seconds
     # before the worker channels close (Kubernetes sends SIGTERM on every rollout).
     drain_timeout_s: float = 20.0
+    # The OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) on this
+    # port, with the same token, TLS and admission as the gRPC one; 0 = off.
+    http_port: int = 8000
+    served_model_name: str = ""  # the `model` clients send; empty: the model's own name
+    chat_template: str = ""  # a Jinja chat template or a file holding one; empty: the tokenizer's
+    http_request_timeout_s: float = 600.0  # an HTTP request still running after this is ended (504); 0 = never
+
+    def validate(self) -> None:
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"router.http_port must be a port in [0, 65535] (0 = off; got {self.http_port})")
+        if self.http_port and self.http_port in (self.port, self.metrics_port):
+            raise ValueError(f"router.http_port {self.http_port} is already router.port or router.metrics_port")
+        if not self.http_request_timeout_s >= 0:
+            raise ValueError(f"router.http_request_timeout_s must be >= 0 seconds (0 = never; "
+                             f"got {self.http_request_timeout_s})")
 
 
 @dataclass
@@ -205,6 +220,7 @@ def load_settings(path: str | None = None, env: dict[str, str] | None = None,
     for section, values in (overrides or {}).items():
         _apply(settings, section, {k: v for k, v in values.items() if v is not None}, source="command line")
     settings.tls.validate()
+    settings.router.validate()
     settings.prefill.validate()
     settings.decode.validate()
     return settings

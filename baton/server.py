@@ -253,6 +253,7 @@ class GrpcServer:
             raise OSError(f"cannot listen on {address}; is the port in use?")
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         self._stopped = threading.Event()
+        self.extra_stops: list = []  # what else this process serves (the router's HTTP API), stopped with it
 
     def add_service(self, full_name: str) -> None:
         self._service_names.append(full_name)
@@ -269,6 +270,8 @@ class GrpcServer:
     def stop(self, grace: float = 5.0) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        for stop in self.extra_stops:
+            stop()
         self._stopped.set()
 
     def wait_for_signal(self, on_stop=None, drain=None) -> None:

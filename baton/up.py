@@ -116,7 +116,7 @@ class LocalCluster:
                  max_rows: int = 8, extra_env: dict | None = None, log_level: str = "WARNING", routers: int = 1,
                  router_args: tuple[str, ...] = (), prefill_args: tuple[str, ...] = (),
                  decode_args: tuple[str, ...] = (), tls: TLSSettings | None = None, auth_token_file: str = "",
-                 share_cores: bool = False):
+                 share_cores: bool = False, http_port: int = 0):
         if prefill < 1 or decode < 1:
             raise ValueError(f"need at least one prefill and one decode worker (got {prefill}, {decode})")
         if tls is not None:
@@ -135,6 +135,8 @@ class LocalCluster:
         self.router_args, self.prefill_args, self.decode_args = router_args, prefill_args, decode_args
         self.prefill_addrs = [f"127.0.0.1:{free_port()}" for _ in range(prefill)]
         self.decode_addrs = [f"127.0.0.1:{free_port()}" for _ in range(decode)]
+        # The first router also serves the OpenAI HTTP API on `http_port` (-1: a free port; 0: off).
+        self.http_port = free_port() if http_port < 0 else http_port
         self.model = model
         self.max_rows = max_rows
         self.env = dict(os.environ, **(extra_env or {}))
@@ -159,6 +161,13 @@ class LocalCluster:
     def router_address(self) -> str:
         return self.router_addresses[0]
 
+    @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI API (what `base_url` of the openai package takes), or ''."""
+        if not self.http_port:
+            return ""
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.http_port}/v1"
+
     def _spawn(self, *args: str) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "baton.cli", "--log-level", self.log_level, *args]
         return subprocess.Popen(cmd, env=dict(self.env, **{PARENT_ENV: str(os.getpid())}), start_new_session=True)
@@ -175,10 +184,11 @@ class LocalCluster:
             for addr, proc in self.procs:
                 wait_serving(addr, proc, timeout, self.tls)
             routers = []
-            for address in self.router_addresses:
+            for i, address in enumerate(self.router_addresses):
                 router = self._spawn("router", "--host", "127.0.0.1", "--port", address.split(":")[1],
                                      "--model", self.model, "--prefill-workers", ",".join(self.prefill_addrs),
-                                     "--decode-workers", ",".join(self.decode_addrs), *self.router_args)
+                                     "--decode-workers", ",".join(self.decode_addrs),
+                                     "--http-port", str(self.http_port if i == 0 else 0), *self.router_args)
                 self.procs.append((address, router))
                 routers.append((address, router))
             for address, router in routers:
@@ -218,7 +228,7 @@ DEMO_PROMPTS = [
 ]
 
 
-def run_demo(address: str, out=sys.stdout) -> None:
+def run_demo(address: str, out=sys.stdout, http_url: str = "", model: str = "default") -> None:
     from baton.client import BatonClient
 
     with BatonClient(address, timeout=300) as client:
@@ -241,11 +251,31 @@ def run_demo(address: str, out=sys.stdout) -> None:
     for prompt, r in zip(DEMO_PROMPTS[1:], results):
         row = " ".join(f"{1000 * r.trace.stage_seconds.get(s, 0.0):7.0f}ms" for s in stages)
         print(f"  {row}   {prompt[:40]} -> {r.text[:50]!r}", file=out)
+    if http_url:
+        run_http_demo(http_url, model, out)
+
+
+def run_http_demo(http_url: str, model: str, out=sys.stdout) -> None:
+    """One chat completion through the OpenAI-compatible API, as `curl` or the openai package sends it."""
+    import json
+    import urllib.request
+
+    from baton.router.openai_api.protocol import served_names
+
+    body = {"model": served_names(model, "")[0], "max_tokens": 48,
+            "messages": [{"role": "user", "content": DEMO_PROMPTS[3]}]}
+    print(f"\nPOST {http_url}/chat/completions {json.dumps(body)}", file=out)
+    request = urllib.request.Request(f"{http_url}/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        answer = json.loads(response.read())
+    print(f"  -> {answer['choices'][0]['message']['content']!r} ({answer['usage']['completion_tokens']} tokens, "
+          f"finish_reason {answer['choices'][0]['finish_reason']})", file=out)
 
 
 def run_up(args) -> int:
     cluster = LocalCluster(port=args.port, prefill=args.prefill, decode=args.decode, model=args.model,
-                           max_rows=args.max_rows, share_cores=True)
+                           max_rows=args.max_rows, share_cores=True, http_port=args.http_port)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -255,8 +285,15 @@ def run_up(args) -> int:
     try:
         print(f"ready router={cluster.router_address} prefill={','.join(cluster.prefill_addrs)} "
               f"decode={','.join(cluster.decode_addrs)}", flush=True)
+        if cluster.http_url:
+            from baton.router.openai_api.protocol import served_names
+
+            print(f"OpenAI API at {cluster.http_url} (model {served_names(args.model, '')[0]!r}), e.g.\n"
+                  f"  curl {cluster.http_url}/chat/completions -H 'content-type: application/json' "
+                  f"-d '{{\"model\": \"{served_names(args.model, '')[0]}\", "
+                  f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'", flush=True)
         if args.demo:
-            run_demo(cluster.router_address)
+            run_demo(cluster.router_address, http_url=cluster.http_url, model=args.model)
         else:
             stop.wait()
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import os
 import importlib.util
 import logging
 import shutil
@@ -128,15 +129,40 @@ class TokenizerView:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
+def model_dir(name: str) -> Path:
+    """The directory of a model given as `default`, a directory, or a Hugging Face id already in
+    the local Hugging Face cache (nothing is downloaded: serving machines may have no hub)."""
+    if name == DEFAULT_MODEL:
+        return default_model_dir()
+    path = Path(name).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if not path.exists() and name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            cached = Path(snapshot_download(name, local_files_only=True))
+        except (LocalEntryNotFoundError, ValueError, OSError):
+            cached = None
+        if cached is not None and (cached / "config.json").is_file():
+            return cached
+        raise ModelLoadError(f"model {name!r} is neither a directory nor in the local Hugging Face cache "
+                             f"({os.environ.get('HF_HUB_CACHE') or os.environ.get('HF_HOME') or '~/.cache/huggingface'}); "
+                             "nothing is downloaded at run time: fetch it first (`huggingface-cli download "
+                             f"{name}`) or pass a directory saved with save_pretrained")
+    raise ModelLoadError(f"model path {str(path)!r} is not a Hugging Face model directory (no config.json); "
+                         f"pass '{DEFAULT_MODEL}', '{TINY_MODEL}', a directory saved with save_pretrained, "
+                         "or a Hugging Face id in the local cache")
+
+
 def load_tokenizer_view(name: str = DEFAULT_MODEL) -> TokenizerView:
     """The tokenizer and config of a model, without loading its weights."""
     from transformers import AutoConfig, AutoTokenizer
 
     if name == TINY_MODEL or name.startswith(TINY_MODEL + ":"):
         return TokenizerView(default_tokenizer(), tiny_random_model().config, name)
-    path = default_model_dir() if name == DEFAULT_MODEL else Path(name).expanduser()
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"model path {str(path)!r} is not a Hugging Face model directory (no config.json)")
+    path = model_dir(name)
     with _quiet_progress():
         return TokenizerView(AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path), name)
 
@@ -174,12 +200,7 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
         seed = int(name.split(":", 1)[1]) if ":" in name else 0
         return _finish(tiny_random_model(seed), default_tokenizer(), name, torch_dtype, device)
     else:
-        path = Path(name).expanduser()
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(
-                f"model path {str(path)!r} is not a Hugging Face model directory (no config.json); "
-                f"pass '{DEFAULT_MODEL}', '{TINY_MODEL}', or a directory saved with save_pretrained"
-            )
+        path = model_dir(name)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with _quiet_progress():

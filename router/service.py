@@ -5,22 +5,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
-import time
 import uuid
 
 import grpc
 
 from baton.auth import BearerTokenInterceptor, load_token
 from baton.config import ClusterSettings, ModelSettings, RouterSettings, TLSSettings
-from baton.messages import sampling_from_proto
 from baton.metrics import Metrics
 from baton.server import GrpcServer, NotReady, cluster_token
 from baton.v1 import router_pb2, router_pb2_grpc
-from baton.engine.model import TokenizerView, load_tokenizer_view
-from baton.engine.request import RequestError, validate_prompt
+from baton.engine.model import load_tokenizer_view
+from baton.engine.request import RequestError
 from baton.router.batch import BatchRunner
 from baton.router.dispatch import DispatchError, Dispatcher
+from baton.router.front import RETRY_AFTER_SECONDS, Front, Refused
 from baton.router.policy import Picker, RoutingWeights
 from baton.router.prefix_index import PrefixIndexConfig, build_prefix_index
 from baton.router.discovery import WorkerSet, discovery_from_settings
@@ -29,109 +27,57 @@ from baton.router.workers import WorkerPool
 log = logging.getLogger(__name__)
 
 MAX_BATCH_REQUESTS = 10_000
-# Seconds an overloaded client is told to wait before retrying (trailing metadata `retry-after-s`):
-# about how long a decode row or a prefill queue slot takes to free up.
-RETRY_AFTER_SECONDS = "1"
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, model: TokenizerView, dispatcher: Dispatcher, settings: RouterSettings,
-                 metrics: Metrics | None = None):
-        self.model = model
-        self.metrics = metrics or Metrics("router")
-        self.dispatcher = dispatcher
-        self.pool = dispatcher.pool
-        self.settings = settings
-        self._inflight = 0
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._draining = False
+    """gRPC's translation of the router's front: wire messages in, statuses out."""
 
-    # -- translating the request ----------------------------------------------------------
+    def __init__(self, front: Front):
+        self.front = front
+        self.model = front.model
+        self.metrics = front.metrics
+        self.dispatcher = front.dispatcher
+        self.pool = front.pool
 
     def _prompt_ids(self, request) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            if not request.text:
-                raise RequestError("text is empty; send a non-empty prompt")
-            return self.model.encode_text(request.text)
+            return self.front.encode_text(request.text)
         if kind == "messages":
-            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-            if not messages:
-                raise RequestError("messages is empty; send at least one chat message")
-            bad = [m["role"] for m in messages if m["role"] not in ("system", "user", "assistant")]
-            if bad:
-                raise RequestError(f"unknown chat role {bad[0]!r}; use system, user or assistant")
-            return self.model.encode_chat(messages)
+            return self.front.encode_chat([{"role": m.role, "content": m.content}
+                                           for m in request.messages.messages])
         if kind == "token_ids":
             return list(request.token_ids.ids)
         raise RequestError("no prompt: set one of text, messages or token_ids")
 
-    # -- the public API -----------------------------------------------------------------------
-
     def _validated(self, request) -> list[int]:
         prompt = self._prompt_ids(request)
-        params = sampling_from_proto(request.sampling)
-        validate_prompt(prompt, params, max_context=self.max_context(), vocab_size=self.model.vocab_size)
+        self.front.validate(prompt, request.sampling)
         return prompt
 
-    def max_context(self) -> int:
-        """The context this cluster serves: the model's, or the smallest a decode worker reports
-        (its KV budget may buy fewer columns); what GetModelInfo advertises and prompts are held to."""
-        served = [w.last_load.max_context for w in self.pool.all()
-                  if w.role == "decode" and w.view.healthy and w.last_load is not None and w.last_load.max_context]
-        return min([self.model.max_context, *served])
-
-    def _admit(self, count: int, context) -> None:
-        with self._lock:
-            if self._draining:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "this router is draining (shutting down); retry on "
-                                                           "another router replica")
-            if self._inflight + count > self.settings.max_inflight:
-                self.metrics.overloaded.inc()
-                context.set_trailing_metadata((("retry-after-s", RETRY_AFTER_SECONDS),))
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"the router has {self._inflight} of {self.settings.max_inflight} requests in flight; "
-                              "retry later")
-            self._inflight += count
-
-    def _leave(self, count: int) -> None:
-        with self._lock:
-            self._inflight -= count
-            if self._inflight == 0:
-                self._idle.notify_all()
-
-    def drain(self, timeout: float) -> bool:
-        """Refuse new requests and wait up to `timeout` seconds for those in flight to finish;
-        True when none is left. The worker channels stay open until then."""
-        with self._lock:
-            self._draining = True
-            if self._inflight:
-                log.info("draining: %d request(s) in flight", self._inflight)
-            finished = self._idle.wait_for(lambda: self._inflight == 0, timeout)
-        if not finished:
-            log.warning("drain timed out after %.0fs with %d request(s) still in flight", timeout, self._inflight)
-        return finished
+    @contextlib.contextmanager
+    def _admitted(self, count: int, context):
+        try:
+            with self.front.admitted(count):
+                yield
+        except Refused as refused:
+            if refused.draining:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(refused))
+            context.set_trailing_metadata((("retry-after-s", str(RETRY_AFTER_SECONDS)),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(refused))
 
     def Generate(self, request, context):
         try:
             prompt = self._validated(request)
         except (RequestError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self._admit(1, context)
-        started = time.monotonic()
-        first = True
+        with self._admitted(1, context):
+            yield from self._relay(request, prompt, context)
+
+    def _relay(self, request, prompt, context):
         try:
-            for msg in self.dispatcher.run(request.request_id or uuid.uuid4().hex, prompt, request.sampling,
-                                           context.time_remaining(), on_done=context.add_callback):
-                if first and msg.token_ids:
-                    self.metrics.ttft.observe(time.monotonic() - started)
-                    first = False
-                if msg.finish_reason:
-                    self.metrics.requests.labels(msg.finish_reason).inc()
-                    self.metrics.prefix_predicted.inc(msg.trace.predicted_cached_tokens)
-                    self.metrics.prefix_actual.inc(msg.trace.cached_tokens)
-                yield msg
+            yield from self.front.generate(request.request_id or uuid.uuid4().hex, prompt, request.sampling,
+                                           context.time_remaining(), on_done=context.add_callback)
         except DispatchError as err:
             if err.code == grpc.StatusCode.CANCELLED and not context.is_active():
                 return  # the client left; nothing to tell it
@@ -139,10 +85,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 # A worker's bound (prefill queue, decode requests waiting for KV, staging room) was
                 # hit: the client hears it as the router's own overload, retry hint included.
                 self.metrics.overloaded.inc()
-                context.set_trailing_metadata((("retry-after-s", RETRY_AFTER_SECONDS),))
+                context.set_trailing_metadata((("retry-after-s", str(RETRY_AFTER_SECONDS)),))
             context.abort(err.code, err.message)
-        finally:
-            self._leave(1)
 
     def GenerateBatch(self, request, context):
         count = len(request.requests)
@@ -157,9 +101,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {i}: {exc}")
         concurrency = request.max_concurrency or max(4, 2 * sum(v.capacity for v in self.pool.views("decode")))
         # A batch holds router slots for its whole run: never more than it has members.
-        concurrency = min(concurrency, self.settings.max_inflight, count)
-        self._admit(concurrency, context)
-        try:
+        concurrency = min(concurrency, self.front.settings.max_inflight, count)
+        with self._admitted(concurrency, context):
             runner = BatchRunner(self.dispatcher, concurrency)
             outcomes = runner.run(prompts, [r.sampling for r in request.requests], context.time_remaining(),
                                   on_done=context.add_callback)
@@ -175,12 +118,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                             retry_after_s=float(RETRY_AFTER_SECONDS) if overloaded else 0.0)
                     else:
                         yield router_pb2.GenerateBatchResponse(index=index, result=outcome)
-        finally:
-            self._leave(concurrency)
 
     def GetModelInfo(self, request, context):
         fingerprints = {w.fingerprint for w in self.pool.all() if w.fingerprint}
-        return router_pb2.ModelInfo(name=self.model.name, max_context=self.max_context(),
+        return router_pb2.ModelInfo(name=self.model.name, max_context=self.front.max_context(),
                                     model_fingerprint=",".join(sorted(fingerprints)), vocab_size=self.model.vocab_size)
 
     def GetClusterStatus(self, request, context):
@@ -209,6 +150,10 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
     server.add_service("baton.v1.Router")
     server.start()
     view = load_tokenizer_view(model.name)
+    if settings.chat_template:
+        from baton.router.openai_api.server import load_chat_template
+
+        view.tokenizer.chat_template = load_chat_template(settings.chat_template)
     index = build_prefix_index(PrefixIndexConfig(backend=settings.prefix_index, max_blocks=settings.index_max_blocks,
                                                  redis_url=settings.redis_url or "redis://127.0.0.1:6379/0",
                                                  namespace=settings.index_namespace))
@@ -221,15 +166,28 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
     pool.start()
     picker = Picker(RoutingWeights(load=settings.load_weight, cached_tokens=settings.cache_weight))
     metrics = Metrics("router")
-    api.target = RouterServicer(view, Dispatcher(pool, index, settings.block_size, picker), settings, metrics)
-    metrics.gauge("baton_router_inflight", "Requests in flight through this router", lambda: api.target._inflight)
+    front = Front(view, Dispatcher(pool, index, settings.block_size, picker), settings, metrics)
+    api.target = RouterServicer(front)
+    metrics.gauge("baton_router_inflight", "Requests in flight through this router", lambda: front.inflight)
     metrics.gauge("baton_router_routing_accuracy", "Predicted vs actual cached prompt tokens",
-                  lambda: api.target.dispatcher.stats.accuracy)
+                  lambda: front.dispatcher.stats.accuracy)
     metrics.serve(settings.metrics_port, settings.host)
+    http = None
+    if settings.http_port:
+        from baton.router.openai_api.protocol import served_names
+        from baton.router.openai_api.server import OpenAIServer
+
+        http = OpenAIServer(front, host=settings.host, port=settings.http_port,
+                            served=served_names(model.name, settings.served_model_name), token=token or "", tls=tls,
+                            require_client_cert=settings.require_client_cert, max_threads=settings.max_inflight,
+                            timeout=settings.http_request_timeout_s)
+        http.start()
+        server.extra_stops.append(http.stop)
     server.set_serving()
-    log.info("router serving on port %d (%s, %s)", server.port,
-             "TLS" if tls is not None and tls.enabled else "plaintext", "bearer token" if token else "no auth")
+    log.info("router serving on port %d (%s, %s)%s", server.port,
+             "TLS" if tls is not None and tls.enabled else "plaintext", "bearer token" if token else "no auth",
+             f", OpenAI API on port {http.port}" if http else "")
     if not block:
         return server, pool
     server.wait_for_signal(on_stop=lambda: (discovery.stop(), pool.stop()),
-                           drain=lambda: api.target.drain(settings.drain_timeout_s))
+                           drain=lambda: front.drain(settings.drain_timeout_s))

@@ -82,3 +82,22 @@ def test_help_starts_without_importing_torch():
             "assert not heavy, heavy[:5]\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_models_are_found_by_directory_or_in_the_local_hugging_face_cache(tmp_path, monkeypatch):
+    """`--model org/name` works offline when the hub cache holds it; nothing is downloaded."""
+    from baton.engine.model import ModelLoadError, model_dir
+
+    snapshot = tmp_path / "hub" / "models--acme--tiny-chat" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--acme--tiny-chat" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny-chat" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert model_dir("acme/tiny-chat") == snapshot
+    assert model_dir(str(snapshot)) == snapshot
+    with pytest.raises(ModelLoadError, match="nothing is downloaded"):
+        model_dir("acme/not-here")
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        model_dir(str(tmp_path))

@@ -48,7 +48,7 @@ CONFIG_PATH = "/etc/baton/baton.yaml"
 # taking from a role's `config` block; values.schema.json refuses them there.
 DERIVED_KEYS = {
     "model": {"name"},
-    "router": {"port", "metrics_port", "discovery", "namespace", "prefix_index", "redis_url",
+    "router": {"port", "http_port", "metrics_port", "discovery", "namespace", "prefix_index", "redis_url",
                "prefill_workers", "decode_workers"},
     "prefill": {"port", "metrics_port", "advertise"},
     "decode": {"port", "metrics_port", "advertise"},
@@ -440,6 +440,7 @@ def test_notes_say_how_to_reach_the_router(helm_report):
     notes = helm_report["default"]["render"]["notes"]
     assert f"port-forward svc/{role_name('router')} 50051:50051" in notes
     assert "baton generate --router localhost:50051" in notes
+    assert "curl localhost:8000/v1/chat/completions" in notes and '"model": "SmolLM2-135M-Instruct"' in notes
 
 
 @pytest.mark.parametrize("values, message", [
@@ -579,7 +580,7 @@ def test_compose_runs_each_role_with_the_shared_config(compose):
         port = getattr(settings, role).port
         assert service["healthcheck"]["test"] == ["CMD", "baton-health", "--port", str(port)]
     published = [p if isinstance(p, str) else f"{p['published']}:{p['target']}" for p in services["router"]["ports"]]
-    assert published == [f"50051:{settings.router.port}"]
+    assert published == [f"50051:{settings.router.port}", f"8000:{settings.router.http_port}"]  # gRPC, OpenAI
     assert all("ports" not in services[name] for name in ("prefill", "decode", "redis"))
     assert {name: dep["condition"] for name, dep in services["router"]["depends_on"].items()} == {
         "redis": "service_healthy", "prefill": "service_healthy", "decode": "service_healthy"}

@@ -305,7 +305,8 @@ class InProcessCluster:
                        for _ in range(2)]
         self.router_server, self.pool = serve_router(model, RouterSettings(
             host="127.0.0.1", port=0, prefill_workers=[f"127.0.0.1:{self.prefill_server.port}"],
-            decode_workers=[f"127.0.0.1:{server.port}" for server, _ in self.decode], load_poll_seconds=0.1),
+            decode_workers=[f"127.0.0.1:{server.port}" for server, _ in self.decode], load_poll_seconds=0.1,
+            http_port=0),
             block=False)
         self.router_address = f"127.0.0.1:{self.router_server.port}"
 

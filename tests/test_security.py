@@ -97,7 +97,8 @@ def public_router(pki, cluster):
         [sys.executable, "-m", "baton.cli", "router", "--host", "127.0.0.1", "--port", address.split(":")[1],
          "--model", "tiny-random", "--prefill-workers", ",".join(cluster.prefill_addrs),
          "--decode-workers", ",".join(cluster.decode_addrs), "--tls-cert", tls.cert_file, "--tls-key", tls.key_file,
-         "--tls-ca", tls.ca_file, "--no-require-client-cert", "--auth-token-file", str(pki / "token")],
+         "--tls-ca", tls.ca_file, "--no-require-client-cert", "--auth-token-file", str(pki / "token"),
+         "--http-port", "0"],
         env=dict(os.environ, BATON_CLUSTER_TOKEN=cluster.cluster_token), start_new_session=True)
     try:
         wait_serving(address, proc, 120, tls)

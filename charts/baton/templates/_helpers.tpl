@@ -127,6 +127,12 @@ memory
 {{- end }}
 {{- end }}
 
+{{/* The `model` OpenAI clients send (router.served_model_name, as baton/router/openai_api/protocol.py names it). */}}
+{{- define "baton.servedModelName" -}}
+{{- $name := include "baton.modelName" . }}
+{{- .Values.router.config.served_model_name | default (ternary "SmolLM2-135M-Instruct" $name (eq $name "default")) }}
+{{- end }}
+
 {{/*
 The one configuration file, in baton/config.py's schema: the role blocks' `config` keys
 plus the keys the chart derives. Derived keys win, and the values schema refuses them in
@@ -137,6 +143,7 @@ plus the keys the chart derives. Derived keys win, and the values schema refuses
 {{- $model := merge (dict "name" (include "baton.modelName" .)) (deepCopy $v.model.config) }}
 {{- $router := merge (dict
     "port" (int $v.router.service.port)
+    "http_port" (int $v.router.service.httpPort)
     "metrics_port" (int $v.router.service.metricsPort)
     "discovery" "kubernetes"
     "namespace" .Release.Namespace
@@ -196,6 +203,9 @@ Seconds a role drains on SIGTERM: its config's drain_timeout_s (20 unless set).
 {{- $r := index $v $role }}
 {{- if and $r.service.headless (ne $r.service.type "ClusterIP") }}
 {{- fail (printf "%s.service.headless=true needs %s.service.type=ClusterIP (got %s)" $role $role $r.service.type) }}
+{{- end }}
+{{- if and (eq $role "router") (gt (int $r.service.httpPort) 0) (has (int $r.service.httpPort) (list (int $r.service.port) (int $r.service.metricsPort))) }}
+{{- fail (printf "router.service.httpPort (%d) must differ from router.service.port and metricsPort" (int $r.service.httpPort)) }}
 {{- end }}
 {{- if eq (int $r.service.port) (int $r.service.metricsPort) }}
 {{- fail (printf "%s.service.port and %s.service.metricsPort must differ (both %d)" $role $role (int $r.service.port)) }}

@@ -1,0 +1,119 @@
+"""What the router's two public APIs (gRPC and OpenAI HTTP) share: turning a prompt into token
+ids and checking it against the context the cluster really serves, admission (the in-flight
+bound), and the drain on shutdown. Each API only translates its wire format and its errors."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+from baton.engine.request import RequestError, validate_prompt
+from baton.messages import sampling_from_proto
+
+log = logging.getLogger(__name__)
+
+CHAT_ROLES = ("system", "user", "assistant")
+# Seconds an overloaded client is told to wait before retrying: about how long a decode row or a
+# prefill queue slot takes to free up.
+RETRY_AFTER_SECONDS = 1
+
+
+class Refused(Exception):
+    """A request the router will not take now; `retry_elsewhere` when draining, else overloaded."""
+
+    def __init__(self, message: str, *, draining: bool = False):
+        super().__init__(message)
+        self.draining = draining
+
+
+class Front:
+    def __init__(self, model, dispatcher, settings, metrics):
+        self.model = model  # a TokenizerView
+        self.dispatcher = dispatcher
+        self.pool = dispatcher.pool
+        self.settings = settings
+        self.metrics = metrics
+        self.inflight = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self.draining = False
+
+    # -- prompts ---------------------------------------------------------------------------
+
+    def encode_text(self, text: str) -> list[int]:
+        if not isinstance(text, str) or not text:
+            raise RequestError("the prompt text is empty; send a non-empty prompt")
+        return self.model.encode_text(text)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if not messages:
+            raise RequestError("messages is empty; send at least one chat message")
+        bad = [m["role"] for m in messages if m["role"] not in CHAT_ROLES]
+        if bad:
+            raise RequestError(f"unknown chat role {bad[0]!r}; use system, user or assistant")
+        return self.model.encode_chat(messages)
+
+    def validate(self, prompt: list[int], sampling) -> None:
+        """RequestError / ValueError with what to change; `sampling` is the wire message."""
+        validate_prompt(prompt, sampling_from_proto(sampling), max_context=self.max_context(),
+                        vocab_size=self.model.vocab_size)
+
+    def max_context(self) -> int:
+        """The context this cluster serves: the model's, or the smallest a decode worker reports
+        (its KV budget may buy fewer columns); what both APIs advertise and hold prompts to."""
+        served = [w.last_load.max_context for w in self.pool.all()
+                  if w.role == "decode" and w.view.healthy and w.last_load is not None and w.last_load.max_context]
+        return min([self.model.max_context, *served])
+
+    def ready(self) -> bool:
+        """Not draining, and at least one healthy prefill and decode worker to send work to."""
+        return not self.draining and all(any(v.healthy for v in self.pool.views(role)) for role in ("prefill", "decode"))
+
+    def generate(self, request_id: str, prompt: list[int], sampling, timeout: float | None, on_done):
+        """The dispatcher's GenerateResponses for one admitted request, counted in the metrics;
+        raises DispatchError. `on_done(cancel)` registers what ends the request if its client leaves."""
+        started, first = time.monotonic(), True
+        for msg in self.dispatcher.run(request_id, prompt, sampling, timeout, on_done=on_done):
+            if first and msg.token_ids:
+                self.metrics.ttft.observe(time.monotonic() - started)
+                first = False
+            if msg.finish_reason:
+                self.metrics.requests.labels(msg.finish_reason).inc()
+                self.metrics.prefix_predicted.inc(msg.trace.predicted_cached_tokens)
+                self.metrics.prefix_actual.inc(msg.trace.cached_tokens)
+            yield msg
+
+    # -- admission ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def admitted(self, count: int = 1):
+        """Hold `count` in-flight slots for the body of the `with`, or raise Refused."""
+        with self._lock:
+            if self.draining:
+                raise Refused("this router is draining (shutting down); retry on another router replica",
+                              draining=True)
+            if self.inflight + count > self.settings.max_inflight:
+                self.metrics.overloaded.inc()
+                raise Refused(f"the router has {self.inflight} of {self.settings.max_inflight} requests in flight; "
+                              "retry later")
+            self.inflight += count
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.inflight -= count
+                if self.inflight == 0:
+                    self._idle.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Refuse new requests and wait up to `timeout` seconds for those in flight to finish;
+        True when none is left. The worker channels stay open until then."""
+        with self._lock:
+            self.draining = True
+            if self.inflight:
+                log.info("draining: %d request(s) in flight", self.inflight)
+            finished = self._idle.wait_for(lambda: self.inflight == 0, timeout)
+        if not finished:
+            log.warning("drain timed out after %.0fs with %d request(s) still in flight", timeout, self.inflight)
+        return finished

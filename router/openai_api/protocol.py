@@ -1,0 +1,261 @@
+"""The OpenAI HTTP API's shapes as plain dicts: reading a request body (a 400 a person can act on
+for every bad field) and writing the bodies, stream chunks and errors Baton answers with. No web
+framework and no grpc here: `server.py` does the HTTP, `baton.sampling` the sampling checks."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from baton.sampling import INT32_MAX, INT32_MIN, MAX_SEED, SamplingParams
+
+# What the default model is called on the wire (its Hugging Face name), as vLLM would serve it.
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+MAX_CHOICES = 16  # n: completions per prompt
+MAX_PROMPTS = 64  # /v1/completions: prompts in one request
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# Fields the OpenAI API has that Baton does not implement: accepted only at their neutral value,
+# refused otherwise, so that a client never silently gets something other than what it asked.
+NEUTRAL = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+           "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+           "echo": (None, False), "suffix": (None, ""), "parallel_tool_calls": (None, True, False),
+           "logprobs": (None, False), "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}),
+           "best_of": (None, 1)}
+
+
+def served_names(model: str, configured: str) -> list[str]:
+    """The names a request may give as `model`: the configured one (or the model's own), first."""
+    if configured:
+        return [configured, model]
+    if model == "default":
+        return [DEFAULT_SERVED_NAME, model]
+    return [model, Path(model).name] if Path(model).name and Path(model).name != model else [model]
+
+
+class APIError(Exception):
+    """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+@dataclass
+class APIRequest:
+    """One chat or completions request, read and checked: `prompts` are message lists (chat) or
+    text / token id lists (completions); every prompt gets `n` choices."""
+
+    chat: bool
+    model: str | None
+    prompts: list[Any]
+    sampling: SamplingParams
+    max_tokens_given: bool
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    user: str = ""
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def choices(self) -> int:
+        return self.n * len(self.prompts)
+
+
+def _int(body: dict, name: str, low: int, high: int, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise bad(name, f"must be an integer in [{low}, {high}] (got {value!r})")
+    return value
+
+
+def _number(body: dict, name: str, low: float, high: float, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise bad(name, f"must be a number in [{low:g}, {high:g}] (got {value!r})")
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(name, f"must be true or false (got {value!r})")
+    return value
+
+
+def _text_content(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts (what newer clients send)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"{where}.content[{i}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are "
+                                                   "supported; this model reads text only")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad(f"{where}.content", f"must be a string or a list of text parts (got {type(content).__name__})")
+
+
+def _messages(body: dict) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "must be a non-empty list of {\"role\", \"content\"} objects")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad(where, "must be an object with role and content")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad(f"{where}.role", f"{role!r} is not supported; use system, developer, user or assistant "
+                                       "(tool calls are not supported)")
+        out.append({"role": CHAT_ROLES[role], "content": _text_content(message.get("content", ""), where)})
+    return out
+
+
+def _completion_prompts(body: dict) -> list[str | list[int]]:
+    """`prompt`: a string, a list of strings, a list of token ids, or a list of token id lists."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = prompt
+    else:
+        raise bad("prompt", "must be a string, a list of strings, a list of token ids or a list of token id "
+                            f"lists (got {type(prompt).__name__ if prompt is not None else 'nothing'})")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request (got {len(prompts)}); split the request")
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if not p:
+                raise bad(f"prompt[{i}]" if len(prompts) > 1 else "prompt", "is empty; send a non-empty prompt")
+        elif not p or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
+            raise bad(f"prompt[{i}]", "a token id list must be non-empty and hold integers >= 0")
+    return prompts
+
+
+def _check_neutral(body: dict) -> None:
+    for name, allowed in NEUTRAL.items():
+        if name in body and body[name] not in allowed:
+            why = ("log probabilities are not returned by this server yet" if "logprobs" in name
+                   else f"{body[name]!r} is not supported by this server")
+            raise bad(name, f"{why}; leave it unset")
+
+
+def parse(body: Any, *, chat: bool) -> APIRequest:
+    """Read a /v1/chat/completions (`chat`) or /v1/completions body; raise APIError(400)."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", f"must be a string (got {model!r})")
+    _check_neutral(body)
+    prompts = [_messages(body)] if chat else _completion_prompts(body)
+    max_tokens = _int(body, "max_completion_tokens", 1, 2**31 - 1) if chat else None
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1, 2**31 - 1)
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise bad("stop", f"must be a string or a list of strings (got {stop!r})")
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None and not isinstance(stop_token_ids, list):
+        raise bad("stop_token_ids", "must be a list of token ids")
+    top_k = _int(body, "top_k", -1, 2**31 - 1, 0)
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise bad("stream_options", "is an object, allowed only with \"stream\": true")
+    user = body.get("user") or ""
+    if not isinstance(user, str):
+        raise bad("user", "must be a string")
+    try:
+        sampling = SamplingParams.from_kwargs({
+            "max_tokens": max_tokens,  # unset: up to the context, set per prompt by the server
+            # OpenAI's default temperature is 1 (sampling), not greedy
+            "temperature": _number(body, "temperature", 0.0, 2.0, 1.0),
+            "top_p": _number(body, "top_p", 0.0, 1.0), "top_k": max(top_k, 0),
+            "seed": _int(body, "seed", -(2**63), MAX_SEED),
+            "stop": stop, "stop_token_ids": stop_token_ids, "ignore_eos": _bool(body, "ignore_eos"),
+            "priority": _int(body, "priority", INT32_MIN, INT32_MAX, 0)})
+    except ValueError as exc:
+        name = str(exc).split(" ", 1)[0]
+        raise APIError(400, str(exc), param=name, code="invalid_value") from None
+    if sampling.seed is not None and sampling.seed < 0:
+        raise bad("seed", f"must be >= 0 here (got {sampling.seed})")
+    return APIRequest(chat=chat, model=model, prompts=prompts, sampling=sampling,
+                      max_tokens_given=max_tokens is not None, n=_int(body, "n", 1, MAX_CHOICES, 1), stream=stream,
+                      include_usage=_bool(options or {}, "include_usage"), user=user)
+
+
+# -- answers ------------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def body(request: APIRequest, response_id: str, created: int, model: str, choices: list[dict],
+         totals: dict[str, Any]) -> dict[str, Any]:
+    """A whole (non-streaming) answer; `choices` hold index, text and finish_reason."""
+    if request.chat:
+        shaped = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                   "logprobs": None, "finish_reason": c["finish_reason"]} for c in choices]
+        kind = "chat.completion"
+    else:
+        shaped = [{"index": c["index"], "text": c["text"], "logprobs": None,
+                   "finish_reason": c["finish_reason"]} for c in choices]
+        kind = "text_completion"
+    return {"id": response_id, "object": kind, "created": created, "model": model, "choices": shaped,
+            "usage": totals}
+
+
+def chunk(request: APIRequest, response_id: str, created: int, model: str, index: int, *, text: str | None = None,
+          role: bool = False, finish_reason: str | None = None) -> dict[str, Any]:
+    """One stream event for one choice."""
+    if request.chat:
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+        if text:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        kind = "text_completion"
+    out = {"id": response_id, "object": kind, "created": created, "model": model, "choices": [choice]}
+    if request.include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(request: APIRequest, response_id: str, created: int, model: str,
+                totals: dict[str, Any]) -> dict[str, Any]:
+    """The last event with stream_options.include_usage: no choices, the request's usage."""
+    kind = "chat.completion.chunk" if request.chat else "text_completion"
+    return {"id": response_id, "object": kind, "created": created, "model": model, "choices": [], "usage": totals}

@@ -1,0 +1,242 @@
+"""The OpenAI-compatible HTTP API end to end: a real cluster (processes on loopback), the real
+`openai` package as the client, compared with what the gRPC SDK gets for the same requests."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from baton.client import BatonClient
+from baton.client.errors import Unavailable
+from baton.server import channel as server_channel
+from baton.up import LocalCluster
+from baton.v1 import common_pb2, workers_pb2_grpc
+
+openai = pytest.importorskip("openai")
+
+TOKEN = "openai-api-test-token"
+MODEL = "tiny-random"
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    token_file = tmp_path_factory.mktemp("openai") / "token"
+    token_file.write_text(TOKEN)
+    with LocalCluster(prefill=1, decode=1, model=MODEL, max_rows=4, http_port=-1, auth_token_file=str(token_file),
+                      router_args=("--max-inflight", "6")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def api(cluster):
+    return openai.OpenAI(base_url=cluster.http_url, api_key=TOKEN, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def sdk(cluster):
+    with BatonClient(cluster.router_address, token=TOKEN, timeout=120) as client:
+        yield client
+
+
+def http(cluster, method: str, path: str, body=None, token: str | None = TOKEN, headers=None):
+    """(status, headers, parsed JSON) of one raw HTTP call."""
+    data = json.dumps(body).encode() if body is not None and not isinstance(body, bytes) else body
+    request = urllib.request.Request(cluster.http_url.removesuffix("/v1") + path, data=data, method=method,
+                                     headers={"content-type": "application/json", **(headers or {})})
+    if token:
+        request.add_header("authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            raw = response.read()
+            return response.status, response.headers, json.loads(raw) if raw.startswith(b"{") else raw
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers, json.loads(err.read())
+
+
+def decode_load(cluster):
+    with server_channel(cluster.decode_addrs[0], cluster_token=cluster.cluster_token) as ch:
+        return workers_pb2_grpc.DecodeWorkerStub(ch).GetLoad(common_pb2.LoadRequest(), timeout=10)
+
+
+def wait_decode_idle(cluster, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while (load := decode_load(cluster)).rows_in_use or load.kv_bytes_useful or load.waiting_for_kv or load.staged:
+        assert time.monotonic() < deadline, f"the decode worker still holds work: {load}"
+        time.sleep(0.05)
+    return load
+
+
+def test_models_lists_the_served_model_with_its_context(api, sdk):
+    models = api.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].max_model_len == sdk.model_info().max_context
+
+
+def test_greedy_chat_equals_the_grpc_sdk_token_for_token(api, sdk):
+    expected = sdk.generate(messages=CHAT, max_tokens=24, temperature=0, ignore_eos=True)
+    answer = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert answer.object == "chat.completion" and answer.model == MODEL
+    (choice,) = answer.choices
+    assert choice.message.role == "assistant" and choice.message.content == expected.text
+    assert choice.finish_reason == "length"
+    assert answer.usage.prompt_tokens == expected.usage.prompt_tokens
+    assert answer.usage.completion_tokens == 24 == len(expected.token_ids)
+
+
+def test_greedy_completion_from_text_and_token_ids_equals_transformers(api, sdk, tiny_reference):
+    expected = sdk.generate("The sky is", raw=True, max_tokens=12, temperature=0, ignore_eos=True)
+    by_text = api.completions.create(model=MODEL, prompt="The sky is", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    by_ids = api.completions.create(model=MODEL, prompt=list(expected.prompt_token_ids), max_tokens=12,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert by_text.choices[0].text == by_ids.choices[0].text == expected.text
+    assert by_text.usage.prompt_tokens == len(expected.prompt_token_ids)
+    reference = tiny_reference.greedy(list(expected.prompt_token_ids), 12)
+    assert expected.token_ids == reference and by_text.choices[0].text == tiny_reference.loaded.decode(reference)
+
+
+def test_a_stream_carries_the_same_text_then_usage(api, sdk):
+    expected = sdk.generate(messages=CHAT, max_tokens=16, temperature=0, ignore_eos=True)
+    chunks = list(api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0, stream=True,
+                                              stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_several_prompts_and_choices_in_one_request(api):
+    answer = api.completions.create(model=MODEL, prompt=["One", "Two"], n=2, max_tokens=6, temperature=0.8, seed=3,
+                                    extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in answer.choices) == [0, 1, 2, 3]
+    assert answer.usage.completion_tokens == 24
+    again = api.completions.create(model=MODEL, prompt=["One", "Two"], n=2, max_tokens=6, temperature=0.8, seed=3,
+                                   extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in answer.choices]  # seeded: reproducible
+
+
+def test_concurrent_streams_from_the_async_client(cluster):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=cluster.http_url, api_key=TOKEN, max_retries=0, timeout=120)
+
+        async def one(i: int) -> str:
+            stream = await client.completions.create(model=MODEL, prompt=[100 + i, 200 + i, 300 + i], max_tokens=10,
+                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        texts = await asyncio.gather(*(one(i) for i in range(4)))
+        singles = [await one(i) for i in range(4)]
+        await client.close()
+        return texts, singles
+
+    texts, singles = asyncio.run(main())
+    assert texts == singles and all(texts)
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_decode_row_and_kv(api, cluster):
+    with api.completions.with_streaming_response.create(model=MODEL, prompt=[11, 12, 13], max_tokens=1500,
+                                                        temperature=0, stream=True,
+                                                        extra_body={"ignore_eos": True}) as response:
+        lines = response.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+        assert decode_load(cluster).rows_in_use == 1
+    # the connection closed after the first token of 1500: the row ends long before the 1500th
+    load = wait_decode_idle(cluster)
+    assert load.decode_tokens_forwarded < 1500
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": CHAT, "temperature": -1}, "temperature"),
+    ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
+    ({"messages": CHAT, "logprobs": True}, "logprobs"),
+    ({"messages": CHAT, "n": 100}, "n"),
+])
+def test_bad_fields_are_400_naming_the_field(cluster, body, param):
+    status, _, answer = http(cluster, "POST", "/v1/chat/completions", {"model": MODEL, **body})
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert answer["error"]["type"] == "invalid_request_error" and param in answer["error"]["message"]
+
+
+def test_a_prompt_past_the_context_and_a_body_that_is_not_json_are_400(api, cluster):
+    with pytest.raises(openai.BadRequestError) as err:
+        api.completions.create(model=MODEL, prompt=[7] * 5000, max_tokens=4)
+    assert err.value.body["code"] == "context_length_exceeded"
+    status, _, answer = http(cluster, "POST", "/v1/completions", b"{not json")
+    assert status == 400 and "not JSON" in answer["error"]["message"]
+
+
+def test_an_unknown_model_is_404_and_a_wrong_token_401(cluster, api):
+    with pytest.raises(openai.NotFoundError):
+        api.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
+    for token in (None, "wrong"):
+        status, headers, answer = http(cluster, "GET", "/v1/models", token=token)
+        assert status == 401 and answer["error"]["type"] == "authentication_error"
+        assert headers["www-authenticate"] == "Bearer"
+    assert http(cluster, "GET", "/health", token=None)[0] == 200  # what probes reach
+
+
+def test_more_choices_than_the_router_admits_is_429_with_retry_after(cluster):
+    status, headers, answer = http(cluster, "POST", "/v1/completions",
+                                   {"model": MODEL, "prompt": ["a", "b", "c", "d"], "n": 2, "max_tokens": 2})
+    assert status == 429 and headers["retry-after"] == "1" and answer["error"]["code"] == "overloaded"
+
+
+def test_dispatch_errors_map_to_openai_statuses():
+    """What the dispatcher raises past the point where the test can provoke it cheaply."""
+    import grpc
+
+    from baton.router.dispatch import DispatchError
+    from baton.router.openai_api.server import api_error
+
+    for code, status in [(grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+                         (grpc.StatusCode.UNAVAILABLE, 503), (grpc.StatusCode.INVALID_ARGUMENT, 400),
+                         (grpc.StatusCode.INTERNAL, 500)]:
+        error = api_error(DispatchError(code, "why"))
+        assert error.status == status and error.message == "why"
+        assert ("retry-after" in error.headers) == (status in (429, 503))
+
+
+def test_request_ids_are_echoed_and_metrics_count_http_requests(cluster, api):
+    status, headers, answer = http(cluster, "POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2},
+                                   headers={"x-request-id": "trace-42"})
+    assert status == 200 and headers["x-request-id"] == "trace-42" and answer["id"] == "cmpl-trace-42"
+    status, _, scraped = http(cluster, "GET", "/metrics")
+    assert status == 200 and b"baton_time_to_first_token_seconds_count" in scraped
+
+
+def test_a_draining_router_finishes_open_streams_and_answers_503(cluster, api):
+    """Last: it stops the module's router. SIGTERM while a stream runs: new requests get 503, the
+    stream runs to its end, then the router exits."""
+    router = cluster.procs[-1][1]
+    stream = iter(api.completions.create(model=MODEL, prompt=[21, 22, 23], max_tokens=300, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    chunks = [next(stream)]
+    reader = threading.Thread(target=lambda: chunks.extend(stream))
+    reader.start()
+    router.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while (status := http(cluster, "GET", "/health", token=None)[0]) != 503 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert status == 503
+    status, headers, answer = http(cluster, "POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert status == 503 and answer["error"]["code"] == "draining"
+    reader.join(60)
+    assert not reader.is_alive()
+    assert router.wait(30) == 0
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 300
+    with pytest.raises(Unavailable):  # the router is gone
+        with BatonClient(cluster.router_address, token=TOKEN, timeout=5) as client:
+            client.model_info()

@@ -1,0 +1,111 @@
+"""Reading OpenAI request bodies and writing answers: plain Python, no server."""
+from __future__ import annotations
+
+import pytest
+
+from baton.router.openai_api.protocol import (APIError, DEFAULT_SERVED_NAME, MAX_PROMPTS, body, chunk, parse,
+                                              served_names, usage, usage_chunk)
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def refused(raw, chat=True) -> APIError:
+    with pytest.raises(APIError) as err:
+        parse(raw, chat=chat)
+    assert err.value.status == 400
+    return err.value
+
+
+def test_chat_defaults_follow_openai():
+    request = parse(CHAT, chat=True)
+    assert request.chat and request.model == "m" and request.n == 1 and not request.stream
+    assert request.prompts == [[{"role": "user", "content": "hi"}]]
+    assert request.sampling.temperature == 1.0  # OpenAI samples unless told otherwise
+    assert not request.max_tokens_given  # the server gives it the rest of the context
+
+
+def test_chat_reads_text_parts_developer_role_and_max_completion_tokens():
+    request = parse({"messages": [{"role": "developer", "content": [{"type": "text", "text": "be "},
+                                                                      {"type": "text", "text": "brief"}]},
+                                  {"role": "user", "content": "hi"}],
+                     "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0, "top_p": 0.5, "top_k": -1,
+                     "seed": 4, "stop": "\n", "stream": True, "stream_options": {"include_usage": True}}, chat=True)
+    assert request.prompts[0][0] == {"role": "system", "content": "be brief"}
+    assert request.sampling.max_tokens == 7 and request.max_tokens_given
+    assert (request.sampling.temperature, request.sampling.top_p, request.sampling.top_k) == (0.0, 0.5, 0)
+    assert request.sampling.seed == 4 and request.sampling.stop == ("\n",)
+    assert request.stream and request.include_usage
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("hello", ["hello"]),
+    (["a", "b"], ["a", "b"]),
+    ([1, 2, 3], [[1, 2, 3]]),
+    ([[1, 2], [3]], [[1, 2], [3]]),
+])
+def test_completion_prompts_in_every_shape(prompt, expected):
+    assert parse({"prompt": prompt, "n": 2}, chat=False).prompts == expected
+    assert parse({"prompt": prompt, "n": 2}, chat=False).choices == 2 * len(expected)
+
+
+@pytest.mark.parametrize("raw, param", [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ({**CHAT, "temperature": 3}, "temperature"),
+    ({**CHAT, "temperature": float("nan")}, "temperature"),
+    ({**CHAT, "top_p": 1.5}, "top_p"),
+    ({**CHAT, "max_tokens": 0}, "max_tokens"),
+    ({**CHAT, "max_tokens": True}, "max_tokens"),
+    ({**CHAT, "n": 17}, "n"),
+    ({**CHAT, "seed": -1}, "seed"),
+    ({**CHAT, "stop": 5}, "stop"),
+    ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({**CHAT, "logprobs": True}, "logprobs"),
+    ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "model": 5}, "model"),
+])
+def test_bad_chat_fields_name_themselves(raw, param):
+    error = refused(raw)
+    assert error.param == param and error.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_neutral_values_of_unsupported_fields_pass():
+    parse({**CHAT, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "tools": [],
+           "response_format": {"type": "text"}, "logit_bias": {}}, chat=True)
+
+
+@pytest.mark.parametrize("prompt", [None, "", [], [1, -2], ["a", ""], [True], 5, ["a"] * (MAX_PROMPTS + 1)])
+def test_bad_completion_prompts(prompt):
+    assert refused({"prompt": prompt}, chat=False).param.startswith("prompt")
+
+
+def test_a_body_that_is_not_an_object():
+    assert refused([1, 2]).message == "the request body must be a JSON object"
+
+
+def test_answers_have_openai_shapes():
+    chat, text = parse(CHAT, chat=True), parse({"prompt": "x", "stream": True,
+                                               "stream_options": {"include_usage": True}}, chat=False)
+    totals = usage(5, 3, 2)
+    assert totals == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                      "prompt_tokens_details": {"cached_tokens": 2}}
+    whole = body(chat, "id", 1, "m", [{"index": 0, "text": "hey", "finish_reason": "stop"}], totals)
+    assert whole["object"] == "chat.completion"
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "hey"}
+    first = chunk(chat, "id", 1, "m", 0, role=True)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""} and "usage" not in first
+    piece = chunk(text, "id", 1, "m", 2, text="ab", finish_reason="length")
+    assert piece["choices"][0] == {"index": 2, "text": "ab", "logprobs": None, "finish_reason": "length"}
+    assert piece["usage"] is None  # include_usage: every chunk has the key, the last one the value
+    assert usage_chunk(text, "id", 1, "m", totals) == {"id": "id", "object": "text_completion", "created": 1,
+                                                       "model": "m", "choices": [], "usage": totals}
+
+
+def test_served_names():
+    assert served_names("default", "") == [DEFAULT_SERVED_NAME, "default"]
+    assert served_names("/models/qwen", "") == ["/models/qwen", "qwen"]
+    assert served_names("org/name", "") == ["org/name", "name"]
+    assert served_names("default", "chat") == ["chat", "default"]
