@@ -7,6 +7,7 @@ certificate. Every process serves mutual TLS; the router also requires a bearer 
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -84,7 +85,7 @@ def user_client(pki, address: str, **kwargs) -> BatonClient:
 @pytest.fixture(scope="module")
 def cluster(pki):
     with LocalCluster(prefill=1, decode=1, model="tiny-random", tls=node_tls(pki),
-                      auth_token_file=str(pki / "token")) as running:
+                      auth_token_file=str(pki / "token"), http_port=-1) as running:
         yield running
 
 
@@ -207,6 +208,35 @@ def test_the_right_token_works_and_the_sdk_reports_wrong_ones(pki, cluster):
 
 
 @pytest.mark.slow
+def test_the_openai_api_speaks_the_same_mutual_tls_and_token(pki, cluster):
+    """The HTTP API serves the router's certificate, demands a client certificate from the same CA,
+    and the same bearer token."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    assert cluster.http_url.startswith("https://127.0.0.1:")
+
+    def get(path: str, *, client_cert: str | None = "user", token: str | None = TOKEN):
+        context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        if client_cert:
+            context.load_cert_chain(str(pki / f"{client_cert}.pem"), str(pki / f"{client_cert}.key"))
+        request = urllib.request.Request(cluster.http_url + path)
+        if token:
+            request.add_header("authorization", f"Bearer {token}")
+        with urllib.request.urlopen(request, context=context, timeout=30) as response:
+            return response.status, json.loads(response.read())
+
+    status, models = get("/models")
+    assert status == 200 and models["data"][0]["id"] == "tiny-random"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        get("/models", token="wrong")
+    assert refused.value.code == 401
+    for untrusted in (None, "rogue-user"):
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            get("/models", client_cert=untrusted)
+
+
 def test_health_and_reflection_need_no_token(pki, cluster):
     with raw_secure_channel(pki, cluster.router_address) as ch:
         status = health_pb2_grpc.HealthStub(ch).Check(

@@ -16,6 +16,7 @@ import json
 import logging
 import re
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -24,7 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from baton.engine.request import RequestError
 from baton.messages import sampling_to_proto
@@ -165,17 +172,13 @@ class OpenAIServer:
         self.socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                            reuse_port=False)
         self.port = self.socket.getsockname()[1]
-        import uvicorn
-
-        ssl = {}
+        tls_options = {}
         if tls is not None and tls.enabled:  # the same certificate (and client CA) as the gRPC API
-            import ssl as ssl_module
-
-            ssl = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
+            tls_options = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
             if tls.ca_file and require_client_cert:
-                ssl.update(ssl_ca_certs=tls.ca_file, ssl_cert_reqs=ssl_module.CERT_REQUIRED)
+                tls_options.update(ssl_ca_certs=tls.ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
         config = uvicorn.Config(self.app(), log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, **ssl)
+                                timeout_graceful_shutdown=5, **tls_options)
         self.server = uvicorn.Server(config)
         self.thread: threading.Thread | None = None
 
@@ -202,10 +205,6 @@ class OpenAIServer:
     # -- the app -----------------------------------------------------------------------------
 
     def app(self):
-        from starlette.applications import Starlette
-        from starlette.middleware import Middleware
-        from starlette.routing import Route
-
         return Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -221,8 +220,6 @@ class OpenAIServer:
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.token.encode())
 
     async def health(self, request):
-        from starlette.responses import JSONResponse
-
         if self.front.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not self.front.ready():
@@ -230,13 +227,9 @@ class OpenAIServer:
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request):
-        from starlette.responses import Response
-
         return Response(generate_latest(self.front.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request):
-        from starlette.responses import JSONResponse
-
         return JSONResponse({"object": "list", "data": [{
             "id": self.served[0], "object": "model", "created": 0, "owned_by": "baton", "root": self.front.model.name,
             "max_model_len": self.front.max_context()}]})
@@ -248,8 +241,6 @@ class OpenAIServer:
         return await self._complete(request, chat=False)
 
     async def _complete(self, request, *, chat: bool):
-        from starlette.responses import JSONResponse, StreamingResponse
-
         request_id = request.headers.get("x-request-id", "")
         if not REQUEST_ID.match(request_id):
             request_id = uuid.uuid4().hex
@@ -280,8 +271,8 @@ class OpenAIServer:
                 stack.close()
                 return _error_response(api_error(first[1]), headers)
             events = self._events(run, parsed, response_id, created, name, first, stack)
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={**headers, "cache-control": "no-cache"})
+            return _Stream(events, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"},
+                           cleanup=lambda: (run.cancel(), stack.close()))
         try:
             outcome = await _until_disconnect(request, self._collect(run))
             if outcome is None:  # the client left: nobody to answer
@@ -379,9 +370,22 @@ async def _until_disconnect(request, work):
     return None
 
 
-def _error_response(error: APIError, headers: dict[str, str]):
-    from starlette.responses import JSONResponse
+class _Stream(StreamingResponse):
+    """A stream whose `cleanup` runs however the response ends, even if its body never started
+    (an async generator that never ran never reaches its own `finally`)."""
 
+    def __init__(self, content, *, cleanup, **kwargs):
+        super().__init__(content, **kwargs)
+        self.cleanup = cleanup
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.cleanup()
+
+
+def _error_response(error: APIError, headers: dict[str, str]):
     return JSONResponse(error.body(), status_code=error.status, headers={**headers, **error.headers})
 
 
@@ -392,9 +396,6 @@ class _Guard:
         self.app, self.server = app, server
 
     async def __call__(self, scope, receive, send):
-        from starlette.datastructures import Headers
-        from starlette.responses import JSONResponse
-
         if scope["type"] == "http" and scope["path"] != "/health" and not self.server.authorized(Headers(scope=scope)):
             error = APIError(401, "missing or wrong bearer token: send `Authorization: Bearer <token>`",
                              code="invalid_api_key")
