@@ -141,3 +141,21 @@ def test_fairness_quick_times_interactive_probes_idle_and_under_both_loads(tmp_p
     assert len(probes["idle"]["ttft_s"]) == 6 and all(t > 0 for t in probes["idle"]["ttft_s"])
     assert probes["batch (low priority)"]["load_wall_s"] > 0 and probes["same priority"]["load_wall_s"] > 0
     assert "p99 / idle" in printed
+
+
+def test_serve_says_what_to_install_when_aiperf_is_missing(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("BATON_AIPERF", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no aiperf on it
+    document, printed = run_suite("serve", tmp_path, capsys)
+    assert document["problems"]["aiperf"].startswith("unavailable: no aiperf") and document["points"] == []
+
+
+def test_serve_compares_baton_with_vllm_at_the_rates_both_ran():
+    from baton.bench.serve import Point, compare
+
+    def point(system, rate, ttft, goodput):
+        return Point(system, "chat", rate, ttft, 2 * ttft, 50.0, 60.0, 30.0, rate, goodput, 16, 0)
+
+    rows = compare([point("baton", 0.5, 100.0, 0.5), point("vllm", 0.5, 200.0, 0.25), point("baton", 2.0, 1.0, 1.0)])
+    assert rows == [{"workload": "chat", "rate": 0.5, "ttft_p50": 0.5, "ttft_p99": 0.5, "itl_p50": 1.0,
+                     "itl_p99": 1.0, "output_tokens_per_s": 1.0, "goodput": 2.0}]

@@ -43,6 +43,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("kernels", "Triton decode attention bandwidth vs peak and SDPA (needs a CUDA GPU)", "baton.bench.kernels"),
     Suite("chaos", "sustained streams, batches and cancels while workers are killed, stopped, restarted and "
                    "slow-pushed: requests exact, wrong, refused, lost, hung; memory over time", "baton.bench.chaos"),
+    Suite("serve", "AIPerf drives Baton's and vLLM's OpenAI servers at request rates up to saturation: TTFT and "
+                   "ITL p50/p99, output tokens/s, goodput, Baton over vLLM", "baton.bench.serve"),
     Suite("fairness", "interactive TTFT p50/p99 idle vs during an 84-request batch (low priority) vs the same load "
                       "at equal priority", "baton.bench.fairness"),
 ]}
