@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from baton.v1 import common_pb2
-from baton.sampling import SamplingParams
+from baton.sampling import SamplingParams, TokenLogprob
 
 _DEFAULTS = SamplingParams()
 
@@ -15,6 +15,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg
 
 
@@ -27,5 +29,15 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos, priority=msg.priority,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
+
+
+def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                   top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])
+
+
+def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(msg.token_id, msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)))
 

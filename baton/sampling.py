@@ -15,6 +15,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 # Below this a temperature only amplifies float noise, so it is treated as greedy (as vLLM does).
 GREEDY_TEMPERATURE_EPS = 1e-5
 
@@ -44,6 +45,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # end the request when sampled, like EOS
     ignore_eos: bool = False
     priority: int = 0
+    logprobs: int | None = None  # each token's log probability and this many alternatives; None = off
 
     def __post_init__(self) -> None:
         # Normalise JSON-ish input (lists, a single stop string, int temperatures) once here.
@@ -84,6 +86,9 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be true or false (got {self.ignore_eos!r})")
         if not _int_in(self.priority, INT32_MIN, INT32_MAX):
             raise ValueError(f"priority must be a 32-bit integer (got {self.priority!r}); higher runs first")
+        if self.logprobs is not None and not _int_in(self.logprobs, 0, MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} or null (got {self.logprobs!r}): "
+                             "how many most likely alternatives to return with each token's log probability")
 
     def _validate_stops(self) -> None:
         if not isinstance(self.stop, tuple):
@@ -117,6 +122,16 @@ class SamplingParams:
             raise TypeError(f"unknown sampling option(s) {', '.join(unknown)}; "
                             f"known: {', '.join(sorted(SAMPLING_OPTION_NAMES))}")
         return cls(**{name: value for name, value in kwargs.items() if value is not None})
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log probability under the model (log-softmax of the raw logits, before
+    temperature, top-k or top-p) and the most likely tokens at that step, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log probability)
 
 
 SAMPLING_OPTION_NAMES = frozenset(f.name for f in fields(SamplingParams))

@@ -10,7 +10,8 @@ from typing import Any
 from baton.v1 import common_pb2, router_pb2
 from baton.client.errors import BatonError, error_for_code
 from baton.client.types import (UINT32_MAX, ClusterStatus, GenerationResult, ModelInfo, SamplingOptions,
-                          StreamChunk, Trace, Usage, WorkerStatus)
+                          StreamChunk, TokenLogprob, Trace, Usage, WorkerStatus)
+from baton.messages import logprob_from_proto
 
 # Keyword arguments of generate()/stream() that are not sampling options.
 REQUEST_ARG_NAMES = frozenset({"prompt", "messages", "token_ids", "raw", "request_id", "timeout"})
@@ -67,6 +68,8 @@ def sampling_to_proto(options: SamplingOptions, given: set[str] = frozenset()) -
         proto.top_p = options.top_p
     if options.seed is not None:
         proto.seed = options.seed
+    if options.logprobs is not None:
+        proto.logprobs = options.logprobs
     return proto
 
 
@@ -111,6 +114,7 @@ def chunk_from_proto(response: router_pb2.GenerateResponse) -> StreamChunk:
         usage=usage_from_proto(response.usage) if response.HasField("usage") else None,
         trace=trace_from_proto(response.trace) if response.HasField("trace") else None,
         prompt_token_ids=list(response.prompt_token_ids) or None,
+        logprobs=[logprob_from_proto(lp) for lp in response.logprobs] or None,
     )
 
 
@@ -147,7 +151,8 @@ def batch_item_from_proto(item: router_pb2.GenerateBatchResponse) -> GenerationR
     r = item.result
     return GenerationResult(request_id=r.request_id, text=r.text_delta, token_ids=list(r.token_ids),
                             prompt_token_ids=list(r.prompt_token_ids), finish_reason=r.finish_reason,
-                            usage=usage_from_proto(r.usage), trace=trace_from_proto(r.trace))
+                            usage=usage_from_proto(r.usage), trace=trace_from_proto(r.trace),
+                            logprobs=[logprob_from_proto(lp) for lp in r.logprobs] or None)
 
 
 def message_fields(message: Any) -> dict[str, Any]:
@@ -163,6 +168,7 @@ class ResultAssembler:
         self._token_ids: list[int] = []
         self._text: list[str] = []
         self._prompt_token_ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
         self._finish: StreamChunk | None = None
 
     def add(self, chunk: StreamChunk) -> None:
@@ -171,6 +177,7 @@ class ResultAssembler:
         if chunk.prompt_token_ids:
             self._prompt_token_ids = chunk.prompt_token_ids
         self._token_ids.extend(chunk.token_ids)
+        self._logprobs.extend(chunk.logprobs or ())
         self._text.append(chunk.text_delta)
         if chunk.finish_reason is not None:
             self._finish = chunk
@@ -189,7 +196,8 @@ class ResultAssembler:
                                     completion_tokens=len(self._token_ids))
         return GenerationResult(request_id=self.request_id or "", text="".join(self._text),
                                 token_ids=list(self._token_ids), prompt_token_ids=list(self._prompt_token_ids),
-                                finish_reason=last.finish_reason or "", usage=usage, trace=last.trace or Trace())
+                                finish_reason=last.finish_reason or "", usage=usage, trace=last.trace or Trace(),
+                                logprobs=list(self._logprobs) or None)
 
 
 def split_request_args(index: int, item: str | Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:

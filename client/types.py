@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from baton.sampling import INT32_MAX, INT32_MIN, MAX_SEED, SAMPLING_OPTION_NAMES, UINT32_MAX, SamplingParams  # noqa: F401
+from baton.sampling import (INT32_MAX, INT32_MIN, MAX_SEED, SAMPLING_OPTION_NAMES, UINT32_MAX,  # noqa: F401
+                            SamplingParams, TokenLogprob)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class GenerationResult:
     finish_reason: str
     usage: Usage
     trace: Trace
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, with logprobs=N
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class StreamChunk:
     usage: Usage | None = None
     trace: Trace | None = None
     prompt_token_ids: list[int] | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, with logprobs=N
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ through a queue drained by the loop that calls `step`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
@@ -13,8 +13,9 @@ from baton.engine.batch_kv import BatchKV
 from baton.engine.kv import SequenceKV
 from baton.engine.request import PrefilledRequest, RequestError, RequestOutput, effective_max_tokens
 from baton.engine.executors import Runner
-from baton.engine.sampling import INVALID_TOKEN, RequestSampler, SamplingParams, sample
+from baton.engine.sampling import INVALID_TOKEN, RequestSampler, SamplingParams, sample, token_logprobs
 from baton.engine.stopping import FinishReason, StopChecker
+from baton.sampling import TokenLogprob
 
 DEFAULT_KV_BUDGET_BYTES = 1 << 30
 
@@ -46,6 +47,7 @@ class _Live:
     checker: StopChecker
     kv: SequenceKV | None  # until embedded; again while parked on the host
     parked: bool = False  # kv is a parked row's (host memory), not the staged KV from prefill
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked for
 
 
 @dataclass
@@ -60,6 +62,7 @@ class Evicted:
     token_ids: list[int]  # generated so far, at least one
     kv: SequenceKV
     seed: int
+    last_logprob: TokenLogprob | None = None  # token_ids[-1]'s, if asked for (its next worker repeats it)
 
 
 _STATUS = {FinishReason.STOP: Status.FINISHED_STOPPED, FinishReason.LENGTH: Status.FINISHED_LENGTH}
@@ -127,6 +130,8 @@ class DecodeCore:
         # Continue the random stream the prefill's first draw started.
         sampler = RequestSampler(replace(req.params, seed=prefilled.seed), tokens_generated=req.resume_step + 1)
         live = _Live(seq, prefilled, sampler, checker, prefilled.kv)
+        if prefilled.first_logprob is not None:
+            live.logprobs.append(prefilled.first_logprob)
         if step.finish_reason is not None:
             req.trace.mark("admitted")
             req.trace.mark("finished")
@@ -157,7 +162,8 @@ class DecodeCore:
         assert kv.num_tokens == seq.num_kv_tokens, f"{kv.num_tokens} KV tokens for {seq.num_kv_tokens}"
         self._remove(live, Status.MOVED)
         prompt = live.prefilled.request.prompt_token_ids
-        return Evicted(request_id, list(prompt), list(seq.output_ids), kv, live.sampler.seed)
+        return Evicted(request_id, list(prompt), list(seq.output_ids), kv, live.sampler.seed,
+                       live.logprobs[-1] if live.logprobs else None)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -187,9 +193,12 @@ class DecodeCore:
         logits = self.runner.decode(self.batch, [s.next_input for s in plan.running])
         lives = [self.live[s.request_id] for s in plan.running]
         tokens = sample(logits, [live.sampler for live in lives])
+        logprobs = token_logprobs(logits, tokens, [live.sampler.params for live in lives])
         self.scheduler.append_tokens(tokens)
         outputs = []
-        for live, token in zip(lives, tokens):
+        for live, token, logprob in zip(lives, tokens, logprobs):
+            if logprob is not None:
+                live.logprobs.append(logprob)
             if token == INVALID_TOKEN:  # this request's logits went non-finite: it alone ends
                 live.prefilled.request.trace.mark("finished")
                 self._finish(live, Status.FINISHED_ABORTED)
@@ -224,5 +233,5 @@ class DecodeCore:
     def _output(self, live: _Live, delta: str, finish_reason: str | None) -> RequestOutput:
         req = live.prefilled.request
         return RequestOutput(req.request_id, req.prompt_token_ids, list(live.checker.token_ids),
-                             live.checker.text, delta, finish_reason, req.trace)
+                             live.checker.text, delta, finish_reason, req.trace, list(live.logprobs))
 

@@ -22,6 +22,8 @@ from baton.metrics import Metrics
 from baton.v1 import workers_pb2
 from baton.decode_worker.core import DecodeCore, Evicted
 from baton.engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput
+from baton.messages import logprob_from_proto
+from baton.sampling import MAX_LOGPROBS
 from baton.kvtransfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
@@ -210,7 +212,9 @@ class DecodeLoop:
             meta = self._check_landed(entry.request, staged)
             trace.cached_tokens = meta.cached_tokens
             trace.mark("staged")
-            first = self.core.add(PrefilledRequest(entry.request, staged.kv, meta.first_token, meta.seed))
+            first_logprob = logprob_from_proto(meta.first_logprob) if meta.HasField("first_logprob") else None
+            first = self.core.add(PrefilledRequest(entry.request, staged.kv, meta.first_token, meta.seed,
+                                                   first_logprob=first_logprob))
         except Exception as exc:  # this request alone fails (its stream says why); the batch goes on
             if isinstance(exc, RequestError):
                 log.warning("request %s refused at admission: %s", request_id, exc)
@@ -243,6 +247,10 @@ class DecodeLoop:
         vocab = self.core.runner.loaded.config.vocab_size
         if not 0 <= meta.first_token < vocab:
             raise RequestError(f"the KV's first token {meta.first_token} is outside the vocabulary [0, {vocab})")
+        if meta.HasField("first_logprob") and (meta.first_logprob.token_id != meta.first_token or len(
+                meta.first_logprob.top_token_ids) != len(meta.first_logprob.top_logprobs) or len(
+                meta.first_logprob.top_token_ids) > MAX_LOGPROBS):
+            raise RequestError("the KV's first-token log probability does not match its first token")
         if staged.kv.num_tokens != len(request.prompt_token_ids):
             raise RequestError(f"the KV holds {staged.kv.num_tokens} tokens but the prompt has "
                                f"{len(request.prompt_token_ids)}")

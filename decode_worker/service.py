@@ -12,7 +12,7 @@ import time
 import grpc
 
 from baton.config import ClusterSettings, DecodeSettings, ModelSettings, TLSSettings
-from baton.messages import sampling_from_proto
+from baton.messages import logprob_to_proto, sampling_from_proto
 from baton.metrics import Metrics
 from baton.server import GrpcServer, NotReady, channel, cluster_token
 from baton.transport import check_address
@@ -81,7 +81,8 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             if isinstance(item, Moving):  # draining: the stream stays open until Handoff is done
                 yield workers_pb2.DecodeResponse(moving=True, seed=item.seed)
                 continue
-            msg = workers_pb2.DecodeResponse(token_ids=item.token_ids[sent:], text_delta=item.text_delta)
+            msg = workers_pb2.DecodeResponse(token_ids=item.token_ids[sent:], text_delta=item.text_delta,
+                                             logprobs=[logprob_to_proto(lp) for lp in item.logprobs[sent:]])
             sent = len(item.token_ids)
             if item.finished:
                 msg.finish_reason = item.finish_reason
@@ -108,6 +109,8 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
         except NotMoving as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         meta = workers_pb2.KVMetadata(first_token=evicted.token_ids[-1], seed=evicted.seed, handoff=True)
+        if evicted.last_logprob is not None:
+            meta.first_logprob.CopyFrom(logprob_to_proto(evicted.last_logprob))
         remaining = context.time_remaining()
         started = time.monotonic()
         failure = None

@@ -128,6 +128,10 @@ class TokenizerView:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (what log probabilities are shown for)."""
+        return self.tokenizer.decode([token_id])
+
 
 def model_dir(name: str) -> Path:
     """The directory of a model given as `default`, a directory, or a Hugging Face id already in

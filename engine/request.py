@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 
 from baton.engine.kv import SequenceKV
-from baton.sampling import SamplingParams
+from baton.sampling import SamplingParams, TokenLogprob
 
 # Stages in the order a request passes them; the trace says how long each took.
 STAGES = ("queue", "prefill", "transfer", "staging", "admission", "decode")
@@ -57,6 +57,7 @@ class PrefilledRequest:
     first_token: int
     seed: int  # the seed sampling used, so the decode side continues the same random stream
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    first_logprob: TokenLogprob | None = None  # when the request asked for log probabilities
 
 
 @dataclass
@@ -68,6 +69,7 @@ class RequestOutput:
     text_delta: str = ""  # new text since the previous output of this request
     finish_reason: str | None = None  # "stop", "length", "abort" once finished
     trace: Trace | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry, if asked for
 
     @property
     def finished(self) -> bool:

@@ -17,7 +17,7 @@ import torch
 
 # The parameters themselves are plain Python, shared with the SDK and the router.
 from baton.sampling import (GREEDY_TEMPERATURE_EPS, MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,  # noqa: F401
-                            MAX_STOP_TOKEN_IDS, SamplingParams)
+                            MAX_STOP_TOKEN_IDS, SamplingParams, TokenLogprob)
 
 
 def _step_seed(seed: int, step: int) -> int:
@@ -71,6 +71,28 @@ def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> list[int
     for s in samplers:
         s.tokens_generated += 1
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
+                   params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:
+    """Each sampled token's log probability and its row's `params.logprobs` most likely tokens,
+    from the same logits it was sampled from (raw: before temperature, top-k and top-p, as vLLM
+    reports them); None for rows that did not ask or whose token is INVALID_TOKEN. Only the rows
+    that ask pay for the log-softmax."""
+    out: list[TokenLogprob | None] = [None] * len(tokens)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] != INVALID_TOKEN]
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    logp = torch.log_softmax(logits[index].float(), dim=-1)  # [m, V]
+    chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logits.device)).squeeze(1).tolist()
+    k = max(params[i].logprobs for i in rows)
+    top_values, top_ids = (logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long()))
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        n = params[i].logprobs
+        out[i] = TokenLogprob(tokens[i], chosen[j], tuple(zip(top_ids[j][:n], top_values[j][:n])))
+    return out
 
 
 def _sample_mixed(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> list[int]:

@@ -18,7 +18,7 @@ from baton.engine.kv import SequenceKV
 from baton.engine.request import GenerationRequest, PrefilledRequest
 from baton.engine.executors import Runner
 from baton.engine.kv import PrefillOutput
-from baton.engine.sampling import RequestSampler, sample
+from baton.engine.sampling import RequestSampler, sample, token_logprobs
 from baton.prefill_worker.prefix_cache import KVEvents, PrefixCache
 
 DEFAULT_BLOCK_SIZE = 16
@@ -102,10 +102,11 @@ class PrefillCore:
             self._remember(plan.hashes, out.kv)
             sampler = RequestSampler(request.params, tokens_generated=request.resume_step)
             first_token = sample(out.logits[None], [sampler])[0]
+            first_logprob = token_logprobs(out.logits[None], [first_token], [request.params])[0]
             request.trace.cached_tokens = plan.tokens
             request.trace.mark("prefill_end")
             self.cached_tokens_total += plan.tokens
-            prefilled.append(PrefilledRequest(request, out.kv, first_token, sampler.seed, plan.tokens))
+            prefilled.append(PrefilledRequest(request, out.kv, first_token, sampler.seed, plan.tokens, first_logprob))
         return prefilled
 
     def _run_on_prefix(self, prompts: list[list[int]], plan: Reuse) -> list[PrefillOutput]:

@@ -23,6 +23,7 @@ from baton.server import channel
 from baton.v1 import workers_pb2
 
 from baton.engine.request import GenerationRequest, RequestError
+from baton.messages import logprob_to_proto
 from baton.engine.executors import Runner
 from baton.kvtransfer.errors import KVPushFailed
 from baton.kvtransfer.grpc_transport import PushRetry, push_kv_retrying
@@ -188,6 +189,8 @@ class PrefillLoop:
             queue_seconds=trace.marks["prefill_start"] - trace.marks["arrived"],
             prefill_seconds=trace.marks["prefill_end"] - trace.marks["prefill_start"],
         )
+        if prefilled.first_logprob is not None:
+            meta.first_logprob.CopyFrom(logprob_to_proto(prefilled.first_logprob))
         done = PrefillDone(
             first_token=prefilled.first_token, seed=prefilled.seed, cached_tokens=prefilled.cached_tokens,
             computed_tokens=len(job.request.prompt_token_ids) - prefilled.cached_tokens,

@@ -180,6 +180,7 @@ class BatchRunner:
                                        prefill_address=group.prefill_address, pinned_tokens=group.pinned_tokens):
             result.prompt_token_ids.extend(msg.prompt_token_ids)
             result.token_ids.extend(msg.token_ids)
+            result.logprobs.extend(msg.logprobs)
             text.append(msg.text_delta)
             if msg.finish_reason:
                 result.finish_reason = msg.finish_reason

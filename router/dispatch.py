@@ -192,17 +192,17 @@ class Dispatcher:
                 if msg.moving:
                     handing_off = True
                     return msg.seed, call
-                tokens, text = list(msg.token_ids), msg.text_delta
+                tokens, text, logprobs = list(msg.token_ids), msg.text_delta, list(msg.logprobs)
                 if tokens:
                     leg.source.delivered()
                 if repeat and tokens:
                     if tokens[0] != sent[-1]:
                         raise DispatchError(grpc.StatusCode.INTERNAL, f"request {leg.request_id} resumed on "
                                             f"{leg.worker.view.address} at token {tokens[0]}, not {sent[-1]}")
-                    tokens, text, repeat = tokens[1:], "", False  # its text went out before too
+                    tokens, text, logprobs, repeat = tokens[1:], "", logprobs[1:], False  # its text went out before too
                 sent.extend(tokens)
                 out = router_pb2.GenerateResponse(request_id=leg.request_id, token_ids=tokens, text_delta=text,
-                                                  finish_reason=msg.finish_reason)
+                                                  finish_reason=msg.finish_reason, logprobs=logprobs)
                 if msg.finish_reason:
                     finish(out, msg, leg.worker)
                 if tokens or text or msg.finish_reason:

@@ -31,6 +31,12 @@ class Reference:
                              pad_token_id=model.generation_config.pad_token_id)
         return out[0, len(prompt_ids):].tolist()
 
+    def logprobs(self, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+        """[len(output_ids), vocab]: the log-softmax of the logits each output token was drawn from."""
+        with torch.no_grad():
+            logits = self.loaded.model(torch.tensor([prompt_ids + output_ids[:-1]])).logits[0, len(prompt_ids) - 1:]
+        return torch.log_softmax(logits.float(), dim=-1)
+
 
 @pytest.fixture(scope="session")
 def default_model() -> LoadedModel:

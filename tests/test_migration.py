@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import grpc
 import pytest
+import torch
 
 from conftest import TEST_DTYPE
 
@@ -56,17 +57,19 @@ def resumed(ev: Evicted, params: SamplingParams) -> PrefilledRequest:
     done = len(ev.token_ids) - 1
     request = GenerationRequest(ev.request_id, ev.prompt_token_ids + ev.token_ids[:-1],
                                 replace(params, max_tokens=params.max_tokens - done), resume_step=done)
-    return PrefilledRequest(request, ev.kv, ev.token_ids[-1], ev.seed)
+    return PrefilledRequest(request, ev.kv, ev.token_ids[-1], ev.seed, first_logprob=ev.last_logprob)
 
 
-def run_to_end(core: DecodeCore, tokens: dict[str, list[int]]) -> None:
+def run_to_end(core: DecodeCore, tokens: dict[str, list[int]], logprobs: dict | None = None) -> None:
     while core.has_work():
         for out in core.step():
             tokens[out.request_id] = out.token_ids
+            if logprobs is not None:
+                logprobs[out.request_id] = out.logprobs
 
 
 def test_evicted_rows_go_on_token_identically_on_another_core(runner, tiny_reference):
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     prompts = {f"r{i}": [40 + 13 * i + j for j in range(6 + 5 * i)] for i in range(3)}
     released = Released()
     source = DecodeCore(runner, DecodeConfig(max_rows=3), on_kv_consumed=released)
@@ -83,9 +86,17 @@ def test_evicted_rows_go_on_token_identically_on_another_core(runner, tiny_refer
     target = DecodeCore(runner, DecodeConfig(max_rows=2), on_kv_consumed=target_released)
     first = target.add(resumed(ev, params))
     assert first.token_ids == ev.token_ids[-1:]
+    # The repeated token keeps its log probability, so the moved stream's stay aligned with its tokens.
+    assert ev.last_logprob is not None and first.logprobs == [ev.last_logprob]
     moved: dict[str, list[int]] = {}
-    run_to_end(target, moved)
+    moved_logprobs: dict[str, list] = {}
+    run_to_end(target, moved, moved_logprobs)
     assert ev.token_ids + moved["r1"][1:] == tiny_reference.greedy(prompts["r1"], MAX_TOKENS)
+    assert [lp.token_id for lp in moved_logprobs["r1"]] == moved["r1"]
+    reference = tiny_reference.logprobs(prompts["r1"], ev.token_ids + moved["r1"][1:])[len(ev.token_ids) - 1:]
+    got = torch.tensor([lp.logprob for lp in moved_logprobs["r1"]])
+    assert torch.allclose(got, reference.gather(1, torch.tensor(moved["r1"])[:, None])[:, 0], atol=1e-4)
+    assert [t for t, _ in moved_logprobs["r1"][-1].top] == reference[-1].topk(2).indices.tolist()
     stayed: dict[str, list[int]] = {}
     run_to_end(source, stayed)
     for rid in ("r0", "r2"):
@@ -383,15 +394,18 @@ def test_sigterm_moves_running_requests_kv_to_the_other_decode_worker(tiny_refer
         drained, target = cluster.decode_addrs
         with BatonClient(cluster.router_address, timeout=120) as client:
             streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+            logprobs: dict[int, list] = {i: [] for i in range(len(prompts))}
             outcome: dict[int, object] = {}
             flowing = threading.Semaphore(0)
 
             def run(i: int) -> None:
                 try:
-                    for chunk in client.stream(token_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True):
+                    for chunk in client.stream(token_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True,
+                                               logprobs=0):
                         if chunk.token_ids and not streamed[i]:
                             flowing.release()
                         streamed[i].extend(chunk.token_ids)
+                        logprobs[i].extend(chunk.logprobs or ())
                         if chunk.finish_reason:
                             outcome[i] = chunk.finish_reason
                 except Exception as exc:  # noqa: BLE001 - reported below
@@ -420,6 +434,10 @@ def test_sigterm_moves_running_requests_kv_to_the_other_decode_worker(tiny_refer
     for i, prompt in enumerate(prompts):
         assert outcome.get(i) == "length", f"request {i}: {outcome.get(i)!r}"
         assert streamed[i] == tiny_reference.greedy(prompt, max_tokens), f"request {i} lost or repeated tokens"
+        # Each token's log probability came with it, wherever it was computed (prefill, either decode worker).
+        assert [lp.token_id for lp in logprobs[i]] == streamed[i], f"request {i}: log probabilities out of step"
+        reference = tiny_reference.logprobs(prompt, streamed[i]).gather(1, torch.tensor(streamed[i])[:, None])[:, 0]
+        assert torch.allclose(torch.tensor([lp.logprob for lp in logprobs[i]]), reference, atol=1e-4), i
     # The KV itself moved: the target received it by handoff, and no request was prefilled twice.
     assert moved_in > 0
     assert prefilled == len(prompts)

@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 
 from baton.client import BatonClient
 from baton.client.errors import Unavailable
@@ -115,6 +116,51 @@ def test_a_stream_carries_the_same_text_then_usage(api, sdk):
     assert len({c.id for c in chunks}) == 1
 
 
+def test_logprobs_are_the_models_own_in_every_answer_shape(api, sdk, tiny_reference):
+    """Computed by the workers from the logits they sample from (the first token's on the prefill
+    worker, the rest on the decode worker), checked against transformers' forward."""
+    asked = {"max_tokens": 10, "extra_body": {"ignore_eos": True}}
+    grpc = sdk.generate(messages=CHAT, max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    assert [lp.token_id for lp in grpc.logprobs] == grpc.token_ids
+    reference = tiny_reference.logprobs(grpc.prompt_token_ids, grpc.token_ids)
+    chosen = reference.gather(1, torch.tensor(grpc.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([lp.logprob for lp in grpc.logprobs]), chosen, atol=1e-4)
+    for lp, row in zip(grpc.logprobs, reference):
+        assert [t for t, _ in lp.top] == row.topk(3).indices.tolist() and lp.top[0][0] == lp.token_id  # greedy
+
+    chat = api.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, logprobs=True, top_logprobs=3,
+                                       **asked)
+    content = chat.choices[0].logprobs.content
+    text_of = lambda t: tiny_reference.loaded.tokenizer.decode([t])  # noqa: E731
+    assert [c.token for c in content] == [text_of(t) for t in grpc.token_ids]
+    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in grpc.logprobs], abs=1e-6)
+    assert [[t.token for t in c.top_logprobs] for c in content] == [[text_of(t) for t, _ in lp.top]
+                                                                    for lp in grpc.logprobs]
+    assert content[0].bytes == list(content[0].token.encode())
+    streamed = [c for chunk in api.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, stream=True,
+                                                           logprobs=True, top_logprobs=3, **asked)
+                if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert [c.model_dump() for c in streamed] == [c.model_dump() for c in content]
+    plain = api.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, **asked)
+    assert plain.choices[0].logprobs is None
+
+    # Completions' shape; sampling at a temperature still reports the model's own distribution.
+    text = api.completions.create(model=MODEL, prompt=list(grpc.prompt_token_ids), temperature=1.3, seed=5,
+                                  logprobs=2, **asked).choices[0]
+    assert len(text.logprobs.tokens) == len(text.logprobs.token_logprobs) == 10
+    assert len(text.logprobs.top_logprobs) == 10 and all(len(top) <= 2 for top in text.logprobs.top_logprobs)
+    offsets = [0]
+    for token in text.logprobs.tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert text.logprobs.text_offset == offsets
+    sampled = sdk.generate(token_ids=list(grpc.prompt_token_ids), max_tokens=10, temperature=1.3, seed=5,
+                           ignore_eos=True, logprobs=2)
+    assert [text_of(t) for t in sampled.token_ids] == text.logprobs.tokens  # same seed, same draws
+    raw = tiny_reference.logprobs(grpc.prompt_token_ids, sampled.token_ids)
+    assert text.logprobs.token_logprobs == pytest.approx(
+        raw.gather(1, torch.tensor(sampled.token_ids)[:, None])[:, 0].tolist(), abs=1e-4)
+
+
 def test_several_prompts_and_choices_in_one_request(api):
     answer = api.completions.create(model=MODEL, prompt=["One", "Two"], n=2, max_tokens=6, temperature=0.8, seed=3,
                                     extra_body={"ignore_eos": True})
@@ -161,7 +207,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_decode_row_and_kv(api, cluste
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"messages": CHAT, "temperature": -1}, "temperature"),
     ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
-    ({"messages": CHAT, "logprobs": True}, "logprobs"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": CHAT, "presence_penalty": 1.0}, "presence_penalty"),
     ({"messages": CHAT, "n": 100}, "n"),
 ])
 def test_bad_fields_are_400_naming_the_field(cluster, body, param):

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from baton.router.openai_api.protocol import (APIError, DEFAULT_SERVED_NAME, MAX_PROMPTS, body, chunk, parse,
-                                              served_names, usage, usage_chunk)
+from baton.router.openai_api.protocol import (APIError, DEFAULT_SERVED_NAME, MAX_PROMPTS, body, chunk, logprobs,
+                                              parse, served_names, usage, usage_chunk)
+from baton.sampling import TokenLogprob
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -61,7 +62,9 @@ def test_completion_prompts_in_every_shape(prompt, expected):
     ({**CHAT, "seed": -1}, "seed"),
     ({**CHAT, "stop": 5}, "stop"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
-    ({**CHAT, "logprobs": True}, "logprobs"),
+    ({**CHAT, "logprobs": 3}, "logprobs"),
+    ({**CHAT, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
     ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
@@ -80,6 +83,39 @@ def test_neutral_values_of_unsupported_fields_pass():
 @pytest.mark.parametrize("prompt", [None, "", [], [1, -2], ["a", ""], [True], 5, ["a"] * (MAX_PROMPTS + 1)])
 def test_bad_completion_prompts(prompt):
     assert refused({"prompt": prompt}, chat=False).param.startswith("prompt")
+
+
+def test_logprobs_are_asked_as_each_endpoint_asks():
+    assert parse(CHAT, chat=True).sampling.logprobs is None
+    assert parse({**CHAT, "logprobs": False}, chat=True).sampling.logprobs is None
+    assert parse({**CHAT, "logprobs": True}, chat=True).sampling.logprobs == 0
+    assert parse({**CHAT, "logprobs": True, "top_logprobs": 5}, chat=True).sampling.logprobs == 5
+    assert parse({"prompt": "x", "logprobs": 2}, chat=False).sampling.logprobs == 2
+    assert refused({"prompt": "x", "logprobs": True}, chat=False).param == "logprobs"
+    assert refused({"prompt": "x", "logprobs": 21}, chat=False).param == "logprobs"
+
+
+def test_logprobs_answers_have_openai_shapes():
+    text_of = {1: "Hel", 2: "lo", 3: "é"}.__getitem__
+    entries = [TokenLogprob(1, -0.5, ((1, -0.5), (2, -1.5))), TokenLogprob(3, -0.25, ((3, -0.25), (1, -2.0)))]
+    chat = parse({**CHAT, "logprobs": True, "top_logprobs": 2}, chat=True)
+    assert logprobs(chat, entries, text_of) == {"content": [
+        {"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108],
+         "top_logprobs": [{"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108]},
+                          {"token": "lo", "logprob": -1.5, "bytes": [108, 111]}]},
+        {"token": "é", "logprob": -0.25, "bytes": [195, 169],
+         "top_logprobs": [{"token": "é", "logprob": -0.25, "bytes": [195, 169]},
+                          {"token": "Hel", "logprob": -2.0, "bytes": [72, 101, 108]}]}]}
+    text = parse({"prompt": "x", "logprobs": 2}, chat=False)
+    assert logprobs(text, entries, text_of, offset=4) == {
+        "tokens": ["Hel", "é"], "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"Hel": -0.5, "lo": -1.5}, {"é": -0.25, "Hel": -2.0}], "text_offset": [4, 7]}
+    assert logprobs(parse(CHAT, chat=True), entries, text_of) is None  # not asked
+    shaped = logprobs(text, entries, text_of)
+    assert body(text, "id", 1, "m", [{"index": 0, "text": "Helé", "finish_reason": "stop", "logprobs": shaped}],
+                usage(1, 2, 0))["choices"][0]["logprobs"] == shaped
+    assert chunk(chat, "id", 1, "m", 0, text="Hel", token_logprobs={"content": []})["choices"][0]["logprobs"] == {
+        "content": []}
 
 
 def test_a_body_that_is_not_an_object():

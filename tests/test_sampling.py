@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from baton.engine.sampling import RequestSampler, SamplingParams, sample
+from baton.engine.sampling import INVALID_TOKEN, RequestSampler, SamplingParams, sample, token_logprobs
 from baton.v1 import common_pb2
 
 
@@ -154,6 +154,27 @@ def test_sample_refuses_mismatched_rows():
         sample(torch.zeros(2, 10), [RequestSampler(SamplingParams())])
 
 
+# --- log probabilities ---------------------------------------------------------------------------
+
+def test_logprobs_are_the_raw_log_softmax_whatever_the_sampling():
+    logits = _logits(4, 50, 11)
+    params = [SamplingParams(logprobs=3), SamplingParams(),
+              SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, logprobs=0), SamplingParams(logprobs=2)]
+    tokens = sample(logits, [RequestSampler(p) for p in params])
+    tokens[3] = INVALID_TOKEN  # a row whose logits went bad gets none
+    out = token_logprobs(logits, tokens, params)
+    reference = torch.log_softmax(logits, dim=-1)
+    assert out[1] is None and out[3] is None
+    for row in (0, 2):
+        assert out[row].token_id == tokens[row]
+        assert out[row].logprob == pytest.approx(reference[row, tokens[row]].item(), abs=1e-6)
+    best = reference[0].topk(3)
+    assert [t for t, _ in out[0].top] == best.indices.tolist() == [tokens[0]] + best.indices.tolist()[1:]
+    assert [v for _, v in out[0].top] == pytest.approx(best.values.tolist(), abs=1e-6)
+    assert out[2].top == ()  # logprobs=0: the token's own only
+    assert token_logprobs(logits, tokens, [SamplingParams()] * 4) == [None] * 4
+
+
 # --- validation and transport ------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -175,6 +196,9 @@ def test_sample_refuses_mismatched_rows():
     ({"stop_token_ids": (5, -2)}, "stop_token_ids must be integers >= 0"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"priority": 1.5}, "priority"),
+    ({"logprobs": 21}, r"logprobs must be an integer in 0..20"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
 ])
 def test_validation_says_what_to_change(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -200,3 +224,16 @@ def test_one_sampling_params_for_the_sdk_the_router_and_the_engine():
     assert SamplingOptions is shared.SamplingParams is engine_sampling.SamplingParams
     assert type(sampling_from_proto(common_pb2.SamplingParams(max_tokens=3))) is shared.SamplingParams
     assert "torch" not in shared.__dict__
+
+
+def test_sampling_and_logprobs_cross_the_wire_unchanged():
+    from baton.messages import logprob_from_proto, logprob_to_proto, sampling_from_proto, sampling_to_proto
+    from baton.sampling import TokenLogprob
+
+    params = SamplingParams(max_tokens=9, temperature=0.5, top_k=4, top_p=0.75, seed=3, stop=("x",),
+                            stop_token_ids=(2,), ignore_eos=True, priority=-2, logprobs=5)
+    assert sampling_from_proto(sampling_to_proto(params)) == params
+    assert sampling_from_proto(sampling_to_proto(SamplingParams())).logprobs is None
+    assert sampling_from_proto(sampling_to_proto(SamplingParams(logprobs=0))).logprobs == 0
+    entry = TokenLogprob(7, -0.5, ((7, -0.5), (3, -1.25)))
+    assert logprob_from_proto(logprob_to_proto(entry)) == entry

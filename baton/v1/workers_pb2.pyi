@@ -108,7 +108,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume_step: _Optional[int] = ..., push_token: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "text_delta", "finish_reason", "stage_seconds", "moving", "seed")
+    __slots__ = ("token_ids", "text_delta", "finish_reason", "stage_seconds", "moving", "seed", "logprobs")
     class StageSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -122,13 +122,15 @@ class DecodeResponse(_message.Message):
     STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MOVING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text_delta: str
     finish_reason: str
     stage_seconds: _containers.ScalarMap[str, float]
     moving: bool
     seed: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., moving: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., moving: _Optional[bool] = ..., seed: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class HandoffRequest(_message.Message):
     __slots__ = ("request_id", "target", "target_request_id", "push_token")
@@ -153,17 +155,19 @@ class HandoffReply(_message.Message):
     def __init__(self, kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class KVMetadata(_message.Message):
-    __slots__ = ("first_token", "seed", "cached_tokens", "queue_seconds", "prefill_seconds", "handoff")
+    __slots__ = ("first_token", "seed", "cached_tokens", "queue_seconds", "prefill_seconds", "handoff", "first_logprob")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     seed: int
     cached_tokens: int
     queue_seconds: float
     prefill_seconds: float
     handoff: bool
-    def __init__(self, first_token: _Optional[int] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., handoff: _Optional[bool] = ...) -> None: ...
+    first_logprob: _common_pb2.TokenLogprob
+    def __init__(self, first_token: _Optional[int] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., handoff: _Optional[bool] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...

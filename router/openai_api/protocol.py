@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
-from baton.sampling import INT32_MAX, INT32_MIN, MAX_SEED, SamplingParams
+from baton.sampling import INT32_MAX, INT32_MIN, MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob
 
 # What the default model is called on the wire (its Hugging Face name), as vLLM would serve it.
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -20,8 +20,7 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 NEUTRAL = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
            "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
            "echo": (None, False), "suffix": (None, ""), "parallel_tool_calls": (None, True, False),
-           "logprobs": (None, False), "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}),
-           "best_of": (None, 1)}
+           "response_format": (None, {"type": "text"}), "best_of": (None, 1)}
 
 
 def served_names(model: str, configured: str) -> list[str]:
@@ -161,9 +160,19 @@ def _completion_prompts(body: dict) -> list[str | list[int]]:
 def _check_neutral(body: dict) -> None:
     for name, allowed in NEUTRAL.items():
         if name in body and body[name] not in allowed:
-            why = ("log probabilities are not returned by this server yet" if "logprobs" in name
-                   else f"{body[name]!r} is not supported by this server")
-            raise bad(name, f"{why}; leave it unset")
+            raise bad(name, f"{body[name]!r} is not supported by this server; leave it unset")
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token to return with its log probability; None = none. Chat says
+    `logprobs: true` and `top_logprobs: N`; completions say `logprobs: N`."""
+    if not chat:
+        return _int(body, "logprobs", 0, MAX_LOGPROBS)
+    wanted = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise bad("top_logprobs", "needs \"logprobs\": true")
+    return (top or 0) if wanted else None
 
 
 def parse(body: Any, *, chat: bool) -> APIRequest:
@@ -201,7 +210,7 @@ def parse(body: Any, *, chat: bool) -> APIRequest:
             "top_p": _number(body, "top_p", 0.0, 1.0), "top_k": max(top_k, 0),
             "seed": _int(body, "seed", -(2**63), MAX_SEED),
             "stop": stop, "stop_token_ids": stop_token_ids, "ignore_eos": _bool(body, "ignore_eos"),
-            "priority": _int(body, "priority", INT32_MIN, INT32_MAX, 0)})
+            "priority": _int(body, "priority", INT32_MIN, INT32_MAX, 0), "logprobs": _logprobs(body, chat)})
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), param=name, code="invalid_value") from None
@@ -221,15 +230,41 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+TokenText = Callable[[int], str]  # a token id's own text (the tokenizer's decode of that one id)
+
+
+def logprobs(request: APIRequest, entries: Sequence[TokenLogprob], text_of: TokenText,
+             offset: int = 0) -> dict[str, Any] | None:
+    """The `logprobs` of a choice (or of a stream chunk's tokens) in the endpoint's shape, or None
+    when the request did not ask. Completions give `text_offset` from `offset`, the characters of
+    the choice's tokens before these."""
+    if request.sampling.logprobs is None:
+        return None
+    if request.chat:
+        def token(token_id: int, value: float) -> dict[str, Any]:
+            text = text_of(token_id)
+            return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, v) for t, v in e.top]}
+                            for e in entries]}
+    tokens = [text_of(e.token_id) for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text_of(t): v for t, v in e.top} for e in entries], "text_offset": offsets}
+
+
 def body(request: APIRequest, response_id: str, created: int, model: str, choices: list[dict],
          totals: dict[str, Any]) -> dict[str, Any]:
-    """A whole (non-streaming) answer; `choices` hold index, text and finish_reason."""
+    """A whole (non-streaming) answer; `choices` hold index, text, finish_reason and logprobs
+    (already shaped by `logprobs`)."""
     if request.chat:
         shaped = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                   "logprobs": None, "finish_reason": c["finish_reason"]} for c in choices]
+                   "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]} for c in choices]
         kind = "chat.completion"
     else:
-        shaped = [{"index": c["index"], "text": c["text"], "logprobs": None,
+        shaped = [{"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),
                    "finish_reason": c["finish_reason"]} for c in choices]
         kind = "text_completion"
     return {"id": response_id, "object": kind, "created": created, "model": model, "choices": shaped,
@@ -237,16 +272,16 @@ def body(request: APIRequest, response_id: str, created: int, model: str, choice
 
 
 def chunk(request: APIRequest, response_id: str, created: int, model: str, index: int, *, text: str | None = None,
-          role: bool = False, finish_reason: str | None = None) -> dict[str, Any]:
-    """One stream event for one choice."""
+          role: bool = False, finish_reason: str | None = None, token_logprobs: dict | None = None) -> dict[str, Any]:
+    """One stream event for one choice; `token_logprobs` as `logprobs` shapes them."""
     if request.chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": token_logprobs, "finish_reason": finish_reason}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": token_logprobs, "finish_reason": finish_reason}
         kind = "text_completion"
     out = {"id": response_id, "object": kind, "created": created, "model": model, "choices": [choice]}
     if request.include_usage:

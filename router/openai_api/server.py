@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -34,7 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from baton.engine.request import RequestError
-from baton.messages import sampling_to_proto
+from baton.messages import logprob_from_proto, sampling_to_proto
 from baton.router.dispatch import DispatchError
 from baton.router.front import RETRY_AFTER_SECONDS, Front, Refused
 from baton.router.openai_api import protocol
@@ -86,6 +87,16 @@ class Choice:
         self.tokens = 0
         self.cached = 0
         self.finish_reason: str | None = None
+        self.logprobs: list = []  # TokenLogprob per token, when the request asked
+        self._shaped = 0  # logprobs already sent in stream chunks
+        self._offset = 0  # characters of their tokens' text (completions' text_offset)
+
+    def new_logprobs(self, request: APIRequest, text_of) -> dict | None:
+        """The logprobs not yet streamed, shaped for a chunk (None when the request did not ask)."""
+        entries, self._shaped = self.logprobs[self._shaped:], len(self.logprobs)
+        shaped = protocol.logprobs(request, entries, text_of, self._offset)
+        self._offset += sum(len(text_of(e.token_id)) for e in entries)
+        return shaped
 
 
 class Run:
@@ -133,6 +144,7 @@ class Run:
             if not isinstance(item, Exception):
                 choice.text.append(item.text_delta)
                 choice.tokens += len(item.token_ids)
+                choice.logprobs.extend(logprob_from_proto(lp) for lp in item.logprobs)
                 if item.finish_reason:
                     choice.finish_reason = item.finish_reason
                     choice.cached = item.usage.cached_tokens
@@ -168,6 +180,7 @@ class OpenAIServer:
                  tls=None, require_client_cert: bool = True, max_threads: int = 1024, timeout: float = 0):
         self.front, self.served, self.token = front, served, token
         self.timeout = timeout or None  # seconds a request may run; past it, 504
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(front.model.token_text)
         self.executor = concurrent.futures.ThreadPoolExecutor(max_threads, thread_name_prefix="openai")
         self.socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                            reuse_port=False)
@@ -279,8 +292,8 @@ class OpenAIServer:
                 return JSONResponse({}, status_code=499, headers=headers)
             if isinstance(outcome, Exception):
                 return _error_response(api_error(outcome), headers)
-            results = [{"index": c.index, "text": "".join(c.text), "finish_reason": c.finish_reason}
-                       for c in run.choices]
+            results = [{"index": c.index, "text": "".join(c.text), "finish_reason": c.finish_reason,
+                        "logprobs": protocol.logprobs(parsed, c.logprobs, self.token_text)} for c in run.choices]
             return JSONResponse(protocol.body(parsed, response_id, created, name, results, run.usage()),
                                 headers=headers)
         finally:
@@ -340,9 +353,11 @@ class OpenAIServer:
                 if isinstance(msg, Exception):
                     yield event(api_error(msg).body())
                     break
-                if msg.text_delta or msg.finish_reason:
+                shaped = choice.new_logprobs(parsed, self.token_text) if msg.logprobs else None
+                if msg.text_delta or msg.finish_reason or shaped:
                     yield event(protocol.chunk(parsed, response_id, created, name, choice.index,
-                                               text=msg.text_delta, finish_reason=msg.finish_reason or None))
+                                               text=msg.text_delta, finish_reason=msg.finish_reason or None,
+                                               token_logprobs=shaped))
                 item = await run.next()
             else:
                 if parsed.include_usage:
