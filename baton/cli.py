@@ -175,7 +175,7 @@ def load_role_settings(args):
     from baton.config import load_settings
 
     section = {k: getattr(args, k, None) for k in ("host", "port", "metrics_port")}
-    for key in ("max_rows", "kv_budget_bytes", "staging_bytes", "max_queue", "max_batch_tokens", "prefix_cache_bytes",
+    for key in ("max_rows", "kv_budget_bytes", "staging_bytes", "max_queue", "max_batch_tokens", "chunk_tokens", "prefix_cache_bytes",
                 "block_size", "prefill_workers", "decode_workers", "discovery", "prefix_index", "redis_url",
                 "index_namespace", "max_inflight", "auth_token_file", "require_client_cert", "drain_move_after_s",
                 "http_port", "served_model_name", "chat_template"):
@@ -355,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--max-queue", type=int,
                          help="prompts queued or being prefilled before RESOURCE_EXHAUSTED (default 256)")
     prefill.add_argument("--max-batch-tokens", type=int, help="prompt tokens per prefill batch (default 4096)")
+    prefill.add_argument("--chunk-tokens", type=int,
+                         help="prefill a prompt with more uncached tokens than this in chunks of this many, one per "
+                              "iteration, so other prompts need not wait for all of it (default 256; 0 = off)")
     prefill.add_argument("--prefix-cache-bytes", type=int,
                          help="prefix KV cache size, pins included (default 268435456; 0 turns it off)")
     prefill.add_argument("--block-size", type=int, help="prefix block tokens (default 16)")

@@ -126,6 +126,10 @@ class PrefillSettings:
     max_queue: int = 256  # prompts queued or being prefilled/pushed before RESOURCE_EXHAUSTED
     max_batch_tokens: int = 4096  # prompt tokens per prefill batch
     max_batch_size: int = 8
+    # A prompt with more uncached tokens than this is prefilled in chunks of this many, one per
+    # iteration, so prompts arriving meanwhile wait for a chunk rather than the whole prompt (0 = off).
+    # 256 on a CPU core: a chunk takes ~0.5 s, and a long prompt 5-10% longer (`baton bench chunks`).
+    chunk_tokens: int = 256
     prefix_cache_bytes: int = 256 << 20
     max_pins: int = 256  # batch groups' pinned prefixes held at once (their KV counts in prefix_cache_bytes)
     pin_ttl_s: float = 3600.0  # a pin not released by then is dropped (its router may have died)
@@ -142,6 +146,8 @@ class PrefillSettings:
         """Refuse values that would otherwise fail only at the first KV push or pin."""
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"prefill.drain_timeout_s must be >= 0 seconds (got {self.drain_timeout_s})")
+        if self.chunk_tokens < 0:
+            raise ValueError(f"prefill.chunk_tokens must be >= 0 (got {self.chunk_tokens}); 0 turns chunking off")
         if self.max_pins < 0 or not self.pin_ttl_s > 0:
             raise ValueError(f"prefill.max_pins must be >= 0 and prefill.pin_ttl_s > 0 "
                              f"(got {self.max_pins} and {self.pin_ttl_s})")

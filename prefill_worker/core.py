@@ -42,6 +42,17 @@ class _Pin:
     partial_kv: torch.Tensor | None = field(default=None, repr=False)  # [layers, 2, kv_heads, tail, head_dim]
 
 
+@dataclass
+class Chunked:
+    """A prompt being prefilled a chunk per iteration: its KV so far covers `done` tokens."""
+
+    request: GenerationRequest
+    plan: Reuse
+    kv: SequenceKV | None = field(repr=False)
+    done: int
+    chunks: int = 0
+
+
 DEFAULT_MAX_PINS = 256
 DEFAULT_PIN_TTL_S = 3600.0
 
@@ -97,17 +108,56 @@ class PrefillCore:
             prompts = [requests[i].prompt_token_ids for i in members]
             for i, out in zip(members, self._run_on_prefix(prompts, plans[members[0]])):
                 outs[i] = out
-        prefilled = []
-        for request, plan, out in zip(requests, plans, outs):
-            self._remember(plan.hashes, out.kv)
-            sampler = RequestSampler(request.params, tokens_generated=request.resume_step)
-            first_token = sample(out.logits[None], [sampler])[0]
-            first_logprob = token_logprobs(out.logits[None], [first_token], [request.params])[0]
-            request.trace.cached_tokens = plan.tokens
-            request.trace.mark("prefill_end")
-            self.cached_tokens_total += plan.tokens
-            prefilled.append(PrefilledRequest(request, out.kv, first_token, sampler.seed, plan.tokens, first_logprob))
-        return prefilled
+        return [self._finish(request, plan, out) for request, plan, out in zip(requests, plans, outs)]
+
+    def _finish(self, request: GenerationRequest, plan: Reuse, out: PrefillOutput) -> PrefilledRequest:
+        """Cache the prompt's new blocks and sample its first token."""
+        self._remember(plan.hashes, out.kv)
+        sampler = RequestSampler(request.params, tokens_generated=request.resume_step)
+        first_token = sample(out.logits[None], [sampler])[0]
+        first_logprob = token_logprobs(out.logits[None], [first_token], [request.params])[0]
+        request.trace.cached_tokens = plan.tokens
+        request.trace.mark("prefill_end")
+        self.cached_tokens_total += plan.tokens
+        return PrefilledRequest(request, out.kv, first_token, sampler.seed, plan.tokens, first_logprob)
+
+    # -- chunked prefill (Sarathi) -----------------------------------------------------------
+
+    def uncached_tokens(self, prompt: list[int]) -> int:
+        """Prompt tokens a prefill here would compute (what the chunk budget is measured against)."""
+        return len(prompt) - self.reuse_for(prompt).tokens
+
+    def begin_chunks(self, request: GenerationRequest) -> "Chunked":
+        """Start prefilling a long prompt a chunk at a time; `advance` runs each chunk. Its cached
+        prefix is copied out now, so no cache block stays locked between chunks."""
+        request.trace.mark("prefill_start")
+        plan = self.reuse_for(request.prompt_token_ids)
+        kv = None
+        if plan.tokens:
+            held = plan.hashes[:plan.blocks]
+            parts = self.cache.lock(held)
+            if plan.partial is not None:
+                parts = parts + [self.partials[plan.partial]]
+            try:
+                kv = SequenceKV(torch.cat(parts, dim=3))
+            finally:
+                self.cache.unlock(held)
+        return Chunked(request, plan, kv, plan.tokens)
+
+    def advance(self, chunked: "Chunked", budget: int) -> PrefilledRequest | None:
+        """Prefill the next `budget` tokens of the prompt on top of the KV so far; once the last
+        chunk is done, its logits give the first token and the whole KV is returned, as `prefill`
+        would have (the same maths, split where the chunks meet)."""
+        if budget < 1:
+            raise ValueError(f"a chunk needs at least one token (got a budget of {budget})")
+        prompt = chunked.request.prompt_token_ids
+        end = min(len(prompt), chunked.done + budget)
+        out = self.runner.prefill_batch([prompt[:end]], chunked.kv)[0]
+        chunked.kv, chunked.done = out.kv, end
+        chunked.chunks += 1
+        if end < len(prompt):
+            return None
+        return self._finish(chunked.request, chunked.plan, out)
 
     def _run_on_prefix(self, prompts: list[list[int]], plan: Reuse) -> list[PrefillOutput]:
         """Prefill prompts that share `plan`'s cached blocks (locked meanwhile) and pinned

@@ -3,7 +3,9 @@
 Prefill calls wait on a bounded queue; one compute thread takes the next batch (highest priority
 first, then prompts of similar length, bounded by tokens and count), runs it, samples each first
 token, and hands each KV to a sender pool so pushing to decode workers overlaps the next batch's
-compute. What a finished job reports is a plain `PrefillDone`; the servicer makes the reply.
+compute. A prompt with more uncached tokens than `prefill.chunk_tokens` is prefilled a chunk per
+iteration instead (Sarathi's chunked prefill), each iteration running the queued prompts first:
+a short prompt arriving behind a long one waits for one chunk, not for the whole prompt. What a finished job reports is a plain `PrefillDone`; the servicer makes the reply.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -28,8 +30,8 @@ from baton.engine.executors import Runner
 from baton.kvtransfer.errors import KVPushFailed
 from baton.kvtransfer.grpc_transport import PushRetry, push_kv_retrying
 from baton.kvtransfer.wire import grpc_push_channel_options
-from baton.prefill_worker.batching import PrefillQueue
-from baton.prefill_worker.core import PrefillCore
+from baton.prefill_worker.batching import BACKGROUND_BATCH_TOKENS, PrefillQueue
+from baton.prefill_worker.core import Chunked, PrefillCore
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +93,15 @@ class PrefillLoop:
         self._stop = threading.Event()
         self.draining = threading.Event()
         self._inflight: set[Future] = set()  # taken from the queue, not yet pushed
+        self._running: dict[str, PrefillJob] = {}  # the same jobs by request id, so a Cancel reaches them
+        self._chunking: "deque[tuple[PrefillJob, Chunked]]" = deque()  # long prompts, a chunk per iteration
+        self.chunks_done = 0
         self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
+
+    @property
+    def chunking(self) -> int:
+        """Long prompts part-way through their chunks."""
+        return len(self._chunking)
 
     def start(self) -> "PrefillLoop":
         self._thread.start()
@@ -101,6 +111,9 @@ class PrefillLoop:
         self._stop.set()
         self.queue.close()
         self._thread.join(timeout=10)
+        while self._chunking and not self._thread.is_alive():
+            job, _ = self._chunking.popleft()
+            job.done.set_exception(ConnectionAbortedError("this prefill worker stopped"))
         self._senders.shutdown(wait=False, cancel_futures=True)
 
     def drain(self, timeout: float) -> bool:
@@ -126,10 +139,16 @@ class PrefillLoop:
         return job.done
 
     def cancel(self, request_id: str, job: PrefillJob | None = None) -> bool:
-        job = self.queue.remove(request_id, job)
-        if job is not None:
-            job.cancelled = True
-            job.done.cancel()
+        """Drop a queued job; one already taken stops at its next chunk or before its push."""
+        queued = self.queue.remove(request_id, job)
+        if queued is not None:
+            queued.cancelled = True
+            queued.done.cancel()
+            return True
+        with self._lock:
+            running = self._running.get(request_id)
+        if running is not None and (job is None or running is job):
+            running.cancelled = True
             return True
         return False
 
@@ -157,22 +176,69 @@ class PrefillLoop:
                 for group_id in self.core.expire_pins():
                     log.warning("pin of group %s expired after prefill.pin_ttl_s=%ss without an unpin", group_id,
                                 self.core.pin_ttl_s)
-            jobs = self.queue.take_batch(timeout=0.05)
-            if not jobs:
-                continue
+            jobs = self.queue.take_batch(timeout=0 if self._chunking else 0.05)
             jobs = [j for j in jobs if not j.cancelled and j.done.set_running_or_notify_cancel()]
-            if not jobs:
-                continue
             for job in jobs:
-                self._inflight.add(job.done)
-                job.done.add_done_callback(self._inflight.discard)
-            try:
-                self._prefill(jobs)
-            except Exception as exc:  # one bad batch must not take the worker down
-                log.exception("prefill batch failed")
-                for job in jobs:
-                    if not job.done.done():
-                        job.done.set_exception(exc)
+                self._track(job)
+            whole = [j for j in jobs if not self._chunk(j)]
+            if whole:
+                try:
+                    self._prefill(whole)
+                except Exception as exc:  # one bad batch must not take the worker down
+                    log.exception("prefill batch failed")
+                    for job in whole:
+                        if not job.done.done():
+                            job.done.set_exception(exc)
+            if self._chunking:
+                self._next_chunk()
+
+    def _track(self, job: PrefillJob) -> None:
+        request_id = job.request.request_id
+        with self._lock:
+            self._running[request_id] = job
+        self._inflight.add(job.done)
+
+        def forget(done: Future) -> None:
+            self._inflight.discard(done)
+            with self._lock:
+                if self._running.get(request_id) is job:
+                    del self._running[request_id]
+        job.done.add_done_callback(forget)
+
+    def _budget(self, job: PrefillJob) -> int:
+        """Tokens per chunk: batch members (below priority 0) take the short forwards they take
+        unchunked, so an interactive prompt never waits long behind them."""
+        budget = self.settings.chunk_tokens
+        return min(budget, BACKGROUND_BATCH_TOKENS) if job.request.params.priority < 0 else budget
+
+    def _chunk(self, job: PrefillJob) -> bool:
+        """Queue `job` for chunked prefill if its uncached part is longer than one chunk."""
+        if not self.settings.chunk_tokens or self.core.uncached_tokens(job.request.prompt_token_ids) <= self._budget(job):
+            return False
+        self._chunking.append((job, self.core.begin_chunks(job.request)))
+        return True
+
+    def _next_chunk(self) -> None:
+        """One chunk of the highest-priority (then oldest) chunked prompt; after its last chunk,
+        its KV is pushed."""
+        pick = max(range(len(self._chunking)), key=lambda i: (self._chunking[i][0].request.params.priority, -i))
+        job, chunked = self._chunking[pick]
+        if job.cancelled:
+            del self._chunking[pick]
+            job.done.set_exception(RequestError("cancelled"))
+            return
+        try:
+            prefilled = self.core.advance(chunked, self._budget(job))
+        except Exception as exc:  # this prompt alone fails
+            log.exception("chunked prefill of request %s failed", job.request.request_id)
+            del self._chunking[pick]
+            job.done.set_exception(exc)
+            return
+        self.chunks_done += 1
+        if prefilled is not None:
+            del self._chunking[pick]
+            self._senders.submit(self._push, job, prefilled, self.core.drain_events())
+            self.requests_done += 1
 
     def _prefill(self, jobs: list[PrefillJob]) -> None:
         prefilled = self.core.prefill([j.request for j in jobs])

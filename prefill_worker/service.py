@@ -130,6 +130,8 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
     loop = PrefillLoop(runner, settings, tls, settings.block_size, metrics, cluster_token=token).start()
     metrics.gauge("baton_prefill_queue_depth", "Prompts waiting for prefill", lambda: len(loop.queue))
     metrics.gauge("baton_prefill_queued_tokens", "Prompt tokens waiting for prefill", lambda: loop.queue.queued_tokens)
+    metrics.gauge("baton_prefill_chunking", "Long prompts being prefilled a chunk per iteration",
+                  lambda: loop.chunking)
     metrics.gauge("baton_prefill_prefix_cache_bytes", "Prefix KV cache bytes in use",
                   lambda: loop.core.cache.used_bytes if loop.core.cache else 0)
     metrics.serve(settings.metrics_port, settings.host)

@@ -119,6 +119,16 @@ def test_roofline_quick_reports_the_weight_read_floor(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_chunks_quick_times_a_long_prompt_whole_and_in_chunks(tmp_path, capsys):
+    document, printed = run_suite("chunks", tmp_path, capsys)
+    timed = [r for r in document["results"] if "budget" in r]
+    assert [(r["budget"], r["chunks"]) for r in timed] == [(0, 1), (128, 3)]  # 300 tokens
+    assert timed[0]["slowdown"] == 1.0 and timed[1]["longest_chunk_s"] < timed[1]["total_s"]
+    assert all(r["first_tokens_agree"] for r in document["results"] if "first_tokens_agree" in r)
+    assert "longest chunk ms" in printed
+
+
+@pytest.mark.slow
 def test_engine_quick_races_the_executors_and_reports_a_missing_vllm(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("BATON_VLLM_PYTHON", raising=False)
     document, printed = run_suite("engine", tmp_path, capsys)

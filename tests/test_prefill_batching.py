@@ -1,6 +1,8 @@
 """Which prompts prefill together, and in what order: plain Python, milliseconds."""
 from __future__ import annotations
 
+import pytest
+
 from baton.prefill_worker.batching import BACKGROUND_BATCH_TOKENS, PrefillQueue, pick_batch
 from baton.router.batch import BATCH_PRIORITY_OFFSET, batch_priority
 from baton.v1 import common_pb2
@@ -46,3 +48,12 @@ def test_batch_members_run_below_interactive_requests_and_keep_their_order():
     lowered = [batch_priority(s) for s in asked]
     assert [s.priority for s in lowered] == [-BATCH_PRIORITY_OFFSET, 5 - BATCH_PRIORITY_OFFSET, -(1 << 31)]
     assert all(s.max_tokens == 3 for s in lowered) and asked[1].priority == 5  # a copy
+
+
+def test_chunk_tokens_is_a_setting_that_refuses_a_negative_budget():
+    from baton.config import load_settings
+
+    assert load_settings(env={}).prefill.chunk_tokens == 256  # on by default
+    assert load_settings(env={"BATON_PREFILL_CHUNK_TOKENS": "0"}).prefill.chunk_tokens == 0  # off
+    with pytest.raises(ValueError, match="prefill.chunk_tokens must be >= 0"):
+        load_settings(env={"BATON_PREFILL_CHUNK_TOKENS": "-1"})

@@ -2,6 +2,7 @@
 prefilling each whole prompt alone gives."""
 import time
 
+import pytest
 import torch
 
 from baton.engine.request import GenerationRequest
@@ -93,3 +94,36 @@ def test_pins_are_bounded_in_count_charged_to_the_cache_budget_and_expire(tiny_m
     assert sorted(core.expire_pins(now=time.monotonic() + 61)) == ["g1", "g2", "g3", "g4", "g5", "g6"]
     assert not core.pins and not core.partials and core.cache.reserved_blocks == 0
     assert core.cache.num_evictable_blocks == core.cache.num_blocks  # nothing locked any more
+
+
+@pytest.mark.parametrize("executor", ["baton", "transformers"])
+def test_chunked_prefill_gives_the_kv_and_first_token_of_one_forward(tiny_model, executor):
+    """Chunks of any size, from scratch or from a cached prefix: the same KV (to float rounding,
+    fp32: 1e-5) and the same first token as prefilling the whole prompt in one forward."""
+    prompt = [(31 * i) % 900 + 5 for i in range(150)]
+    params = SamplingParams(max_tokens=4, logprobs=2)
+    whole = PrefillCore(make_runner(tiny_model, executor), prefix_cache_bytes=0).prefill(
+        [GenerationRequest("whole", prompt, params)])[0]
+    for budget, cached in ((40, 0), (7, 0), (1000, 0), (33, 48)):
+        core = PrefillCore(make_runner(tiny_model, executor))
+        if cached:  # another prompt leaves the first 48 tokens' blocks in the cache
+            core.prefill([GenerationRequest("warm", prompt[:cached] + [1, 2], params)])
+        chunked = core.begin_chunks(GenerationRequest(f"c{budget}", prompt, params))
+        assert chunked.done == cached
+        steps = []
+        while (done := core.advance(chunked, budget)) is None:
+            steps.append(chunked.done)
+        expected_chunks = -(-(len(prompt) - cached) // budget)
+        assert chunked.chunks == expected_chunks and len(steps) == expected_chunks - 1  # progress every chunk
+        assert done.kv.num_tokens == len(prompt) and done.cached_tokens == cached
+        torch.testing.assert_close(done.kv.data, whole.kv.data, rtol=1e-4, atol=1e-5)
+        assert done.first_token == whole.first_token
+        assert abs(done.first_logprob.logprob - whole.first_logprob.logprob) < 1e-4
+        assert core.cache.match(core.hasher.hash_prompt(prompt)) == len(prompt) // core.block_size  # cached after
+
+
+def test_chunk_budget_must_hold_a_token(tiny_model):
+    core = PrefillCore(make_runner(tiny_model))
+    chunked = core.begin_chunks(GenerationRequest("r", [5, 6, 7], SamplingParams(max_tokens=1)))
+    with pytest.raises(ValueError, match="at least one token"):
+        core.advance(chunked, 0)

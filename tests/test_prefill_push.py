@@ -11,6 +11,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from breaking_proxy import BreakingProxy
 from conftest import TEST_DTYPE
 
@@ -163,3 +164,30 @@ def test_prompts_being_pushed_count_against_the_queue_bound(tiny_model):
                 assert isinstance(done.exception(timeout=30), Exception)  # the silent target: ABORTED later
         finally:
             loop.stop()
+
+
+def test_a_short_prompt_goes_ahead_of_a_long_one_being_chunked(prefill_worker, decode_receiver):
+    """Queued together behind a 1500-token prompt, a short prompt is prefilled after the long one's
+    first chunk, not after all of it; the long one's KV lands whole, as one forward makes it."""
+    _, worker = prefill_worker
+    target, pool, landed = decode_receiver()
+    loop = PrefillLoop(worker.runner, PrefillSettings(chunk_tokens=512))  # not started: both queue first
+    finished: list[str] = []
+    params = SamplingParams(max_tokens=4)
+    jobs = [PrefillJob(GenerationRequest(rid, prompt, params), target)
+            for rid, prompt in (("long", PROMPT), ("short", PROMPT[:20]))]
+    for job in jobs:
+        loop.submit(job).add_done_callback(lambda _, rid=job.request.request_id: finished.append(rid))
+    loop.start()
+    try:
+        for job in jobs:
+            job.done.result(timeout=60)
+    finally:
+        loop.stop()
+    assert finished == ["short", "long"] and loop.chunks_done == 3  # 1500 tokens in chunks of 512
+    assert sorted(landed) == ["long", "short"]
+    staged = pool.take("long")
+    alone = worker.runner.prefill(PROMPT)
+    torch.testing.assert_close(staged.kv.data, alone.kv.data, rtol=1e-4, atol=1e-5)
+    assert workers_pb2.KVMetadata.FromString(staged.metadata).first_token == int(alone.logits.argmax())
+    pool.take("short")

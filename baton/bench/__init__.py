@@ -45,6 +45,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
                    "slow-pushed: requests exact, wrong, refused, lost, hung; memory over time", "baton.bench.chaos"),
     Suite("serve", "AIPerf drives Baton's and vLLM's OpenAI servers at request rates up to saturation: TTFT and "
                    "ITL p50/p99, output tokens/s, goodput, Baton over vLLM", "baton.bench.serve"),
+    Suite("chunks", "chunked prefill: a long prompt's prefill whole vs in chunks of 128-1024 tokens, and the "
+                    "longest a short prompt queued behind it waits", "baton.bench.chunks"),
     Suite("fairness", "interactive TTFT p50/p99 idle vs during an 84-request batch (low priority) vs the same load "
                       "at equal priority", "baton.bench.fairness"),
 ]}
