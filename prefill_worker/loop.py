@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -85,6 +86,7 @@ class PrefillLoop:
         self.decode_workers = frozenset(settings.decode_workers)
         self.queue = PrefillQueue(settings.max_queue, settings.max_batch_tokens, settings.max_batch_size)
         self.fingerprint = str(runner.loaded.fingerprint)
+        self.epoch = uuid.uuid4().hex  # reported with the load: a new one tells the router our cache is new
         self.requests_done = 0
         self._senders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-push")
         self._channels: "OrderedDict[str, grpc.Channel]" = OrderedDict()  # most recently used last

@@ -109,7 +109,7 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
             prompt_tokens_forwarded=loop.runner.prompt_tokens_forwarded, requests_done=loop.requests_done,
             model_fingerprint=loop.fingerprint, block_size=loop.core.block_size,
             cached_tokens_total=loop.core.cached_tokens_total, prefix_cache_bytes=loop.settings.prefix_cache_bytes,
-            draining=loop.draining.is_set(),
+            draining=loop.draining.is_set(), epoch=loop.epoch,
         )
 
 

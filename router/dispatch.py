@@ -70,7 +70,11 @@ class Dispatcher:
         self._hashers: dict[str, BlockHasher] = {}
 
     def block_hashes(self, prompt: list[int]) -> list[int]:
+        """The prompt's chained block hashes under the served model's fingerprint; none before any
+        worker has reported it (the request then routes without a prefix prediction)."""
         fingerprint = next((w.fingerprint for w in self.pool.all() if w.fingerprint), "")
+        if not fingerprint:
+            return []
         if fingerprint not in self._hashers:
             self._hashers[fingerprint] = BlockHasher(fingerprint, self.block_size)
         return self._hashers[fingerprint].hash_prompt(prompt)

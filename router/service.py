@@ -158,6 +158,7 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
                                                  redis_url=settings.redis_url or "redis://127.0.0.1:6379/0",
                                                  namespace=settings.index_namespace))
     pool = WorkerPool(tls, settings.load_poll_seconds, cluster_token(cluster, "router"))
+    pool.on_cache_lost = index.remove_worker  # a prefill worker that left or restarted holds nothing
     workers = WorkerSet()
     workers.subscribe(lambda role, added, removed: pool.set_workers(role, workers.get(role)))
     discovery = discovery_from_settings(settings)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 
@@ -33,6 +34,7 @@ class Worker:
     last_load: object = None
     fingerprint: str = ""
     failures: int = field(default=0)
+    epoch: str = ""  # a prefill worker's process instance, from its load reports
 
 
 class WorkerPool:
@@ -44,6 +46,9 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll_forever, name="load-poll", daemon=True)
+        # Told the address of a prefill worker whose prefix cache is gone: it left discovery, or it
+        # restarted (a new epoch). The router points it at its prefix index's remove_worker.
+        self.on_cache_lost: Callable[[str], None] = lambda address: None
 
     def start(self) -> "WorkerPool":
         self._thread.start()
@@ -63,7 +68,8 @@ class WorkerPool:
         stub_class = workers_pb2_grpc.PrefillWorkerStub if role == "prefill" else workers_pb2_grpc.DecodeWorkerStub
         with self._lock:
             current = self._workers[role]
-            for address in set(current) - set(addresses):
+            gone = set(current) - set(addresses)
+            for address in gone:
                 current.pop(address).channel.close()
                 log.info("worker left role=%s address=%s", role, address)
             for address in set(addresses) - set(current):
@@ -71,6 +77,9 @@ class WorkerPool:
                 # Not healthy until its first load report says it serves our model.
                 current[address] = Worker(role, WorkerView(address, healthy=False), ch, stub_class(ch))
                 log.info("worker joined role=%s address=%s", role, address)
+        if role == "prefill":
+            for address in gone:
+                self._cache_lost(address)
 
     def views(self, role: str) -> list[WorkerView]:
         with self._lock:
@@ -106,6 +115,12 @@ class WorkerPool:
             worker.failures = 0
             worker.last_load = load
             worker.fingerprint = load.model_fingerprint
+            if worker.role == "prefill" and load.epoch != worker.epoch:
+                if worker.epoch:  # not its first report: the process restarted, with an empty cache
+                    log.info("prefill worker %s restarted (epoch %s -> %s)", worker.view.address, worker.epoch,
+                             load.epoch)
+                    self._cache_lost(worker.view.address)
+                worker.epoch = load.epoch
             view = worker.view
             if worker.role == "decode":
                 view.active = load.rows_in_use + load.staged + load.waiting_for_kv
@@ -115,6 +130,12 @@ class WorkerPool:
                 view.capacity = max(1, load.max_queue)
                 view.queued_tokens = load.queued_tokens
             view.healthy = not load.draining
+
+    def _cache_lost(self, address: str) -> None:
+        try:
+            self.on_cache_lost(address)
+        except Exception:  # the index (e.g. Redis) failing must not stop discovery or polling
+            log.exception("forgetting the prefix index entries of %s failed", address)
 
     def _poll_forever(self) -> None:
         while not self._stop.wait(self.poll_seconds):
