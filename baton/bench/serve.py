@@ -37,6 +37,10 @@ WORKLOADS = {
     "mixed": ["--seq-dist", "100,64:75;1000,64:25"],
 }
 RATES = (0.25, 0.5, 1.0, 2.0)
+# KV memory each system may keep prompts' KV in for reuse: vLLM's whole KV cache, Baton's prefill
+# prefix cache. AIPerf's synthetic prompts repeat (vLLM reports 70-80% prefix-cache hits), so the
+# two must hold the same bytes or the comparison measures cache sizes.
+CACHE_GIB = 1
 GOODPUT = {"time_to_first_token": 2000, "inter_token_latency": 150}  # ms
 START_TIMEOUT_S = 600
 METRICS = ("time_to_first_token", "inter_token_latency")
@@ -134,8 +138,9 @@ def _serving(system: str, opts: BenchOptions, model_dir: Path, served: str, thre
         from baton.up import LocalCluster
 
         opts.progress("serve: starting baton (router, 1 prefill, 1 decode)")
+        env = {**opts.worker_env(), "BATON_PREFILL_PREFIX_CACHE_BYTES": str(CACHE_GIB << 30)}
         with LocalCluster(prefill=1, decode=1, model=opts.model, http_port=-1, share_cores=True,
-                          extra_env=opts.worker_env()) as cluster:
+                          extra_env=env) as cluster:
             base = cluster.http_url.removesuffix("/v1")
             _wait_health(base, None, 60)
             yield base
@@ -150,7 +155,7 @@ def _serving(system: str, opts: BenchOptions, model_dir: Path, served: str, thre
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}",
-               VLLM_CPU_KVCACHE_SPACE="1")
+               VLLM_CPU_KVCACHE_SPACE=str(CACHE_GIB))
     opts.progress(f"serve: starting vLLM on port {port} (a minute or two)")
     log = open(opts.out_dir / "serve-vllm.log", "w")
     proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
