@@ -123,26 +123,13 @@ class PrefillCore:
 
     # -- chunked prefill (Sarathi) -----------------------------------------------------------
 
-    def uncached_tokens(self, prompt: list[int]) -> int:
-        """Prompt tokens a prefill here would compute (what the chunk budget is measured against)."""
-        return len(prompt) - self.reuse_for(prompt).tokens
-
-    def begin_chunks(self, request: GenerationRequest) -> "Chunked":
-        """Start prefilling a long prompt a chunk at a time; `advance` runs each chunk. Its cached
-        prefix is copied out now, so no cache block stays locked between chunks."""
+    def begin_chunks(self, request: GenerationRequest, plan: Reuse | None = None) -> "Chunked":
+        """Start prefilling a long prompt a chunk at a time (`plan`: its `reuse_for`, if already
+        known); `advance` runs each chunk. Its cached prefix is copied out now, so no cache block
+        stays locked between chunks."""
         request.trace.mark("prefill_start")
-        plan = self.reuse_for(request.prompt_token_ids)
-        kv = None
-        if plan.tokens:
-            held = plan.hashes[:plan.blocks]
-            parts = self.cache.lock(held)
-            if plan.partial is not None:
-                parts = parts + [self.partials[plan.partial]]
-            try:
-                kv = SequenceKV(torch.cat(parts, dim=3))
-            finally:
-                self.cache.unlock(held)
-        return Chunked(request, plan, kv, plan.tokens)
+        plan = plan or self.reuse_for(request.prompt_token_ids)
+        return Chunked(request, plan, self._cached_prefix(plan), plan.tokens)
 
     def advance(self, chunked: "Chunked", budget: int) -> PrefilledRequest | None:
         """Prefill the next `budget` tokens of the prompt on top of the KV so far; once the last
@@ -160,16 +147,20 @@ class PrefillCore:
         return self._finish(chunked.request, chunked.plan, out)
 
     def _run_on_prefix(self, prompts: list[list[int]], plan: Reuse) -> list[PrefillOutput]:
-        """Prefill prompts that share `plan`'s cached blocks (locked meanwhile) and pinned
-        partial block; with nothing cached, a plain batch."""
+        """Prefill prompts that share `plan`'s cached blocks and pinned partial block; with
+        nothing cached, a plain batch."""
+        return self.runner.prefill_batch(prompts, self._cached_prefix(plan))
+
+    def _cached_prefix(self, plan: Reuse) -> SequenceKV | None:
+        """A copy of the KV `plan` reuses (its blocks locked only while copied), or None."""
         if not plan.tokens:
-            return self.runner.prefill_batch(prompts)
+            return None
         held = plan.hashes[:plan.blocks]
         parts = self.cache.lock(held)
         if plan.partial is not None:
             parts = parts + [self.partials[plan.partial]]
         try:
-            return self.runner.prefill_batch(prompts, SequenceKV(torch.cat(parts, dim=3)))
+            return SequenceKV(torch.cat(parts, dim=3))
         finally:
             self.cache.unlock(held)
 

@@ -5,7 +5,8 @@ first, then prompts of similar length, bounded by tokens and count), runs it, sa
 token, and hands each KV to a sender pool so pushing to decode workers overlaps the next batch's
 compute. A prompt with more uncached tokens than `prefill.chunk_tokens` is prefilled a chunk per
 iteration instead (Sarathi's chunked prefill), each iteration running the queued prompts first:
-a short prompt arriving behind a long one waits for one chunk, not for the whole prompt. What a finished job reports is a plain `PrefillDone`; the servicer makes the reply.
+a short prompt arriving behind a long one waits for one chunk, not for the whole prompt. What a
+finished job reports is a plain `PrefillDone`; the servicer makes the reply.
 """
 from __future__ import annotations
 
@@ -215,9 +216,13 @@ class PrefillLoop:
 
     def _chunk(self, job: PrefillJob) -> bool:
         """Queue `job` for chunked prefill if its uncached part is longer than one chunk."""
-        if not self.settings.chunk_tokens or self.core.uncached_tokens(job.request.prompt_token_ids) <= self._budget(job):
+        prompt, budget = job.request.prompt_token_ids, self._budget(job)
+        if not budget or len(prompt) <= budget:  # no chunks, or too short to need them: no hashing
             return False
-        self._chunking.append((job, self.core.begin_chunks(job.request)))
+        plan = self.core.reuse_for(prompt)
+        if len(prompt) - plan.tokens <= budget:
+            return False
+        self._chunking.append((job, self.core.begin_chunks(job.request, plan)))
         return True
 
     def _next_chunk(self) -> None:
