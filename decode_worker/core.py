@@ -11,7 +11,7 @@ from typing import Callable
 from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
 from baton.engine.batch_kv import BatchKV
 from baton.engine.kv import SequenceKV
-from baton.engine.request import PrefilledRequest, RequestError, RequestOutput, effective_max_tokens
+from baton.engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput, effective_max_tokens
 from baton.engine.executors import Runner
 from baton.engine.sampling import INVALID_TOKEN, RequestSampler, SamplingParams, sample, token_logprobs
 from baton.engine.stopping import FinishReason, StopChecker
@@ -29,25 +29,31 @@ class DecodeConfig:
     # admitted only while the batch stays at or below low. 0 turns them off.
     high_watermark_bytes: int = 0
     low_watermark_bytes: int = 0
+    # Requests registered whose KV has not landed (0: unbounded, as in-process engines want); a
+    # worker also refuses beyond max_waiting + max_rows requests in all.
+    max_waiting: int = 0
 
     def __post_init__(self):
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1 (got {self.max_rows})")
         if self.kv_budget_bytes < 1:
             raise ValueError(f"kv_budget_bytes must be >= 1 (got {self.kv_budget_bytes})")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 (got {self.max_waiting})")
 
 
 @dataclass
 class _Live:
-    """Everything the core keeps for one request between arrival and finish."""
+    """What the core keeps for one request (its `DecodeSequence.engine`) from registration to end."""
 
-    seq: DecodeSequence
-    prefilled: PrefilledRequest
-    sampler: RequestSampler
-    checker: StopChecker
-    kv: SequenceKV | None  # until embedded; again while parked on the host
-    parked: bool = False  # kv is a parked row's (host memory), not the staged KV from prefill
+    request: GenerationRequest
+    sampler: RequestSampler | None = None  # from the moment its KV lands
+    checker: StopChecker | None = None
+    # Staged: the prefill's KV (staging bytes, released once embedded); parked: the row's KV in
+    # host memory; moving: the KV to hand off. None while in a row.
+    kv: SequenceKV | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked for
+    evicted: "Evicted | None" = None  # while moving
 
 
 @dataclass
@@ -69,6 +75,9 @@ _STATUS = {FinishReason.STOP: Status.FINISHED_STOPPED, FinishReason.LENGTH: Stat
 
 
 class DecodeCore:
+    """One decode batch and the scheduler that owns its requests' lives. Registration and lookups
+    may come from any thread; everything else is the decode loop's."""
+
     def __init__(self, runner: Runner, config: DecodeConfig = DecodeConfig(),
                  on_kv_consumed: Callable[[str], None] | None = None):
         self.runner = runner
@@ -88,11 +97,11 @@ class DecodeCore:
         per_slot = shape.bytes_per_token()
         self.scheduler = DecodeScheduler(SchedulerConfig(
             config.max_rows, max_columns, high_watermark_slots=config.high_watermark_bytes // per_slot,
-            low_watermark_slots=config.low_watermark_bytes // per_slot))
-        self.live: dict[str, _Live] = {}
+            low_watermark_slots=config.low_watermark_bytes // per_slot, max_waiting=config.max_waiting,
+            max_requests=config.max_waiting + config.max_rows if config.max_waiting else 0))
 
     def parked_bytes(self) -> int:
-        return sum(live.kv.nbytes for live in self.live.values() if live.parked)
+        return sum(seq.engine.kv.nbytes for seq in list(self.scheduler.staged) if seq.status is Status.PARKED)
 
     @property
     def max_columns(self) -> int:
@@ -112,58 +121,79 @@ class DecodeCore:
                 f"the prompt has {prompt_len} tokens but this deployment serves a context of {self.max_context} "
                 f"tokens (prompt plus output); shorten it to at most {self.max_context - 1} tokens")
 
+    def register(self, request: GenerationRequest) -> None:
+        """Expect `request`, whose KV is on its way (any thread). RequestError or ValueError if it
+        cannot be served here, OverflowError while this worker is full."""
+        prompt_len = len(request.prompt_token_ids)
+        self.check_fits(prompt_len, request.params)
+        seq = DecodeSequence(request.request_id, prompt_len,
+                             effective_max_tokens(prompt_len, request.params, self.max_context), [],
+                             priority=request.params.priority, engine=_Live(request))
+        self.scheduler.register(seq)
+
+    def waiting(self, request_id: str) -> GenerationRequest | None:
+        """The registered request still waiting for its KV, if any (any thread)."""
+        seq = self.scheduler.find(request_id)
+        return seq.engine.request if seq is not None and seq.status is Status.WAITING else None
+
     def add(self, prefilled: PrefilledRequest) -> RequestOutput:
-        """Take a prefilled request; returns its first output (already final if one token was enough)."""
+        """Its KV landed (registering the request first if nobody did); returns its first output,
+        already final if one token was enough."""
         req = prefilled.request
-        if req.request_id in self.live:
+        seq = self.scheduler.find(req.request_id)
+        if seq is None:
+            self.register(req)
+            seq = self.scheduler.find(req.request_id)
+        elif seq.status is not Status.WAITING or seq.engine.request is not req:
             raise RequestError(f"request id {req.request_id!r} is already being decoded here")
         loaded = self.runner.loaded
-        prompt_len = len(req.prompt_token_ids)
-        self.check_fits(prompt_len, req.params)
-        checker = StopChecker(req.params, loaded.decode, eos_token_ids=loaded.eos_token_ids,
-                              prompt_ids=req.prompt_token_ids, max_model_len=self.max_context)
-        step = checker.append(prefilled.first_token)
+        live: _Live = seq.engine
+        live.checker = StopChecker(req.params, loaded.decode, eos_token_ids=loaded.eos_token_ids,
+                                   prompt_ids=req.prompt_token_ids, max_model_len=self.max_context)
+        step = live.checker.append(prefilled.first_token)
         req.trace.mark("staged")
-        seq = DecodeSequence(req.request_id, prompt_len,
-                             effective_max_tokens(prompt_len, req.params, self.max_context),
-                             [prefilled.first_token], priority=req.params.priority)
+        seq.output_ids.append(prefilled.first_token)
         # Continue the random stream the prefill's first draw started.
-        sampler = RequestSampler(replace(req.params, seed=prefilled.seed), tokens_generated=req.resume_step + 1)
-        live = _Live(seq, prefilled, sampler, checker, prefilled.kv)
+        live.sampler = RequestSampler(replace(req.params, seed=prefilled.seed), tokens_generated=req.resume_step + 1)
+        live.kv = prefilled.kv
         if prefilled.first_logprob is not None:
             live.logprobs.append(prefilled.first_logprob)
         if step.finish_reason is not None:
             req.trace.mark("admitted")
             req.trace.mark("finished")
-            self.on_kv_consumed(req.request_id)
-            self.finished_total += 1
+            self._finish(seq, _STATUS[step.finish_reason])
             return self._output(live, step.text_delta, step.finish_reason.value)
-        self.live[req.request_id] = live
         self.scheduler.add_staged(seq)
         return self._output(live, step.text_delta, None)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request wherever it is; its row and KV are freed at once."""
-        live = self.live.get(request_id)
-        if live is None:
+        seq = self.scheduler.find(request_id)
+        if seq is None:
             return None
-        self._finish(live, Status.FINISHED_ABORTED)
-        return self._output(live, "", "abort")
+        try:
+            self._finish(seq, Status.FINISHED_ABORTED)
+        except LookupError:  # a handoff took it meanwhile
+            return None
+        return self._output(seq.engine, "", "abort")
 
     def evict(self, request_id: str) -> Evicted | None:
-        """Take a request out unfinished, wherever it is (running, parked or staged), with its KV,
-        so that it can go on on another worker. Its row and staging bytes are freed; it does not
-        count as finished."""
-        live = self.live.get(request_id)
-        if live is None:
+        """Take a request out of the batch unfinished, wherever it is (running, parked or staged),
+        with its KV, so that it can go on on another worker: it stays here MOVING, holding that KV,
+        until `scheduler.take_moving` hands it off (or `abort` drops it). Its row and staging bytes
+        are freed; it does not count as finished."""
+        seq = self.scheduler.find(request_id)
+        if seq is None or seq.status not in (Status.STAGED, Status.PARKED, Status.RUNNING):
             return None
-        seq = live.seq
-        kv = SequenceKV(self.batch.extract(seq.row).data.cpu()) if seq.row is not None else live.kv
+        live: _Live = seq.engine
+        row, was = seq.row, seq.status
+        kv = SequenceKV(self.batch.extract(row).data.cpu()) if row is not None else live.kv
         assert kv.num_tokens == seq.num_kv_tokens, f"{kv.num_tokens} KV tokens for {seq.num_kv_tokens}"
-        self._remove(live, Status.MOVED)
-        prompt = live.prefilled.request.prompt_token_ids
-        return Evicted(request_id, list(prompt), list(seq.output_ids), kv, live.sampler.seed,
-                       live.logprobs[-1] if live.logprobs else None)
+        self._release_row(row, self.scheduler.move(seq))
+        self._drop_kv(seq, was)
+        live.evicted = Evicted(request_id, list(live.request.prompt_token_ids), list(seq.output_ids), kv,
+                               live.sampler.seed, live.logprobs[-1] if live.logprobs else None)
+        return live.evicted
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -172,66 +202,65 @@ class DecodeCore:
         """One BATON iteration: embed newly admitted KV, decode every row once, release finished rows."""
         plan = self.scheduler.schedule()
         for seq, row in plan.parked:
-            live = self.live[seq.request_id]
-            live.kv = SequenceKV(self.batch.extract(row).data.cpu())  # all but the newest token, exactly
-            live.parked = True
+            seq.engine.kv = SequenceKV(self.batch.extract(row).data.cpu())  # all but the newest token, exactly
             self.batch.release(row)
         for seq in plan.admitted:
-            live = self.live[seq.request_id]
-            if not live.parked:
-                live.prefilled.request.trace.mark("admit_start")
+            live: _Live = seq.engine
+            first = seq not in plan.resumed
+            if first:
+                live.request.trace.mark("admit_start")
             row = self.batch.embed(live.kv)
             assert row == seq.row, f"batch row {row} != scheduler row {seq.row}"
             live.kv = None
-            if live.parked:
-                live.parked = False
-            else:
+            if first:
                 self.on_kv_consumed(seq.request_id)
-                live.prefilled.request.trace.mark("admitted")
+                live.request.trace.mark("admitted")
         if not plan.running:
             return []
         logits = self.runner.decode(self.batch, [s.next_input for s in plan.running])
-        lives = [self.live[s.request_id] for s in plan.running]
+        lives: list[_Live] = [s.engine for s in plan.running]
         tokens = sample(logits, [live.sampler for live in lives])
         logprobs = token_logprobs(logits, tokens, [live.sampler.params for live in lives])
         self.scheduler.append_tokens(tokens)
         outputs = []
-        for live, token, logprob in zip(lives, tokens, logprobs):
+        for seq, live, token, logprob in zip(plan.running, lives, tokens, logprobs):
             if logprob is not None:
                 live.logprobs.append(logprob)
             if token == INVALID_TOKEN:  # this request's logits went non-finite: it alone ends
-                live.prefilled.request.trace.mark("finished")
-                self._finish(live, Status.FINISHED_ABORTED)
+                live.request.trace.mark("finished")
+                self._finish(seq, Status.FINISHED_ABORTED)
                 outputs.append(self._output(live, "", "abort"))
                 continue
             step = live.checker.append(token)
             reason = step.finish_reason
             if reason is not None:
-                live.prefilled.request.trace.mark("finished")
-                self._finish(live, _STATUS[reason])
+                live.request.trace.mark("finished")
+                self._finish(seq, _STATUS[reason])
             outputs.append(self._output(live, step.text_delta, reason.value if reason else None))
         return outputs
 
-    def _finish(self, live: _Live, status: Status) -> None:
-        self._remove(live, status)
-        self.finished_total += 1
+    def _finish(self, seq: DecodeSequence, status: Status) -> None:
+        """End a request: free its row or KV and forget it. LookupError if it had already ended."""
+        row, was = seq.row, seq.status
+        self._release_row(row, self.scheduler.finish(seq, status))
+        self._drop_kv(seq, was)
+        if not (status is Status.FINISHED_ABORTED and was is Status.WAITING):  # cancelled before it began
+            self.finished_total += 1
 
-    def _remove(self, live: _Live, status: Status) -> None:
-        """Free the request's row or KV and forget it."""
-        seq = live.seq
-        row = seq.row
-        moved = self.scheduler.finish(seq, status)
+    def _release_row(self, row: int | None, moved: int | None) -> None:
         if row is not None:
             moved_in_batch = self.batch.release(row)
             assert moved == moved_in_batch, "scheduler and batch disagree on row compaction"
+
+    def _drop_kv(self, seq: DecodeSequence, status: Status) -> None:
+        live: _Live = seq.engine
         if live.kv is not None:
-            live.kv = None
-            if not live.parked:
+            if status in (Status.WAITING, Status.STAGED):  # the prefill's KV: its staging bytes go back
                 self.on_kv_consumed(seq.request_id)
-        del self.live[seq.request_id]
+            live.kv = None
 
     def _output(self, live: _Live, delta: str, finish_reason: str | None) -> RequestOutput:
-        req = live.prefilled.request
-        return RequestOutput(req.request_id, req.prompt_token_ids, list(live.checker.token_ids),
-                             live.checker.text, delta, finish_reason, req.trace, list(live.logprobs))
-
+        req = live.request
+        checker = live.checker  # None until its KV landed
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(checker.token_ids) if checker else [],
+                             checker.text if checker else "", delta, finish_reason, req.trace, list(live.logprobs))

@@ -1,9 +1,13 @@
-"""The decode worker's engine loop: one thread owns the DecodeCore; RPC threads talk to it by queue.
+"""The decode worker's engine loop: one thread runs the DecodeCore; RPC threads talk to it through
+a typed inbox, and it answers each request on that request's own output queue.
 
-Life of a request here: `register` (the router opened Decode: the staging pool now expects its
-KV) -> the KV lands (`on_landed` wakes the loop) -> the loop takes it from staging and adds it
-to the core -> every step's outputs go to the request's own queue, which its Decode call
-streams -> finished, or `cancel`led from any thread, which frees its row and staging bytes.
+A request's state lives in the core's scheduler (waiting for KV, staged, running, parked,
+moving, finished); the loop keeps only its thread, the inbox and the output queues. Life of a
+request here: `register` (the router opened Decode: the scheduler holds it WAITING and the
+staging pool now expects its KV) -> the KV lands (`on_landed` posts `Landed`) -> the loop takes
+it from staging and adds it to the core -> every step's outputs go to the request's queue, which
+its Decode call streams -> finished, or `cancel`led from any thread, which frees its row and
+staging bytes.
 
 Draining past its grace (`drain(move_after=...)`), the loop evicts every request from the core
 with its KV: the stream says `Moving` and waits until the Handoff RPC (`take_moving`, then
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from baton.metrics import Metrics
 from baton.v1 import workers_pb2
 from baton.decode_worker.core import DecodeCore, Evicted
+from baton.decode_worker.scheduler import Status
 from baton.engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput
 from baton.messages import logprob_from_proto
 from baton.sampling import MAX_LOGPROBS
@@ -49,29 +54,46 @@ class NotMoving(Exception):
     """Handoff for a request that is here but not being moved (or whose KV is already on its way)."""
 
 
-@dataclass
-class _Pending:
-    request: GenerationRequest
-    outputs: "queue.Queue[RequestOutput | object]"
+# The inbox: what other threads ask of the loop thread.
+@dataclass(frozen=True)
+class Landed:
+    request_id: str  # its KV is in the staging pool
+
+
+@dataclass(frozen=True)
+class Cancel:
+    request_id: str
+    outputs: "queue.Queue | None" = None  # only that registration's (None: whichever is there)
+
+
+@dataclass(frozen=True)
+class EvictAll:
+    """Draining past the grace: every request in the batch leaves it with its KV."""
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Look at the stop flag."""
+
+
+Command = Landed | Cancel | EvictAll | Wake
+Outputs = "queue.Queue[RequestOutput | Failure | Moving | object]"
+
+_WHERE = {Status.WAITING: "waiting for KV", Status.STAGED: "waiting for a row", Status.PARKED: "parked on the host",
+          Status.RUNNING: "in the batch", Status.MOVING: "evicted, waiting for Handoff"}
 
 
 class DecodeLoop:
-    def __init__(self, core: DecodeCore, pool: StagingPool, max_pending: int, metrics: Metrics | None = None):
+    def __init__(self, core: DecodeCore, pool: StagingPool, metrics: Metrics | None = None):
         self.core = core
-        self.metrics = metrics or Metrics("decode")
-        self._last_token_at: dict[str, float] = {}
         self.pool = pool
-        self.max_pending = max_pending
-        # Every request here holds its Decode call's server thread, so their number is bounded
-        # too, not only those waiting for KV (the server sizes its threads from the same sum).
-        self.max_requests = max_pending + core.config.max_rows
-        self._inbox: "queue.Queue[tuple[str, str]]" = queue.Queue()
-        self._pending: dict[str, _Pending] = {}  # registered, KV not yet added to the core
-        self._streams: dict[str, _Pending] = {}  # every registered request until it ends
-        self._moving: dict[str, tuple[_Pending, Evicted]] = {}  # evicted, waiting for Handoff
-        self._evicting = False  # the loop thread's: evict whatever is in the core (drain)
+        self.metrics = metrics or Metrics("decode")
+        self._last_token_at: dict[str, float] = {}  # for the inter-token histogram
+        self._inbox: "queue.Queue[Command]" = queue.Queue()
+        self._streams: dict[str, Outputs] = {}  # every registered request's output queue, until it ends
+        self._evicting = False  # the loop thread's: evict whatever is in the batch (drain)
         self.migrations: Counter[str] = Counter()  # sent, failed, received
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _streams; taken before the scheduler's, never after
         self._stop = threading.Event()
         self.draining = threading.Event()
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
@@ -83,7 +105,7 @@ class DecodeLoop:
 
     def stop(self) -> None:
         self._stop.set()
-        self._inbox.put(("wake", "", None))
+        self._inbox.put(Wake())
         self._thread.join(timeout=10)
 
     # -- called from RPC threads ---------------------------------------------------------------
@@ -102,7 +124,7 @@ class DecodeLoop:
             if not self._streams:
                 return True
             if not evicting and move_after is not None and now >= started + move_after:
-                self._inbox.put(("evict", "", None))
+                self._inbox.put(EvictAll())
                 evicting = True
             time.sleep(0.1)
         log.warning("drain timed out after %.0fs; still here: %s", timeout, self._held())
@@ -111,51 +133,43 @@ class DecodeLoop:
     def _held(self) -> dict[str, str]:
         """Where each request still here is, for the log of a drain that timed out."""
         with self._lock:
-            streams, pending, moving = list(self._streams), set(self._pending), set(self._moving)
-        live = self.core.live.copy()  # the loop thread's; copy() is one step under the GIL
-        return {rid: "waiting for KV" if rid in pending else "evicted, waiting for Handoff" if rid in moving
-                else "in the batch" if rid in live else "being handed off" for rid in streams}
+            streams = list(self._streams)
+        statuses = self.core.scheduler.statuses()
+        return {rid: _WHERE.get(statuses.get(rid), "being handed off") for rid in streams}
 
-    def register(self, request: GenerationRequest, push_token: str = "") -> "queue.Queue":
+    def register(self, request: GenerationRequest, push_token: str = "") -> Outputs:
         if self.draining.is_set():
             raise ConnectionAbortedError("this decode worker is draining; send the request elsewhere")
         with self._lock:
-            if request.request_id in self._streams:
+            if request.request_id in self._streams:  # also while its KV is being handed off
                 raise RequestError(f"request id {request.request_id!r} is already being decoded here")
-            if len(self._pending) >= self.max_pending:
-                raise OverflowError(f"{self.max_pending} requests are already waiting for KV here; retry later")
-            if len(self._streams) >= self.max_requests:
-                raise OverflowError(f"{self.max_requests} requests are already here (waiting for KV or a row, "
-                                    "or decoding); retry later")
-            self.core.check_fits(len(request.prompt_token_ids), request.params)
-            entry = _Pending(request, queue.Queue())
-            self._pending[request.request_id] = entry
-            self._streams[request.request_id] = entry
+            self.core.register(request)
+            outputs = self._streams[request.request_id] = queue.Queue()
         self.pool.expect(request.request_id, push_token)  # only the push carrying it takes staging room
-        return entry.outputs
+        return outputs
 
     def on_landed(self, request_id: str) -> None:
-        self._inbox.put(("landed", request_id, None))
+        self._inbox.put(Landed(request_id))
 
-    def take_moving(self, request_id: str) -> tuple["queue.Queue", Evicted]:
+    def take_moving(self, request_id: str) -> tuple[Outputs, Evicted]:
         """The evicted KV of a moving request, for Handoff to push; once. LookupError if the
         request is not here, NotMoving if it is but is not being moved."""
         with self._lock:
-            moving = self._moving.pop(request_id, None)
-            if moving is None:
-                if request_id in self._streams:
-                    raise NotMoving(f"request {request_id!r} is not being moved (it is decoding here, or its KV is "
-                                    "already being handed off); Handoff follows a Decode response with moving set")
-                raise LookupError(f"no request {request_id!r} on this decode worker")
-        entry, evicted = moving
-        return entry.outputs, evicted
+            outputs = self._streams.get(request_id)
+        try:
+            seq = self.core.scheduler.take_moving(request_id)
+        except (LookupError, ValueError):
+            if outputs is None:
+                raise LookupError(f"no request {request_id!r} on this decode worker") from None
+            raise NotMoving(f"request {request_id!r} is not being moved (it is decoding here, or its KV is "
+                            "already being handed off); Handoff follows a Decode response with moving set") from None
+        return outputs, seq.engine.evicted
 
-    def end_moving(self, request_id: str, outputs: "queue.Queue", ok: bool) -> None:
+    def end_moving(self, request_id: str, outputs: Outputs, ok: bool) -> None:
         """Handoff is done with a request's KV (pushed, or failed to): its stream ends."""
         self._count_migration("sent" if ok else "failed")
         with self._lock:
-            entry = self._streams.get(request_id)
-            if entry is not None and entry.outputs is outputs:
+            if self._streams.get(request_id) is outputs:
                 del self._streams[request_id]
         outputs.put(_CLOSED)
 
@@ -163,10 +177,17 @@ class DecodeLoop:
         self.migrations[outcome] += 1
         self.metrics.migrations.labels(outcome).inc()
 
-    def cancel(self, request_id: str, outputs: "queue.Queue | None" = None) -> None:
+    def cancel(self, request_id: str, outputs: Outputs | None = None) -> None:
         """Cancel a request; with `outputs` (its registration), only that registration, so a late
         callback of a finished call never cancels a new request that reuses the id."""
-        self._inbox.put(("cancel", request_id, outputs))
+        self._inbox.put(Cancel(request_id, outputs))
+
+    def is_closed(self, item) -> bool:
+        return item is _CLOSED
+
+    def num_waiting(self) -> int:
+        """Requests registered whose KV has not landed."""
+        return self.core.scheduler.num_waiting
 
     # -- the loop thread ---------------------------------------------------------------------
 
@@ -180,40 +201,40 @@ class DecodeLoop:
                     self._deliver(self.core.step())
             except Exception:  # a bug must not silently hang every stream
                 log.exception("decode step failed; aborting running requests")
-                for request_id in list(self.core.live):
+                for request_id in self.core.scheduler.ids(Status.STAGED, Status.PARKED, Status.RUNNING):
                     self._end(request_id)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
-            event, request_id, outputs = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            command = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
-            if event == "landed":
-                self._admit(request_id)
-            elif event == "cancel":
-                self._end(request_id, outputs)
-            elif event == "evict":
-                self._evicting = True
+            match command:
+                case Landed(request_id):
+                    self._admit(request_id)
+                case Cancel(request_id, outputs):
+                    self._end(request_id, outputs)
+                case EvictAll():
+                    self._evicting = True
             try:
-                event, request_id, outputs = self._inbox.get_nowait()
+                command = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
     def _admit(self, request_id: str) -> None:
-        with self._lock:
-            entry = self._pending.pop(request_id, None)
-        if entry is None:  # cancelled before its KV landed
+        request = self.core.waiting(request_id)
+        if request is None:  # cancelled before its KV landed
             self.pool.cancel(request_id)
             return
-        trace = entry.request.trace
+        trace = request.trace
         try:
             staged = self.pool.take(request_id)
-            meta = self._check_landed(entry.request, staged)
+            meta = self._check_landed(request, staged)
             trace.cached_tokens = meta.cached_tokens
             trace.mark("staged")
             first_logprob = logprob_from_proto(meta.first_logprob) if meta.HasField("first_logprob") else None
-            first = self.core.add(PrefilledRequest(entry.request, staged.kv, meta.first_token, meta.seed,
+            first = self.core.add(PrefilledRequest(request, staged.kv, meta.first_token, meta.seed,
                                                    first_logprob=first_logprob))
         except Exception as exc:  # this request alone fails (its stream says why); the batch goes on
             if isinstance(exc, RequestError):
@@ -227,16 +248,16 @@ class DecodeLoop:
         self._deliver([first])
 
     def _evict_all(self) -> None:
-        """Every request in the core leaves it with its KV; its stream says it is moving."""
-        for request_id in list(self.core.live):
+        """Every request in the batch leaves it with its KV; its stream says it is moving."""
+        for request_id in self.core.scheduler.ids(Status.STAGED, Status.PARKED, Status.RUNNING):
             evicted = self.core.evict(request_id)
             self._last_token_at.pop(request_id, None)
             with self._lock:
-                entry = self._streams.get(request_id)
-                if entry is not None:
-                    self._moving[request_id] = (entry, evicted)
-            if entry is not None:
-                entry.outputs.put(Moving(evicted.seed))
+                outputs = self._streams.get(request_id)
+            if outputs is None:  # nobody will hand it off
+                self.core.abort(request_id)
+            else:
+                outputs.put(Moving(evicted.seed))
 
     def _check_landed(self, request: GenerationRequest, staged) -> workers_pb2.KVMetadata:
         """A landed KV must belong to the prompt registered for it; only this request fails if not."""
@@ -266,32 +287,23 @@ class DecodeLoop:
             if out.finished:
                 self._last_token_at.pop(out.request_id, None)
                 self.metrics.requests.labels(out.finish_reason).inc()
-            entry = self._streams.get(out.request_id)
-            if entry is None:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
                 continue
-            entry.outputs.put(out)
+            stream.put(out)
             if out.finished:
                 with self._lock:
                     self._streams.pop(out.request_id, None)
 
-    def _end(self, request_id: str, outputs: "queue.Queue | None" = None, failure: str | None = None) -> None:
-        """Cancel wherever the request is: waiting for KV, staged, or running."""
+    def _end(self, request_id: str, outputs: Outputs | None = None, failure: str | None = None) -> None:
+        """Cancel wherever the request is: waiting for KV, staged, running, parked or moving."""
         with self._lock:
-            entry = self._streams.get(request_id)
-            if outputs is not None and (entry is None or entry.outputs is not outputs):
+            current = self._streams.get(request_id)
+            if outputs is not None and current is not outputs:
                 return  # that registration already ended; the id may belong to a new request now
+            self._streams.pop(request_id, None)
         self._last_token_at.pop(request_id, None)
-        with self._lock:
-            self._pending.pop(request_id, None)
-            self._moving.pop(request_id, None)
-            entry = self._streams.pop(request_id, None)
         self.core.abort(request_id)
         self.pool.cancel(request_id)
-        if entry is not None:
-            entry.outputs.put(Failure(failure) if failure else _CLOSED)
-
-    def is_closed(self, item) -> bool:
-        return item is _CLOSED
-
-    def num_pending(self) -> int:
-        return len(self._pending)
+        if current is not None:
+            current.put(Failure(failure) if failure else _CLOSED)

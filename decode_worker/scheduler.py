@@ -1,29 +1,46 @@
 """The BATON decode scheduler: plain Python over ints and lists, no tensors.
 
-A request arrives with its KV already computed elsewhere (staged). Each iteration the
-scheduler admits staged requests into free rows while a row and KV columns are free, the
-runner decodes one token for every running row, and finished rows are released so that the
-next staged request takes the row at the next iteration. Rows stay dense: releasing row r
-moves the last row into r, exactly as `engine.batch_kv.BatchKV.release` does.
+It owns every request's life on a decode worker, from the moment the router registers it
+until it ends:
+
+    WAITING --KV landed--> STAGED --row free--> RUNNING --stop/length--> FINISHED_*
+                             ^                     |
+                             +--- PARKED <--parked-+    (any state) --cancel--> FINISHED_ABORTED
+    STAGED/PARKED/RUNNING --drain--> MOVING --handed off--> MOVED
+
+A request arrives with its KV already computed elsewhere. Each iteration the scheduler admits
+staged requests into free rows while a row and KV columns are free, the runner decodes one token
+for every running row, and finished rows are released so that the next staged request takes
+the row at the next iteration. Rows stay dense: releasing row r moves the last row into r,
+exactly as `engine.batch_kv.BatchKV.release` does.
 
 Two pressures park a running row (its KV goes to host memory, to be re-embedded later with
 nothing recomputed): a staged request of higher priority when no row is free, and batch KV
 above the high watermark. Below the low watermark the scheduler admits again.
+
+Thread-safety: registration, lookups, counts and taking a moving request may come from any
+thread (RPC threads); the rest is the decode loop's. One lock keeps each call atomic, and no
+call holds it for longer than list bookkeeping.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 
 class Status(IntEnum):
     # Ordered so that `is_finished` is one comparison.
-    STAGED = 0
-    RUNNING = 1
-    FINISHED_STOPPED = 2
-    FINISHED_LENGTH = 3
-    FINISHED_ABORTED = 4
-    MOVED = 5  # left unfinished, its KV handed to another decode worker
+    WAITING = 0  # registered; its KV has not landed yet
+    STAGED = 1  # KV landed (in staging), waiting for a row
+    PARKED = 2  # left its row for host memory, waiting for a row again
+    RUNNING = 3
+    MOVING = 4  # out of the batch with its KV, waiting to be handed to another decode worker
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    MOVED = 8  # left unfinished, its KV handed to another decode worker
 
     @property
     def is_finished(self) -> bool:
@@ -34,15 +51,16 @@ class Status(IntEnum):
 FINISH_REASONS = {Status.FINISHED_STOPPED: "stop", Status.FINISHED_LENGTH: "length", Status.FINISHED_ABORTED: "abort"}
 
 
-@dataclass
+@dataclass(eq=False)
 class DecodeSequence:
     request_id: str
     prompt_len: int
     max_new_tokens: int  # new tokens in all, the prefill's first token included
     output_ids: list[int]  # generated so far; the last one is the next input
     priority: int = 0
-    status: Status = Status.STAGED
+    status: Status = Status.WAITING
     row: int | None = None
+    engine: Any = field(default=None, repr=False)  # what the engine keeps for it; opaque here
 
     @property
     def num_kv_tokens(self) -> int:
@@ -70,12 +88,18 @@ class SchedulerConfig:
     # Batch KV watermarks in token slots (rows x window columns); 0 turns them off.
     high_watermark_slots: int = 0  # above: park rows on the host
     low_watermark_slots: int = 0  # admit only while the batch would stay at or below this
+    # Registrations refused beyond these (0: unbounded): requests whose KV has not landed, and
+    # requests here at all (each one holds a Decode call's server thread).
+    max_waiting: int = 0
+    max_requests: int = 0
 
     def __post_init__(self):
         if self.max_rows < 1 or self.max_columns < 1:
             raise ValueError(f"max_rows and max_columns must be >= 1 (got {self.max_rows}, {self.max_columns})")
         if self.low_watermark_slots > self.high_watermark_slots > 0:
             raise ValueError("the low KV watermark must not exceed the high one")
+        if self.max_waiting < 0 or self.max_requests < 0:
+            raise ValueError("max_waiting and max_requests must be >= 0 (0: unbounded)")
 
 
 @dataclass
@@ -83,30 +107,65 @@ class SchedulerOutput:
     # Park these first, in order: (sequence, its row at that moment); each release compacts rows.
     parked: list[tuple[DecodeSequence, int]] = field(default_factory=list)
     admitted: list[DecodeSequence] = field(default_factory=list)  # embed these, in this order, into new rows
+    resumed: list[DecodeSequence] = field(default_factory=list)  # those of them that were parked
     running: list[DecodeSequence] = field(default_factory=list)  # row i decodes running[i].next_input
 
 
 class DecodeScheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.staged: list[DecodeSequence] = []  # highest priority first, arrival order within one
-        self.rows: list[DecodeSequence] = []
+        self.requests: dict[str, DecodeSequence] = {}  # every request here, whatever its status
+        self.staged: list[DecodeSequence] = []  # STAGED and PARKED: highest priority first, arrival order within one
+        self.rows: list[DecodeSequence] = []  # RUNNING, in row order
         self.parked_total = 0
+        self._lock = threading.RLock()
 
     def fits_ever(self, seq: DecodeSequence) -> bool:
         return seq.max_kv_tokens <= self.config.max_columns
 
-    def add_staged(self, seq: DecodeSequence, front: bool = False) -> None:
+    def _check_fits(self, seq: DecodeSequence) -> None:
         if not self.fits_ever(seq):
             raise ValueError(
                 f"request {seq.request_id} needs {seq.max_kv_tokens} KV columns but the decode batch allows "
                 f"{self.config.max_columns}; lower max_tokens or shorten the prompt"
             )
-        seq.status = Status.STAGED
+
+    # -- arrival ----------------------------------------------------------------------------------
+
+    def register(self, seq: DecodeSequence) -> None:
+        """Expect a request whose KV is on its way (WAITING). ValueError for a duplicate id or one
+        that can never fit; OverflowError past the limits, so the caller can retry elsewhere."""
+        self._check_fits(seq)
+        with self._lock:
+            if seq.request_id in self.requests:
+                raise ValueError(f"request id {seq.request_id!r} is already being decoded here")
+            limit = self.config.max_waiting
+            if limit and self.num_waiting >= limit:
+                raise OverflowError(f"{limit} requests are already waiting for KV here; retry later")
+            limit = self.config.max_requests
+            if limit and len(self.requests) >= limit:
+                raise OverflowError(f"{limit} requests are already here (waiting for KV or a row, or decoding); "
+                                    "retry later")
+            seq.status = Status.WAITING
+            self.requests[seq.request_id] = seq
+
+    def add_staged(self, seq: DecodeSequence) -> None:
+        """Its KV landed: queue it for a row (registering it first if nobody did)."""
+        with self._lock:
+            if self.requests.get(seq.request_id) is not seq:
+                self.register(seq)
+            if seq.status is not Status.WAITING:
+                raise ValueError(f"request {seq.request_id} is {seq.status.name}, not waiting for its KV")
+            self._queue(seq, Status.STAGED)
+
+    def _queue(self, seq: DecodeSequence, status: Status, front: bool = False) -> None:
+        seq.status = status
         # Before the first staged request of lower priority (or, from the front, of equal or lower).
         at = next((i for i, s in enumerate(self.staged)
                    if s.priority < seq.priority or (front and s.priority == seq.priority)), len(self.staged))
         self.staged.insert(at, seq)
+
+    # -- one iteration ----------------------------------------------------------------------------
 
     def window_slots(self, extra: DecodeSequence | None = None) -> int:
         """Token slots of the padded batch KV: rows x the longest row (leading columns are released)."""
@@ -125,23 +184,26 @@ class DecodeScheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Park for memory or priority, then admit in priority order while requests fit."""
-        out = SchedulerOutput()
-        high = self.config.high_watermark_slots
-        while high and len(self.rows) > 1 and self.window_slots() > high:
-            self._park(self._lowest_priority_row(), out)
-        while self.staged and len(self.rows) >= self.config.max_rows:
-            victim = self._lowest_priority_row()
-            if self.staged[0].priority <= victim.priority:
-                break
-            self._park(victim, out)
-        while self.staged and self.can_admit(self.staged[0]):
-            seq = self.staged.pop(0)
-            seq.status = Status.RUNNING
-            seq.row = len(self.rows)
-            self.rows.append(seq)
-            out.admitted.append(seq)
-        out.running = list(self.rows)
-        return out
+        with self._lock:
+            out = SchedulerOutput()
+            high = self.config.high_watermark_slots
+            while high and len(self.rows) > 1 and self.window_slots() > high:
+                self._park(self._lowest_priority_row(), out)
+            while self.staged and len(self.rows) >= self.config.max_rows:
+                victim = self._lowest_priority_row()
+                if self.staged[0].priority <= victim.priority:
+                    break
+                self._park(victim, out)
+            while self.staged and self.can_admit(self.staged[0]):
+                seq = self.staged.pop(0)
+                if seq.status is Status.PARKED:
+                    out.resumed.append(seq)
+                seq.status = Status.RUNNING
+                seq.row = len(self.rows)
+                self.rows.append(seq)
+                out.admitted.append(seq)
+            out.running = list(self.rows)
+            return out
 
     def _lowest_priority_row(self) -> DecodeSequence:
         # Among the lowest priority, the latest admitted: it has the least work to lose in waiting.
@@ -150,26 +212,61 @@ class DecodeScheduler:
     def _park(self, seq: DecodeSequence, out: SchedulerOutput) -> None:
         out.parked.append((seq, seq.row))
         self._release(seq)
-        self.add_staged(seq, front=True)
+        self._queue(seq, Status.PARKED, front=True)
         self.parked_total += 1
 
     def append_tokens(self, token_ids: list[int]) -> None:
         """Record the token each row sampled this step."""
-        if len(token_ids) != len(self.rows):
-            raise ValueError(f"{len(self.rows)} rows ran but {len(token_ids)} tokens came back")
-        for seq, token in zip(self.rows, token_ids):
-            seq.output_ids.append(token)
+        with self._lock:
+            if len(token_ids) != len(self.rows):
+                raise ValueError(f"{len(self.rows)} rows ran but {len(token_ids)} tokens came back")
+            for seq, token in zip(self.rows, token_ids):
+                seq.output_ids.append(token)
+
+    # -- leaving ----------------------------------------------------------------------------------
 
     def finish(self, seq: DecodeSequence, status: Status) -> int | None:
-        """Mark a sequence finished (or moved away); if it held a row, release it. Returns the row
-        that moved into its place, if any."""
+        """End a request wherever it is (finished, aborted, or moved away); if it held a row, release
+        it. Returns the row that moved into its place, if any; LookupError if it had already ended
+        (a handoff and a cancel may race for a moving request)."""
         assert status.is_finished
-        seq.status = status
-        if seq.row is None:
-            if seq in self.staged:
-                self.staged.remove(seq)
-            return None
-        return self._release(seq)
+        with self._lock:
+            if self.requests.get(seq.request_id) is not seq:
+                raise LookupError(f"request {seq.request_id!r} already ended here ({seq.status.name.lower()})")
+            moved = self._leave(seq)
+            seq.status = status
+            self.requests.pop(seq.request_id, None)
+            return moved
+
+    def move(self, seq: DecodeSequence) -> int | None:
+        """Take a request out of the batch (or the staged queue) to be handed to another decode
+        worker; it stays here as MOVING until `take_moving`. Returns the row that moved into its place."""
+        with self._lock:
+            if seq.status not in (Status.STAGED, Status.PARKED, Status.RUNNING):
+                raise ValueError(f"request {seq.request_id} is {seq.status.name}; only staged, parked or "
+                                 "running requests can move")
+            moved = self._leave(seq)
+            seq.status = Status.MOVING
+            return moved
+
+    def take_moving(self, request_id: str) -> DecodeSequence:
+        """The moving request, now MOVED (gone from here), for its KV to be handed off; once.
+        LookupError if it is not here, ValueError if it is but is not moving."""
+        with self._lock:
+            seq = self.requests.get(request_id)
+            if seq is None:
+                raise LookupError(f"no request {request_id!r} on this decode worker")
+            if seq.status is not Status.MOVING:
+                raise ValueError(f"request {request_id!r} is {seq.status.name.lower()}, not moving")
+            self.finish(seq, Status.MOVED)
+            return seq
+
+    def _leave(self, seq: DecodeSequence) -> int | None:
+        if seq.row is not None:
+            return self._release(seq)
+        if seq in self.staged:
+            self.staged.remove(seq)
+        return None
 
     def _release(self, seq: DecodeSequence) -> int | None:
         row, last = seq.row, len(self.rows) - 1
@@ -183,14 +280,23 @@ class DecodeScheduler:
         self.rows.pop()
         return moved
 
+    # -- observation (any thread) -----------------------------------------------------------------
+
     def find(self, request_id: str) -> DecodeSequence | None:
-        for seq in self.rows:
-            if seq.request_id == request_id:
-                return seq
-        for seq in self.staged:
-            if seq.request_id == request_id:
-                return seq
-        return None
+        return self.requests.get(request_id)
+
+    def statuses(self) -> dict[str, Status]:
+        with self._lock:
+            return {rid: seq.status for rid, seq in self.requests.items()}
+
+    def ids(self, *statuses: Status) -> list[str]:
+        with self._lock:
+            return [rid for rid, seq in self.requests.items() if seq.status in statuses]
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return sum(seq.status is Status.WAITING for seq in self.requests.values())
 
     @property
     def num_running(self) -> int:

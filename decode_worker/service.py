@@ -139,7 +139,7 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             rows_in_use=core.batch.num_rows, max_rows=core.config.max_rows,
             kv_bytes_allocated=core.batch.allocated_bytes(), kv_bytes_useful=core.batch.useful_bytes(),
             staged_bytes=stats.used_bytes, staging_capacity_bytes=stats.capacity_bytes,
-            waiting_for_kv=self.loop.num_pending(), staged=core.scheduler.num_staged,
+            waiting_for_kv=self.loop.num_waiting(), staged=core.scheduler.num_staged,
             prompt_tokens_forwarded=core.runner.prompt_tokens_forwarded,
             decode_tokens_forwarded=core.runner.decode_tokens_forwarded,
             requests_finished=core.finished_total, model_fingerprint=str(core.runner.loaded.fingerprint),
@@ -166,17 +166,18 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     loaded = runner.loaded
     core = DecodeCore(runner, DecodeConfig(max_rows=settings.max_rows, kv_budget_bytes=settings.kv_budget_bytes,
                                            high_watermark_bytes=settings.kv_high_watermark_bytes,
-                                           low_watermark_bytes=settings.kv_low_watermark_bytes))
+                                           low_watermark_bytes=settings.kv_low_watermark_bytes,
+                                           max_waiting=settings.max_pending))
     pool = StagingPool(StagingConfig(capacity_bytes=settings.staging_bytes, require_expected=True,
                                      max_entries=settings.max_pending + settings.max_rows),
                        on_landed=lambda request_id: loop.on_landed(request_id))
     metrics = Metrics("decode")
-    loop = DecodeLoop(core, pool, settings.max_pending, metrics).start()
+    loop = DecodeLoop(core, pool, metrics).start()
     metrics.gauge("baton_decode_rows_in_use", "Decode batch rows occupied", lambda: core.batch.num_rows)
     metrics.gauge("baton_decode_kv_allocated_bytes", "Batch KV bytes allocated", core.batch.allocated_bytes)
     metrics.gauge("baton_decode_kv_useful_bytes", "Batch KV bytes holding real tokens", core.batch.useful_bytes)
     metrics.gauge("baton_decode_staged_bytes", "CPU staging pool bytes in use", lambda: pool.stats().used_bytes)
-    metrics.gauge("baton_decode_waiting_for_kv", "Requests whose KV has not landed", loop.num_pending)
+    metrics.gauge("baton_decode_waiting_for_kv", "Requests whose KV has not landed", loop.num_waiting)
     metrics.gauge("baton_decode_queue_depth", "Landed requests waiting for a row", lambda: core.scheduler.num_staged)
     metrics.gauge("baton_decode_preemptions_total", "Rows parked on the host (priority or KV watermark)",
                   lambda: core.scheduler.parked_total)

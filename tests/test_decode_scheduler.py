@@ -62,7 +62,7 @@ def test_higher_priority_parks_the_lowest_priority_row():
     out = sched.schedule()
     assert [(s.request_id, row) for s, row in out.parked] == [("b", 1)]
     assert [s.request_id for s in out.admitted] == ["urgent"]
-    assert [s.request_id for s in sched.staged] == ["b"] and b.status == Status.STAGED
+    assert [s.request_id for s in sched.staged] == ["b"] and b.status is Status.PARKED
     same = seq("same")  # equal priority never preempts
     sched.add_staged(same)
     assert sched.schedule().parked == []
@@ -80,3 +80,63 @@ def test_watermarks_park_above_high_and_admit_below_low():
         sched.append_tokens([9] * len(sched.rows))
     out = sched.schedule()  # 2 rows x 7 slots = 14 > high watermark 12: park one
     assert len(out.parked) == 1 and len(sched.rows) == 1
+
+
+def test_a_request_lives_in_the_scheduler_from_registration_to_its_end():
+    sched = DecodeScheduler(SchedulerConfig(max_rows=1, max_columns=100))
+    a = DecodeSequence("a", prompt_len=4, max_new_tokens=3, output_ids=[])
+    sched.register(a)
+    assert a.status is Status.WAITING and sched.find("a") is a and sched.num_waiting == 1
+    assert not sched.has_work()  # nothing to decode until its KV lands
+    a.output_ids.append(7)
+    sched.add_staged(a)
+    assert a.status is Status.STAGED and sched.num_waiting == 0
+    sched.schedule()
+    assert a.status is Status.RUNNING and a.row == 0
+    urgent = seq("urgent")
+    urgent.priority = 1
+    sched.add_staged(urgent)
+    out = sched.schedule()
+    assert a.status is Status.PARKED and out.resumed == []
+    sched.finish(urgent, Status.FINISHED_LENGTH)
+    out = sched.schedule()
+    assert out.resumed == [a] and a.status is Status.RUNNING
+    assert sched.statuses() == {"a": Status.RUNNING}
+    sched.finish(a, Status.FINISHED_STOPPED)
+    assert sched.find("a") is None and not sched.requests and a.finish_reason == "stop"
+    with pytest.raises(LookupError, match="already ended"):
+        sched.finish(a, Status.FINISHED_ABORTED)
+
+
+def test_registration_is_bounded_and_ids_are_unique():
+    sched = DecodeScheduler(SchedulerConfig(max_rows=1, max_columns=100, max_waiting=2, max_requests=3))
+    sched.register(seq("a"))
+    with pytest.raises(ValueError, match="already being decoded"):
+        sched.register(seq("a"))
+    sched.register(seq("b"))
+    with pytest.raises(OverflowError, match="2 requests are already waiting for KV"):
+        sched.register(seq("c"))
+    sched.add_staged(sched.find("a"))
+    sched.add_staged(sched.find("b"))
+    sched.register(seq("c"))  # a and b landed: only c waits
+    with pytest.raises(OverflowError, match="3 requests are already here"):
+        sched.register(seq("d"))
+    sched.finish(sched.find("b"), Status.FINISHED_ABORTED)
+    sched.register(seq("d"))
+
+
+def test_a_moving_request_leaves_the_batch_and_is_taken_once():
+    sched = DecodeScheduler(SchedulerConfig(max_rows=2, max_columns=100))
+    a, b = seq("a"), seq("b")
+    sched.add_staged(a)
+    sched.add_staged(b)
+    sched.schedule()
+    assert sched.move(a) == 1 and b.row == 0 and a.status is Status.MOVING  # b took its row
+    assert sched.rows == [b] and not sched.staged and sched.find("a") is a
+    with pytest.raises(ValueError, match="running"):
+        sched.move(a)
+    with pytest.raises(ValueError, match="not moving"):
+        sched.take_moving("b")
+    assert sched.take_moving("a") is a and a.status is Status.MOVED and sched.find("a") is None
+    with pytest.raises(LookupError):
+        sched.take_moving("a")

@@ -21,7 +21,7 @@ def test_thousand_requests_leave_kv_allocation_where_it_started(tiny_model):
     outs = engine.generate(prompts, params)
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
     assert engine.decode.batch.allocated_bytes() == start
-    assert engine.decode.batch.num_rows == 0 and not engine.decode.live
+    assert engine.decode.batch.num_rows == 0 and not engine.decode.scheduler.requests
 
 
 @pytest.mark.parametrize("prompt, params, message", [

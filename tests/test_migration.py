@@ -24,6 +24,7 @@ from baton.up import LocalCluster
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
 from baton.decode_worker.core import DecodeConfig, DecodeCore, Evicted
 from baton.decode_worker.loop import DecodeLoop, Moving, NotMoving
+from baton.decode_worker.scheduler import Status
 from baton.engine.request import GenerationRequest, PrefilledRequest
 from baton.engine.executors import make_runner
 from baton.sampling import SamplingParams
@@ -80,7 +81,9 @@ def test_evicted_rows_go_on_token_identically_on_another_core(runner, tiny_refer
     ev = source.evict("r1")  # the middle row: the last row moves into its place
     assert ev.token_ids[:8] == tiny_reference.greedy(prompts["r1"], 8)
     assert ev.kv.num_tokens == len(prompts["r1"]) + len(ev.token_ids) - 1 and ev.kv.data.device.type == "cpu"
-    assert source.batch.num_rows == 2 and "r1" not in source.live and source.finished_total == 0
+    assert source.batch.num_rows == 2 and source.finished_total == 0
+    assert source.scheduler.find("r1").status is Status.MOVING and source.evict("r1") is None
+    assert source.scheduler.take_moving("r1").engine.evicted is ev  # handed off: gone from here
 
     target_released = Released()
     target = DecodeCore(runner, DecodeConfig(max_rows=2), on_kv_consumed=target_released)
@@ -103,7 +106,7 @@ def test_evicted_rows_go_on_token_identically_on_another_core(runner, tiny_refer
         assert stayed[rid] == tiny_reference.greedy(prompts[rid], MAX_TOKENS), rid
     # Nothing left behind: rows, parked KV, staging bytes (each KV consumed exactly once).
     for core in (source, target):
-        assert core.batch.num_rows == 0 and not core.live and core.parked_bytes() == 0
+        assert core.batch.num_rows == 0 and not core.scheduler.requests and core.parked_bytes() == 0
     assert sorted(released.ids) == sorted(prompts) and target_released.ids == ["r1"]
     assert source.finished_total == 2 and target.finished_total == 1
 
@@ -179,7 +182,7 @@ def running_loop(runner, max_rows: int = 2, max_pending: int = 8):
     """(loop, pool): a started DecodeLoop whose staging pool tells it when a KV lands; stopped after."""
     pool = StagingPool(StagingConfig(capacity_bytes=64 << 20, require_expected=True),
                        on_landed=lambda rid: loop.on_landed(rid))
-    loop = DecodeLoop(DecodeCore(runner, DecodeConfig(max_rows=max_rows)), pool, max_pending=max_pending).start()
+    loop = DecodeLoop(DecodeCore(runner, DecodeConfig(max_rows=max_rows, max_waiting=max_pending)), pool).start()
     try:
         yield loop, pool
     finally:
@@ -213,7 +216,7 @@ def test_drain_past_its_grace_moves_every_request_and_frees_everything(runner):
         drainer.join(timeout=10)
         assert drained == [True]
         assert loop.migrations == {"sent": 2, "failed": 1}
-        assert pool.stats().used_bytes == 0 and loop.core.batch.num_rows == 0 and not loop.core.live
+        assert pool.stats().used_bytes == 0 and loop.core.batch.num_rows == 0 and not loop.core.scheduler.requests
         assert loop.core.finished_total == 0
 
 
@@ -228,9 +231,9 @@ def test_every_request_here_counts_against_the_bound_not_only_those_waiting_for_
             if rid == "running":
                 outputs.get(timeout=10)
         deadline = time.monotonic() + 10
-        while loop.num_pending() and time.monotonic() < deadline:
+        while loop.num_waiting() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert loop.num_pending() == 0
+        assert loop.num_waiting() == 0
         with pytest.raises(OverflowError, match="2 requests are already here"):
             loop.register(GenerationRequest("third", list(range(5, 25)), params))
 
@@ -360,7 +363,7 @@ def test_a_failed_handoff_falls_back_to_a_new_prefill(monkeypatch, tiny_referenc
             for t in threads:
                 t.start()
             deadline = time.monotonic() + 60
-            while not drained.core.live and time.monotonic() < deadline:  # decoding there
+            while not drained.core.scheduler.requests and time.monotonic() < deadline:  # decoding there
                 time.sleep(0.01)
             drainer = threading.Thread(target=drained.drain, args=(30,), kwargs={"move_after": 0})
             drainer.start()
@@ -375,7 +378,7 @@ def test_a_failed_handoff_falls_back_to_a_new_prefill(monkeypatch, tiny_referenc
         print(f"\n{failed} handoffs failed; {cluster.prefill.requests_done} prompts prefilled")
         assert failed > 0 and not drained.migrations["sent"] and not other.migrations["received"]
         assert cluster.prefill.requests_done == len(prompts) + failed  # each failed handoff prefilled again
-        assert drained.pool.stats().used_bytes == 0 and not drained.core.live
+        assert drained.pool.stats().used_bytes == 0 and not drained.core.scheduler.requests
     finally:
         cluster.stop()
 
