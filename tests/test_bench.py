@@ -151,6 +151,14 @@ def test_fairness_quick_times_interactive_probes_idle_and_under_both_loads(tmp_p
     assert len(probes["idle"]["ttft_s"]) == 6 and all(t > 0 for t in probes["idle"]["ttft_s"])
     assert probes["batch (low priority)"]["load_wall_s"] > 0 and probes["same priority"]["load_wall_s"] > 0
     assert "p99 / idle" in printed
+    # Each probe's stages come back, and the tail's split adds up to its mean TTFT.
+    idle = probes["idle"]
+    assert len(idle["stage_s"]) == 6 and all(st["prefill"] > 0 for st in idle["stage_s"])
+    tail = idle["tail_stage_s"]
+    from baton.bench.fairness import percentile
+    slowest = [t for t in idle["ttft_s"] if t >= percentile(idle["ttft_s"], 0.9)]
+    assert sum(tail.values()) == pytest.approx(sum(slowest) / len(slowest))
+    assert "Where the slowest 10% of probes waited" in printed
 
 
 def test_serve_says_what_to_install_when_aiperf_is_missing(tmp_path, capsys, monkeypatch):

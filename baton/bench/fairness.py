@@ -46,24 +46,48 @@ def p99(values: list[float]) -> float:
     return percentile(values, 0.99)
 
 
-def time_probes(client, probes: list[dict], keep_going=lambda: True) -> list[float]:
-    """Seconds to the first token of each probe, one at a time, PROBE_GAP_S apart."""
-    times = []
+# Where a probe's first token waited: the router's trace stages up to the first token, and what
+# is left of its TTFT (the router and the network, and a landed KV waiting for the decode step in
+# progress before it is taken).
+TTFT_STAGES = ("queue", "prefill", "transfer", "staging", "admission")
+
+
+def time_probes(client, probes: list[dict], keep_going=lambda: True) -> tuple[list[float], list[dict]]:
+    """Seconds to the first token of each probe, one at a time, PROBE_GAP_S apart, and each
+    probe's stage seconds (read from its last chunk: probes are short)."""
+    times, stages = [], []
     for probe in probes:
         if not keep_going():
             break
         started = time.monotonic()
+        first = None
         with client.stream(**probe) as stream:
             for chunk in stream:
-                if chunk.token_ids:
-                    times.append(time.monotonic() - started)
-                    break
+                if chunk.token_ids and first is None:
+                    first = time.monotonic() - started
+                if chunk.trace is not None:
+                    stages.append({k: chunk.trace.stage_seconds.get(k, 0.0) for k in TTFT_STAGES})
+        if first is not None:
+            times.append(first)
+            if len(stages) < len(times):
+                stages.append({})
         time.sleep(PROBE_GAP_S)
-    return times
+    return times, stages
 
 
-def under_load(client, probes: list[dict], load, wait_busy) -> tuple[list[float], float]:
-    """Probe TTFTs while `load()` runs in a thread; also the load's own wall time."""
+def tail_stages(times: list[float], stages: list[dict], q: float = 0.9) -> dict[str, float]:
+    """Mean seconds per stage over the probes at or above the q-quantile TTFT, with the rest as 'other'."""
+    cut = percentile(times, q)
+    tail = [(t, st) for t, st in zip(times, stages) if t >= cut and st]
+    if not tail:
+        return {}
+    out = {k: sum(st.get(k, 0.0) for _, st in tail) / len(tail) for k in TTFT_STAGES}
+    out["other"] = sum(t for t, _ in tail) / len(tail) - sum(out.values())
+    return out
+
+
+def under_load(client, probes: list[dict], load, wait_busy) -> tuple[tuple[list[float], list[dict]], float]:
+    """Probe TTFTs (and stages) while `load()` runs in a thread; also the load's own wall time."""
     done = threading.Event()
     elapsed = [0.0]
 
@@ -106,28 +130,34 @@ def run(opts: BenchOptions) -> dict[str, Any]:
 
         client.generate("warm up", max_tokens=2)
         opts.progress("idle probes")
-        idle = time_probes(client, probe_requests(probes_n))
+        idle, idle_stages = time_probes(client, probe_requests(probes_n))
         opts.progress(f"probes during a {batch_n}-request batch")
-        batch, batch_s = under_load(client, probe_requests(probes_n),
+        (batch, batch_stages), batch_s = under_load(client, probe_requests(probes_n),
                                     lambda: client.generate_batch(requests, max_concurrency=batch_n), wait_busy)
         opts.progress(f"probes during {batch_n} same-priority requests")
-        same, same_s = under_load(client, probe_requests(probes_n),
+        (same, same_stages), same_s = under_load(client, probe_requests(probes_n),
                                   lambda: client.generate_many(requests, max_concurrency=batch_n), wait_busy)
 
-    rows = []
+    rows, tails = [], []
     results: dict[str, Any] = {"model": model, "batch_size": batch_n, "max_tokens": max_tokens, "probes": {}}
-    for name, times, wall in (("idle", idle, None), ("batch (low priority)", batch, batch_s),
-                              ("same priority", same, same_s)):
+    for name, times, stages, wall in (("idle", idle, idle_stages, None),
+                                      ("batch (low priority)", batch, batch_stages, batch_s),
+                                      ("same priority", same, same_stages, same_s)):
         rows.append([name, len(times), median(times) if times else None,
                      percentile(times, 0.9) if times else None, p99(times) if times else None,
                      ratio(p99(times), p99(idle)) if times and idle else None, wall])
-        results["probes"][name] = {"ttft_s": times, "load_wall_s": wall}
+        tail = tail_stages(times, stages) if times else {}
+        tails.append([name] + [tail.get(k) for k in (*TTFT_STAGES, "other")])
+        results["probes"][name] = {"ttft_s": times, "stage_s": stages, "tail_stage_s": tail, "load_wall_s": wall}
     results["p99_ratio_batch_vs_idle"] = ratio(p99(batch), p99(idle)) if batch and idle else None
     results["p99_ratio_same_priority_vs_idle"] = ratio(p99(same), p99(idle)) if same and idle else None
     opts.say(f"\nInteractive TTFT ({model}, {probes_n} probes each, one every {PROBE_GAP_S}s; load: {batch_n} "
              f"requests x {max_tokens} tokens)")
     opts.say(table(["while", "probes", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "p99 / idle", "load wall s"], rows))
     opts.say("goal: batch p99 within 2x of idle")
+    opts.say("\nWhere the slowest 10% of probes waited (mean seconds per stage; other: router, network, and a "
+             "landed KV waiting for the decode step in progress)")
+    opts.say(table(["while", *TTFT_STAGES, "other"], tails, digits=3))
     return results
 
 
