@@ -75,8 +75,9 @@ _STATUS = {FinishReason.STOP: Status.FINISHED_STOPPED, FinishReason.LENGTH: Stat
 
 
 class DecodeCore:
-    """One decode batch and the scheduler that owns its requests' lives. Registration and lookups
-    may come from any thread; everything else is the decode loop's."""
+    """One decode batch and the scheduler that owns its requests' lives. Registering, landing and
+    staging a request (none of which touches the batch) and lookups may come from any thread;
+    everything else is the decode loop's."""
 
     def __init__(self, runner: Runner, config: DecodeConfig = DecodeConfig(),
                  on_kv_consumed: Callable[[str], None] | None = None):
@@ -85,7 +86,6 @@ class DecodeCore:
         # Told when a request's staged KV is no longer needed (embedded or dropped), so the
         # staging pool can take its bytes back.
         self.on_kv_consumed = on_kv_consumed or (lambda request_id: None)
-        self.finished_total = 0
         loaded = runner.loaded
         shape = loaded.kv_shape
         max_columns = min(loaded.max_context, config.kv_budget_bytes // (config.max_rows * shape.bytes_per_token()))
@@ -99,6 +99,10 @@ class DecodeCore:
             config.max_rows, max_columns, high_watermark_slots=config.high_watermark_bytes // per_slot,
             low_watermark_slots=config.low_watermark_bytes // per_slot, max_waiting=config.max_waiting,
             max_requests=config.max_waiting + config.max_rows if config.max_waiting else 0))
+
+    @property
+    def finished_total(self) -> int:
+        return self.scheduler.finished_total
 
     def parked_bytes(self) -> int:
         return sum(seq.engine.kv.nbytes for seq in list(self.scheduler.staged) if seq.status is Status.PARKED)
@@ -137,14 +141,25 @@ class DecodeCore:
         return seq.engine.request if seq is not None and seq.status is Status.WAITING else None
 
     def add(self, prefilled: PrefilledRequest) -> RequestOutput:
-        """Its KV landed (registering the request first if nobody did); returns its first output,
-        already final if one token was enough."""
+        """Its KV landed (registering the request first if nobody did): `land`, then `stage` unless
+        the first token was enough. Returns its first output."""
+        if self.scheduler.find(prefilled.request.request_id) is None:
+            self.register(prefilled.request)
+        first = self.land(prefilled)
+        if not first.finished:
+            self.stage(prefilled.request.request_id)
+        return first
+
+    def land(self, prefilled: PrefilledRequest) -> RequestOutput:
+        """Take a registered request's KV and first token; returns its first output, final if one
+        token was enough. The caller sends that output, then `stage`s the request: a step cannot
+        decode its second token before the first is out. LookupError if the request is not (or no
+        longer) here: a cancel may race with its landing."""
         req = prefilled.request
         seq = self.scheduler.find(req.request_id)
         if seq is None:
-            self.register(req)
-            seq = self.scheduler.find(req.request_id)
-        elif seq.status is not Status.WAITING or seq.engine.request is not req:
+            raise LookupError(f"request {req.request_id!r} is not registered here")
+        if seq.status is not Status.WAITING or seq.engine.request is not req or seq.output_ids:
             raise RequestError(f"request id {req.request_id!r} is already being decoded here")
         loaded = self.runner.loaded
         live: _Live = seq.engine
@@ -163,8 +178,14 @@ class DecodeCore:
             req.trace.mark("finished")
             self._finish(seq, _STATUS[step.finish_reason])
             return self._output(live, step.text_delta, step.finish_reason.value)
-        self.scheduler.add_staged(seq)
         return self._output(live, step.text_delta, None)
+
+    def stage(self, request_id: str) -> None:
+        """Queue a landed request for a row. ValueError if it ended meanwhile (cancelled)."""
+        seq = self.scheduler.find(request_id)
+        if seq is None or not seq.output_ids:
+            raise ValueError(f"request {request_id!r} is not landed here (cancelled meanwhile?)")
+        self.scheduler.add_staged(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request wherever it is; its row and KV are freed at once."""
@@ -244,8 +265,6 @@ class DecodeCore:
         row, was = seq.row, seq.status
         self._release_row(row, self.scheduler.finish(seq, status))
         self._drop_kv(seq, was)
-        if not (status is Status.FINISHED_ABORTED and was is Status.WAITING):  # cancelled before it began
-            self.finished_total += 1
 
     def _release_row(self, row: int | None, moved: int | None) -> None:
         if row is not None:

@@ -4,10 +4,11 @@ a typed inbox, and it answers each request on that request's own output queue.
 A request's state lives in the core's scheduler (waiting for KV, staged, running, parked,
 moving, finished); the loop keeps only its thread, the inbox and the output queues. Life of a
 request here: `register` (the router opened Decode: the scheduler holds it WAITING and the
-staging pool now expects its KV) -> the KV lands (`on_landed` posts `Landed`) -> the loop takes
-it from staging and adds it to the core -> every step's outputs go to the request's queue, which
-its Decode call streams -> finished, or `cancel`led from any thread, which frees its row and
-staging bytes.
+staging pool now expects its KV) -> the KV lands (`on_landed`, on the receiver's thread: the
+first token, sampled by the prefill, goes out at once, without waiting for the decode step in
+progress, and the request is staged) -> the loop admits it into a row -> every step's outputs go
+to the request's queue, which its Decode call streams -> finished, or `cancel`led from any
+thread, which frees its row and staging bytes.
 
 Draining past its grace (`drain(move_after=...)`), the loop evicts every request from the core
 with its KV: the stream says `Moving` and waits until the Handoff RPC (`take_moving`, then
@@ -56,11 +57,6 @@ class NotMoving(Exception):
 
 # The inbox: what other threads ask of the loop thread.
 @dataclass(frozen=True)
-class Landed:
-    request_id: str  # its KV is in the staging pool
-
-
-@dataclass(frozen=True)
 class Cancel:
     request_id: str
     outputs: "queue.Queue | None" = None  # only that registration's (None: whichever is there)
@@ -73,10 +69,10 @@ class EvictAll:
 
 @dataclass(frozen=True)
 class Wake:
-    """Look at the stop flag."""
+    """Look again: at the stop flag, or at a request just staged."""
 
 
-Command = Landed | Cancel | EvictAll | Wake
+Command = Cancel | EvictAll | Wake
 Outputs = "queue.Queue[RequestOutput | Failure | Moving | object]"
 
 _WHERE = {Status.WAITING: "waiting for KV", Status.STAGED: "waiting for a row", Status.PARKED: "parked on the host",
@@ -149,7 +145,9 @@ class DecodeLoop:
         return outputs
 
     def on_landed(self, request_id: str) -> None:
-        self._inbox.put(Landed(request_id))
+        """A KV is in the staging pool (the receiver's thread): send its first token and stage it."""
+        self._admit(request_id)
+        self._inbox.put(Wake())  # an idle loop blocks on the inbox
 
     def take_moving(self, request_id: str) -> tuple[Outputs, Evicted]:
         """The evicted KV of a moving request, for Handoff to push; once. LookupError if the
@@ -211,8 +209,6 @@ class DecodeLoop:
             return
         while True:
             match command:
-                case Landed(request_id):
-                    self._admit(request_id)
                 case Cancel(request_id, outputs):
                     self._end(request_id, outputs)
                 case EvictAll():
@@ -223,6 +219,8 @@ class DecodeLoop:
                 return
 
     def _admit(self, request_id: str) -> None:
+        """Land a request's KV in the core, send its first token, then stage it for a row. Runs
+        beside the loop thread: none of it touches the batch."""
         request = self.core.waiting(request_id)
         if request is None:  # cancelled before its KV landed
             self.pool.cancel(request_id)
@@ -234,8 +232,11 @@ class DecodeLoop:
             trace.cached_tokens = meta.cached_tokens
             trace.mark("staged")
             first_logprob = logprob_from_proto(meta.first_logprob) if meta.HasField("first_logprob") else None
-            first = self.core.add(PrefilledRequest(request, staged.kv, meta.first_token, meta.seed,
-                                                   first_logprob=first_logprob))
+            first = self.core.land(PrefilledRequest(request, staged.kv, meta.first_token, meta.seed,
+                                                    first_logprob=first_logprob))
+        except LookupError:  # cancelled while it landed: the cancel freed all but the staging bytes
+            self.pool.cancel(request_id)
+            return
         except Exception as exc:  # this request alone fails (its stream says why); the batch goes on
             if isinstance(exc, RequestError):
                 log.warning("request %s refused at admission: %s", request_id, exc)
@@ -246,6 +247,11 @@ class DecodeLoop:
         if meta.handoff:
             self._count_migration("received")
         self._deliver([first])
+        if not first.finished:
+            try:
+                self.core.stage(request_id)
+            except ValueError:  # cancelled since it landed: the cancel freed everything but staging
+                self.pool.cancel(request_id)
 
     def _evict_all(self) -> None:
         """Every request in the batch leaves it with its KV; its stream says it is moving."""

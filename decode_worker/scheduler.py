@@ -118,6 +118,7 @@ class DecodeScheduler:
         self.staged: list[DecodeSequence] = []  # STAGED and PARKED: highest priority first, arrival order within one
         self.rows: list[DecodeSequence] = []  # RUNNING, in row order
         self.parked_total = 0
+        self.finished_total = 0  # ended here: stopped, length or aborted (not moved, not cancelled while waiting)
         self._lock = threading.RLock()
 
     def fits_ever(self, seq: DecodeSequence) -> bool:
@@ -150,9 +151,12 @@ class DecodeScheduler:
             self.requests[seq.request_id] = seq
 
     def add_staged(self, seq: DecodeSequence) -> None:
-        """Its KV landed: queue it for a row (registering it first if nobody did)."""
+        """Its KV landed: queue it for a row (registering it first if nobody did). ValueError if it
+        ended meanwhile (a cancel may race with its landing)."""
         with self._lock:
             if self.requests.get(seq.request_id) is not seq:
+                if seq.status is not Status.WAITING:
+                    raise ValueError(f"request {seq.request_id} already ended ({seq.status.name.lower()})")
                 self.register(seq)
             if seq.status is not Status.WAITING:
                 raise ValueError(f"request {seq.request_id} is {seq.status.name}, not waiting for its KV")
@@ -234,6 +238,8 @@ class DecodeScheduler:
             if self.requests.get(seq.request_id) is not seq:
                 raise LookupError(f"request {seq.request_id!r} already ended here ({seq.status.name.lower()})")
             moved = self._leave(seq)
+            if status is not Status.MOVED and not (status is Status.FINISHED_ABORTED and seq.status is Status.WAITING):
+                self.finished_total += 1
             seq.status = status
             self.requests.pop(seq.request_id, None)
             return moved

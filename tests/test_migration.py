@@ -2,7 +2,9 @@
 
 In process: `DecodeCore.evict` takes a request out (running, parked or staged) with exactly the
 KV another core needs to go on token-identically, leaking no row or staging byte; the loop
-turns a drain past its grace into `Moving` streams that Handoff takes. With real processes:
+turns a drain past its grace into `Moving` streams that Handoff takes, sends a landed request's
+first token without waiting for the step in progress, and leaks nothing when a cancel races a
+landing. With real processes:
 SIGTERM on a decode worker under load, and every request ends with the exact greedy tokens,
 its KV moved rather than prefilled again.
 """
@@ -187,6 +189,73 @@ def running_loop(runner, max_rows: int = 2, max_pending: int = 8):
         yield loop, pool
     finally:
         loop.stop()
+
+
+class GatedRunner:
+    """The real runner, whose decode steps wait for `gate` once `closed` is set: a step in progress."""
+
+    def __init__(self, runner):
+        self._runner = runner
+        self.closed, self.gate, self.in_step = threading.Event(), threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def decode(self, *args, **kwargs):
+        if self.closed.is_set():
+            self.in_step.set()
+            assert self.gate.wait(timeout=30), "the test never opened the gate"
+        return self._runner.decode(*args, **kwargs)
+
+
+def test_a_landed_request_gets_its_first_token_while_a_decode_step_is_in_progress(runner, tiny_reference):
+    """The first token is the prefill's: it goes out when the KV lands, not after the step under way;
+    the request then joins the batch and finishes exact."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    gated = GatedRunner(runner)
+    pool = StagingPool(StagingConfig(capacity_bytes=64 << 20, require_expected=True),
+                       on_landed=lambda rid: loop.on_landed(rid))
+    loop = DecodeLoop(DecodeCore(gated, DecodeConfig(max_rows=2)), pool).start()
+    try:
+        busy = loop.register(GenerationRequest("busy", list(range(5, 25)), params))
+        land(pool, prefilled(runner, "busy", list(range(5, 25)), params))
+        busy.get(timeout=10)
+        gated.closed.set()
+        assert gated.in_step.wait(timeout=10)  # the loop is inside a decode step now
+        prompt = list(range(40, 52))
+        late = loop.register(GenerationRequest("late", prompt, params))
+        land(pool, prefilled(runner, "late", prompt, params))
+        first = late.get(timeout=5)
+        assert first.token_ids == tiny_reference.greedy(prompt, 1) and not gated.gate.is_set()
+        gated.gate.set()
+        gated.closed.clear()
+        while not (out := late.get(timeout=10)).finished:
+            pass
+        assert out.token_ids == tiny_reference.greedy(prompt, MAX_TOKENS)
+        while not busy.get(timeout=10).finished:
+            pass
+        assert pool.stats().used_bytes == 0 and not loop.core.scheduler.requests
+    finally:
+        gated.gate.set()
+        loop.stop()
+
+
+def test_a_cancel_racing_with_a_landing_leaks_nothing(runner):
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    with running_loop(runner) as (loop, pool):
+        for i in range(20):
+            rid = f"race{i}"
+            outputs = loop.register(GenerationRequest(rid, list(range(5, 25)), params))
+            item = prefilled(runner, rid, list(range(5, 25)), params)
+            canceller = threading.Thread(target=loop.cancel, args=(rid, outputs))
+            canceller.start()
+            with contextlib.suppress(Exception):  # the cancel may have come first: the push is refused
+                land(pool, item)
+            canceller.join()
+        deadline = time.monotonic() + 10
+        while (loop.core.scheduler.requests or pool.stats().used_bytes) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not loop.core.scheduler.requests and pool.stats().used_bytes == 0 and loop.core.batch.num_rows == 0
 
 
 def test_drain_past_its_grace_moves_every_request_and_frees_everything(runner):

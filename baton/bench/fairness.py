@@ -46,32 +46,46 @@ def p99(values: list[float]) -> float:
     return percentile(values, 0.99)
 
 
-# Where a probe's first token waited: the router's trace stages up to the first token, and what
-# is left of its TTFT (the router and the network, and a landed KV waiting for the decode step in
-# progress before it is taken).
-TTFT_STAGES = ("queue", "prefill", "transfer", "staging", "admission")
+# Where a probe's first token waited: the trace stages before it (the decode worker sends the
+# first token as soon as it has the KV, so staging and admission come after), and what is left
+# of its TTFT: the router, the network, and a landed KV waiting for the decode loop to take it.
+TTFT_STAGES = ("queue", "prefill", "transfer")
 
 
 def time_probes(client, probes: list[dict], keep_going=lambda: True) -> tuple[list[float], list[dict]]:
     """Seconds to the first token of each probe, one at a time, PROBE_GAP_S apart, and each
-    probe's stage seconds (read from its last chunk: probes are short)."""
-    times, stages = [], []
+    probe's stage seconds. The rest of a probe's stream (its stages come on its last chunk) is
+    read by a thread of its own, so the next probe starts PROBE_GAP_S after a first token, as if
+    the caller had stopped reading there."""
+    times: list[float] = []
+    stages: list[dict] = []
+    readers = []
+
+    def read_rest(stream, chunks, slot: int) -> None:
+        with stream:
+            for chunk in chunks:
+                if chunk.trace is not None:
+                    stages[slot] = {k: chunk.trace.stage_seconds.get(k, 0.0) for k in TTFT_STAGES}
+
     for probe in probes:
         if not keep_going():
             break
         started = time.monotonic()
-        first = None
-        with client.stream(**probe) as stream:
-            for chunk in stream:
-                if chunk.token_ids and first is None:
-                    first = time.monotonic() - started
-                if chunk.trace is not None:
-                    stages.append({k: chunk.trace.stage_seconds.get(k, 0.0) for k in TTFT_STAGES})
-        if first is not None:
-            times.append(first)
-            if len(stages) < len(times):
+        stream = client.stream(**probe)
+        chunks = iter(stream)
+        for chunk in chunks:
+            if chunk.token_ids:
+                times.append(time.monotonic() - started)
                 stages.append({})
+                reader = threading.Thread(target=read_rest, args=(stream, chunks, len(stages) - 1), daemon=True)
+                reader.start()
+                readers.append(reader)
+                break
+        else:
+            stream.close()
         time.sleep(PROBE_GAP_S)
+    for reader in readers:
+        reader.join(timeout=120)
     return times, stages
 
 
@@ -155,8 +169,8 @@ def run(opts: BenchOptions) -> dict[str, Any]:
              f"requests x {max_tokens} tokens)")
     opts.say(table(["while", "probes", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "p99 / idle", "load wall s"], rows))
     opts.say("goal: batch p99 within 2x of idle")
-    opts.say("\nWhere the slowest 10% of probes waited (mean seconds per stage; other: router, network, and a "
-             "landed KV waiting for the decode step in progress)")
+    opts.say("\nWhere the slowest 10% of probes waited for their first token (mean seconds; other: the router, "
+             "the network, and a landed KV waiting for the decode loop)")
     opts.say(table(["while", *TTFT_STAGES, "other"], tails, digits=3))
     return results
 
