@@ -31,6 +31,8 @@ class Metrics:
         self.migrations = Counter("baton_kv_migrations", "Requests moved with their KV between decode workers on "
                                   "drain, by outcome (sent, failed, received)", ["outcome"], registry=r)
         self.overloaded = Counter("baton_overloaded", "Requests refused with RESOURCE_EXHAUSTED", registry=r)
+        self.paused_forwards = Counter("baton_prefill_paused_forwards", "Batch-member prefill forwards paused "
+                                       "between layers to prefill interactive prompts first", registry=r)
 
     def gauge(self, name: str, documentation: str, read: Callable[[], float]) -> None:
         """A gauge whose value is read from its owner at scrape time."""

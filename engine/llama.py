@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +107,10 @@ class LlamaRunner:
         self.prompt_tokens_forwarded = 0
         self.decode_tokens_forwarded = 0
         self.decode_steps = 0
+        # Called between two layers of a prefill forward, if set: a prefill worker runs urgent
+        # prompts there (nested forwards on this thread) rather than making them wait for a long
+        # low-priority forward. Each forward's state is its own, so nesting changes no result.
+        self.between_layers: Callable[[], None] | None = None
 
     @staticmethod
     def _fuse(layer, layout: str) -> _Layer:
@@ -242,6 +247,8 @@ class LlamaRunner:
             out = attention.prefill(q, kv[index, 0], kv[index, 1], ctx, self.scale)  # [B, T, Hq, D]
             h = h + layer.o(out.reshape(b * t, -1))
             h = self._mlp(layer, h)
+            if self.between_layers is not None:
+                self.between_layers()
         last = torch.tensor([i * t + len(s) - 1 for i, s in enumerate(suffixes)], device=self.device)
         logits = self.lm_head(self._rms_norm(h[last], self.norm)).float()  # [B, vocab]
         self.prompt_tokens_forwarded += sum(map(len, suffixes))

@@ -11,10 +11,12 @@ import threading
 from collections import OrderedDict
 
 SIMILAR_LENGTH_RATIO = 1.5
-# Prompts below priority 0 (batch members) prefill in batches of at most this many tokens: a
-# forward cannot be interrupted, so an interactive prompt arriving meanwhile waits for a short
-# one. Small batches cost little here: a prefill forward is compute-bound from a few dozen tokens.
+# Prompts below priority 0 (batch members) prefill in batches of at most this many tokens, so
+# that an interactive prompt arriving meanwhile waits for a short forward where the executor
+# cannot pause one between layers (the transformers fallback). Small batches cost little here: a
+# prefill forward is compute-bound from a few dozen tokens.
 BACKGROUND_BATCH_TOKENS = 96
+URGENT_PRIORITY = 0  # prompts at or above it (interactive ones) may pause a background forward
 
 
 def pick_batch(lengths: list[int], max_batch_tokens: int, max_batch_size: int,
@@ -85,9 +87,14 @@ class PrefillQueue:
             del self._items[request_id]
         return item[0]
 
-    def take_batch(self, timeout: float):
+    def take_batch(self, timeout: float, min_priority: int | None = None):
+        """The next batch (see pick_batch), waiting up to `timeout` for one; with `min_priority`,
+        only if a prompt of at least that priority is queued, and then without waiting."""
         with self._cond:
-            if not self._items and not self._closed:
+            if min_priority is not None:
+                if not any(p >= min_priority for _, _, p in self._items.values()):
+                    return []
+            elif not self._items and not self._closed:
                 self._cond.wait(timeout)
             if not self._items:
                 return []

@@ -104,9 +104,12 @@ class PrefillCore:
         groups: dict[tuple, list[int]] = {}
         for i, plan in enumerate(plans):
             groups.setdefault((tuple(plan.hashes[:plan.blocks]), plan.partial), []).append(i)
-        for members in groups.values():
+        # Every group's cached prefix is copied before any forward runs: a forward may pause for
+        # urgent prompts (`runner.between_layers`), whose new blocks could evict a later group's.
+        runs = [(members, self._cached_prefix(plans[members[0]])) for members in groups.values()]
+        for members, prefix in runs:
             prompts = [requests[i].prompt_token_ids for i in members]
-            for i, out in zip(members, self._run_on_prefix(prompts, plans[members[0]])):
+            for i, out in zip(members, self.runner.prefill_batch(prompts, prefix)):
                 outs[i] = out
         return [self._finish(request, plan, out) for request, plan, out in zip(requests, plans, outs)]
 

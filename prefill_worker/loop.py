@@ -5,11 +5,15 @@ first, then prompts of similar length, bounded by tokens and count), runs it, sa
 token, and hands each KV to a sender pool so pushing to decode workers overlaps the next batch's
 compute. A prompt with more uncached tokens than `prefill.chunk_tokens` is prefilled a chunk per
 iteration instead (Sarathi's chunked prefill), each iteration running the queued prompts first:
-a short prompt arriving behind a long one waits for one chunk, not for the whole prompt. What a
-finished job reports is a plain `PrefillDone`; the servicer makes the reply.
+a short prompt arriving behind a long one waits for one chunk, not for the whole prompt. While a
+forward runs only batch members (below priority 0), interactive prompts that arrive do not wait
+for it: between two of its layers the compute thread prefills them (a nested forward) and sends
+their KV, then the members' forward goes on. What a finished job reports is a plain
+`PrefillDone`; the servicer makes the reply.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -32,7 +36,7 @@ from baton.engine.executors import Runner
 from baton.kvtransfer.errors import KVPushFailed
 from baton.kvtransfer.grpc_transport import PushRetry, push_kv_retrying
 from baton.kvtransfer.wire import grpc_push_channel_options
-from baton.prefill_worker.batching import BACKGROUND_BATCH_TOKENS, PrefillQueue
+from baton.prefill_worker.batching import BACKGROUND_BATCH_TOKENS, URGENT_PRIORITY, PrefillQueue
 from baton.prefill_worker.core import Chunked, PrefillCore
 
 log = logging.getLogger(__name__)
@@ -99,6 +103,8 @@ class PrefillLoop:
         self._running: dict[str, PrefillJob] = {}  # the same jobs by request id, so a Cancel reaches them
         self._chunking: "deque[tuple[PrefillJob, Chunked]]" = deque()  # long prompts, a chunk per iteration
         self.chunks_done = 0
+        self.preemptions = 0  # background forwards paused for urgent prompts
+        self._urgent_running = False  # the compute thread's: serving urgent prompts inside a paused forward
         self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
 
     @property
@@ -179,21 +185,59 @@ class PrefillLoop:
                 for group_id in self.core.expire_pins():
                     log.warning("pin of group %s expired after prefill.pin_ttl_s=%ss without an unpin", group_id,
                                 self.core.pin_ttl_s)
-            jobs = self.queue.take_batch(timeout=0 if self._chunking else 0.05)
-            jobs = [j for j in jobs if not j.cancelled and j.done.set_running_or_notify_cancel()]
-            for job in jobs:
-                self._track(job)
-            whole = [j for j in jobs if not self._chunk(j)]
-            if whole:
-                try:
-                    self._prefill(whole)
-                except Exception as exc:  # one bad batch must not take the worker down
-                    log.exception("prefill batch failed")
-                    for job in whole:
-                        if not job.done.done():
-                            job.done.set_exception(exc)
+            self._run_jobs(self.queue.take_batch(timeout=0 if self._chunking else 0.05))
             if self._chunking:
                 self._next_chunk()
+
+    def _run_jobs(self, jobs: list[PrefillJob]) -> None:
+        """Prefill what take_batch gave: long prompts join the chunked ones, the rest run now."""
+        jobs = [j for j in jobs if not j.cancelled and j.done.set_running_or_notify_cancel()]
+        for job in jobs:
+            self._track(job)
+        whole = [j for j in jobs if not self._chunk(j)]
+        if whole:
+            try:
+                with self._preemptible(whole):
+                    self._prefill(whole)
+            except Exception as exc:  # one bad batch must not take the worker down
+                log.exception("prefill batch failed")
+                for job in whole:
+                    if not job.done.done():
+                        job.done.set_exception(exc)
+
+    @contextlib.contextmanager
+    def _preemptible(self, jobs: list[PrefillJob]):
+        """While a forward of batch members only runs, urgent prompts may pause it between layers."""
+        background = all(j.request.params.priority < URGENT_PRIORITY for j in jobs)
+        if not hasattr(self.runner, "between_layers") or not background or self._urgent_running:
+            yield  # the transformers fallback cannot pause: its batch members take short forwards
+            return
+        self.runner.between_layers = self._serve_urgent
+        try:
+            yield
+        finally:
+            self.runner.between_layers = None
+
+    def _serve_urgent(self) -> None:
+        """Between two layers of a background forward: prefill the urgent prompts queued now (a
+        nested forward on this thread; long ones join the chunked prompts instead)."""
+        if self._urgent_running:
+            return
+        jobs = self.queue.take_batch(timeout=0, min_priority=URGENT_PRIORITY)
+        if not jobs:
+            return
+        self._urgent_running = True
+        self.preemptions += 1
+        self.metrics.paused_forwards.inc()
+        try:
+            self._run_jobs(jobs)
+        except Exception as exc:  # never into the paused forward: it belongs to other requests
+            log.exception("urgent prefill failed")
+            for job in jobs:
+                if not job.done.done():
+                    job.done.set_exception(exc)
+        finally:
+            self._urgent_running = False
 
     def _track(self, job: PrefillJob) -> None:
         request_id = job.request.request_id
@@ -235,7 +279,8 @@ class PrefillLoop:
             job.done.set_exception(RequestError("cancelled"))
             return
         try:
-            prefilled = self.core.advance(chunked, self._budget(job))
+            with self._preemptible([job]):
+                prefilled = self.core.advance(chunked, self._budget(job))
         except Exception as exc:  # this prompt alone fails
             log.exception("chunked prefill of request %s failed", job.request.request_id)
             del self._chunking[pick]

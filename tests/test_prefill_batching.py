@@ -43,6 +43,15 @@ def test_the_queue_serves_interactive_prompts_before_batch_members_that_came_fir
     assert [j.request.request_id for j in queue.take_batch(0.01)] == ["batch-0", "batch-1", "batch-2"]
 
 
+def test_only_urgent_prompts_are_taken_inside_a_paused_forward():
+    queue = PrefillQueue(max_queue=8, max_batch_tokens=1000, max_batch_size=8)
+    queue.put(Job("batch-0"), 10, priority=-BATCH_PRIORITY_OFFSET)
+    assert queue.take_batch(5.0, min_priority=0) == []  # nothing urgent: at once, nothing taken
+    queue.put(Job("chat"), 40, priority=0)
+    assert [j.request.request_id for j in queue.take_batch(5.0, min_priority=0)] == ["chat"]
+    assert [j.request.request_id for j in queue.take_batch(0.01)] == ["batch-0"]
+
+
 def test_batch_members_run_below_interactive_requests_and_keep_their_order():
     asked = [common_pb2.SamplingParams(max_tokens=3, priority=p) for p in (0, 5, -(1 << 31))]
     lowered = [batch_priority(s) for s in asked]

@@ -191,3 +191,55 @@ def test_a_short_prompt_goes_ahead_of_a_long_one_being_chunked(prefill_worker, d
     torch.testing.assert_close(staged.kv.data, alone.kv.data, rtol=1e-4, atol=1e-5)
     assert workers_pb2.KVMetadata.FromString(staged.metadata).first_token == int(alone.logits.argmax())
     pool.take("short")
+
+
+def test_an_interactive_prompt_pauses_a_batch_members_forward_between_layers(prefill_worker, decode_receiver):
+    """A prompt arriving while batch members' forward runs is prefilled inside it, between two of
+    its layers, and pushed first; both KVs land equal to forwards run alone."""
+    _, worker = prefill_worker
+    target, pool, landed = decode_receiver()
+    loop = PrefillLoop(worker.runner, PrefillSettings(chunk_tokens=0))  # one whole forward for the member
+    member = PrefillJob(GenerationRequest("member", PROMPT[:600], SamplingParams(max_tokens=4, priority=-65536)),
+                        target)
+    urgent = PrefillJob(GenerationRequest("urgent", PROMPT[700:720], SamplingParams(max_tokens=4)), target)
+    serve_urgent = loop._serve_urgent
+
+    def arrives_during_the_forward() -> None:  # the interactive prompt comes in after the first layer
+        if urgent.request.trace.marks.get("arrived") is None:
+            loop.submit(urgent)
+        serve_urgent()
+
+    loop._serve_urgent = arrives_during_the_forward
+    loop.submit(member)
+    loop.start()
+    try:
+        for job in (member, urgent):
+            job.done.result(timeout=60)
+    finally:
+        loop.stop()
+    marks = {job.request.request_id: job.request.trace.marks for job in (member, urgent)}
+    assert marks["member"]["prefill_start"] < marks["urgent"]["prefill_start"]
+    assert marks["urgent"]["prefill_end"] < marks["member"]["prefill_end"]  # done inside the member's forward
+    assert loop.preemptions == 1 and loop.metrics.paused_forwards._value.get() == 1
+    assert worker.runner.between_layers is None  # unhooked once the member's forward ended
+    for job in (member, urgent):
+        staged = pool.take(job.request.request_id)
+        alone = worker.runner.prefill(job.request.prompt_token_ids)
+        torch.testing.assert_close(staged.kv.data, alone.kv.data, rtol=1e-4, atol=1e-5)
+        assert workers_pb2.KVMetadata.FromString(staged.metadata).first_token == int(alone.logits.argmax())
+
+
+def test_an_interactive_forward_is_never_paused(prefill_worker, decode_receiver):
+    _, worker = prefill_worker
+    target, _, _ = decode_receiver()
+    loop = PrefillLoop(worker.runner, PrefillSettings(chunk_tokens=0))
+    calls = []
+    loop._serve_urgent = lambda: calls.append(1)
+    job = PrefillJob(GenerationRequest("interactive", PROMPT[:100], SamplingParams(max_tokens=4)), target)
+    loop.submit(job)
+    loop.start()
+    try:
+        job.done.result(timeout=60)
+    finally:
+        loop.stop()
+    assert calls == [] and loop.preemptions == 0
