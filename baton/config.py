@@ -137,6 +137,10 @@ class PrefillSettings:
     # The decode workers this worker may push KV to (host:port each, as the router discovered them);
     # a Prefill naming any other is refused. Empty: any target a caller holding the cluster token names.
     decode_workers: list[str] = field(default_factory=list)
+    # 'static' (decode_workers above) or 'kubernetes': the decode workers this worker's own
+    # EndpointSlice watch sees in `namespace` (empty: the pod's own), as the router's discovery.
+    discovery: str = "static"
+    namespace: str = ""
     block_size: int = 16
     kv_chunk_bytes: int = 2 << 20  # KV payload bytes per message of a push (validate() says how many fit)
     advertise: str = ""  # host:port others use to reach this worker (default: host:port)
@@ -148,6 +152,9 @@ class PrefillSettings:
             raise ValueError(f"prefill.drain_timeout_s must be >= 0 seconds (got {self.drain_timeout_s})")
         if self.chunk_tokens < 0:
             raise ValueError(f"prefill.chunk_tokens must be >= 0 (got {self.chunk_tokens}); 0 turns chunking off")
+        if self.discovery not in ("static", "kubernetes"):
+            raise ValueError(f"prefill.discovery is {self.discovery!r}; set it to 'static' (decode targets from "
+                             "prefill.decode_workers) or 'kubernetes' (the decode workers' EndpointSlices)")
         if self.max_pins < 0 or not self.pin_ttl_s > 0:
             raise ValueError(f"prefill.max_pins must be >= 0 and prefill.pin_ttl_s > 0 "
                              f"(got {self.max_pins} and {self.pin_ttl_s})")

@@ -38,6 +38,7 @@ from baton.kvtransfer.grpc_transport import PushRetry, push_kv_retrying
 from baton.kvtransfer.wire import grpc_push_channel_options
 from baton.prefill_worker.batching import BACKGROUND_BATCH_TOKENS, URGENT_PRIORITY, PrefillQueue
 from baton.prefill_worker.core import Chunked, PrefillCore
+from baton.prefill_worker.targets import DecodeTargets
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ class PrefillLoop:
     through the job queue and the control queue (pin/unpin), which it serves between batches."""
 
     def __init__(self, runner: Runner, settings: PrefillSettings, tls: TLSSettings | None = None,
-                 block_size: int = 16, metrics: Metrics | None = None, cluster_token: str | None = None):
+                 block_size: int = 16, metrics: Metrics | None = None, cluster_token: str | None = None,
+                 decode_targets: DecodeTargets | None = None):
         self.runner = runner
         self.metrics = metrics or Metrics("prefill")
         self.core = PrefillCore(runner, prefix_cache_bytes=settings.prefix_cache_bytes, block_size=block_size,
@@ -88,7 +90,7 @@ class PrefillLoop:
         self.settings = settings
         self.tls = tls
         self.cluster_token = cluster_token
-        self.decode_workers = frozenset(settings.decode_workers)
+        self.decode_targets = decode_targets or DecodeTargets(settings.decode_workers)
         self.queue = PrefillQueue(settings.max_queue, settings.max_batch_tokens, settings.max_batch_size)
         self.fingerprint = str(runner.loaded.fingerprint)
         self.epoch = uuid.uuid4().hex  # reported with the load: a new one tells the router our cache is new
@@ -124,6 +126,7 @@ class PrefillLoop:
             job, _ = self._chunking.popleft()
             job.done.set_exception(ConnectionAbortedError("this prefill worker stopped"))
         self._senders.shutdown(wait=False, cancel_futures=True)
+        self.decode_targets.stop()
 
     def drain(self, timeout: float) -> bool:
         """Take no new prompts; finish (and push) the queued ones, up to timeout."""

@@ -21,6 +21,7 @@ from baton.engine.request import GenerationRequest, RequestError, validate_promp
 from baton.engine.executors import load_runner
 from baton.kvtransfer.errors import KVPushFailed
 from baton.prefill_worker.loop import PrefillDone, PrefillJob, PrefillLoop
+from baton.prefill_worker.targets import DecodeTargets
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,12 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
             if not request.request_id or not request.decode_target:
                 raise RequestError("request_id and decode_target are required")
             check_address(request.decode_target, "decode_target")
-            if self.loop.decode_workers and request.decode_target not in self.loop.decode_workers:
+            targets = self.loop.decode_targets
+            if not targets.allows(request.decode_target):
                 # Not a port scanner: KV goes only to decode workers of this cluster.
                 context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                              f"decode_target {request.decode_target} is not one of this cluster's decode workers")
+                              f"decode_target {request.decode_target} is not one of this cluster's decode workers "
+                              f"({targets.source})")
             if request.model_fingerprint and request.model_fingerprint != self.loop.fingerprint:
                 raise RequestError(f"this worker serves model {self.loop.fingerprint}, "
                                    f"not {request.model_fingerprint}; route to a worker of that model")
@@ -124,10 +127,12 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
     server.add_service("baton.v1.PrefillWorker")
     server.start()  # NOT_SERVING until the model is loaded
     started = time.monotonic()
+    targets = DecodeTargets.from_settings(settings)  # before the model: a missing kubeconfig fails at once
     metrics = Metrics("prefill")
     runner = load_runner(model)
     loaded = runner.loaded
-    loop = PrefillLoop(runner, settings, tls, settings.block_size, metrics, cluster_token=token).start()
+    loop = PrefillLoop(runner, settings, tls, settings.block_size, metrics, cluster_token=token,
+                       decode_targets=targets).start()
     metrics.gauge("baton_prefill_queue_depth", "Prompts waiting for prefill", lambda: len(loop.queue))
     metrics.gauge("baton_prefill_queued_tokens", "Prompt tokens waiting for prefill", lambda: loop.queue.queued_tokens)
     metrics.gauge("baton_prefill_chunking", "Long prompts being prefilled a chunk per iteration",

@@ -50,7 +50,7 @@ DERIVED_KEYS = {
     "model": {"name"},
     "router": {"port", "http_port", "metrics_port", "discovery", "namespace", "prefix_index", "redis_url",
                "prefill_workers", "decode_workers"},
-    "prefill": {"port", "metrics_port", "advertise"},
+    "prefill": {"port", "metrics_port", "advertise", "discovery", "namespace", "decode_workers"},
     "decode": {"port", "metrics_port", "advertise"},
     "tls": {"cert_file", "key_file", "ca_file", "server_name"},
     "cluster": {"token", "token_file"},  # BATON_CLUSTER_TOKEN from the cluster-token Secret
@@ -375,7 +375,8 @@ def test_services_workers_headless_router_reachable(helm_report):
     assert one(rendered(helm_report, "external-redis"), "Service", role_name("router"))["spec"]["type"] == "LoadBalancer"
 
 
-def test_router_discovery_rbac_is_endpointslices_read_only(helm_report):
+def test_discovery_rbac_is_endpointslices_read_only(helm_report):
+    """The router discovers every worker and the prefill worker its decode targets; decode pods get no token."""
     docs = rendered(helm_report, "default")
     (role,) = find(docs, "Role")
     assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
@@ -384,10 +385,10 @@ def test_router_discovery_rbac_is_endpointslices_read_only(helm_report):
     (account,) = find(docs, "ServiceAccount")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}]
-    router_pod = one(docs, "Deployment", role_name("router"))["spec"]["template"]["spec"]
-    assert router_pod["serviceAccountName"] == account["metadata"]["name"]
-    for worker in ("prefill", "decode"):
-        assert one(docs, "Deployment", role_name(worker))["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    for role in ("router", "prefill"):
+        pod = one(docs, "Deployment", role_name(role))["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == account["metadata"]["name"] and "automountServiceAccountToken" not in pod
+    assert one(docs, "Deployment", role_name("decode"))["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 
 
 @pytest.mark.parametrize("case, prefix_index, redis_url", [
@@ -398,8 +399,12 @@ def test_router_discovery_rbac_is_endpointslices_read_only(helm_report):
 ])
 def test_router_config_discovers_workers_in_the_release_namespace(helm_report, case, prefix_index, redis_url):
     docs = rendered(helm_report, case)
-    router = chart_config(docs)["router"]
+    config = chart_config(docs)
+    router, prefill = config["router"], config["prefill"]
     assert router["discovery"] == "kubernetes" and router["namespace"] == NAMESPACE
+    # The prefill worker checks decode targets against its own discovery of the same namespace.
+    assert (prefill["discovery"], prefill["namespace"]) == ("kubernetes", NAMESPACE)
+    assert not prefill.get("decode_workers")
     assert (router["prefix_index"], router["redis_url"]) == (prefix_index, redis_url)
     if case == "default":
         redis = one(docs, "Service", f"{RELEASE}-redis")

@@ -243,3 +243,44 @@ def test_an_interactive_forward_is_never_paused(prefill_worker, decode_receiver)
     finally:
         loop.stop()
     assert calls == [] and loop.preemptions == 0
+
+
+def test_with_kubernetes_discovery_kv_goes_only_to_decode_workers_the_worker_discovered(
+        decode_receiver, tmp_path, monkeypatch):
+    """prefill.discovery=kubernetes: the prefill worker watches the decode workers' EndpointSlices
+    itself (a loopback API server here) and pushes only to those; one that leaves is refused again."""
+    import yaml
+    from fake_kube_api import FakeKubeApi, endpoint
+
+    labels = {"app.kubernetes.io/name": "baton", "baton.io/role": "decode"}
+    with FakeKubeApi() as kube:
+        kubeconfig = {"apiVersion": "v1", "kind": "Config", "current-context": "loopback",
+                      "clusters": [{"name": "loopback", "cluster": {"server": kube.url}}],
+                      "users": [{"name": "prefill", "user": {"token": "not-checked"}}],
+                      "contexts": [{"name": "loopback", "context": {"cluster": "loopback", "user": "prefill"}}]}
+        (tmp_path / "config").write_text(yaml.safe_dump(kubeconfig))
+        monkeypatch.setenv("KUBECONFIG", str(tmp_path / "config"))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        target, pool, landed = decode_receiver()
+        port = int(target.rsplit(":", 1)[1])
+        server, loop = serve(ModelSettings(name="tiny-random", dtype=TEST_DTYPE),
+                             PrefillSettings(host="127.0.0.1", port=0, discovery="kubernetes", namespace="serving"),
+                             block=False)
+        address = f"127.0.0.1:{server.port}"
+        try:
+            refused, seconds = prefill(address, "before", target)
+            assert isinstance(refused, grpc.RpcError) and refused.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "discovered in namespace serving" in refused.details() and seconds >= 1.5  # waited for discovery
+            kube.put_slice("decode-a", [endpoint("127.0.0.1")], ports=[{"name": "grpc", "port": port}],
+                           labels=labels, namespace="serving")
+            reply, _ = prefill(address, "after", target)
+            assert not isinstance(reply, grpc.RpcError), reply
+            assert reply.request_id == "after" and "after" in landed
+            kube.delete_slice("decode-a", namespace="serving")
+            assert loop.decode_targets.discovered.wait_for(lambda current: not current["decode"], timeout=5)
+            gone, _ = prefill(address, "gone", target)
+            assert isinstance(gone, grpc.RpcError) and gone.code() == grpc.StatusCode.PERMISSION_DENIED
+        finally:
+            loop.stop()
+            server.stop(grace=None)
+        assert not loop.decode_targets.discovery._threads[0].is_alive()  # the watch stopped with the worker

@@ -151,9 +151,13 @@ plus the keys the chart derives. Derived keys win, and the values schema refuses
     "decode_workers" (list)
     "prefix_index" (include "baton.prefixIndex" .)
     "redis_url" (include "baton.redisUrl" .)) (deepCopy $v.router.config) }}
+{{- /* The prefill worker pushes KV only to decode workers its own discovery sees. */}}
 {{- $prefill := merge (dict
     "port" (int $v.prefill.service.port)
-    "metrics_port" (int $v.prefill.service.metricsPort)) (deepCopy $v.prefill.config) }}
+    "metrics_port" (int $v.prefill.service.metricsPort)
+    "discovery" "kubernetes"
+    "namespace" .Release.Namespace
+    "decode_workers" (list)) (deepCopy $v.prefill.config) }}
 {{- $decode := merge (dict
     "port" (int $v.decode.service.port)
     "metrics_port" (int $v.decode.service.metricsPort)) (deepCopy $v.decode.config) }}
