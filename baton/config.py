@@ -88,6 +88,10 @@ class RouterSettings:
     block_size: int = 16  # prefix-cache block tokens; must equal the prefill workers'
     index_namespace: str = "baton"  # Redis key prefix, so deployments sharing a Redis do not collide
     index_max_blocks: int = 262_144  # prefix index entries kept (least recently touched dropped)
+    # An index entry no worker re-announced for this long is dropped (0 = never): the backstop for a
+    # worker that vanished without discovery noticing. The router re-reads every prefill worker's
+    # whole cache every third of it, so entries a live worker holds never expire.
+    index_ttl_s: float = 900.0
     load_weight: float = 1.0  # routing cost per queued prompt token on a prefill worker
     cache_weight: float = 1.0  # routing credit per prompt token a worker already holds
     max_inflight: int = 1024  # requests in flight before RESOURCE_EXHAUSTED (also sizes the server's threads)
@@ -110,6 +114,8 @@ class RouterSettings:
     http_request_timeout_s: float = 600.0  # an HTTP request still running after this is ended (504); 0 = never
 
     def validate(self) -> None:
+        if not self.index_ttl_s >= 0:
+            raise ValueError(f"router.index_ttl_s must be >= 0 seconds (0 = never; got {self.index_ttl_s})")
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"router.http_port must be a port in [0, 65535] (0 = off; got {self.http_port})")
         if self.http_port and self.http_port in (self.port, self.metrics_port):

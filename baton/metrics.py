@@ -9,6 +9,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+ROUTE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -31,6 +32,11 @@ class Metrics:
         self.migrations = Counter("baton_kv_migrations", "Requests moved with their KV between decode workers on "
                                   "drain, by outcome (sent, failed, received)", ["outcome"], registry=r)
         self.overloaded = Counter("baton_overloaded", "Requests refused with RESOURCE_EXHAUSTED", registry=r)
+        self.cache_events = Counter("baton_router_cache_events", "Prefill workers' prefix cache changes applied to the "
+                                    "router's index, by kind (change, snapshot, gap, error)", ["kind"], registry=r)
+        self.route_seconds = Histogram("baton_router_route_seconds", "Router time choosing a request's workers "
+                                       "(block hashes, prefix index match, pick); no worker time",
+                                       buckets=ROUTE_BUCKETS, registry=r)
         self.paused_forwards = Counter("baton_prefill_paused_forwards", "Batch-member prefill forwards paused "
                                        "between layers to prefill interactive prompts first", registry=r)
 

@@ -146,7 +146,8 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             draining=self.loop.draining.is_set(), preemptions=core.scheduler.parked_total,
             parked_bytes=core.parked_bytes(), migrations_out=self.loop.migrations["sent"],
             migrations_failed=self.loop.migrations["failed"], migrations_in=self.loop.migrations["received"],
-            max_context=core.max_context,
+            max_context=core.max_context, kv_budget_bytes=core.config.kv_budget_bytes,
+            kv_bytes_per_token=core.batch.row_bytes_per_column,
         )
 
 

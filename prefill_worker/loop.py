@@ -18,7 +18,6 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from baton.kvtransfer.errors import KVPushFailed
 from baton.kvtransfer.grpc_transport import PushRetry, push_kv_retrying
 from baton.kvtransfer.wire import grpc_push_channel_options
 from baton.prefill_worker.batching import BACKGROUND_BATCH_TOKENS, URGENT_PRIORITY, PrefillQueue
+from baton.prefill_worker.cache_events import CacheEventLog
 from baton.prefill_worker.core import Chunked, PrefillCore
 from baton.prefill_worker.targets import DecodeTargets
 
@@ -63,8 +63,6 @@ class PrefillDone:
     queue_seconds: float
     prefill_seconds: float
     transfer_seconds: float = 0.0
-    stored_blocks: list[int] = field(default_factory=list)  # the batch's KV events (its first job only)
-    evicted_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -93,7 +91,10 @@ class PrefillLoop:
         self.decode_targets = decode_targets or DecodeTargets(settings.decode_workers)
         self.queue = PrefillQueue(settings.max_queue, settings.max_batch_tokens, settings.max_batch_size)
         self.fingerprint = str(runner.loaded.fingerprint)
-        self.epoch = uuid.uuid4().hex  # reported with the load: a new one tells the router our cache is new
+        # The prefix cache's changes, numbered; routers follow them (WatchCache). Its epoch is this
+        # process's: a new one tells a router our cache began empty.
+        self.cache_events = CacheEventLog()
+        self.epoch = self.cache_events.epoch
         self.requests_done = 0
         self._senders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-push")
         self._channels: "OrderedDict[str, grpc.Channel]" = OrderedDict()  # most recently used last
@@ -120,6 +121,7 @@ class PrefillLoop:
 
     def stop(self) -> None:
         self._stop.set()
+        self.cache_events.close()
         self.queue.close()
         self._thread.join(timeout=10)
         while self._chunking and not self._thread.is_alive():
@@ -177,9 +179,17 @@ class PrefillLoop:
             except queue.Empty:
                 return
             try:
-                done.set_result(fn(self.core, *args))
+                result = fn(self.core, *args)
+                self._publish_cache_changes()
+                done.set_result(result)
             except Exception as exc:
+                self._publish_cache_changes()
                 done.set_exception(exc)
+
+    def _publish_cache_changes(self) -> None:
+        """Send the prefix cache's changes since the last call to the routers following them."""
+        events = self.core.drain_events()
+        self.cache_events.publish(events.stored, events.evicted)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -191,6 +201,7 @@ class PrefillLoop:
             self._run_jobs(self.queue.take_batch(timeout=0 if self._chunking else 0.05))
             if self._chunking:
                 self._next_chunk()
+            self._publish_cache_changes()  # whatever changed it (a failed forward, an expired pin)
 
     def _run_jobs(self, jobs: list[PrefillJob]) -> None:
         """Prefill what take_batch gave: long prompts join the chunked ones, the rest run now."""
@@ -292,18 +303,18 @@ class PrefillLoop:
         self.chunks_done += 1
         if prefilled is not None:
             del self._chunking[pick]
-            self._senders.submit(self._push, job, prefilled, self.core.drain_events())
+            self._publish_cache_changes()
+            self._senders.submit(self._push, job, prefilled)
             self.requests_done += 1
 
     def _prefill(self, jobs: list[PrefillJob]) -> None:
         prefilled = self.core.prefill([j.request for j in jobs])
-        events = self.core.drain_events()
-        for i, (job, done) in enumerate(zip(jobs, prefilled)):
-            # The batch's KV events ride on its first reply; the router applies them.
-            self._senders.submit(self._push, job, done, events if i == 0 else None)
+        self._publish_cache_changes()  # before the pushes: routers learn of the new blocks at once
+        for job, done in zip(jobs, prefilled):
+            self._senders.submit(self._push, job, done)
         self.requests_done += len(jobs)
 
-    def _push(self, job: PrefillJob, prefilled, events) -> None:
+    def _push(self, job: PrefillJob, prefilled) -> None:
         trace = job.request.trace
         meta = workers_pb2.KVMetadata(
             first_token=prefilled.first_token, seed=prefilled.seed, cached_tokens=prefilled.cached_tokens,
@@ -317,8 +328,6 @@ class PrefillLoop:
             computed_tokens=len(job.request.prompt_token_ids) - prefilled.cached_tokens,
             queue_seconds=meta.queue_seconds, prefill_seconds=meta.prefill_seconds,
         )
-        if events is not None:
-            done.stored_blocks, done.evicted_blocks = list(events.stored), list(events.evicted)
 
         def retrying(attempt: int, failure: KVPushFailed) -> None:
             self.metrics.transfers.labels("retried").inc()

@@ -6,6 +6,7 @@ hands it to the loop and turns what the loop reports into replies.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import grpc
@@ -30,13 +31,16 @@ def reply_from(request_id: str, done: PrefillDone) -> workers_pb2.PrefillReply:
     return workers_pb2.PrefillReply(
         request_id=request_id, first_token=done.first_token, seed=done.seed, cached_tokens=done.cached_tokens,
         computed_tokens=done.computed_tokens, queue_seconds=done.queue_seconds,
-        prefill_seconds=done.prefill_seconds, transfer_seconds=done.transfer_seconds,
-        stored_blocks=done.stored_blocks, evicted_blocks=done.evicted_blocks)
+        prefill_seconds=done.prefill_seconds, transfer_seconds=done.transfer_seconds)
+
+
+MAX_CACHE_WATCHERS = 16  # routers following the prefix cache at once (each holds a thread)
 
 
 class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, loop: PrefillLoop):
         self.loop = loop
+        self._watchers = threading.BoundedSemaphore(MAX_CACHE_WATCHERS)
 
     def Prefill(self, request, context):
         loaded = self.loop.runner.loaded
@@ -91,16 +95,26 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
         try:
             pinned, computed = self.loop.call(lambda core: core.pin(request.group_id, list(request.token_ids)),
                                               timeout=context.time_remaining())
-            events = self.loop.call(lambda core: core.drain_events())
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OverflowError as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        return workers_pb2.PinPrefixReply(pinned_tokens=pinned, computed_tokens=computed,
-                                          stored_blocks=events.stored, evicted_blocks=events.evicted)
+        return workers_pb2.PinPrefixReply(pinned_tokens=pinned, computed_tokens=computed)
 
     def UnpinPrefix(self, request, context):
         return workers_pb2.UnpinPrefixReply(found=self.loop.call(lambda core: core.unpin(request.group_id)))
+
+    def WatchCache(self, request, context):
+        if not self._watchers.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{MAX_CACHE_WATCHERS} routers already follow this worker's prefix cache")
+        try:
+            for event in self.loop.cache_events.follow(request.epoch, request.after_seq,
+                                                       should_stop=lambda: not context.is_active()):
+                yield workers_pb2.CacheEvent(epoch=event.epoch, seq=event.seq, snapshot=event.snapshot,
+                                             stored=event.stored, evicted=event.evicted)
+        finally:
+            self._watchers.release()
 
     def Cancel(self, request, context):
         return workers_pb2.CancelReply(found=self.loop.cancel(request.request_id))
@@ -121,7 +135,8 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
     for address in settings.decode_workers:
         check_address(address, "prefill.decode_workers entries")
     token = cluster_token(cluster, "prefill")
-    server = GrpcServer(settings.host, settings.port, tls=tls, long_calls=settings.max_queue, cluster_token=token)
+    server = GrpcServer(settings.host, settings.port, tls=tls, long_calls=settings.max_queue + MAX_CACHE_WATCHERS,
+                        cluster_token=token)
     api = NotReady()
     workers_pb2_grpc.add_PrefillWorkerServicer_to_server(api, server.server)
     server.add_service("baton.v1.PrefillWorker")

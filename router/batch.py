@@ -200,7 +200,6 @@ class BatchRunner:
         group.prefill_address = route.prefill.view.address
         group.pinned_tokens = reply.pinned_tokens
         group.computed_tokens = reply.computed_tokens
-        self.dispatcher.apply_events(route.prefill, reply.stored_blocks, reply.evicted_blocks)
 
     def _unpin(self, group: _Group) -> None:
         worker = self.dispatcher.pool.get("prefill", group.prefill_address)

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -22,7 +23,7 @@ from baton.block_hash import BlockHasher
 from baton.v1 import common_pb2, router_pb2, workers_pb2
 from baton.router.errors import DecodeLost, DispatchError, cause
 from baton.router.kv_sources import Handoff, KVSource, PrefillChain
-from baton.router.policy import NoWorkers, Picker
+from baton.router.policy import NoWorkers, PendingPrefixes, Picker
 from baton.router.prefix_index import PrefixIndex
 from baton.router.workers import Worker, WorkerPool
 
@@ -57,14 +58,18 @@ class Route:
     prefill: Worker
     decode: Worker
     predicted_cached_tokens: int
+    seconds: float = 0.0  # the router's own time choosing
 
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, index: PrefixIndex, block_size: int, picker: Picker | None = None):
+    def __init__(self, pool: WorkerPool, index: PrefixIndex, block_size: int, picker: Picker | None = None,
+                 on_route: Callable[[float], None] = lambda seconds: None):
         self.pool = pool
+        self.on_route = on_route  # told how long each routing decision took
         self.index = index
         self.block_size = block_size
         self.picker = picker or Picker()
+        self.pending = PendingPrefixes()  # prefixes sent to a prefill worker, not yet in its events
         self.stats = RoutingStats()
         self._stats_lock = threading.Lock()
         self._hashers: dict[str, BlockHasher] = {}
@@ -84,11 +89,16 @@ class Dispatcher:
         return min(blocks, (prompt_len - 1) // self.block_size) * self.block_size
 
     def route(self, prompt: list[int], prefill_address: str | None = None, avoid: set[str] = frozenset()) -> Route:
-        matches = self.index.match(self.block_hashes(prompt))
+        started = time.perf_counter()
+        hashes = self.block_hashes(prompt)
+        matches = self.index.match(hashes)
+        for address, blocks in self.pending.match(hashes).items():
+            matches[address] = max(matches.get(address, 0), blocks)
         views = [dataclasses.replace(v, predicted_cached_tokens=self.usable_tokens(matches.get(v.address, 0), len(prompt)))
                  for v in self.pool.views("prefill")]
         try:
-            decode_view = self.picker.pick_decode([v for v in self.pool.views("decode") if v.address not in avoid])
+            decode_view = self.picker.pick_decode([v for v in self.pool.views("decode") if v.address not in avoid],
+                                                  len(prompt))
             if prefill_address is not None:
                 prefill_view = next(v for v in views if v.address == prefill_address)
             else:
@@ -99,11 +109,11 @@ class Dispatcher:
         decode = self.pool.get("decode", decode_view.address)
         if prefill is None or decode is None:
             raise DispatchError(grpc.StatusCode.UNAVAILABLE, "a chosen worker just left; retry")
-        return Route(prefill, decode, prefill_view.predicted_cached_tokens)
-
-    def apply_events(self, worker: Worker, stored, evicted) -> None:
-        if stored or evicted:
-            self.index.apply_event(worker.view.address, stored=list(stored), evicted=list(evicted))
+        # The worker caches the prompt's whole blocks; until its events say so, say it here.
+        self.pending.add(prefill_view.address, hashes[:(len(prompt) - 1) // self.block_size])
+        seconds = time.perf_counter() - started
+        self.on_route(seconds)
+        return Route(prefill, decode, prefill_view.predicted_cached_tokens, seconds)
 
     def run(self, request_id: str, prompt: list[int], sampling, timeout: float | None, on_done,
             prefill_address: str | None = None, pinned_tokens: int = 0):
@@ -233,7 +243,7 @@ class Dispatcher:
         try:
             if not sent:
                 raise NoWorkers(f"{leg.worker.view.address} moved request {request_id} before its first token")
-            target = self.pool.get("decode", self.picker.pick_decode(others).address)
+            target = self.pool.get("decode", self.picker.pick_decode(others, len(prompt) + len(sent)).address)
             if target is None:
                 raise NoWorkers("the chosen decode worker just left")
         except NoWorkers as exc:
@@ -247,11 +257,10 @@ class Dispatcher:
 
     def _finish(self, out, msg, reply, route: Route, decode: Worker, prompt_len: int, completion: int,
                 arrived: float) -> None:
-        self.apply_events(route.prefill, reply.stored_blocks, reply.evicted_blocks)
         with self._stats_lock:
             self.stats.record(route.predicted_cached_tokens, reply.cached_tokens)
         stages = dict(msg.stage_seconds)
-        stages.update(queue=reply.queue_seconds, prefill=reply.prefill_seconds, transfer=reply.transfer_seconds,
+        stages.update(route=route.seconds, queue=reply.queue_seconds, prefill=reply.prefill_seconds, transfer=reply.transfer_seconds,
                       total=time.monotonic() - arrived)
         out.usage.CopyFrom(common_pb2.Usage(prompt_tokens=prompt_len, completion_tokens=completion,
                                             cached_tokens=reply.cached_tokens))

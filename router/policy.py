@@ -1,12 +1,17 @@
 """Routing decisions: plain Python over what the router knows of each worker.
 
-A decode worker is chosen by how full its batch would be (rows in use, KV waiting, and the
-requests this router already sent but the last load poll did not yet see); a prefill worker by
-its queued prompt tokens. Ties go round-robin, so idle workers share the work.
+A decode worker is chosen by how full it would be: the larger of its rows' fill (rows in use, KV
+waiting, and the requests this router already sent but the last load poll did not yet see) and
+its KV budget's once the prompt's KV lands there. A prefill worker is chosen by its queued prompt
+tokens less the prompt tokens it holds cached. Ties go round-robin, so idle workers share the work.
 """
 from __future__ import annotations
 
 import itertools
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -20,6 +25,9 @@ class WorkerView:
     capacity: int = 1  # decode: max rows; prefill: max queue
     queued_tokens: int = 0  # prefill only
     predicted_cached_tokens: int = 0  # prefill only: prefix blocks the index says it holds, in tokens
+    kv_used_bytes: int = 0  # decode only: KV of its rows plus landed KV waiting for one
+    kv_capacity_bytes: int = 0  # decode only: its KV budget (0: not reported, rows alone decide)
+    kv_bytes_per_token: int = 0  # decode only
 
 
 @dataclass(frozen=True)
@@ -37,9 +45,13 @@ class Picker:
         self.weights = weights
         self._turn = itertools.count()
 
-    def pick_decode(self, workers: list[WorkerView]) -> WorkerView:
+    def pick_decode(self, workers: list[WorkerView], prompt_tokens: int = 0) -> WorkerView:
         def cost(w: WorkerView) -> float:
-            return max(w.active, w.inflight) / max(1, w.capacity)
+            rows = max(w.active, w.inflight) / max(1, w.capacity)
+            if not w.kv_capacity_bytes:
+                return rows
+            kv = (w.kv_used_bytes + prompt_tokens * w.kv_bytes_per_token) / w.kv_capacity_bytes
+            return max(rows, kv)
 
         return self._cheapest(workers, cost, "decode")
 
@@ -60,3 +72,72 @@ class Picker:
         turn = next(self._turn)
         rotated = healthy[turn % len(healthy):] + healthy[:turn % len(healthy)]
         return min(rotated, key=cost)
+
+
+class PendingPrefixes:
+    """Prompt prefixes just sent to a prefill worker, before its cache events say it holds them.
+
+    A request arriving meanwhile with the same prefix is predicted to find it there, so concurrent
+    same-prefix requests meet on one worker instead of each computing the prefix. An entry lasts
+    `ttl_s` (the worker's events take over by then); at most `max_entries` (worker, block) pairs
+    are kept, the oldest dropped first. Thread-safe."""
+
+    def __init__(self, ttl_s: float = 5.0, max_entries: int = 65_536, clock: Callable[[], float] = time.monotonic):
+        if not ttl_s > 0 or max_entries < 1:
+            raise ValueError(f"PendingPrefixes needs ttl_s > 0 and max_entries >= 1, got {ttl_s}, {max_entries}")
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._expiry: OrderedDict[tuple[str, int], float] = OrderedDict()  # (worker, block) -> expiry, oldest first
+        self._holders: dict[int, set[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+    def add(self, worker: str, block_hashes: Sequence[int]) -> None:
+        """`worker` is computing this chain of blocks (a prompt's, from its first)."""
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            for h in block_hashes:
+                key = (worker, h)
+                self._expiry.pop(key, None)
+                self._expiry[key] = now + self.ttl_s
+                self._holders.setdefault(h, set()).add(worker)
+            while len(self._expiry) > self.max_entries:
+                self._drop(*self._expiry.popitem(last=False)[0])
+
+    def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Per worker, how many leading blocks of `block_hashes` it is computing."""
+        with self._lock:
+            self._expire(self._clock())
+            matched: dict[str, int] = {}
+            active: set[str] | None = None
+            for depth, h in enumerate(block_hashes):
+                holders = self._holders.get(h, set())
+                still = set(holders) if active is None else active & holders
+                for worker in (active or set()) - still:
+                    matched[worker] = depth
+                active = still
+                if not active:
+                    break
+            else:
+                for worker in active or ():
+                    matched[worker] = len(block_hashes)
+            return matched
+
+    def _expire(self, now: float) -> None:
+        while self._expiry:
+            key, expiry = next(iter(self._expiry.items()))
+            if expiry > now:
+                return
+            del self._expiry[key]
+            self._drop(*key)
+
+    def _drop(self, worker: str, h: int) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.discard(worker)
+            if not holders:
+                del self._holders[h]

@@ -17,6 +17,7 @@ from baton.v1 import router_pb2, router_pb2_grpc
 from baton.engine.model import load_tokenizer_view
 from baton.engine.request import RequestError
 from baton.router.batch import BatchRunner
+from baton.router.cache_sync import CacheSync
 from baton.router.dispatch import DispatchError, Dispatcher
 from baton.router.front import RETRY_AFTER_SECONDS, Front, Refused
 from baton.router.policy import Picker, RoutingWeights
@@ -155,10 +156,14 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
 
         view.tokenizer.chat_template = load_chat_template(settings.chat_template)
     index = build_prefix_index(PrefixIndexConfig(backend=settings.prefix_index, max_blocks=settings.index_max_blocks,
+                                                 ttl_s=settings.index_ttl_s or None,
                                                  redis_url=settings.redis_url or "redis://127.0.0.1:6379/0",
                                                  namespace=settings.index_namespace))
+    metrics = Metrics("router")
+    sync = CacheSync(index, refresh_s=settings.index_ttl_s / 3 if settings.index_ttl_s else None,
+                     on_event=lambda address, kind: metrics.cache_events.labels(kind).inc()).start()
     pool = WorkerPool(tls, settings.load_poll_seconds, cluster_token(cluster, "router"))
-    pool.on_cache_lost = index.remove_worker  # a prefill worker that left or restarted holds nothing
+    pool.on_prefill_joined, pool.on_prefill_left = sync.follow, sync.forget
     workers = WorkerSet()
     workers.subscribe(lambda role, added, removed: pool.set_workers(role, workers.get(role)))
     discovery = discovery_from_settings(settings)
@@ -166,8 +171,8 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
     pool.poll_once()
     pool.start()
     picker = Picker(RoutingWeights(load=settings.load_weight, cached_tokens=settings.cache_weight))
-    metrics = Metrics("router")
-    front = Front(view, Dispatcher(pool, index, settings.block_size, picker), settings, metrics)
+    dispatcher = Dispatcher(pool, index, settings.block_size, picker, on_route=metrics.route_seconds.observe)
+    front = Front(view, dispatcher, settings, metrics)
     api.target = RouterServicer(front)
     metrics.gauge("baton_router_inflight", "Requests in flight through this router", lambda: front.inflight)
     metrics.gauge("baton_router_routing_accuracy", "Predicted vs actual cached prompt tokens",
@@ -190,5 +195,5 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
              f", OpenAI API on port {http.port}" if http else "")
     if not block:
         return server, pool
-    server.wait_for_signal(on_stop=lambda: (discovery.stop(), pool.stop()),
+    server.wait_for_signal(on_stop=lambda: (discovery.stop(), sync.stop(), pool.stop()),
                            drain=lambda: front.drain(settings.drain_timeout_s))

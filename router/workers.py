@@ -34,7 +34,6 @@ class Worker:
     last_load: object = None
     fingerprint: str = ""
     failures: int = field(default=0)
-    epoch: str = ""  # a prefill worker's process instance, from its load reports
 
 
 class WorkerPool:
@@ -46,9 +45,10 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll_forever, name="load-poll", daemon=True)
-        # Told the address of a prefill worker whose prefix cache is gone: it left discovery, or it
-        # restarted (a new epoch). The router points it at its prefix index's remove_worker.
-        self.on_cache_lost: Callable[[str], None] = lambda address: None
+        # Told of prefill workers joining (address, stub) and leaving (address): the router follows
+        # their prefix caches (CacheSync), and forgets what a worker that left held.
+        self.on_prefill_joined: Callable[[str, object], None] = lambda address, stub: None
+        self.on_prefill_left: Callable[[str], None] = lambda address: None
 
     def start(self) -> "WorkerPool":
         self._thread.start()
@@ -68,18 +68,22 @@ class WorkerPool:
         stub_class = workers_pb2_grpc.PrefillWorkerStub if role == "prefill" else workers_pb2_grpc.DecodeWorkerStub
         with self._lock:
             current = self._workers[role]
-            gone = set(current) - set(addresses)
-            for address in gone:
-                current.pop(address).channel.close()
-                log.info("worker left role=%s address=%s", role, address)
+            gone = [current.pop(address) for address in set(current) - set(addresses)]
+            joined = []
             for address in set(addresses) - set(current):
                 ch = channel(address, self.tls, extra_options=WORKER_KEEPALIVE_OPTIONS, cluster_token=self.cluster_token)
                 # Not healthy until its first load report says it serves our model.
                 current[address] = Worker(role, WorkerView(address, healthy=False), ch, stub_class(ch))
+                joined.append(current[address])
                 log.info("worker joined role=%s address=%s", role, address)
+        for worker in gone:
+            if role == "prefill":
+                self._notify(self.on_prefill_left, worker.view.address)
+            worker.channel.close()
+            log.info("worker left role=%s address=%s", role, worker.view.address)
         if role == "prefill":
-            for address in gone:
-                self._cache_lost(address)
+            for worker in joined:
+                self._notify(self.on_prefill_joined, worker.view.address, worker.stub)
 
     def views(self, role: str) -> list[WorkerView]:
         with self._lock:
@@ -115,27 +119,26 @@ class WorkerPool:
             worker.failures = 0
             worker.last_load = load
             worker.fingerprint = load.model_fingerprint
-            if worker.role == "prefill" and load.epoch != worker.epoch:
-                if worker.epoch:  # not its first report: the process restarted, with an empty cache
-                    log.info("prefill worker %s restarted (epoch %s -> %s)", worker.view.address, worker.epoch,
-                             load.epoch)
-                    self._cache_lost(worker.view.address)
-                worker.epoch = load.epoch
             view = worker.view
             if worker.role == "decode":
                 view.active = load.rows_in_use + load.staged + load.waiting_for_kv
                 view.capacity = max(1, load.max_rows)
+                # Landed KV waiting for a row joins the batch: it counts as used.
+                view.kv_used_bytes = load.kv_bytes_useful + load.staged_bytes
+                view.kv_capacity_bytes = load.kv_budget_bytes
+                view.kv_bytes_per_token = load.kv_bytes_per_token
             else:
                 view.active = load.queued
                 view.capacity = max(1, load.max_queue)
                 view.queued_tokens = load.queued_tokens
             view.healthy = not load.draining
 
-    def _cache_lost(self, address: str) -> None:
+    @staticmethod
+    def _notify(hook, *args) -> None:
         try:
-            self.on_cache_lost(address)
-        except Exception:  # the index (e.g. Redis) failing must not stop discovery or polling
-            log.exception("forgetting the prefix index entries of %s failed", address)
+            hook(*args)
+        except Exception:  # a listener failing must not stop discovery
+            log.exception("worker pool listener %s failed", getattr(hook, "__name__", hook))
 
     def _poll_forever(self) -> None:
         while not self._stop.wait(self.poll_seconds):

@@ -86,7 +86,7 @@ TIERS = {
         "test_batch_planner.py", "test_block_hash.py", "test_decode_scheduler.py", "test_discovery.py",
         "test_imports.py", "test_prefill_batching.py", "test_prefix_cache.py", "test_prefix_index.py",
         "test_protogen.py", "test_sampling.py", "test_stopping.py", "test_batch_kv.py", "test_cli.py",
-        "test_openai_protocol.py",
+        "test_openai_protocol.py", "test_cache_events.py", "test_routing_policy.py",
     },
     "engine": {  # loads a model and runs forwards in this process
         "test_engine_exact.py", "test_executor.py", "test_kernels.py", "test_local_engine.py",
@@ -96,7 +96,7 @@ TIERS = {
         "test_bench.py", "test_bench_chaos.py", "test_cli_batch.py", "test_client.py", "test_cluster.py",
         "test_faults.py", "test_fuzz.py", "test_kvtransfer.py", "test_lifecycle.py", "test_migration.py",
         "test_prefill_push.py", "test_prefix_cluster.py", "test_router_dispatch.py", "test_security.py",
-        "test_openai_api.py",
+        "test_openai_api.py", "test_cache_sync.py",
     },
     "deploy": {"test_deploy.py", "test_packaging.py"},  # the chart, compose, the image, wheels and venvs
 }

@@ -85,6 +85,17 @@ class RedisServer:
         with self.client() as client:
             client.flushall()
 
+    def restart(self) -> None:
+        """Stop and start again on the same port, empty (no persistence): what a Redis pod does."""
+        port = self.port
+        self.stop()
+        self._process = subprocess.Popen(
+            [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(self.workdir), "--save", "",
+             "--appendonly", "no", "--logfile", str(self.workdir / f"redis-{port}.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if not self._wait_ready():
+            raise RuntimeError(f"redis-server did not restart on port {port}; see the logs in {self.workdir}")
+
     def stop(self) -> None:
         if self._process is None:
             return

@@ -128,42 +128,7 @@ def test_routing_before_any_worker_reported_its_model_predicts_nothing_rather_th
         prefill.fingerprint = "model-a"  # its first load report
         hashes = dispatcher.block_hashes(prompt)
         assert len(hashes) == 2
-        dispatcher.apply_events(prefill, hashes, [])
+        index.apply_event(prefill.view.address, stored=hashes)  # its cache events
         assert dispatcher.route(prompt).predicted_cached_tokens == 32
-    finally:
-        pool.stop()
-
-
-class _Loads:
-    """A worker's GetLoad answering whatever `load` is now."""
-
-    def __init__(self, load):
-        self.load = load
-
-    def GetLoad(self, request, timeout=None):
-        return self.load
-
-
-def test_a_prefill_worker_that_restarts_or_leaves_loses_its_prefix_index_entries():
-    pool = WorkerPool()
-    a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    pool.set_workers("prefill", [a, b])
-    index = build_prefix_index(PrefixIndexConfig())
-    pool.on_cache_lost = index.remove_worker
-    loads = {address: _Loads(common_pb2.PrefillLoad(model_fingerprint="m", epoch="first", max_queue=8))
-             for address in (a, b)}
-    for address, stub in loads.items():
-        pool.get("prefill", address).stub = stub
-    try:
-        pool.poll_once()
-        for address in (a, b):
-            index.apply_event(address, stored=[11, 12], evicted=[])
-        pool.poll_once()  # same epochs: nothing changes
-        assert index.match([11, 12]) == {a: 2, b: 2}
-        loads[a].load = common_pb2.PrefillLoad(model_fingerprint="m", epoch="second", max_queue=8)  # a restarted
-        pool.poll_once()
-        assert index.match([11, 12]) == {b: 2}
-        pool.set_workers("prefill", [a])  # b left discovery
-        assert index.match([11, 12]) == {}
     finally:
         pool.stop()

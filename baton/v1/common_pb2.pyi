@@ -82,7 +82,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeLoad(_message.Message):
-    __slots__ = ("rows_in_use", "max_rows", "kv_bytes_allocated", "kv_bytes_useful", "staged_bytes", "staging_capacity_bytes", "waiting_for_kv", "staged", "prompt_tokens_forwarded", "decode_tokens_forwarded", "requests_finished", "model_fingerprint", "draining", "preemptions", "parked_bytes", "migrations_out", "migrations_failed", "migrations_in", "max_context")
+    __slots__ = ("rows_in_use", "max_rows", "kv_bytes_allocated", "kv_bytes_useful", "staged_bytes", "staging_capacity_bytes", "waiting_for_kv", "staged", "prompt_tokens_forwarded", "decode_tokens_forwarded", "requests_finished", "model_fingerprint", "draining", "preemptions", "parked_bytes", "migrations_out", "migrations_failed", "migrations_in", "max_context", "kv_budget_bytes", "kv_bytes_per_token")
     ROWS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_ALLOCATED_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,8 @@ class DecodeLoad(_message.Message):
     MIGRATIONS_FAILED_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_IN_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     rows_in_use: int
     max_rows: int
     kv_bytes_allocated: int
@@ -121,7 +123,9 @@ class DecodeLoad(_message.Message):
     migrations_failed: int
     migrations_in: int
     max_context: int
-    def __init__(self, rows_in_use: _Optional[int] = ..., max_rows: _Optional[int] = ..., kv_bytes_allocated: _Optional[int] = ..., kv_bytes_useful: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., staging_capacity_bytes: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., staged: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., decode_tokens_forwarded: _Optional[int] = ..., requests_finished: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., draining: _Optional[bool] = ..., preemptions: _Optional[int] = ..., parked_bytes: _Optional[int] = ..., migrations_out: _Optional[int] = ..., migrations_failed: _Optional[int] = ..., migrations_in: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
+    kv_budget_bytes: int
+    kv_bytes_per_token: int
+    def __init__(self, rows_in_use: _Optional[int] = ..., max_rows: _Optional[int] = ..., kv_bytes_allocated: _Optional[int] = ..., kv_bytes_useful: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., staging_capacity_bytes: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., staged: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., decode_tokens_forwarded: _Optional[int] = ..., requests_finished: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., draining: _Optional[bool] = ..., preemptions: _Optional[int] = ..., parked_bytes: _Optional[int] = ..., migrations_out: _Optional[int] = ..., migrations_failed: _Optional[int] = ..., migrations_in: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class PrefillLoad(_message.Message):
     __slots__ = ("queued", "max_queue", "queued_tokens", "prompt_tokens_forwarded", "requests_done", "model_fingerprint", "block_size", "cached_tokens_total", "prefix_cache_bytes", "draining", "epoch")

@@ -26,7 +26,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., resume_step: _Optional[int] = ..., push_token: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("request_id", "first_token", "cached_tokens", "computed_tokens", "queue_seconds", "prefill_seconds", "transfer_seconds", "stored_blocks", "evicted_blocks", "seed")
+    __slots__ = ("request_id", "first_token", "cached_tokens", "computed_tokens", "queue_seconds", "prefill_seconds", "transfer_seconds", "seed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -34,8 +34,6 @@ class PrefillReply(_message.Message):
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
@@ -44,10 +42,8 @@ class PrefillReply(_message.Message):
     queue_seconds: float
     prefill_seconds: float
     transfer_seconds: float
-    stored_blocks: _containers.RepeatedScalarFieldContainer[int]
-    evicted_blocks: _containers.RepeatedScalarFieldContainer[int]
     seed: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., stored_blocks: _Optional[_Iterable[int]] = ..., evicted_blocks: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class PinPrefixRequest(_message.Message):
     __slots__ = ("group_id", "token_ids")
@@ -58,16 +54,34 @@ class PinPrefixRequest(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PinPrefixReply(_message.Message):
-    __slots__ = ("pinned_tokens", "stored_blocks", "evicted_blocks", "computed_tokens")
+    __slots__ = ("pinned_tokens", "computed_tokens")
     PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pinned_tokens: int
-    stored_blocks: _containers.RepeatedScalarFieldContainer[int]
-    evicted_blocks: _containers.RepeatedScalarFieldContainer[int]
     computed_tokens: int
-    def __init__(self, pinned_tokens: _Optional[int] = ..., stored_blocks: _Optional[_Iterable[int]] = ..., evicted_blocks: _Optional[_Iterable[int]] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, pinned_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
+
+class WatchCacheRequest(_message.Message):
+    __slots__ = ("epoch", "after_seq")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    after_seq: int
+    def __init__(self, epoch: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class CacheEvent(_message.Message):
+    __slots__ = ("epoch", "seq", "snapshot", "stored", "evicted")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    seq: int
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    evicted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., evicted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UnpinPrefixRequest(_message.Message):
     __slots__ = ("group_id",)

@@ -60,6 +60,11 @@ class PrefillWorkerStub:
                 request_serializer=baton_dot_v1_dot_workers__pb2.UnpinPrefixRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_workers__pb2.UnpinPrefixReply.FromString,
                 _registered_method=True)
+        self.WatchCache = channel.unary_stream(
+                '/baton.v1.PrefillWorker/WatchCache',
+                request_serializer=baton_dot_v1_dot_workers__pb2.WatchCacheRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_workers__pb2.CacheEvent.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -97,6 +102,15 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchCache(self, request, context):
+        """The prefix cache's changes, numbered, as they happen: the router's prefix index follows them.
+        The stream begins with a snapshot (every block held) unless the caller names this process's
+        epoch and a sequence number still in the worker's history; it then resumes after that number.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +138,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.UnpinPrefix,
                     request_deserializer=baton_dot_v1_dot_workers__pb2.UnpinPrefixRequest.FromString,
                     response_serializer=baton_dot_v1_dot_workers__pb2.UnpinPrefixReply.SerializeToString,
+            ),
+            'WatchCache': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchCache,
+                    request_deserializer=baton_dot_v1_dot_workers__pb2.WatchCacheRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_workers__pb2.CacheEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +280,33 @@ class PrefillWorker:
             '/baton.v1.PrefillWorker/UnpinPrefix',
             baton_dot_v1_dot_workers__pb2.UnpinPrefixRequest.SerializeToString,
             baton_dot_v1_dot_workers__pb2.UnpinPrefixReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.PrefillWorker/WatchCache',
+            baton_dot_v1_dot_workers__pb2.WatchCacheRequest.SerializeToString,
+            baton_dot_v1_dot_workers__pb2.CacheEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,6 +20,7 @@ wrong claim.
 """
 from __future__ import annotations
 
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ class PrefixIndex(ABC):
         self.max_blocks = max_blocks
         self.ttl_s = ttl_s
         self._clock = clock
+        self._generation = uuid.uuid4().hex
 
     def apply_event(self, worker_id: str, stored: Sequence[int] = (),
                     evicted: Sequence[int] = ()) -> None:
@@ -95,6 +97,11 @@ class PrefixIndex(ABC):
     def remove_worker(self, worker_id: str) -> None:
         """Forget everything `worker_id` holds (it left, crashed or restarted empty)."""
         self._remove_worker(check_worker_id(worker_id))
+
+    def generation(self) -> str:
+        """Names this index's contents' lifetime: it changes only when they were lost (a Redis
+        restarted empty), which tells the router to fill the index again from the workers."""
+        return self._generation
 
     @abstractmethod
     def workers(self) -> set[str]:

@@ -12,6 +12,7 @@ models sharing a Redis pick different namespaces):
     lru            ZSET block hash -> last touch time, for max_blocks and ttl_s
     workers        SET of workers holding at least one block
     stats          HASH of counters
+    generation     STRING: set by the first client to find it missing; a new one means Redis lost the index
 The bounds are enforced by the scripts exactly as in `base` (no Redis key TTLs, which could
 not keep the sets above consistent). Expiry sweeps at most `EXPIRE_BATCH` entries per call,
 so a mass expiry never stalls Redis; `match` also treats an expired entry it meets as absent.
@@ -21,6 +22,7 @@ and a skew of a few ms only blurs LRU order between near-simultaneous touches.
 from __future__ import annotations
 
 import time
+import uuid
 
 import redis
 
@@ -225,6 +227,11 @@ class RedisPrefixIndex(PrefixIndex):
 
     def _remove_worker(self, worker_id: str) -> None:
         self._remove_script(keys=[self._lru_key], args=self._head() + [worker_id])
+
+    def generation(self) -> str:
+        key = self._prefix + "generation"
+        self._client.set(key, uuid.uuid4().hex, nx=True)  # a Redis that restarted empty gets a new one
+        return _text(self._client.get(key))
 
     def workers(self) -> set[str]:
         return {_text(w) for w in self._read()[0]}

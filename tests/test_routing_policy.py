@@ -1,0 +1,104 @@
+"""The router's routing cost and its pending-prefix table: plain Python, milliseconds."""
+from __future__ import annotations
+
+import pytest
+
+from baton.router.policy import NoWorkers, PendingPrefixes, Picker, RoutingWeights, WorkerView
+
+MB = 1 << 20
+
+
+def decode(address, active=0, capacity=8, used=0, budget=0, per_token=0, inflight=0, healthy=True):
+    return WorkerView(address, healthy=healthy, inflight=inflight, active=active, capacity=capacity,
+                      kv_used_bytes=used, kv_capacity_bytes=budget, kv_bytes_per_token=per_token)
+
+
+def prefill(address, queued_tokens=0, cached=0, inflight=0):
+    return WorkerView(address, inflight=inflight, queued_tokens=queued_tokens, predicted_cached_tokens=cached)
+
+
+def test_decode_goes_where_fewer_rows_are_taken():
+    assert Picker().pick_decode([decode("a", active=6), decode("b", active=2)]).address == "b"
+
+
+def test_decode_counts_requests_sent_since_the_last_load_report():
+    assert Picker().pick_decode([decode("a", active=1, inflight=5), decode("b", active=3)]).address == "b"
+
+
+def test_decode_weighs_free_kv_bytes_not_only_rows():
+    """b has more free rows but long contexts hold much of its KV budget: a long prompt goes to a."""
+    a = decode("a", active=4, used=100 * MB, budget=1024 * MB, per_token=MB // 8)
+    b = decode("b", active=1, used=300 * MB, budget=1024 * MB, per_token=MB // 8)
+    picker = Picker()
+    assert picker.pick_decode([a, b], prompt_tokens=2000).address == "a"
+    assert picker.pick_decode([a, b], prompt_tokens=0).address == "b"  # rows decide when the KV fits
+
+
+def test_decode_without_a_reported_budget_falls_back_to_rows():
+    assert Picker().pick_decode([decode("a", active=3), decode("b", active=1, used=5 * MB)],
+                                prompt_tokens=4000).address == "b"
+
+
+def test_prefill_credit_for_cached_tokens_beats_a_small_backlog():
+    picker = Picker()
+    workers = [prefill("a", queued_tokens=100), prefill("b", queued_tokens=200, cached=512)]
+    assert picker.pick_prefill(workers, prompt_tokens=600).address == "b"
+
+
+def test_prefill_backlog_outweighs_a_small_cache_hit():
+    picker = Picker()
+    workers = [prefill("a", queued_tokens=0), prefill("b", queued_tokens=5000, cached=64)]
+    assert picker.pick_prefill(workers, prompt_tokens=600).address == "a"
+
+
+def test_prefill_weights_change_the_balance():
+    workers = [prefill("a", queued_tokens=0), prefill("b", queued_tokens=300, cached=256)]
+    assert Picker().pick_prefill(workers, 400).address == "a"
+    assert Picker(RoutingWeights(load=0.5, cached_tokens=1.0)).pick_prefill(workers, 400).address == "b"
+
+
+def test_ties_go_round_robin_and_unhealthy_workers_are_skipped():
+    picker = Picker()
+    workers = [decode("a"), decode("b"), decode("c", healthy=False)]
+    assert {picker.pick_decode(workers).address for _ in range(4)} == {"a", "b"}
+    with pytest.raises(NoWorkers, match="no healthy decode worker"):
+        picker.pick_decode([decode("x", healthy=False)])
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_pending_prefix_is_matched_like_a_cached_one_until_it_expires():
+    clock = Clock()
+    pending = PendingPrefixes(ttl_s=5, clock=clock)
+    pending.add("w1", [1, 2, 3])
+    pending.add("w2", [1, 2])
+    assert pending.match([1, 2, 3, 4]) == {"w1": 3, "w2": 2}
+    assert pending.match([9, 1]) == {}
+    clock.now = 4
+    pending.add("w2", [1, 2])  # seen again: lasts longer
+    clock.now = 6
+    assert pending.match([1, 2, 3]) == {"w2": 2}
+    clock.now = 10
+    assert pending.match([1, 2, 3]) == {} and len(pending) == 0
+
+
+def test_pending_prefixes_are_bounded_oldest_first():
+    pending = PendingPrefixes(ttl_s=60, max_entries=4, clock=Clock())
+    pending.add("w1", [1, 2, 3])
+    pending.add("w2", [7, 8])
+    assert len(pending) == 4
+    assert pending.match([1, 2, 3]) == {}  # its first block went first: nothing matches from the start
+    assert pending.match([7, 8]) == {"w2": 2}
+
+
+def test_pending_prefixes_validate_their_bounds():
+    with pytest.raises(ValueError):
+        PendingPrefixes(ttl_s=0)
+    with pytest.raises(ValueError):
+        PendingPrefixes(max_entries=0)
