@@ -3,12 +3,16 @@
 The oldest prompt of the highest priority goes first (interactive requests before batch members,
 which the router runs at a lower priority; within one priority nothing starves); prompts of that
 priority and similar length join it, because a batch is padded to its longest prompt and padding
-is wasted compute.
+is wasted compute. Two prompts whose first uncached block is the same never share a batch, and a
+prompt waits while that block is being computed in chunks (`busy`): together each would compute
+the shared part, a little later the second finds it cached (`key`, the first new block's hash,
+comes from the prefix cache).
 """
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Collection, Hashable
 
 SIMILAR_LENGTH_RATIO = 1.5
 # Prompts below priority 0 (batch members) prefill in batches of at most this many tokens, so
@@ -20,10 +24,12 @@ URGENT_PRIORITY = 0  # prompts at or above it (interactive ones) may pause a bac
 
 
 def pick_batch(lengths: list[int], max_batch_tokens: int, max_batch_size: int,
-               priorities: list[int] | None = None) -> list[int]:
+               priorities: list[int] | None = None,
+               key: Callable[[int], Hashable | None] | None = None, busy: Collection[Hashable] = ()) -> list[int]:
     """Indices (into arrival order) of the next batch: the oldest prompt of the highest priority
     plus length-similar ones of that priority while the padded size (count x longest) stays
-    within max_batch_tokens."""
+    within max_batch_tokens, leaving out any whose `key(i)` (not None) is in `busy` or is one a
+    prompt already chosen has."""
     if not lengths:
         return []
     if priorities is None:
@@ -32,9 +38,14 @@ def pick_batch(lengths: list[int], max_batch_tokens: int, max_batch_size: int,
     if top < 0:
         max_batch_tokens = min(max_batch_tokens, BACKGROUND_BATCH_TOKENS)
     same = [i for i in range(len(lengths)) if priorities[i] == top]
+    if key is not None and busy:
+        same = [i for i in same if key(i) is None or key(i) not in busy]
+        if not same:
+            return []  # all wait for the chunks in progress, which the caller runs meanwhile
     first = same[0]
     head = lengths[first]
     chosen = [first]
+    keys = {key(first)} if key is not None else set()
     longest = head
     for i in sorted(same[1:], key=lambda i: abs(lengths[i] - head)):
         if len(chosen) >= max_batch_size:
@@ -44,6 +55,11 @@ def pick_batch(lengths: list[int], max_batch_tokens: int, max_batch_size: int,
             continue
         if (len(chosen) + 1) * max(longest, n) > max_batch_tokens:
             continue
+        if key is not None:
+            k = key(i)
+            if k is not None and k in keys:
+                continue
+            keys.add(k)
         chosen.append(i)
         longest = max(longest, n)
     return sorted(chosen)
@@ -87,9 +103,10 @@ class PrefillQueue:
             del self._items[request_id]
         return item[0]
 
-    def take_batch(self, timeout: float, min_priority: int | None = None):
-        """The next batch (see pick_batch), waiting up to `timeout` for one; with `min_priority`,
-        only if a prompt of at least that priority is queued, and then without waiting."""
+    def take_batch(self, timeout: float, min_priority: int | None = None,
+                   key: Callable[[object], Hashable | None] | None = None, busy: Collection[Hashable] = ()):
+        """The next batch (see pick_batch; `key` of a job), waiting up to `timeout` for one; with
+        `min_priority`, only if a prompt of at least that priority is queued, and then without waiting."""
         with self._cond:
             if min_priority is not None:
                 if not any(p >= min_priority for _, _, p in self._items.values()):
@@ -100,7 +117,8 @@ class PrefillQueue:
                 return []
             ids = list(self._items)
             picked = pick_batch([self._items[i][1] for i in ids], self.max_batch_tokens, self.max_batch_size,
-                                [self._items[i][2] for i in ids])
+                                [self._items[i][2] for i in ids],
+                                None if key is None else lambda i: key(self._items[ids[i]][0]), busy)
             return [self._items.pop(ids[i])[0] for i in picked]
 
     def close(self) -> None:

@@ -89,8 +89,10 @@ class CacheEventLog:
                         return
                     if not self._covers(after):
                         continue  # fell out of the history while waiting: snapshot
-                    oldest = self._history[0].seq
-                    changes = list(itertools.islice(self._history, after - oldest + 1, None))
+                    changes = []
+                    if self._seq > after:
+                        oldest = self._history[0].seq
+                        changes = list(itertools.islice(self._history, after - oldest + 1, None))
             for event in changes:
                 yield event
                 after = event.seq

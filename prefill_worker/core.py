@@ -94,6 +94,15 @@ class PrefillCore:
                     break
         return reuse
 
+    def first_new_block(self, prompt: list[int]) -> int | None:
+        """The hash of the prompt's first whole block the cache lacks (None: no cache, or nothing
+        new to cache). Prompts sharing it would each compute it if they prefilled together."""
+        if self.cache is None:
+            return None
+        hashes = self.hasher.hash_prompt(prompt[:len(prompt) - 1])  # the last token is always computed
+        cached = self.cache.cached_blocks(hashes)
+        return hashes[cached] if cached < len(hashes) else None
+
     def prefill(self, requests: list[GenerationRequest]) -> list[PrefilledRequest]:
         """Prompts run in batches of equal cached prefix: those with none as one right-padded
         batch, and those continuing the same cached blocks (a BatchLLM group) as another."""
@@ -146,6 +155,9 @@ class PrefillCore:
         chunked.kv, chunked.done = out.kv, end
         chunked.chunks += 1
         if end < len(prompt):
+            # Its whole blocks so far are cached at once: a prompt sharing them need not wait for
+            # the last chunk, nor compute them again (SGLang caches unfinished requests alike).
+            self._remember(chunked.plan.hashes[:end // self.block_size], out.kv)
             return None
         return self._finish(chunked.request, chunked.plan, out)
 

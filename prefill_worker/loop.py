@@ -70,6 +70,7 @@ class PrefillJob:
     request: GenerationRequest
     decode_target: str
     push_token: str = ""  # presented with the KV push; the decode worker registered the same
+    new_prefix: int | None = None  # while in chunks: its first block the cache lacked (see batching)
     done: Future = field(default_factory=Future)
     cancelled: bool = False
 
@@ -198,10 +199,20 @@ class PrefillLoop:
                 for group_id in self.core.expire_pins():
                     log.warning("pin of group %s expired after prefill.pin_ttl_s=%ss without an unpin", group_id,
                                 self.core.pin_ttl_s)
-            self._run_jobs(self.queue.take_batch(timeout=0 if self._chunking else 0.05))
+            self._run_jobs(self.queue.take_batch(timeout=0 if self._chunking else 0.05, key=self._new_prefix,
+                                                 busy=self._prefixes_in_chunks()))
             if self._chunking:
                 self._next_chunk()
             self._publish_cache_changes()  # whatever changed it (a failed forward, an expired pin)
+
+    def _new_prefix(self, job: PrefillJob) -> int | None:
+        # Compute thread only (the cache is not thread-safe): take_batch runs here.
+        return self.core.first_new_block(job.request.prompt_token_ids)
+
+    def _prefixes_in_chunks(self) -> set[int]:
+        """The first new block of every prompt being prefilled in chunks: its blocks are not cached
+        yet, so a prompt sharing it waits rather than compute it too."""
+        return {job.new_prefix for job, _ in self._chunking if job.new_prefix is not None}
 
     def _run_jobs(self, jobs: list[PrefillJob]) -> None:
         """Prefill what take_batch gave: long prompts join the chunked ones, the rest run now."""
@@ -237,7 +248,8 @@ class PrefillLoop:
         nested forward on this thread; long ones join the chunked prompts instead)."""
         if self._urgent_running:
             return
-        jobs = self.queue.take_batch(timeout=0, min_priority=URGENT_PRIORITY)
+        jobs = self.queue.take_batch(timeout=0, min_priority=URGENT_PRIORITY, key=self._new_prefix,
+                                     busy=self._prefixes_in_chunks())
         if not jobs:
             return
         self._urgent_running = True
@@ -280,6 +292,7 @@ class PrefillLoop:
         plan = self.core.reuse_for(prompt)
         if len(prompt) - plan.tokens <= budget:
             return False
+        job.new_prefix = self._new_prefix(job)
         self._chunking.append((job, self.core.begin_chunks(job.request, plan)))
         return True
 
@@ -301,7 +314,9 @@ class PrefillLoop:
             job.done.set_exception(exc)
             return
         self.chunks_done += 1
-        if prefilled is not None:
+        if prefilled is None:
+            job.new_prefix = self._new_prefix(job)  # its blocks so far are cached now
+        else:
             del self._chunking[pick]
             self._publish_cache_changes()
             self._senders.submit(self._push, job, prefilled)

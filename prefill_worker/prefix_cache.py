@@ -111,6 +111,10 @@ class PrefixCache:
         self._touch(block_hashes[:num_cached])
         return num_cached
 
+    def cached_blocks(self, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of `block_hashes` are cached, without marking them used."""
+        return self._num_cached(block_hashes)
+
     def payloads(self, block_hashes: Sequence[int]) -> list[object]:
         return [self._get(h).payload for h in block_hashes]
 

@@ -66,3 +66,10 @@ def test_should_stop_ends_an_idle_follower():
     log = CacheEventLog()
     events = list(log.follow(should_stop=lambda: True, poll_s=0.01))
     assert [e.snapshot for e in events] == [True]
+
+
+def test_an_idle_follower_of_an_empty_log_waits_without_error():
+    log = CacheEventLog()
+    polls = iter(range(3))
+    events = list(log.follow(should_stop=lambda: next(polls) == 2, poll_s=0.01))
+    assert [(e.seq, e.snapshot) for e in events] == [(0, True)]

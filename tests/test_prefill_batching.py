@@ -66,3 +66,27 @@ def test_chunk_tokens_is_a_setting_that_refuses_a_negative_budget():
     assert load_settings(env={"BATON_PREFILL_CHUNK_TOKENS": "0"}).prefill.chunk_tokens == 0  # off
     with pytest.raises(ValueError, match="prefill.chunk_tokens must be >= 0"):
         load_settings(env={"BATON_PREFILL_CHUNK_TOKENS": "-1"})
+
+
+def test_prompts_sharing_a_new_prefix_block_never_prefill_together():
+    """Together each would compute the shared block; one batch later the second finds it cached."""
+    keys = {0: "blockA", 1: "blockA", 2: None, 3: "blockB", 4: None}
+    assert pick_batch([40, 40, 40, 40, 40], 4096, 8, key=keys.get) == [0, 2, 3, 4]
+    assert pick_batch([40, 40], 4096, 8, key={0: None, 1: None}.get) == [0, 1]  # nothing new: no conflict
+
+
+def test_the_queue_defers_a_prompt_whose_new_prefix_is_being_computed():
+    queue = PrefillQueue(max_queue=8, max_batch_tokens=4096, max_batch_size=8)
+    jobs = [Job(f"r{i}") for i in range(3)]
+    for job in jobs:
+        queue.put(job, 40)
+    new_block = {"r0": 7, "r1": 7, "r2": 9}
+    key = lambda job: new_block[job.request.request_id]  # noqa: E731
+    assert queue.take_batch(0, key=key) == [jobs[0], jobs[2]]
+    assert queue.take_batch(0, key=key) == [jobs[1]]
+
+
+def test_a_prompt_waits_while_its_new_prefix_is_computed_in_chunks():
+    keys = {0: "doc", 1: None, 2: "doc"}
+    assert pick_batch([40, 40, 40], 4096, 8, key=keys.get, busy={"doc"}) == [1]
+    assert pick_batch([40, 40], 4096, 8, key={0: "doc", 1: "doc"}.get, busy={"doc"}) == []

@@ -122,6 +122,27 @@ def test_chunked_prefill_gives_the_kv_and_first_token_of_one_forward(tiny_model,
         assert core.cache.match(core.hasher.hash_prompt(prompt)) == len(prompt) // core.block_size  # cached after
 
 
+def test_a_chunked_prompt_s_blocks_are_cached_chunk_by_chunk(tiny_model):
+    """Another prompt sharing its first part need not wait for the last chunk: it reuses what the
+    chunks so far computed, and its KV is what a forward alone gives."""
+    core = PrefillCore(make_runner(tiny_model))
+    prompt = [(13 * i) % 700 + 5 for i in range(200)]
+    params = SamplingParams(max_tokens=4)
+    chunked = core.begin_chunks(GenerationRequest("long", prompt, params))
+    assert core.advance(chunked, 70) is None  # 70 tokens: 4 whole blocks
+    hashes = core.hasher.hash_prompt(prompt)
+    assert core.cache.match(hashes) == 4
+    other = prompt[:80] + [9, 9, 9]
+    shared = core.prefill([GenerationRequest("other", other, params)])[0]
+    alone = PrefillCore(make_runner(tiny_model), prefix_cache_bytes=0).prefill(
+        [GenerationRequest("alone", other, params)])[0]
+    assert shared.cached_tokens == 64
+    torch.testing.assert_close(shared.kv.data, alone.kv.data, rtol=1e-4, atol=1e-5)
+    while core.advance(chunked, 70) is None:
+        pass
+    assert core.cache.match(hashes) == len(prompt) // core.block_size
+
+
 def test_chunk_budget_must_hold_a_token(tiny_model):
     core = PrefillCore(make_runner(tiny_model))
     chunked = core.begin_chunks(GenerationRequest("r", [5, 6, 7], SamplingParams(max_tokens=1)))

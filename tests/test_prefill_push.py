@@ -193,6 +193,30 @@ def test_a_short_prompt_goes_ahead_of_a_long_one_being_chunked(prefill_worker, d
     pool.take("short")
 
 
+@pytest.mark.parametrize("chunk_tokens", [0, 128])
+def test_prompts_sharing_a_new_prefix_compute_it_once(prefill_worker, decode_receiver, chunk_tokens):
+    """Queued together, two prompts with the same uncached 320-token prefix do not prefill side by
+    side (in one batch, or one in chunks while the other runs): the second waits and reuses it."""
+    _, worker = prefill_worker
+    target, pool, landed = decode_receiver()
+    loop = PrefillLoop(worker.runner, PrefillSettings(chunk_tokens=chunk_tokens))  # not started: both queue first
+    prefix = [t + 1 for t in PROMPT[:320]]  # not cached by any other test
+    jobs = [PrefillJob(GenerationRequest(rid, prefix + own, SamplingParams(max_tokens=4)), target)
+            for rid, own in (("first", PROMPT[900:930]), ("second", PROMPT[1000:1030]))]
+    for job in jobs:
+        loop.submit(job)
+    loop.start()
+    try:
+        done = [job.done.result(timeout=60) for job in jobs]
+    finally:
+        loop.stop()
+    assert [d.cached_tokens for d in done] == [0, 320]
+    for job in jobs:
+        staged = pool.take(job.request.request_id)
+        alone = worker.runner.prefill(job.request.prompt_token_ids)
+        torch.testing.assert_close(staged.kv.data, alone.kv.data, rtol=1e-4, atol=1e-5)
+
+
 def test_an_interactive_prompt_pauses_a_batch_members_forward_between_layers(prefill_worker, decode_receiver):
     """A prompt arriving while batch members' forward runs is prefilled inside it, between two of
     its layers, and pushed first; both KVs land equal to forwards run alone."""
