@@ -172,15 +172,32 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "baton.cli", "--log-level", self.log_level, *args]
         return subprocess.Popen(cmd, env=dict(self.env, **{PARENT_ENV: str(os.getpid())}), start_new_session=True)
 
+    def worker_command(self, address: str) -> list[str]:
+        """The `baton.cli` arguments of the worker serving `address`."""
+        workers = self.prefill_addrs + self.decode_addrs
+        index = workers.index(address)
+        role = "prefill" if index < len(self.prefill_addrs) else "decode"
+        args = [role, "--host", "127.0.0.1", "--port", address.split(":")[1], "--model", self.model]
+        if role == "decode":
+            args += ["--max-rows", str(self.max_rows)]
+        return args + [*self.worker_args[index], *(self.prefill_args if role == "prefill" else self.decode_args)]
+
+    def restart_worker(self, address: str, timeout: float = STARTUP_TIMEOUT_S) -> subprocess.Popen:
+        """SIGKILL the worker at `address` and start it again on the same port (a crashed pod coming
+        back); returns once it serves. Call it from the thread that started the cluster: a child
+        dies with the thread that spawned it (die_with_parent)."""
+        old = dict(self.procs)[address]
+        old.send_signal(signal.SIGKILL)
+        old.wait()
+        proc = self._spawn(*self.worker_command(address))
+        self.procs = [(a, proc if a == address else p) for a, p in self.procs]
+        wait_serving(address, proc, timeout, self.tls)
+        return proc
+
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> "LocalCluster":
         try:
-            for i, addr in enumerate(self.prefill_addrs):
-                self.procs.append((addr, self._spawn("prefill", "--host", "127.0.0.1", "--port", addr.split(":")[1],
-                                                     "--model", self.model, *self.worker_args[i], *self.prefill_args)))
-            for i, addr in enumerate(self.decode_addrs, start=len(self.prefill_addrs)):
-                self.procs.append((addr, self._spawn("decode", "--host", "127.0.0.1", "--port", addr.split(":")[1],
-                                                     "--model", self.model, "--max-rows", str(self.max_rows),
-                                                     *self.worker_args[i], *self.decode_args)))
+            for addr in self.prefill_addrs + self.decode_addrs:
+                self.procs.append((addr, self._spawn(*self.worker_command(addr))))
             for addr, proc in self.procs:
                 wait_serving(addr, proc, timeout, self.tls)
             routers = []

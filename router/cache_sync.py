@@ -24,7 +24,7 @@ from baton.router.prefix_index import PrefixIndex
 log = logging.getLogger(__name__)
 
 SNAPSHOT_CHUNK = 4096  # blocks per index write while applying a snapshot
-RETRY_S = (0.2, 5.0)  # first and longest wait before following a worker again
+RETRY_S = (0.2, 1.0)  # first and longest wait before following a worker again
 
 
 class CacheSync:
@@ -33,7 +33,10 @@ class CacheSync:
         self.index = index
         self.refresh_s = refresh_s
         self.check_s = check_s
-        self.on_event = on_event  # (worker, "change" | "snapshot" | "gap" | "error"), for metrics
+        self.on_event = on_event  # (worker, "change" | "snapshot" | "gap" | "error" | "lost"), for metrics
+        # Told of a worker whose cache we no longer see (its stream broke or it left): the router
+        # drops what else it assumed there (the dispatcher's pending prefixes).
+        self.on_lost: Callable[[str], None] = lambda address: None
         self._follows: dict[str, _Follow] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -57,7 +60,14 @@ class CacheSync:
             follow = self._follows.pop(address, None)
         if follow is not None:
             follow.stop()
+        self.lost(address)
+
+    def lost(self, address: str) -> None:
+        """Claim nothing for `address` until a snapshot says again what it holds: it left, or its
+        stream broke (it died, or restarted with an empty cache)."""
+        self.on_event(address, "lost")
         try:
+            self.on_lost(address)
             self.index.remove_worker(address)
         except Exception:  # the index (e.g. Redis) failing must not stop discovery
             log.exception("forgetting the prefix index entries of %s failed", address)
@@ -142,11 +152,13 @@ class _Follow:
                 if self._stream():
                     wait = RETRY_S[0]
                     continue  # a planned restart: again at once
+                self.sync.lost(self.address)  # the worker ended the stream: it is stopping
             except grpc.RpcError as err:  # the worker went away, or restart() cut the stream
                 if self._stop.is_set():
                     return
                 if err.code() != grpc.StatusCode.CANCELLED:
                     log.debug("following the prefix cache of %s broke: %s", self.address, err.details())
+                    self.sync.lost(self.address)
             except Exception:  # the index failed (Redis down): resync once it is back
                 log.exception("applying the prefix cache changes of %s failed", self.address)
                 self.sync.on_event(self.address, "error")
@@ -168,6 +180,8 @@ class _Follow:
         index, address = self.sync.index, self.address
         for event in call:
             if event.snapshot:
+                if event.epoch != self.epoch:  # a new process: it computes nothing we sent the old one
+                    self.sync.on_lost(address)
                 index.remove_worker(address)
                 stored = list(event.stored)
                 for i in range(0, len(stored), SNAPSHOT_CHUNK):

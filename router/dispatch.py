@@ -88,14 +88,20 @@ class Dispatcher:
         # The prefill worker always computes the prompt's last token (it needs its logits).
         return min(blocks, (prompt_len - 1) // self.block_size) * self.block_size
 
-    def route(self, prompt: list[int], prefill_address: str | None = None, avoid: set[str] = frozenset()) -> Route:
-        started = time.perf_counter()
-        hashes = self.block_hashes(prompt)
+    def prefill_views(self, prompt: list[int], hashes: list[int] | None = None, exclude: str = "") -> list:
+        """The prefill workers' views, each with the prompt tokens the index (or a pending prefix)
+        says it holds cached."""
+        hashes = self.block_hashes(prompt) if hashes is None else hashes
         matches = self.index.match(hashes)
         for address, blocks in self.pending.match(hashes).items():
             matches[address] = max(matches.get(address, 0), blocks)
-        views = [dataclasses.replace(v, predicted_cached_tokens=self.usable_tokens(matches.get(v.address, 0), len(prompt)))
-                 for v in self.pool.views("prefill")]
+        return [dataclasses.replace(v, predicted_cached_tokens=self.usable_tokens(matches.get(v.address, 0), len(prompt)))
+                for v in self.pool.views("prefill") if v.address != exclude]
+
+    def route(self, prompt: list[int], prefill_address: str | None = None, avoid: set[str] = frozenset()) -> Route:
+        started = time.perf_counter()
+        hashes = self.block_hashes(prompt)
+        views = self.prefill_views(prompt, hashes)
         try:
             decode_view = self.picker.pick_decode([v for v in self.pool.views("decode") if v.address not in avoid],
                                                   len(prompt))

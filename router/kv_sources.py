@@ -98,13 +98,15 @@ class PrefillChain(KVSource):
         if retry:
             failed = self.route.prefill
             self.dispatcher.pool.mark_failed(failed)
-            others = [v for v in self.dispatcher.pool.views("prefill") if v.healthy and v.address != failed.view.address]
+            others = [v for v in self.dispatcher.prefill_views(self.prompt, exclude=failed.view.address) if v.healthy]
             if others:
-                worker = self.dispatcher.pool.get("prefill", self.dispatcher.picker.pick_prefill(others, len(self.prompt)).address)
+                chosen = self.dispatcher.picker.pick_prefill(others, len(self.prompt))
+                worker = self.dispatcher.pool.get("prefill", chosen.address)
                 if worker is not None:
                     log.warning("prefill on %s failed (%s); retrying on %s", failed.view.address, err.code().name,
                                 worker.view.address)
                     self.route.prefill = worker
+                    self.route.predicted_cached_tokens = chosen.predicted_cached_tokens  # what it holds, not the first
                     self._launch(worker)
                     return
         self._failed(err)

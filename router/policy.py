@@ -43,7 +43,7 @@ class NoWorkers(RuntimeError):
 class Picker:
     def __init__(self, weights: RoutingWeights = RoutingWeights()):
         self.weights = weights
-        self._turn = itertools.count()
+        self._turns = {"decode": itertools.count(), "prefill": itertools.count()}  # one rotation per role
 
     def pick_decode(self, workers: list[WorkerView], prompt_tokens: int = 0) -> WorkerView:
         def cost(w: WorkerView) -> float:
@@ -69,7 +69,7 @@ class Picker:
         healthy = [w for w in workers if w.healthy]
         if not healthy:
             raise NoWorkers(f"no healthy {role} worker is available; check that {role} workers are running")
-        turn = next(self._turn)
+        turn = next(self._turns[role])
         rotated = healthy[turn % len(healthy):] + healthy[:turn % len(healthy)]
         return min(rotated, key=cost)
 
@@ -107,6 +107,13 @@ class PendingPrefixes:
                 self._holders.setdefault(h, set()).add(worker)
             while len(self._expiry) > self.max_entries:
                 self._drop(*self._expiry.popitem(last=False)[0])
+
+    def forget(self, worker: str) -> None:
+        """`worker` is gone (or restarted): it computes nothing we sent it."""
+        with self._lock:
+            for key in [k for k in self._expiry if k[0] == worker]:
+                del self._expiry[key]
+                self._drop(*key)
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Per worker, how many leading blocks of `block_hashes` it is computing."""

@@ -172,6 +172,7 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
     pool.start()
     picker = Picker(RoutingWeights(load=settings.load_weight, cached_tokens=settings.cache_weight))
     dispatcher = Dispatcher(pool, index, settings.block_size, picker, on_route=metrics.route_seconds.observe)
+    sync.on_lost = dispatcher.pending.forget  # what we sent a worker that died is not being computed
     front = Front(view, dispatcher, settings, metrics)
     api.target = RouterServicer(front)
     metrics.gauge("baton_router_inflight", "Requests in flight through this router", lambda: front.inflight)

@@ -101,6 +101,7 @@ def test_a_restarted_worker_leaves_no_stale_entry(router):
     first.log.publish(stored=[1, 2, 3])
     eventually(lambda: index.match([1, 2, 3]) == {address: 3})
     first.stop()
+    eventually(lambda: index.match([1, 2, 3]) == {})  # its stream broke: nothing claimed while it is away
     second = Worker(port)  # the same address, a new process: a new epoch, an empty cache
     try:
         second.log.publish(stored=[1, 9])

@@ -132,3 +132,23 @@ def test_routing_before_any_worker_reported_its_model_predicts_nothing_rather_th
         assert dispatcher.route(prompt).predicted_cached_tokens == 32
     finally:
         pool.stop()
+
+
+def test_two_requests_with_the_same_new_prefix_meet_on_one_prefill_worker():
+    """Before the first one's cache events arrive, the second is steered to the worker computing
+    the prefix (a pending entry), and told to expect it there."""
+    pool = WorkerPool()
+    pool.set_workers("prefill", [f"127.0.0.1:{free_port()}" for _ in range(2)])
+    pool.set_workers("decode", [f"127.0.0.1:{free_port()}"])
+    for worker in pool.all():
+        worker.view.healthy = True
+        worker.fingerprint = "model-a"
+    dispatcher = Dispatcher(pool, build_prefix_index(PrefixIndexConfig()), block_size=16)
+    try:
+        prompt = list(range(100, 150))  # 3 whole blocks and 2 tokens
+        first, second = dispatcher.route(prompt), dispatcher.route(prompt + [7])
+        assert first.predicted_cached_tokens == 0
+        assert second.prefill is first.prefill and second.predicted_cached_tokens == 48
+        assert dispatcher.route([5] + prompt).predicted_cached_tokens == 0  # another prefix
+    finally:
+        pool.stop()

@@ -65,6 +65,17 @@ def test_ties_go_round_robin_and_unhealthy_workers_are_skipped():
         picker.pick_decode([decode("x", healthy=False)])
 
 
+def test_each_role_keeps_its_own_rotation():
+    """A request picks a decode and a prefill worker: with one shared turn counter, two idle
+    prefill workers would get every request on the same one."""
+    picker = Picker()
+    chosen = []
+    for _ in range(4):
+        picker.pick_decode([decode("d")])
+        chosen.append(picker.pick_prefill([prefill("a"), prefill("b")], 100).address)
+    assert chosen == ["a", "b", "a", "b"]
+
+
 class Clock:
     def __init__(self):
         self.now = 0.0
@@ -95,6 +106,14 @@ def test_pending_prefixes_are_bounded_oldest_first():
     assert len(pending) == 4
     assert pending.match([1, 2, 3]) == {}  # its first block went first: nothing matches from the start
     assert pending.match([7, 8]) == {"w2": 2}
+
+
+def test_a_worker_that_died_computes_nothing_it_was_sent():
+    pending = PendingPrefixes(clock=Clock())
+    pending.add("w1", [1, 2])
+    pending.add("w2", [1])
+    pending.forget("w1")
+    assert pending.match([1, 2]) == {"w2": 1} and len(pending) == 1
 
 
 def test_pending_prefixes_validate_their_bounds():

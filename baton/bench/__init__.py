@@ -47,6 +47,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
                    "ITL p50/p99, output tokens/s, goodput, Baton over vLLM", "baton.bench.serve"),
     Suite("chunks", "chunked prefill: a long prompt's prefill whole vs in chunks of 128-1024 tokens, and the "
                     "longest a short prompt queued behind it waits", "baton.bench.chunks"),
+    Suite("route", "issue 16: 200 requests over 12 shared prefixes, 2 prefill workers (one restarted half way): "
+                   "prediction precision, tokens reused vs optimum, router time per request; memory, Redis, a "
+                   "bounded index, round-robin", "baton.bench.route"),
     Suite("fairness", "interactive TTFT p50/p99 idle vs during an 84-request batch (low priority) vs the same load "
                       "at equal priority", "baton.bench.fairness"),
 ]}

@@ -301,28 +301,9 @@ class Chaos:
         return dict(self.cluster.procs)[address]
 
     def _kill(self, fault: Fault) -> str:
-        from baton.up import wait_serving
-
-        proc = self._proc(fault.target)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
         killed_at = time.monotonic()
-        new = self._respawn(fault.target)
-        wait_serving(fault.target, new, RESTART_TIMEOUT_S, self.cluster.tls)
+        self.cluster.restart_worker(fault.target, RESTART_TIMEOUT_S)
         return f"restarted, serving again after {time.monotonic() - killed_at:.1f} s"
-
-    def _respawn(self, address: str) -> subprocess.Popen:
-        """The worker's command line as LocalCluster.start gave it, on the same port."""
-        c = self.cluster
-        role = self.role_of(address)
-        index = (c.prefill_addrs + c.decode_addrs).index(address)
-        args = [role, "--host", "127.0.0.1", "--port", address.split(":")[1], "--model", c.model]
-        if role == "decode":
-            args += ["--max-rows", str(c.max_rows)]
-        args += [*c.worker_args[index], *(c.prefill_args if role == "prefill" else c.decode_args)]
-        proc = c._spawn(*args)
-        c.procs = [(a, proc if a == address else p) for a, p in c.procs]
-        return proc
 
     def _stop(self, fault: Fault) -> str:
         proc = self._proc(fault.target)
