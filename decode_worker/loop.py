@@ -289,10 +289,12 @@ class DecodeLoop:
             last = self._last_token_at.get(out.request_id)
             if last is not None:
                 self.metrics.tbt.observe(now - last)
+                self.metrics.vllm_itl.observe(now - last)
             self._last_token_at[out.request_id] = now
             if out.finished:
                 self._last_token_at.pop(out.request_id, None)
                 self.metrics.requests.labels(out.finish_reason).inc()
+                self.metrics.vllm_generation_tokens.inc(len(out.token_ids))
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue

@@ -172,7 +172,7 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     pool = StagingPool(StagingConfig(capacity_bytes=settings.staging_bytes, require_expected=True,
                                      max_entries=settings.max_pending + settings.max_rows),
                        on_landed=lambda request_id: loop.on_landed(request_id))
-    metrics = Metrics("decode")
+    metrics = Metrics("decode", model.name)
     loop = DecodeLoop(core, pool, metrics).start()
     metrics.gauge("baton_decode_rows_in_use", "Decode batch rows occupied", lambda: core.batch.num_rows)
     metrics.gauge("baton_decode_kv_allocated_bytes", "Batch KV bytes allocated", core.batch.allocated_bytes)
@@ -180,8 +180,15 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     metrics.gauge("baton_decode_staged_bytes", "CPU staging pool bytes in use", lambda: pool.stats().used_bytes)
     metrics.gauge("baton_decode_waiting_for_kv", "Requests whose KV has not landed", loop.num_waiting)
     metrics.gauge("baton_decode_queue_depth", "Landed requests waiting for a row", lambda: core.scheduler.num_staged)
-    metrics.gauge("baton_decode_preemptions_total", "Rows parked on the host (priority or KV watermark)",
-                  lambda: core.scheduler.parked_total)
+    metrics.counter("baton_decode_preemptions", "Rows parked on the host (priority or KV watermark)",
+                    lambda: core.scheduler.parked_total)
+    # vLLM's names for the same state (what an endpoint picker or autoscaler reads).
+    metrics.gauge("vllm:num_requests_running", "Requests holding a decode row", lambda: core.batch.num_rows)
+    metrics.gauge("vllm:num_requests_waiting", "Requests waiting for their KV or for a row",
+                  lambda: loop.num_waiting() + core.scheduler.num_staged)
+    metrics.gauge("vllm:kv_cache_usage_perc", "Share of the KV budget holding tokens (1 = full)",
+                  lambda: core.batch.useful_bytes() / core.config.kv_budget_bytes)
+    metrics.counter("vllm:num_preemptions", "Rows parked on the host", lambda: core.scheduler.parked_total)
     metrics.gauge("baton_decode_parked_bytes", "KV of parked rows held in host memory", core.parked_bytes)
     metrics.serve(settings.metrics_port, settings.host)
     receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape, max_tokens=core.max_columns))

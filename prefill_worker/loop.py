@@ -112,6 +112,11 @@ class PrefillLoop:
         self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
 
     @property
+    def running(self) -> int:
+        """Prompts taken from the queue and not yet pushed."""
+        return len(self._inflight)
+
+    @property
     def chunking(self) -> int:
         """Long prompts part-way through their chunks."""
         return len(self._chunking)
@@ -349,6 +354,12 @@ class PrefillLoop:
             log.warning("KV push of request %s to %s failed (attempt %d): %s; retrying", job.request.request_id,
                         job.decode_target, attempt, failure)
 
+        prompt_tokens = len(job.request.prompt_token_ids)
+        self.metrics.vllm_queue.observe(meta.queue_seconds)
+        self.metrics.vllm_prefill.observe(meta.prefill_seconds)
+        self.metrics.vllm_prompt_tokens.inc(prompt_tokens)
+        self.metrics.vllm_prefix_queries.inc(prompt_tokens)
+        self.metrics.vllm_prefix_hits.inc(prefilled.cached_tokens)
         try:
             if job.cancelled:
                 raise RequestError("cancelled")

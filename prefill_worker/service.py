@@ -143,7 +143,7 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
     server.start()  # NOT_SERVING until the model is loaded
     started = time.monotonic()
     targets = DecodeTargets.from_settings(settings)  # before the model: a missing kubeconfig fails at once
-    metrics = Metrics("prefill")
+    metrics = Metrics("prefill", model.name)
     runner = load_runner(model)
     loaded = runner.loaded
     loop = PrefillLoop(runner, settings, tls, settings.block_size, metrics, cluster_token=token,
@@ -154,6 +154,11 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
                   lambda: loop.chunking)
     metrics.gauge("baton_prefill_prefix_cache_bytes", "Prefix KV cache bytes in use",
                   lambda: loop.core.cache.used_bytes if loop.core.cache else 0)
+    # vLLM's names for the same state (what an endpoint picker or autoscaler reads).
+    metrics.gauge("vllm:num_requests_waiting", "Prompts waiting for prefill", lambda: len(loop.queue))
+    metrics.gauge("vllm:num_requests_running", "Prompts being prefilled or pushed", lambda: loop.running)
+    metrics.gauge("vllm:kv_cache_usage_perc", "Share of the prefix cache in use (1 = full)",
+                  lambda: loop.core.cache.used_bytes / max(1, loop.core.cache.capacity_bytes) if loop.core.cache else 0)
     metrics.serve(settings.metrics_port, settings.host)
     api.target = PrefillWorkerServicer(loop)
     server.set_serving()

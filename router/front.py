@@ -77,9 +77,12 @@ class Front:
         for msg in self.dispatcher.run(request_id, prompt, sampling, timeout, on_done=on_done):
             if first and msg.token_ids:
                 self.metrics.ttft.observe(time.monotonic() - started)
+                self.metrics.vllm_ttft.observe(time.monotonic() - started)
                 first = False
             if msg.finish_reason:
                 self.metrics.requests.labels(msg.finish_reason).inc()
+                self.metrics.vllm_success.labels(msg.finish_reason).inc()
+                self.metrics.vllm_e2e.observe(time.monotonic() - started)
                 self.metrics.prefix_predicted.inc(msg.trace.predicted_cached_tokens)
                 self.metrics.prefix_actual.inc(msg.trace.cached_tokens)
             yield msg

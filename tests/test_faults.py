@@ -184,12 +184,37 @@ def test_every_process_serves_prometheus_metrics():
             client.generate(token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True)
         scraped = {role: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
                    for role, port in ports.items()}
-    assert "baton_time_to_first_token_seconds_count 1.0" in scraped["router"]
-    assert 'baton_requests_total{reason="length"} 1.0' in scraped["router"]
-    assert 'baton_kv_transfers_total{outcome="ok"} 1.0' in scraped["prefill"]
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def series(role: str) -> dict:  # (name, other labels) -> value; every series has the model_name label
+        out = {}
+        for family in text_string_to_metric_families(scraped[role]):
+            for sample in family.samples:
+                labels = dict(sample.labels)
+                assert labels.pop("model_name", None) == "tiny-random", (role, sample)
+                out[sample.name, tuple(sorted(labels.items()))] = sample.value
+        return out
+
+    router, prefill, decode = series("router"), series("prefill"), series("decode")
+    assert router["baton_time_to_first_token_seconds_count", ()] == 1.0
+    assert router["baton_requests_total", (("reason", "length"),)] == 1.0
+    assert prefill["baton_kv_transfers_total", (("outcome", "ok"),)] == 1.0
     for name in ("baton_decode_rows_in_use", "baton_decode_kv_allocated_bytes", "baton_decode_staged_bytes",
                  "baton_decode_preemptions_total", "baton_time_between_tokens_seconds_count"):
-        assert name in scraped["decode"], name
+        assert (name, ()) in decode, name
+    # vLLM's names, where each lives in a disaggregated cluster: the router sees what the user
+    # sees, the prefill worker the prompt, the decode worker the tokens and the KV.
+    assert router["vllm:time_to_first_token_seconds_count", ()] == 1.0
+    assert router["vllm:e2e_request_latency_seconds_count", ()] == 1.0
+    assert router["vllm:request_success_total", (("finished_reason", "length"),)] == 1.0
+    assert ("vllm:time_to_first_token_seconds_bucket", (("le", "2560.0"),)) in router  # vLLM's buckets
+    assert prefill["vllm:prompt_tokens_total", ()] == 3.0 and prefill["vllm:prefix_cache_queries_total", ()] == 3.0
+    assert prefill["vllm:request_queue_time_seconds_count", ()] == 1.0
+    assert prefill["vllm:num_requests_waiting", ()] == 0.0 and 0 <= prefill["vllm:kv_cache_usage_perc", ()] <= 1
+    assert decode["vllm:generation_tokens_total", ()] == 4.0
+    assert decode["vllm:inter_token_latency_seconds_count", ()] == 3.0  # 4 tokens, 3 gaps
+    assert decode["vllm:num_requests_running", ()] == 0.0 and decode["vllm:num_preemptions_total", ()] == 0.0
+    assert 0 <= decode["vllm:kv_cache_usage_perc", ()] <= 1
 
 
 def test_a_decode_worker_full_of_requests_waiting_for_kv_still_takes_their_kv(tiny_reference):
