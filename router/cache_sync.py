@@ -159,6 +159,11 @@ class _Follow:
                 if err.code() != grpc.StatusCode.CANCELLED:
                     log.debug("following the prefix cache of %s broke: %s", self.address, err.details())
                     self.sync.lost(self.address)
+            except ValueError as exc:
+                if "closed" in str(exc).lower():  # the channel was closed: its pool stopped, so do we
+                    return
+                log.exception("applying the prefix cache changes of %s failed", self.address)
+                self.sync.on_event(self.address, "error")
             except Exception:  # the index failed (Redis down): resync once it is back
                 log.exception("applying the prefix cache changes of %s failed", self.address)
                 self.sync.on_event(self.address, "error")

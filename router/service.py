@@ -190,6 +190,7 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
                             timeout=settings.http_request_timeout_s)
         http.start()
         server.extra_stops.append(http.stop)
+    server.extra_stops.append(sync.stop)  # however it stops (signal, or a caller of block=False)
     server.set_serving()
     log.info("router serving on port %d (%s, %s)%s", server.port,
              "TLS" if tls is not None and tls.enabled else "plaintext", "bearer token" if token else "no auth",
