@@ -162,17 +162,17 @@ def test_fairness_quick_times_interactive_probes_idle_and_under_both_loads(tmp_p
 
 
 @pytest.mark.slow
-def test_route_quick_measures_prediction_precision_across_a_restart_on_each_index(tmp_path, capsys):
+def test_route_quick_measures_prediction_precision_across_a_restart(tmp_path, capsys):
     document, printed = run_suite("route", tmp_path, capsys)
     runs = document["runs"]
-    assert {"memory", "round-robin"} <= set(runs) and any(name.startswith("memory, bounded") for name in runs)
+    assert set(runs) == {"memory", "round-robin"}  # --quick; the full suite adds Redis and a bounded index
     for name, run in runs.items():
         assert run["restarted_at_s"] is not None and run["requests"] == 40
         assert run["failed"] == 0, (name, run["failures"])  # the restart's requests moved to the other worker
         assert 0 < run["reused_tokens"] <= document["optimum_saved_tokens"]
         assert run["route_s_p50"] > 0
     assert runs["memory"]["precision"] is not None
-    assert document["routing_rate"]["memory"]["routes_per_s"] > 0
+    assert document["routing_rate"]["memory"]["routes_per_s"] > 0 and "redis" not in document["routing_rate"]
     assert "precision" in printed and "routes/s" in printed
 
 

@@ -13,7 +13,8 @@ worker really reused) and recall (of the tokens reused, the share predicted), pr
 against the optimum (each prefix computed once: what the workload allows at best), the router's
 own time per request (its `route` stage: block hashes, index match, pick; no worker time), p50/p99,
 and failed requests. Then the routing decision alone, in this process over the same index
-contents: the requests per second one router process can route.
+contents: the requests per second one router process can route. `--quick` (CI's smoke test):
+the tiny model, 40 requests over 4 prefixes, the memory and round-robin runs only.
 """
 from __future__ import annotations
 
@@ -210,13 +211,13 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     bound = max(1, (4 if quick else PREFIXES) * PREFIX_TOKENS // BLOCK // 2)  # half the prefixes' blocks
     redis = None
     try:
-        redis = RedisProcess()
+        redis = None if quick else RedisProcess()  # --quick: a smoke test of the suite, two runs
     except (FileNotFoundError, RuntimeError) as exc:
         opts.progress(f"no redis run: {exc}")
     runs = [("memory", {}, ()),
             ("redis", {}, ("--prefix-index", "redis", "--redis-url", redis.url, "--index-namespace", "bench"))
             if redis else None,
-            (f"memory, bounded ({bound} blocks)", {"index_max_blocks": bound}, ()),
+            None if quick else (f"memory, bounded ({bound} blocks)", {"index_max_blocks": bound}, ()),
             ("round-robin", {"load_weight": 0.0, "cache_weight": 0.0}, ())]
     results: dict[str, Any] = {"model": model, "requests": n, "prefixes": 4 if quick else PREFIXES,
                                "prefix_tokens": PREFIX_TOKENS, "own_tokens": OWN_TOKENS, "concurrency": CONCURRENCY,
