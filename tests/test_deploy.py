@@ -294,6 +294,19 @@ def test_every_pod_reads_the_cluster_token_from_a_secret(helm_report, case):
 
 
 @pytest.mark.parametrize("case", RENDERED_CASES)
+def test_pods_meet_the_restricted_pod_security_level(helm_report, case):
+    """Non-root, no privilege escalation, every capability dropped, the runtime's seccomp profile:
+    namespaces enforcing Pod Security "restricted" admit them."""
+    for role in ROLES:
+        pod = one(rendered(helm_report, case), "Deployment", role_name(role))["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, role
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, role
+        main = container(one(rendered(helm_report, case), "Deployment", role_name(role)))
+        assert main["securityContext"]["allowPrivilegeEscalation"] is False, role
+        assert main["securityContext"]["capabilities"]["drop"] == ["ALL"], role
+
+
+@pytest.mark.parametrize("case", RENDERED_CASES)
 def test_pods_leave_discovery_before_sigterm_and_get_time_to_drain(helm_report, case):
     """preStop sleeps first (the Service and the router's discovery drop the pod), then SIGTERM
     starts the drain; the grace period covers both, or the kubelet kills the pod mid-drain."""
