@@ -10,6 +10,7 @@ comes from the prefix cache).
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable
@@ -38,6 +39,8 @@ def pick_batch(lengths: list[int], max_batch_tokens: int, max_batch_size: int,
     if top < 0:
         max_batch_tokens = min(max_batch_tokens, BACKGROUND_BATCH_TOKENS)
     same = [i for i in range(len(lengths)) if priorities[i] == top]
+    if key is not None:
+        key = functools.cache(key)  # each prompt's key at most once per pick (it hashes the prompt)
     if key is not None and busy:
         same = [i for i in same if key(i) is None or key(i) not in busy]
         if not same:
