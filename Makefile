@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 # Tiers (tests/README.md): test-fast is the unit tier, offline, well under a minute.
 test-fast: test-unit

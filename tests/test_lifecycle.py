@@ -88,10 +88,10 @@ def test_sigkill_of_baton_up_leaves_no_process():
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(alive(pid) for pid in children):
             time.sleep(0.2)
-        left = [pid for pid in children if alive(pid)]
+        left = {pid: describe(pid) for pid in children if alive(pid)}
         for pid in left:
             os.kill(pid, signal.SIGKILL)
-        assert not left, f"processes {left} outlived the baton up that started them"
+        assert not left, f"processes outlived the baton up that started them: {left}"
     finally:
         if up.poll() is None:
             stop_process(up)
@@ -113,6 +113,17 @@ def descendants(pid: int) -> list[int]:
         found += kids
         frontier += kids
     return found
+
+
+def describe(pid: int) -> str:
+    """A process's command line, state and the stack its main thread waits in, for a failure message."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return "gone"
+    return f"{cmdline.strip()} (state {state}, waiting in {wchan})"
 
 
 def alive(pid: int) -> bool:
