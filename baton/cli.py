@@ -15,7 +15,7 @@ USAGE_ERROR = 2
 # What Baton reads from the environment besides BATON_<SECTION>_<KEY> config overrides.
 ENVIRONMENT = """environment:
   BATON_<SECTION>_<KEY>   any config key, e.g. BATON_DECODE_MAX_ROWS=16 (sections: model, router,
-                          prefill, decode, tls, cluster); a flag wins over it, it wins over --config
+                          prefill, decode, tls, cluster, tracing); a flag wins over it, it wins over --config
   BATON_CLUSTER_TOKEN     the token the router and workers present to each other (cluster.token);
                           worker ports refuse calls without it. `baton up` makes one per cluster
   BATON_AUTH_TOKEN        the bearer token clients must send to the router (or router.auth_token_file)
@@ -112,7 +112,8 @@ def cmd_generate(args) -> int:
 
 
 def _serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> None:
-    parser.add_argument("--config", help="YAML config file (sections model, router, prefill, decode, tls, cluster)")
+    parser.add_argument("--config", help="YAML config file (sections model, router, prefill, decode, tls, cluster, "
+                                          "tracing)")
     parser.add_argument("--host", help="listen address (default 0.0.0.0)")
     parser.add_argument("--port", type=int, help=f"listen port (default {port})")
     parser.add_argument("--model", dest="model_name", help="model to serve (default 'default')")
@@ -132,6 +133,9 @@ def _serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> None:
     parser.add_argument("--tls-server-name", metavar="NAME",
                         help="check peers' certificates for this DNS name instead of the host dialled "
                              "(peers reached by IP)")
+    parser.add_argument("--otlp-endpoint", metavar="URL",
+                        help="send OpenTelemetry traces of each request's stages to this OTLP/gRPC collector, "
+                             "e.g. http://127.0.0.1:4317 (default: tracing off)")
     parser.set_defaults(role=role)
 
 
@@ -186,11 +190,15 @@ def load_role_settings(args):
              "cpu_cores": args.cpu_cores}
     tls = {"cert_file": args.tls_cert, "key_file": args.tls_key, "ca_file": args.tls_ca,
            "server_name": args.tls_server_name}
-    return load_settings(args.config, overrides={"model": model, args.role: section, "tls": tls})
+    return load_settings(args.config, overrides={"model": model, args.role: section, "tls": tls,
+                                                 "tracing": {"otlp_endpoint": args.otlp_endpoint}})
 
 
 def cmd_serve(args) -> int:
     settings = load_role_settings(args)
+    from baton import tracing
+
+    tracing.configure(settings.tracing, args.role)
     if args.role == "router":
         from baton.router.service import serve
     elif args.role == "prefill":

@@ -1,6 +1,6 @@
 """One configuration schema for every process, read once at start: file, then environment, then flags.
 
-A YAML file holds sections `model`, `router`, `prefill`, `decode`, `tls`, `cluster`; each key of a section
+A YAML file holds sections `model`, `router`, `prefill`, `decode`, `tls`, `cluster`, `tracing`; each key of a section
 can also come from the environment as BATON_<SECTION>_<KEY> (e.g. BATON_DECODE_MAX_ROWS=16) and
 from a command-line flag (--max-rows 16). The Helm chart and docker-compose set exactly these keys.
 """
@@ -73,6 +73,23 @@ class ClusterSettings:
 
     token: str = ""  # the token itself; usually from the environment as BATON_CLUSTER_TOKEN (a Secret)
     token_file: str = ""  # or a file holding it
+
+
+@dataclass
+class TracingSettings:
+    """OpenTelemetry tracing (baton/tracing.py): each request's stages as spans of one trace across
+    router, prefill and decode, exported over OTLP/gRPC. Off while otlp_endpoint is empty."""
+
+    otlp_endpoint: str = ""  # an OTLP/gRPC collector, e.g. http://otel-collector:4317 (https:// for TLS)
+    sample_ratio: float = 1.0  # share of requests traced (the router decides; workers follow)
+    service_name: str = ""  # the service.name of this process's spans; empty: baton-<role>
+
+    def validate(self) -> None:
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ValueError(f"tracing.sample_ratio must be in [0, 1] (got {self.sample_ratio})")
+        if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"tracing.otlp_endpoint must be an http:// or https:// URL of an OTLP/gRPC collector, "
+                             f"e.g. http://otel-collector:4317 (got {self.otlp_endpoint!r})")
 
 
 @dataclass
@@ -201,7 +218,7 @@ class DecodeSettings:
 
 
 SECTIONS = {"model": ModelSettings, "router": RouterSettings, "prefill": PrefillSettings,
-            "decode": DecodeSettings, "tls": TLSSettings, "cluster": ClusterSettings}
+            "decode": DecodeSettings, "tls": TLSSettings, "cluster": ClusterSettings, "tracing": TracingSettings}
 
 
 @dataclass
@@ -212,6 +229,7 @@ class Settings:
     decode: DecodeSettings = field(default_factory=DecodeSettings)
     tls: TLSSettings = field(default_factory=TLSSettings)
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    tracing: TracingSettings = field(default_factory=TracingSettings)
 
 
 def known_keys() -> dict[str, set[str]]:
@@ -242,6 +260,7 @@ def load_settings(path: str | None = None, env: dict[str, str] | None = None,
     settings.router.validate()
     settings.prefill.validate()
     settings.decode.validate()
+    settings.tracing.validate()
     return settings
 
 

@@ -11,6 +11,7 @@ import time
 
 import grpc
 
+from baton import tracing
 from baton.config import ClusterSettings, DecodeSettings, ModelSettings, TLSSettings
 from baton.messages import logprob_to_proto, sampling_from_proto
 from baton.metrics import Metrics
@@ -87,6 +88,8 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             if item.finished:
                 msg.finish_reason = item.finish_reason
                 msg.stage_seconds.update(item.trace.durations())
+                tracing.record_stages(context.invocation_metadata(), item.trace, request_id=request_id,
+                                      completion_tokens=len(item.token_ids), finish_reason=item.finish_reason)
             yield msg
             if item.finished:
                 return

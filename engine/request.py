@@ -30,13 +30,20 @@ class Trace:
     def durations(self) -> dict[str, float]:
         """Seconds per stage: queue (arrival to prefill start), prefill, transfer, staging (landed
         to admitted), admission (embedding into the batch), decode (admitted to finished)."""
+        return {stage: max(0.0, end - start) for stage, (start, end) in self.stage_marks().items()}
+
+    def stage_marks(self) -> dict[str, tuple[float, float]]:
+        """(start, end) of each stage both of whose marks this process made."""
         m = self.marks
-        spans = {
-            "queue": ("arrived", "prefill_start"), "prefill": ("prefill_start", "prefill_end"),
-            "transfer": ("prefill_end", "staged"), "staging": ("staged", "admit_start"),
-            "admission": ("admit_start", "admitted"), "decode": ("admitted", "finished"),
-        }
-        return {stage: max(0.0, m[b] - m[a]) for stage, (a, b) in spans.items() if a in m and b in m}
+        return {stage: (m[a], m[b]) for stage, (a, b) in STAGE_MARKS.items() if a in m and b in m}
+
+
+# The marks each stage runs between. A prefill worker marks `staged` when its push is done.
+STAGE_MARKS = {
+    "queue": ("arrived", "prefill_start"), "prefill": ("prefill_start", "prefill_end"),
+    "transfer": ("prefill_end", "staged"), "staging": ("staged", "admit_start"),
+    "admission": ("admit_start", "admitted"), "decode": ("admitted", "finished"),
+}
 
 
 @dataclass

@@ -367,7 +367,8 @@ class PrefillLoop:
                              meta.SerializeToString(), chunk_bytes=self.settings.kv_chunk_bytes,
                              timeout_s=PUSH_TIMEOUT_SECONDS, retry=PUSH_RETRY, should_stop=lambda: job.cancelled,
                              on_retry=retrying, push_token=job.push_token)
-            done.transfer_seconds = time.monotonic() - trace.marks["prefill_end"]
+            trace.mark("staged")  # the decode worker holds the KV now
+            done.transfer_seconds = trace.durations()["transfer"]
             self.metrics.transfers.labels("ok").inc()
             self.metrics.transfer_bytes.inc(prefilled.kv.nbytes)
             self.metrics.prefix_actual.inc(prefilled.cached_tokens)

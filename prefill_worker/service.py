@@ -11,6 +11,7 @@ import time
 
 import grpc
 
+from baton import tracing
 from baton.config import ClusterSettings, ModelSettings, PrefillSettings, TLSSettings
 from baton.messages import sampling_from_proto
 from baton.metrics import Metrics
@@ -73,8 +74,10 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
         while True:
             remaining = context.time_remaining()
             try:
-                return reply_from(request.request_id,
-                                  done.result(timeout=min(0.5, remaining) if remaining is not None else 0.5))
+                result = done.result(timeout=min(0.5, remaining) if remaining is not None else 0.5)
+                tracing.record_stages(context.invocation_metadata(), job.request.trace, request_id=request.request_id,
+                                      prompt_tokens=len(prompt), cached_tokens=result.cached_tokens)
+                return reply_from(request.request_id, result)
             except TimeoutError:
                 if not context.is_active():
                     self.loop.cancel(request.request_id, job)

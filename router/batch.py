@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from baton import tracing
 from baton.v1 import router_pb2, workers_pb2
 from baton.router.batch_planner import plan_batch
 from baton.router.dispatch import DispatchError, Dispatcher, RoutingStats
@@ -55,13 +56,15 @@ class BatchRunner:
         self.max_concurrency = max_concurrency
         self.kv_token_budget = kv_token_budget
 
-    def run(self, prompts: list[list[int]], samplings: list, timeout: float | None, on_done=lambda cancel: None):
+    def run(self, prompts: list[list[int]], samplings: list, timeout: float | None, on_done=lambda cancel: None,
+            carrier=None):
         """Yield (index, GenerateResponse | DispatchError) as requests finish, then the summary.
 
         `on_done(cancel)` registers what to call when the client's call ends (the servicer passes
         context.add_callback): a batch whose client left stops submitting members and cancels
         those running on every worker. The generator returns only once no member runs, so the
-        caller releases its slots when their work has really stopped."""
+        caller releases its slots when their work has really stopped. Each member's trace (baton.tracing)
+        is a child of the trace context in `carrier`, the batch call's metadata."""
         started = time.monotonic()
         samplings = [batch_priority(s) for s in samplings]
         longest = max(map(len, prompts))
@@ -107,7 +110,7 @@ class BatchRunner:
                 if cancelled.is_set():
                     raise DispatchError(grpc.StatusCode.CANCELLED, "the batch was cancelled")
                 results.put((index, self._collect(f"{batch_id}-{index}", prompts[index], samplings[index],
-                                                  timeout, group, stats, register)))
+                                                  timeout, group, stats, register, carrier)))
             except DispatchError as err:
                 results.put((index, err))
             finally:
@@ -172,20 +175,31 @@ class BatchRunner:
             groups.append(_Group(uuid.uuid4().hex, members, prompts[members[0]][:shared], remaining=len(members)))
         return groups
 
-    def _collect(self, request_id, prompt, sampling, timeout, group: _Group, stats: RoutingStats, on_done):
+    def _collect(self, request_id, prompt, sampling, timeout, group: _Group, stats: RoutingStats, on_done,
+                 carrier=None):
         """Run one request to the end and fold its stream into one response."""
         result = router_pb2.GenerateResponse(request_id=request_id)
         text = []
-        for msg in self.dispatcher.run(request_id, prompt, sampling, timeout, on_done=on_done,
-                                       prefill_address=group.prefill_address, pinned_tokens=group.pinned_tokens):
-            result.prompt_token_ids.extend(msg.prompt_token_ids)
-            result.token_ids.extend(msg.token_ids)
-            result.logprobs.extend(msg.logprobs)
-            text.append(msg.text_delta)
-            if msg.finish_reason:
-                result.finish_reason = msg.finish_reason
-                result.usage.CopyFrom(msg.usage)
-                result.trace.CopyFrom(msg.trace)
+        span = tracing.request_span("baton.request", carrier, **{"baton.request_id": request_id,
+                                                                  "baton.prompt_tokens": len(prompt),
+                                                                  "baton.batch_group": group.id})
+        try:
+            for msg in self.dispatcher.run(request_id, prompt, sampling, timeout, on_done=on_done,
+                                           prefill_address=group.prefill_address, pinned_tokens=group.pinned_tokens,
+                                           span=span):
+                result.prompt_token_ids.extend(msg.prompt_token_ids)
+                result.token_ids.extend(msg.token_ids)
+                result.logprobs.extend(msg.logprobs)
+                text.append(msg.text_delta)
+                if msg.finish_reason:
+                    result.finish_reason = msg.finish_reason
+                    result.usage.CopyFrom(msg.usage)
+                    result.trace.CopyFrom(msg.trace)
+        except Exception as exc:
+            span.end(error=tracing.error_text(exc))
+            raise
+        span.end(**{"baton.finish_reason": result.finish_reason,
+                    "baton.completion_tokens": result.usage.completion_tokens})
         result.text_delta = "".join(text)
         stats.record(result.trace.predicted_cached_tokens, result.trace.cached_tokens)
         return result

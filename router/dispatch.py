@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from baton import tracing
 from baton.block_hash import BlockHasher
 from baton.v1 import common_pb2, router_pb2, workers_pb2
 from baton.router.errors import DecodeLost, DispatchError, cause
@@ -122,9 +123,10 @@ class Dispatcher:
         return Route(prefill, decode, prefill_view.predicted_cached_tokens, seconds)
 
     def run(self, request_id: str, prompt: list[int], sampling, timeout: float | None, on_done,
-            prefill_address: str | None = None, pinned_tokens: int = 0):
+            prefill_address: str | None = None, pinned_tokens: int = 0, span=tracing.NO_SPAN):
         """Yield GenerateResponses; `on_done(cancel)` lets the caller register cancellation.
         `prefill_address` forces the prefill worker (a batch group's pin holds `pinned_tokens` there).
+        `span` (baton.tracing) records the routing and sends its trace context to the workers.
 
         When the decode worker fails mid-stream, the request continues on another one: the prompt
         plus the tokens already sent is prefilled again, and the stream goes on from there with
@@ -144,12 +146,16 @@ class Dispatcher:
         sampling = common_pb2.SamplingParams.FromString(sampling.SerializeToString())  # our own copy
         yield router_pb2.GenerateResponse(request_id=request_id, prompt_token_ids=prompt)
         for attempt in range(MAX_ATTEMPTS):
+            routing = time.monotonic()
             route = self.route(prompt + sent, prefill_address if attempt == 0 else None, avoid)
+            span.stage("route", routing, time.monotonic(), prefill_worker=route.prefill.view.address,
+                       decode_worker=route.decode.view.address, predicted_cached_tokens=route.predicted_cached_tokens)
             if pinned_tokens and attempt == 0 and len(prompt) - 1 >= pinned_tokens:
                 route.predicted_cached_tokens = max(route.predicted_cached_tokens, pinned_tokens)
             attempt_id = key if attempt == 0 else f"{key}~{attempt}"
             try:
-                for out in self._attempt(attempt_id, prompt, sent, sampling, deadline, route, on_done, arrived):
+                for out in self._attempt(attempt_id, prompt, sent, sampling, deadline, route, on_done, arrived,
+                                         span.metadata):
                     out.request_id = request_id
                     yield out
                 return
@@ -163,7 +169,8 @@ class Dispatcher:
                 log.warning("request %s (%s) lost its decode worker %s after %d tokens (%s); prefilling it again",
                             request_id, key, lost.worker.view.address, len(sent), lost.error.message)
 
-    def _attempt(self, request_id, prompt, sent: list[int], sampling, deadline, route: Route, on_done, arrived):
+    def _attempt(self, request_id, prompt, sent: list[int], sampling, deadline, route: Route, on_done, arrived,
+                 metadata=()):
         """One try: the prompt (plus the tokens already sent) is prefilled for the routed decode
         worker, whose stream is relayed; the prefill is retried on another worker if it fails.
 
@@ -171,7 +178,7 @@ class Dispatcher:
         another decode worker, opened for prompt + sent[:-1] at step len(sent) - 1, and fed by the
         draining worker pushing the request's KV there (`Handoff`) instead of by a prefill."""
         prefill = PrefillChain(self, route, request_id, prompt + sent, _left(sampling, len(sent)), len(sent),
-                                _until(deadline))
+                                _until(deadline), metadata)
         leg = _Leg(route.decode, request_id, prompt + sent, len(sent), prefill)
         sources = [prefill]  # kept until the end: the prefill reply gives the usage and trace
 
@@ -180,7 +187,7 @@ class Dispatcher:
 
         try:
             for handoffs in itertools.count(1):
-                moving = yield from self._relay(leg, sent, sampling, deadline, on_done, finish)
+                moving = yield from self._relay(leg, sent, sampling, deadline, on_done, finish, metadata)
                 if moving is None:
                     return
                 seed, source_call = moving
@@ -192,7 +199,7 @@ class Dispatcher:
             for source in sources:
                 source.cancel()
 
-    def _relay(self, leg: "_Leg", sent: list[int], sampling, deadline, on_done, finish):
+    def _relay(self, leg: "_Leg", sent: list[int], sampling, deadline, on_done, finish, metadata=()):
         """Stream one decode worker's part of the request. Returns None once the request finished,
         or (seed, call) when the worker began handing it off; that call then stays open (it holds
         the request's KV there) until the handoff is over."""
@@ -204,7 +211,7 @@ class Dispatcher:
                 workers_pb2.DecodeRequest(request_id=leg.request_id, prompt_token_ids=leg.prompt,
                                           sampling=_left(sampling, leg.resume_step), resume_step=leg.resume_step,
                                           push_token=leg.source.push_token),
-                timeout=_until(deadline))
+                timeout=_until(deadline), metadata=metadata or None)
             next(call)  # registered: its KV will be accepted
             leg.source.start(on_give_up=call.cancel)
             on_done(lambda: (call.cancel(), leg.source.cancel()))

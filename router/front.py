@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 
+from baton import tracing
 from baton.engine.request import RequestError, validate_prompt
 from baton.messages import sampling_from_proto
 
@@ -70,22 +71,40 @@ class Front:
         """Not draining, and at least one healthy prefill and decode worker to send work to."""
         return not self.draining and all(any(v.healthy for v in self.pool.views(role)) for role in ("prefill", "decode"))
 
-    def generate(self, request_id: str, prompt: list[int], sampling, timeout: float | None, on_done):
+    def generate(self, request_id: str, prompt: list[int], sampling, timeout: float | None, on_done,
+                 carrier=None):
         """The dispatcher's GenerateResponses for one admitted request, counted in the metrics;
-        raises DispatchError. `on_done(cancel)` registers what ends the request if its client leaves."""
+        raises DispatchError. `on_done(cancel)` registers what ends the request if its client leaves.
+        `carrier` (the call's metadata or headers) may hold the caller's trace context."""
         started, first = time.monotonic(), True
-        for msg in self.dispatcher.run(request_id, prompt, sampling, timeout, on_done=on_done):
-            if first and msg.token_ids:
-                self.metrics.ttft.observe(time.monotonic() - started)
-                self.metrics.vllm_ttft.observe(time.monotonic() - started)
-                first = False
-            if msg.finish_reason:
-                self.metrics.requests.labels(msg.finish_reason).inc()
-                self.metrics.vllm_success.labels(msg.finish_reason).inc()
-                self.metrics.vllm_e2e.observe(time.monotonic() - started)
-                self.metrics.prefix_predicted.inc(msg.trace.predicted_cached_tokens)
-                self.metrics.prefix_actual.inc(msg.trace.cached_tokens)
-            yield msg
+        span = tracing.request_span("baton.request", carrier, **{"baton.request_id": request_id,
+                                                                  "baton.prompt_tokens": len(prompt)})
+        outcome = "cancelled"  # unless it finishes or fails
+        try:
+            for msg in self.dispatcher.run(request_id, prompt, sampling, timeout, on_done=on_done, span=span):
+                if first and msg.token_ids:
+                    self.metrics.ttft.observe(time.monotonic() - started)
+                    self.metrics.vllm_ttft.observe(time.monotonic() - started)
+                    first = False
+                if msg.finish_reason:
+                    self.metrics.requests.labels(msg.finish_reason).inc()
+                    self.metrics.vllm_success.labels(msg.finish_reason).inc()
+                    self.metrics.vllm_e2e.observe(time.monotonic() - started)
+                    self.metrics.prefix_predicted.inc(msg.trace.predicted_cached_tokens)
+                    self.metrics.prefix_actual.inc(msg.trace.cached_tokens)
+                    outcome = None
+                    span.end(**{"baton.finish_reason": msg.finish_reason,
+                                "baton.completion_tokens": msg.usage.completion_tokens,
+                                "baton.cached_tokens": msg.trace.cached_tokens,
+                                "baton.prefill_worker": msg.trace.prefill_worker,
+                                "baton.decode_worker": msg.trace.decode_worker})
+                yield msg
+        except Exception as exc:
+            outcome = tracing.error_text(exc)
+            raise
+        finally:
+            if outcome is not None:
+                span.end(error=outcome)
 
     # -- admission ---------------------------------------------------------------------------
 

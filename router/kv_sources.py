@@ -51,8 +51,9 @@ class PrefillChain(KVSource):
     """Prefill on the routed worker; if it fails for a worker-side reason, once more on another.
     When it finally fails, `on_give_up` stops the decode stream waiting for KV that never comes."""
 
-    def __init__(self, dispatcher, route, request_id, prompt, sampling, resume_step, timeout):
+    def __init__(self, dispatcher, route, request_id, prompt, sampling, resume_step, timeout, metadata=()):
         super().__init__()
+        self.metadata = metadata or None  # the request's trace context (baton.tracing)
         self.dispatcher = dispatcher
         self.route = route
         self.request_id = request_id
@@ -79,7 +80,7 @@ class PrefillChain(KVSource):
                                            sampling=self.sampling, decode_target=self.route.decode.view.address,
                                            model_fingerprint=self.route.decode.fingerprint,
                                            resume_step=self.resume_step, push_token=self.push_token),
-                timeout=self.timeout)
+                timeout=self.timeout, metadata=self.metadata)
         # Outside the lock: a call that already failed (a dead worker fails at once) runs _done
         # right here, and its retry takes the lock again.
         call.add_done_callback(self._done)

@@ -78,7 +78,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def _relay(self, request, prompt, context):
         try:
             yield from self.front.generate(request.request_id or uuid.uuid4().hex, prompt, request.sampling,
-                                           context.time_remaining(), on_done=context.add_callback)
+                                           context.time_remaining(), on_done=context.add_callback,
+                                           carrier=context.invocation_metadata())
         except DispatchError as err:
             if err.code == grpc.StatusCode.CANCELLED and not context.is_active():
                 return  # the client left; nothing to tell it
@@ -106,7 +107,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         with self._admitted(concurrency, context):
             runner = BatchRunner(self.dispatcher, concurrency)
             outcomes = runner.run(prompts, [r.sampling for r in request.requests], context.time_remaining(),
-                                  on_done=context.add_callback)
+                                  on_done=context.add_callback, carrier=context.invocation_metadata())
             # closing() ends the batch's members before the slots below are released
             with contextlib.closing(outcomes):
                 for index, outcome in outcomes:

@@ -54,6 +54,7 @@ DERIVED_KEYS = {
     "decode": {"port", "metrics_port", "advertise"},
     "tls": {"cert_file", "key_file", "ca_file", "server_name"},
     "cluster": {"token", "token_file"},  # BATON_CLUSTER_TOKEN from the cluster-token Secret
+    "tracing": {"otlp_endpoint", "sample_ratio", "service_name"},  # from the chart's `tracing` block
 }
 # Cases rendered besides the example files: the code paths no example takes.
 EXTRA_CASES = {
@@ -525,7 +526,7 @@ def test_schema_config_blocks_cover_every_config_key(schema):
     """Each key a process accepts is settable in its role's `config` block or derived by the chart."""
     blocks = {"model": schema["definitions"]["modelConfig"], "router": schema["definitions"]["routerConfig"],
               "prefill": schema["definitions"]["prefillConfig"], "decode": schema["definitions"]["decodeConfig"],
-              "tls": {"properties": {}}, "cluster": {"properties": {}}}
+              "tls": {"properties": {}}, "cluster": {"properties": {}}, "tracing": {"properties": {}}}
     for section, keys in known_keys().items():
         settable = set(blocks[section]["properties"])
         assert not settable & DERIVED_KEYS[section], f"{section}: a derived key is also settable"

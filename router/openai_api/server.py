@@ -34,6 +34,7 @@ from starlette.middleware import Middleware
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from baton import tracing
 from baton.engine.request import RequestError
 from baton.messages import logprob_from_proto, sampling_to_proto
 from baton.router.dispatch import DispatchError
@@ -102,9 +103,11 @@ class Choice:
 class Run:
     """The worker threads of one HTTP request's choices, pumping into one asyncio queue."""
 
-    def __init__(self, front: Front, executor, request_id: str, choices: list[Choice], timeout: float | None):
+    def __init__(self, front: Front, executor, request_id: str, choices: list[Choice], timeout: float | None,
+                 trace_context: dict[str, str] | None = None):
         self.front, self.executor, self.request_id, self.choices = front, executor, request_id, choices
         self.timeout = timeout
+        self.trace_context = trace_context  # the caller's traceparent/tracestate headers, if any
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancels: list = []
         self.cancelled = False
@@ -120,7 +123,8 @@ class Run:
     def _pump(self, loop, rid: str, choice: Choice) -> None:
         put = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)  # noqa: E731
         try:
-            for msg in self.front.generate(rid, choice.prompt, choice.sampling, self.timeout, on_done=self._on_done):
+            for msg in self.front.generate(rid, choice.prompt, choice.sampling, self.timeout, on_done=self._on_done,
+                                           carrier=self.trace_context):
                 put((choice, msg))
         except Exception as exc:  # noqa: BLE001 - handed to the event loop, answered there
             put((choice, exc))
@@ -273,7 +277,8 @@ class OpenAIServer:
         except Exception as exc:  # noqa: BLE001 - every refusal is an HTTP answer
             stack.close()
             return _error_response(api_error(exc), headers)
-        run = Run(self.front, self.executor, request_id, choices, self.timeout)
+        run = Run(self.front, self.executor, request_id, choices, self.timeout,
+                  {k: request.headers[k] for k in tracing.TRACE_HEADERS if k in request.headers})
         prefix = "chatcmpl-" if chat else "cmpl-"
         response_id, created, name = prefix + request_id, int(time.time()), parsed.model or self.served[0]
         run.start()

@@ -168,7 +168,8 @@ plus the keys the chart derives. Derived keys win, and the values schema refuses
 {{- /* Workers are discovered, and dialled, by pod IP: check their certificates for a name instead. */}}
 {{- $_ := set $tls "server_name" ($v.tls.serverName | default $v.tls.probeServerName) }}
 {{- end }}
-{{- toYaml (dict "model" $model "router" $router "prefill" $prefill "decode" $decode "tls" $tls) }}
+{{- $tracing := dict "otlp_endpoint" $v.tracing.otlpEndpoint "sample_ratio" $v.tracing.sampleRatio "service_name" "" }}
+{{- toYaml (dict "model" $model "router" $router "prefill" $prefill "decode" $decode "tls" $tls "tracing" $tracing) }}
 {{- end }}
 
 {{/* Settings that cannot be expressed in values.schema.json; each failure says what to change. */}}
