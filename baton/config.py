@@ -100,6 +100,10 @@ class RouterSettings:
     decode_workers: list[str] = field(default_factory=list)
     discovery: str = "static"  # 'static' or 'kubernetes'
     namespace: str = ""  # kubernetes discovery: namespace of the worker EndpointSlices
+    # Kubernetes discovery: label selector terms ANDed with each role's, e.g.
+    # app.kubernetes.io/instance=prod; the chart sets its release's, so two releases in one
+    # namespace never see each other's workers.
+    discovery_labels: str = ""
     prefix_index: str = "memory"  # 'memory' or 'redis'
     redis_url: str = ""
     block_size: int = 16  # prefix-cache block tokens; must equal the prefill workers'
@@ -131,6 +135,7 @@ class RouterSettings:
     http_request_timeout_s: float = 600.0  # an HTTP request still running after this is ended (504); 0 = never
 
     def validate(self) -> None:
+        check_labels(self.discovery_labels, "router.discovery_labels")
         if not self.index_ttl_s >= 0:
             raise ValueError(f"router.index_ttl_s must be >= 0 seconds (0 = never; got {self.index_ttl_s})")
         if not 0 <= self.http_port <= 65535:
@@ -164,6 +169,10 @@ class PrefillSettings:
     # EndpointSlice watch sees in `namespace` (empty: the pod's own), as the router's discovery.
     discovery: str = "static"
     namespace: str = ""
+    # Kubernetes discovery: label selector terms ANDed with each role's, e.g.
+    # app.kubernetes.io/instance=prod; the chart sets its release's, so two releases in one
+    # namespace never see each other's workers.
+    discovery_labels: str = ""
     block_size: int = 16
     kv_chunk_bytes: int = 2 << 20  # KV payload bytes per message of a push (validate() says how many fit)
     advertise: str = ""  # host:port others use to reach this worker (default: host:port)
@@ -171,6 +180,7 @@ class PrefillSettings:
 
     def validate(self) -> None:
         """Refuse values that would otherwise fail only at the first KV push or pin."""
+        check_labels(self.discovery_labels, "prefill.discovery_labels")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"prefill.drain_timeout_s must be >= 0 seconds (got {self.drain_timeout_s})")
         if self.chunk_tokens < 0:
@@ -215,6 +225,15 @@ class DecodeSettings:
             raise ValueError(f"decode.drain_move_after_s must be >= 0 seconds (got {self.drain_move_after_s})")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"decode.drain_timeout_s must be >= 0 seconds (got {self.drain_timeout_s})")
+
+
+def check_labels(selector: str, key: str) -> None:
+    """A Kubernetes equality label selector: `key=value` terms joined by commas, or empty."""
+    for term in filter(None, selector.split(",")):
+        name, eq, value = term.partition("=")
+        if not eq or not name or any(c.isspace() for c in term) or "=" in value.lstrip("="):
+            raise ValueError(f"{key} must be label terms such as app.kubernetes.io/instance=prod, joined by "
+                             f"commas (got {selector!r})")
 
 
 SECTIONS = {"model": ModelSettings, "router": RouterSettings, "prefill": PrefillSettings,

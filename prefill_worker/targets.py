@@ -37,7 +37,8 @@ class DecodeTargets:
             log.warning("prefill.decode_workers is ignored with prefill.discovery=kubernetes")
         from baton.router.discovery.kubernetes_watch import KubernetesDiscovery
         discovered = WorkerSet(roles=("decode",))
-        discovery = KubernetesDiscovery(namespace=settings.namespace, roles=("decode",), api_client=api_client)
+        discovery = KubernetesDiscovery(namespace=settings.namespace, roles=("decode",), api_client=api_client,
+                                        labels=settings.discovery_labels)
         discovery.start(discovered)
         return cls(discovered=discovered, discovery=discovery,
                    source=f"the decode workers discovered in namespace {discovery.namespace}")

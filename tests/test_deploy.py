@@ -48,9 +48,9 @@ CONFIG_PATH = "/etc/baton/baton.yaml"
 # taking from a role's `config` block; values.schema.json refuses them there.
 DERIVED_KEYS = {
     "model": {"name"},
-    "router": {"port", "http_port", "metrics_port", "discovery", "namespace", "prefix_index", "redis_url",
-               "prefill_workers", "decode_workers"},
-    "prefill": {"port", "metrics_port", "advertise", "discovery", "namespace", "decode_workers"},
+    "router": {"port", "http_port", "metrics_port", "discovery", "namespace", "discovery_labels", "prefix_index",
+               "redis_url", "prefill_workers", "decode_workers"},
+    "prefill": {"port", "metrics_port", "advertise", "discovery", "namespace", "discovery_labels", "decode_workers"},
     "decode": {"port", "metrics_port", "advertise"},
     "tls": {"cert_file", "key_file", "ca_file", "server_name"},
     "cluster": {"token", "token_file"},  # BATON_CLUSTER_TOKEN from the cluster-token Secret
@@ -239,12 +239,17 @@ def test_every_role_has_its_objects(helm_report, case):
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert labels["baton.io/role"] == role and labels["app.kubernetes.io/name"] == "baton"
         assert deployment["spec"]["selector"]["matchLabels"]["baton.io/role"] == role
-        one(docs, "Service", role_name(role))
+        service_labels = one(docs, "Service", role_name(role))["metadata"]["labels"]
+        # Discovery selects this release's workers only: their Services (hence EndpointSlices) say so.
+        assert service_labels["app.kubernetes.io/instance"] == RELEASE
         assert one(docs, "PodDisruptionBudget", role_name(role))["spec"]["selector"]["matchLabels"]["baton.io/role"] == role
         autoscaled = values.get(role, {}).get("autoscaling", {}).get("enabled", False)
         assert len(find(docs, "HorizontalPodAutoscaler", role_name(role))) == int(autoscaled)
         assert ("replicas" in deployment["spec"]) != autoscaled  # the HPA owns replicas when on
     assert len(find(docs, "ConfigMap")) == 1
+    config = chart_config(docs)
+    assert config["router"]["discovery_labels"] == config["prefill"]["discovery_labels"] == (
+        f"app.kubernetes.io/instance={RELEASE}")
     redis = values.get("redis", {}).get("enabled", True)
     assert len(find(docs, "StatefulSet", f"{RELEASE}-redis")) == int(redis)
     assert {d["kind"] for d in docs} <= {"Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from fake_kube_api import FakeKubeApi, endpoint, label_selector_matches
 
-from baton.config import RouterSettings
+from baton.config import RouterSettings, load_settings
 from baton.router.discovery import KubernetesDiscovery, StaticDiscovery, WorkerSet, discovery_from_settings
 from baton.router.discovery.endpoint_slices import routable_addresses
 
@@ -291,6 +291,21 @@ def test_http_410_answer_relists(workers):
         finally:
             discovery.stop()
             client.close()
+
+
+def test_discovery_labels_keep_two_releases_in_one_namespace_apart(kube_api, api_client, workers):
+    discovery = start_discovery(api_client, workers, labels="app.kubernetes.io/instance=blue")
+    try:
+        put(kube_api, "blue", [endpoint("10.0.0.1")], labels={**PREFILL, "app.kubernetes.io/instance": "blue"})
+        put(kube_api, "green", [endpoint("10.0.0.2")], labels={**PREFILL, "app.kubernetes.io/instance": "green"})
+        assert_workers(workers, "prefill", {"10.0.0.1:50061"})
+    finally:
+        discovery.stop()
+    settings = RouterSettings(discovery="kubernetes", namespace="x", discovery_labels="app.kubernetes.io/instance=blue")
+    assert discovery_from_settings(settings).selectors["decode"] == (
+        "app.kubernetes.io/name=baton,baton.io/role=decode,app.kubernetes.io/instance=blue")
+    with pytest.raises(ValueError, match="discovery_labels must be label terms"):
+        load_settings(env={"BATON_ROUTER_DISCOVERY_LABELS": "instance in (a)"})
 
 
 def test_custom_selector_service_name_and_port_name(kube_api, api_client, workers):

@@ -35,7 +35,7 @@ def discovery_from_settings(settings: RouterSettings) -> Discovery:
         if settings.prefill_workers or settings.decode_workers:
             log.warning("router.prefill_workers/decode_workers are ignored with router.discovery=kubernetes")
         from baton.router.discovery.kubernetes_watch import KubernetesDiscovery
-        return KubernetesDiscovery(namespace=settings.namespace)
+        return KubernetesDiscovery(namespace=settings.namespace, labels=settings.discovery_labels)
     raise ValueError(f"router.discovery is {settings.discovery!r}; set it to 'static' (addresses from "
                      "router.prefill_workers/decode_workers) or 'kubernetes' (EndpointSlices)")
 

@@ -70,14 +70,15 @@ class KubernetesDiscovery:
     """Keeps a WorkerSet equal to the ready, non-terminating endpoints of each role's EndpointSlices.
 
     A role's slices are chosen by `service_names[role]` (the slices of that Service), else by
-    `selectors[role]`, else by `app.kubernetes.io/name=baton,baton.io/role=<role>`.
+    `selectors[role]`, else by `app.kubernetes.io/name=baton,baton.io/role=<role>` plus `labels`
+    (e.g. `app.kubernetes.io/instance=prod`: one release's workers among several in a namespace).
     """
 
     def __init__(self, namespace: str = "", selectors: Mapping[str, str] | None = None,
                  service_names: Mapping[str, str] | None = None, port_name: str = "grpc",
                  api_client: kubernetes.client.ApiClient | None = None, roles: Iterable[str] = ROLES,
                  watch_timeout_s: float = 300.0, request_timeout_s: float = 10.0,
-                 initial_backoff_s: float = 0.1, max_backoff_s: float = 10.0):
+                 initial_backoff_s: float = 0.1, max_backoff_s: float = 10.0, labels: str = ""):
         selectors, service_names = dict(selectors or {}), dict(service_names or {})
         self.roles = tuple(roles)
         for role in set(selectors) | set(service_names):
@@ -86,7 +87,8 @@ class KubernetesDiscovery:
             if role in selectors and role in service_names:
                 raise ValueError(f"role {role!r} has both a service name and a label selector; give one")
         self.selectors = {role: service_selector(service_names[role]) if role in service_names
-                          else selectors.get(role, role_selector(role)) for role in self.roles}
+                          else selectors.get(role, ",".join(filter(None, [role_selector(role), labels])))
+                          for role in self.roles}
         self.namespace = namespace or current_namespace()
         self.port_name = port_name
         self.watch_timeout_s = watch_timeout_s

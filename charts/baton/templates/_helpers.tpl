@@ -147,6 +147,7 @@ plus the keys the chart derives. Derived keys win, and the values schema refuses
     "metrics_port" (int $v.router.service.metricsPort)
     "discovery" "kubernetes"
     "namespace" .Release.Namespace
+    "discovery_labels" (printf "app.kubernetes.io/instance=%s" .Release.Name)
     "prefill_workers" (list)
     "decode_workers" (list)
     "prefix_index" (include "baton.prefixIndex" .)
@@ -157,6 +158,7 @@ plus the keys the chart derives. Derived keys win, and the values schema refuses
     "metrics_port" (int $v.prefill.service.metricsPort)
     "discovery" "kubernetes"
     "namespace" .Release.Namespace
+    "discovery_labels" (printf "app.kubernetes.io/instance=%s" .Release.Name)
     "decode_workers" (list)) (deepCopy $v.prefill.config) }}
 {{- $decode := merge (dict
     "port" (int $v.decode.service.port)
