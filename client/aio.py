@@ -96,11 +96,11 @@ class AsyncBatonClient:
                  root_certificates: PemSource = None, client_cert: PemSource = None,
                  client_key: PemSource = None, token: str | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls_server_name: str | None = None,
-                 keepalive_s: float | None = DEFAULT_KEEPALIVE_S):
+                 keepalive_s: float | None = DEFAULT_KEEPALIVE_S, load_balancing: str | None = None):
         self._config = ConnectionConfig.from_args(
             target, timeout=timeout, tls=tls, root_certificates=root_certificates, client_cert=client_cert,
             client_key=client_key, token=token, max_message_bytes=max_message_bytes,
-            tls_server_name=tls_server_name, keepalive_s=keepalive_s)
+            tls_server_name=tls_server_name, keepalive_s=keepalive_s, load_balancing=load_balancing)
         credentials = self._config.credentials()
         options = self._config.options()
         self._channel = (grpc.aio.secure_channel(self._config.target, credentials, options=options) if credentials

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 
+LOAD_BALANCING = (None, "pick_first", "round_robin")  # gRPC's policies (None: its default, pick_first)
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # A call left without a deadline waits forever on a router that froze; this one ends it.
 DEFAULT_TIMEOUT_S = 600.0
@@ -34,6 +35,9 @@ class ConnectionConfig:
     max_message_bytes: int
     tls_server_name: str | None  # check the server's certificate for this name, not the target's host
     keepalive_s: float | None  # ping the router this often while calls are open; None = never
+    # "round_robin": spread calls over every address the target resolves to (a headless Service,
+    # dns:///baton-router-headless.<namespace>.svc:50051) instead of pinning the first one
+    load_balancing: str | None = None
 
     @classmethod
     def from_args(cls, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S, tls: bool = False,
@@ -41,7 +45,8 @@ class ConnectionConfig:
                   client_key: PemSource = None, token: str | None = None,
                   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                   tls_server_name: str | None = None,
-                  keepalive_s: float | None = DEFAULT_KEEPALIVE_S) -> "ConnectionConfig":
+                  keepalive_s: float | None = DEFAULT_KEEPALIVE_S,
+                  load_balancing: str | None = None) -> "ConnectionConfig":
         if not isinstance(target, str) or not target.strip():
             raise ValueError(f"target must be 'host:port' of a Baton router (got {target!r})")
         check_timeout(timeout)
@@ -54,6 +59,8 @@ class ConnectionConfig:
         if keepalive_s is not None and (isinstance(keepalive_s, bool) or not isinstance(keepalive_s, (int, float))
                                         or not keepalive_s >= 0.25):
             raise ValueError(f"keepalive_s must be seconds >= 0.25 between pings, or None for none (got {keepalive_s!r})")
+        if load_balancing not in LOAD_BALANCING:
+            raise ValueError(f"load_balancing must be one of {LOAD_BALANCING} (got {load_balancing!r})")
         if not isinstance(max_message_bytes, int) or max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be an integer >= 1024 (got {max_message_bytes!r})")
         return cls(target=target.strip(), timeout=timeout, tls=tls,
@@ -61,7 +68,7 @@ class ConnectionConfig:
                    client_cert=_read_pem(client_cert, "client_cert"),
                    client_key=_read_pem(client_key, "client_key"),
                    token=token, max_message_bytes=max_message_bytes, tls_server_name=tls_server_name,
-                   keepalive_s=keepalive_s)
+                   keepalive_s=keepalive_s, load_balancing=load_balancing)
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         """TLS channel credentials, or None for a plaintext channel."""
@@ -77,6 +84,8 @@ class ConnectionConfig:
         ]
         if self.tls_server_name:
             options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        if self.load_balancing:
+            options.append(("grpc.lb_policy_name", self.load_balancing))
         if self.keepalive_s is not None:
             options += [("grpc.keepalive_time_ms", int(self.keepalive_s * 1000)),
                         ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
@@ -88,12 +97,25 @@ class ConnectionConfig:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         # Plain metadata rather than call credentials: those refuse plaintext channels, and a
         # router behind a TLS-terminating proxy is reached in plaintext.
-        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+        auth = (("authorization", f"Bearer {self.token}"),) if self.token else ()
+        return auth + _trace_context()
 
     def deadline(self, timeout: float | None) -> float | None:
         """The deadline in seconds for one call: its own timeout, else the client's default."""
         check_timeout(timeout)
         return self.timeout if timeout is None else timeout
+
+
+def _trace_context() -> tuple[tuple[str, str], ...]:
+    """The caller's current OpenTelemetry span as W3C trace context, when the application uses
+    OpenTelemetry: the router's trace of the request then joins the caller's."""
+    try:
+        from opentelemetry import propagate
+    except ImportError:
+        return ()
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple(carrier.items())
 
 
 def check_timeout(timeout: float | None) -> None:

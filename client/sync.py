@@ -95,6 +95,9 @@ class BatonClient:
     this often (default 10 s) and fail them with UNAVAILABLE when it stops answering (None: never). tls: use TLS; root_certificates (PEM bytes or a path; None =
     system roots), client_cert + client_key for mutual TLS, tls_server_name to check the
     certificate for another name. token: sent as `authorization: Bearer <token>`.
+    load_balancing="round_robin" spreads calls over every router a `dns:///` target resolves to
+    (the chart's headless `<release>-router-headless` Service); the default pins one. When the
+    application traces with OpenTelemetry, each call carries its current span's context.
     Failed calls raise client.errors.BatonError subclasses; bad arguments raise ValueError
     before anything is sent."""
 
@@ -102,11 +105,11 @@ class BatonClient:
                  root_certificates: PemSource = None, client_cert: PemSource = None,
                  client_key: PemSource = None, token: str | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls_server_name: str | None = None,
-                 keepalive_s: float | None = DEFAULT_KEEPALIVE_S):
+                 keepalive_s: float | None = DEFAULT_KEEPALIVE_S, load_balancing: str | None = None):
         self._config = ConnectionConfig.from_args(
             target, timeout=timeout, tls=tls, root_certificates=root_certificates, client_cert=client_cert,
             client_key=client_key, token=token, max_message_bytes=max_message_bytes,
-            tls_server_name=tls_server_name, keepalive_s=keepalive_s)
+            tls_server_name=tls_server_name, keepalive_s=keepalive_s, load_balancing=load_balancing)
         credentials = self._config.credentials()
         options = self._config.options()
         self._channel = (grpc.secure_channel(self._config.target, credentials, options=options) if credentials

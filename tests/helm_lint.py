@@ -57,6 +57,9 @@ API = {
     ("policy", "v1"): [("PodDisruptionBudget", "poddisruptionbudgets")],
     ("autoscaling", "v2"): [("HorizontalPodAutoscaler", "horizontalpodautoscalers")],
     ("discovery.k8s.io", "v1"): [("EndpointSlice", "endpointslices")],
+    ("networking.k8s.io", "v1"): [("NetworkPolicy", "networkpolicies")],
+    # The Prometheus Operator's CRDs, as on a cluster where it is installed.
+    ("monitoring.coreos.com", "v1"): [("ServiceMonitor", "servicemonitors"), ("PodMonitor", "podmonitors")],
 }
 SEVERITY = {0: "UNKNOWN", 1: "INFO", 2: "WARNING", 3: "ERROR"}
 

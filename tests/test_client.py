@@ -370,6 +370,8 @@ def test_bad_client_settings_and_unknown_options_fail_early(router):
         BatonClient(target, root_certificates=b"pem")
     with pytest.raises(ValueError, match="cannot read"):
         BatonClient(target, tls=True, root_certificates="/nonexistent/ca.pem")
+    with pytest.raises(ValueError, match="load_balancing must be one of"):
+        BatonClient(target, load_balancing="random")
 
 
 # --- asyncio ---

@@ -70,6 +70,17 @@ EXTRA_CASES = {
     "own-cluster-token": {"clusterAuth": {"tokenSecret": {"name": "my-cluster-token", "key": "secret"}}},
     "short-grace": {"preStopSleepSeconds": 15},  # 15 + the router's 20 s drain > its 30 s: refused
     "long-decode-drain": {"decode": {"config": {"drain_timeout_s": 58}}},  # 5 + 58 > the decode pods' 60 s
+    "everything-on": {  # every optional object and setting at once
+        "image": {"digest": "sha256:" + "ab" * 32},
+        "tls": {"enabled": True, "secretName": "baton-tls"},
+        "auth": {"tokenSecret": {"name": "router-token"}},
+        "tracing": {"otlpEndpoint": "http://otel-collector.observability:4317", "sampleRatio": 0.1},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+                    "podMonitor": {"enabled": True}, "dashboard": {"enabled": True, "namespace": "monitoring"}},
+        "networkPolicy": {"enabled": True, "clientsFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
+                          "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
+        "decode": {"autoscaling": {"enabled": True}, "image": {"repository": "registry.example/baton-decode"}},
+    },
 }
 # Rendered on purpose with what the chart must refuse.
 FAILING_CASES = {"short-grace": "must exceed preStopSleepSeconds",
@@ -246,14 +257,16 @@ def test_every_role_has_its_objects(helm_report, case):
         autoscaled = values.get(role, {}).get("autoscaling", {}).get("enabled", False)
         assert len(find(docs, "HorizontalPodAutoscaler", role_name(role))) == int(autoscaled)
         assert ("replicas" in deployment["spec"]) != autoscaled  # the HPA owns replicas when on
-    assert len(find(docs, "ConfigMap")) == 1
+    dashboard = values.get("metrics", {}).get("dashboard", {}).get("enabled", False)
+    assert len(find(docs, "ConfigMap")) == 1 + dashboard
     config = chart_config(docs)
     assert config["router"]["discovery_labels"] == config["prefill"]["discovery_labels"] == (
         f"app.kubernetes.io/instance={RELEASE}")
     redis = values.get("redis", {}).get("enabled", True)
     assert len(find(docs, "StatefulSet", f"{RELEASE}-redis")) == int(redis)
     assert {d["kind"] for d in docs} <= {"Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",
-                                         "PodDisruptionBudget", "HorizontalPodAutoscaler", "StatefulSet", "Secret"}
+                                         "PodDisruptionBudget", "HorizontalPodAutoscaler", "StatefulSet", "Secret",
+                                         "ServiceMonitor", "PodMonitor", "NetworkPolicy"}
 
 
 def test_gpu_2p4d_requests_one_gpu_per_worker(helm_report):
@@ -310,6 +323,75 @@ def test_pods_meet_the_restricted_pod_security_level(helm_report, case):
         main = container(one(rendered(helm_report, case), "Deployment", role_name(role)))
         assert main["securityContext"]["allowPrivilegeEscalation"] is False, role
         assert main["securityContext"]["capabilities"]["drop"] == ["ALL"], role
+        # A read-only root: what Baton writes goes to emptyDir volumes at /tmp and HOME.
+        assert main["securityContext"]["readOnlyRootFilesystem"] is True, role
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        writable = {m["mountPath"] for m in main["volumeMounts"]
+                    if "emptyDir" in volumes[m["name"]] and not m.get("readOnly")}
+        assert {"/tmp", "/home/baton"} <= writable, role
+
+
+def test_every_option_on_renders_monitors_a_dashboard_policies_and_a_pinned_image(helm_report):
+    docs = rendered(helm_report, "everything-on")
+    digest = "sha256:" + "ab" * 32
+    images = {role: container(one(docs, "Deployment", role_name(role)))["image"] for role in ROLES}
+    assert images == {"router": f"baton@{digest}", "prefill": f"baton@{digest}",
+                      "decode": f"registry.example/baton-decode@{digest}"}
+    assert chart_config(docs)["tracing"] == {"otlp_endpoint": "http://otel-collector.observability:4317",
+                                             "sample_ratio": 0.1, "service_name": ""}
+    for role in ROLES:
+        monitor = one(docs, "ServiceMonitor", role_name(role))
+        service = one(docs, "Service", role_name(role))
+        assert monitor["metadata"]["labels"]["release"] == "prometheus"
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+        assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
+    (pods,) = find(docs, "PodMonitor")
+    assert pods["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+    # Each policy admits to a worker's gRPC port only the roles that call it.
+    callers = {"prefill": {"router"}, "decode": {"router", "prefill", "decode"}, "redis": {"router"}}
+    for role, expected in callers.items():
+        policy = one(docs, "NetworkPolicy", f"{RELEASE}-{role}")
+        assert policy["spec"]["podSelector"]["matchLabels"]["baton.io/role"] == role
+        served = policy["spec"]["ingress"][0]
+        assert {peer["podSelector"]["matchLabels"]["baton.io/role"] for peer in served["from"]} == expected
+        assert all(peer["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+                   for peer in served["from"])
+    router_policy = one(docs, "NetworkPolicy", role_name("router"))["spec"]["ingress"]
+    assert router_policy[0]["from"] == [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
+    assert {p["port"] for p in router_policy[0]["ports"]} == {"grpc", "http"}
+    assert router_policy[1]["from"] == [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
+    headless = one(docs, "Service", f"{role_name('router')}-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"] == one(docs, "Service", role_name("router"))["spec"]["selector"]
+
+
+def test_the_dashboard_reads_only_series_baton_serves(helm_report):
+    """Every series a dashboard query names is one a Baton process registers (a renamed metric
+    would leave an empty panel)."""
+    (dashboard,) = [d for d in rendered(helm_report, "everything-on") if d["kind"] == "ConfigMap"
+                    and d["metadata"]["name"].endswith("-dashboard")]
+    assert dashboard["metadata"]["namespace"] == "monitoring"
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    board = json.loads(dashboard["data"]["baton.json"])
+    queries = [t["expr"] for panel in board["panels"] for t in panel["targets"]]
+    assert len(board["panels"]) >= 12 and all(panel["targets"] for panel in board["panels"])
+    served = served_series()
+    for query in queries:
+        for name in re.findall(r"\b((?:vllm:|baton_)[a-z0-9_:]+)", query):
+            base = re.sub(r"_(bucket|total|sum|count)$", "", name)
+            assert base in served, f"the dashboard queries {name}, which no Baton process serves"
+
+
+def served_series() -> set[str]:
+    """The names of every series Baton registers: Metrics' own and those the servers add."""
+    from baton.metrics import Metrics
+
+    names = {m.name for m in Metrics("router").registry.collect()}
+    for path in (REPO / "router").glob("*.py"), (REPO / "prefill_worker").glob("*.py"), (REPO / "decode_worker").glob("*.py"):
+        for source in path:
+            names |= set(re.findall(r"metrics\.(?:gauge|counter)\(\s*\"([^\"]+)\"", source.read_text()))
+    return names
 
 
 @pytest.mark.parametrize("case", RENDERED_CASES)
@@ -337,7 +419,7 @@ def test_a_grace_period_shorter_than_prestop_plus_drain_is_refused(helm_report, 
 def test_pods_run_their_role_with_the_config_file_and_grpc_probes(helm_report, case):
     docs = rendered(helm_report, case)
     config = chart_config(docs)
-    tls = case in ("tls-hostpath", "tls-server-name")
+    tls = case in ("tls-hostpath", "tls-server-name", "everything-on")
     for role in ROLES:
         deployment = one(docs, "Deployment", role_name(role))
         pod = deployment["spec"]["template"]["spec"]

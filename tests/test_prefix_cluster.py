@@ -36,6 +36,13 @@ def test_two_routers_sharing_redis_send_a_repeated_prefix_to_its_holder(redis_se
                 holders.add(seen.trace.prefill_worker)
             routing = second.cluster_status().routing
             assert routing["accuracy"] == 1.0 and routing["requests"] == 4
+            # A client of both routers (what a headless Service resolves to) spreads its calls.
+            both = "ipv4:" + ",".join(cluster.router_addresses)
+            with BatonClient(both, timeout=60, load_balancing="round_robin") as spread:
+                for i in range(4):
+                    spread.generate(token_ids=[300 + i, 301, 302], max_tokens=2)
+            counts = [client.cluster_status().routing["requests"] for client in (first, second)]
+            assert counts[0] >= 4 + 1 and counts[1] >= 4 + 1 and sum(counts) == 8 + 4, counts
     assert holders, "no prefill worker held a prefix"
 
 

@@ -119,7 +119,9 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode():
     try:
         env = {"BATON_TRACING_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_BSP_SCHEDULE_DELAY": "100"}
         with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=2, extra_env=env) as cluster:
-            with BatonClient(cluster.router_address, timeout=120) as client:
+            # The caller traces too: the SDK sends its current span's context with the call.
+            with BatonClient(cluster.router_address, timeout=120) as client, \
+                    TracerProvider().get_tracer("app").start_as_current_span("caller") as caller:
                 result = client.generate(token_ids=[11, 12, 13, 14], max_tokens=5, ignore_eos=True)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and len(collector.spans) < 8:
@@ -132,9 +134,9 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode():
                         "prefill": "baton-prefill", "transfer": "baton-prefill", "staging": "baton-decode",
                         "admission": "baton-decode", "decode": "baton-decode"}, services
     root = next(span for _, span in collector.spans if span.name == "baton.request")
-    assert not root.parent_span_id
+    assert root.parent_span_id == caller.get_span_context().span_id.to_bytes(8, "big")
     for _, span in collector.spans:
-        assert span.trace_id == root.trace_id
+        assert span.trace_id == caller.get_span_context().trace_id.to_bytes(16, "big")
         assert span is root or span.parent_span_id == root.span_id, span.name
         assert span.end_time_unix_nano >= span.start_time_unix_nano
     attributes = {a.key: a.value for a in root.attributes}

@@ -65,7 +65,12 @@ app.kubernetes.io/component: {{ .role }}
 {{- $v := index .root.Values .role }}
 {{- $repo := $v.image.repository | default .root.Values.image.repository }}
 {{- $tag := $v.image.tag | default .root.Values.image.tag | default .root.Chart.AppVersion }}
+{{- $digest := $v.image.digest | default .root.Values.image.digest }}
+{{- if $digest }}
+{{- printf "%s@%s" $repo $digest }}
+{{- else }}
 {{- printf "%s:%s" $repo $tag }}
+{{- end }}
 {{- end }}
 
 {{- define "baton.imagePullPolicy" -}}
