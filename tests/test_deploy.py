@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import copy
 import fcntl
+import importlib.util
 import json
 import os
 import re
@@ -741,6 +742,34 @@ def test_chart_config_keys_are_accepted_by_the_processes(helm_report, case, tmp_
     assert unknown_env_keys(env_names) == []
 
 
+def test_compose_test_runs_every_service_on_the_host_network_without_published_ports(tmp_path, monkeypatch):
+    """What `make compose-test` brings up: the compose file with its host-network override, each
+    service reaching the others on 127.0.0.1 at the ports the test picked."""
+    docker_compose()  # installed, or the test is skipped
+    spec = importlib.util.spec_from_file_location("compose_test", REPO / "deploy" / "compose" / "compose_test.py")
+    compose_test = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compose_test)
+    monkeypatch.setattr(compose_test, "MERGED", tmp_path / "merged.yaml")
+    compose_test.write_merged_compose_file()
+    ports = {f"BATON_TEST_{name}_PORT": str(30000 + i) for i, name in enumerate(
+        ["ROUTER", "HTTP", "ROUTER_METRICS", "PREFILL", "PREFILL_METRICS", "DECODE", "DECODE_METRICS", "REDIS"])}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("BATON_")}, **ports,
+           "BATON_CLUSTER_TOKEN": COMPOSE_TOKEN, "BATON_TEST_BASE_IMAGE": "baton-debian:test"}
+    done = subprocess.run([docker_compose(), "-f", str(tmp_path / "merged.yaml"), "config"], capture_output=True,
+                          text=True, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]
+    assert all(s["network_mode"] == "host" and "ports" not in s for s in services.values())
+    assert services["redis"]["image"] == "baton-debian:test"
+    router_env = services["router"]["environment"]
+    assert unknown_env_keys([name for s in services.values() for name in s.get("environment", {})]) == []
+    assert router_env["BATON_ROUTER_PREFILL_WORKERS"] == "127.0.0.1:30003"
+    assert router_env["BATON_ROUTER_REDIS_URL"] == "redis://127.0.0.1:30007/0"
+    assert services["decode"]["healthcheck"]["test"] == ["CMD", "baton-health", "--port", "30005"]
+    settings = load_settings(str(COMPOSE_CONFIG), env={k: str(v) for k, v in services["router"]["environment"].items()})
+    assert (settings.router.port, settings.router.http_port) == (30000, 30001)
+
+
 def test_compose_config_keys_are_accepted_and_match_the_chart(helm_report, compose):
     config = yaml.safe_load(COMPOSE_CONFIG.read_text())
     assert unknown_config_keys(config) == []
@@ -783,6 +812,28 @@ def test_dockerfile_cuda_switch_drops_only_the_torch_pins(tmp_path):
     before = set((REPO / "constraints.txt").read_text().splitlines())
     after = set(constraints.read_text().splitlines())
     assert {line.split("==")[0] for line in before - after} == {"torch", "triton"}
+
+
+@pytest.mark.parametrize("pin_torch, python_in_base, expected", [
+    ("1", True, None),  # CPU on python:3.11-slim: nothing from apt
+    ("1", False, "python3 python3-venv"),
+    ("0", False, "python3 python3-venv python3-dev gcc libc6-dev"),  # CUDA base: Triton's launcher build
+    ("0", True, "gcc libc6-dev"),
+])
+def test_the_image_installs_what_triton_needs_on_cuda(tmp_path, pin_torch, python_in_base, expected):
+    """The Dockerfile's first RUN, run with apt-get (and python3 where the base has it) stubbed."""
+    step = re.search(r"^RUN (packages=.*?python3 -m venv \"\$VIRTUAL_ENV\")$", DOCKERFILE.read_text(), re.M | re.S)
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name in ["apt-get", "rm", *(["python3"] if python_in_base else [])]:
+        (stubs / name).write_text(f"#!/bin/sh\necho {name} \"$@\" >> {tmp_path}/calls\n")
+        (stubs / name).chmod(0o755)
+    subprocess.run(["/bin/sh", "-c", step.group(1).replace("\\\n", " ")], env={"PATH": str(stubs),
+                   "PIN_TORCH": pin_torch, "VIRTUAL_ENV": "/venv"})
+    calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
+    installs = [c for c in calls if c.startswith("apt-get install")]
+    assert installs == ([] if expected is None else
+                        [f"apt-get install -y --no-install-recommends {expected}"]), calls
 
 
 def test_dockerfile_passes_hadolint(helm_python, tmp_path):
