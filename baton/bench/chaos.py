@@ -59,7 +59,7 @@ PUSH_CUTS = {"ABORTED", "CANCELLED"}  # cut by the receiver: too slow (ABORTED) 
 def add_arguments(parser) -> None:
     # The tiny random model unless --model says otherwise: its greedy references cost nothing.
     parser.set_defaults(model="tiny-random")
-    parser.add_argument("--duration", type=float, default=None, help="seconds of load (default 300; --quick: 35)")
+    parser.add_argument("--duration", type=float, default=None, help="seconds of load (default 300; --quick: 25)")
     parser.add_argument("--seed", type=int, default=None,
                         help="seeds the prompts, the load and the fault schedule (default 7)")
     parser.add_argument("--clients", type=int, default=None, help="client threads (default 4; --quick: 3)")
@@ -477,7 +477,7 @@ def references(model: str, dtype: str, seed: int) -> tuple[Any, list[list[int]],
 def run(opts: BenchOptions) -> dict[str, Any]:
     from baton.up import LocalCluster
 
-    duration = float(opts.extra.get("duration") or (35 if opts.quick else 300))
+    duration = float(opts.extra.get("duration") or (25 if opts.quick else 300))
     seed = 7 if opts.extra.get("seed") is None else int(opts.extra["seed"])
     clients = int(opts.extra.get("clients") or (3 if opts.quick else 4))
     every = float(opts.extra.get("fault_every") or (5 if opts.quick else 12))

@@ -20,7 +20,7 @@ RELAY_ENGINES = ("static", "continuous", "local", "cluster")  # BATON's comparis
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-sizes", help="comma-separated (default 2,4,6,8,10; quick 2,4)")
+    parser.add_argument("--batch-sizes", help="comma-separated (default 2,4,6,8,10; quick 4)")
     parser.add_argument("--engines", help=f"comma-separated, from {','.join(ENGINES)} (default "
                                           f"{','.join(RELAY_ENGINES)})")
     parser.add_argument("--queries", type=int, help="how many of the 30 queries (quick: 6)")
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(opts: BenchOptions) -> dict[str, Any]:
     count = opts.extra.get("queries") or (6 if opts.quick else 30)
     max_tokens = opts.extra.get("max_tokens") or (24 if opts.quick else 200)
-    sizes = parse_ints(opts.extra.get("batch_sizes"), [2, 4] if opts.quick else [2, 4, 6, 8, 10])
+    sizes = parse_ints(opts.extra.get("batch_sizes"), [4] if opts.quick else [2, 4, 6, 8, 10])
     engines = parse_engines(opts.extra.get("engines"))
     opts.say(f"relay: {count} short chat queries, greedy, up to {max_tokens} new tokens, batch sizes "
              f"{', '.join(map(str, sizes))}")
