@@ -206,7 +206,7 @@ class DecodeSettings:
     port: int = 50071
     max_rows: int = 8  # decode batch rows
     kv_budget_bytes: int = 1 << 30  # the batch KV never exceeds this
-    staging_bytes: int = 512 << 20  # CPU staging pool for landed KV
+    staging_bytes: int = 512 << 20  # the host KV pool: landed KV waiting for a row and parked rows' KV
     # Requests waiting for KV before RESOURCE_EXHAUSTED; with max_rows it also bounds every request
     # held here (waiting for KV or a row, or decoding), each holding a server thread.
     max_pending: int = 256

@@ -86,6 +86,10 @@ class DecodeCore:
         # Told when a request's staged KV is no longer needed (embedded or dropped), so the
         # staging pool can take its bytes back.
         self.on_kv_consumed = on_kv_consumed or (lambda request_id: None)
+        # A parked row's KV lives in the same host pool, inside the same byte bound: hold_parked
+        # claims its bytes (False: no room, the row is not parked), release_parked returns them.
+        self.hold_parked: Callable[[str, int], bool] = lambda request_id, nbytes: True
+        self.release_parked: Callable[[str], None] = lambda request_id: None
         loaded = runner.loaded
         shape = loaded.kv_shape
         max_columns = min(loaded.max_context, config.kv_budget_bytes // (config.max_rows * shape.bytes_per_token()))
@@ -98,7 +102,8 @@ class DecodeCore:
         self.scheduler = DecodeScheduler(SchedulerConfig(
             config.max_rows, max_columns, high_watermark_slots=config.high_watermark_bytes // per_slot,
             low_watermark_slots=config.low_watermark_bytes // per_slot, max_waiting=config.max_waiting,
-            max_requests=config.max_waiting + config.max_rows if config.max_waiting else 0))
+            max_requests=config.max_waiting + config.max_rows if config.max_waiting else 0),
+            can_park=lambda seq: self.hold_parked(seq.request_id, seq.num_kv_tokens * per_slot))
 
     @property
     def finished_total(self) -> int:
@@ -224,6 +229,7 @@ class DecodeCore:
         plan = self.scheduler.schedule()
         for seq, row in plan.parked:
             seq.engine.kv = SequenceKV(self.batch.extract(row).data.cpu())  # all but the newest token, exactly
+            assert seq.engine.kv.nbytes == seq.num_kv_tokens * self.batch.shape.bytes_per_token(), "held != parked"
             self.batch.release(row)
         for seq in plan.admitted:
             live: _Live = seq.engine
@@ -233,6 +239,8 @@ class DecodeCore:
             row = self.batch.embed(live.kv)
             assert row == seq.row, f"batch row {row} != scheduler row {seq.row}"
             live.kv = None
+            if not first:
+                self.release_parked(seq.request_id)
             if first:
                 self.on_kv_consumed(seq.request_id)
                 live.request.trace.mark("admitted")
@@ -276,6 +284,8 @@ class DecodeCore:
         if live.kv is not None:
             if status in (Status.WAITING, Status.STAGED):  # the prefill's KV: its staging bytes go back
                 self.on_kv_consumed(seq.request_id)
+            elif status is Status.PARKED:  # a parked row's KV: its host bytes go back
+                self.release_parked(seq.request_id)
             live.kv = None
 
     def _output(self, live: _Live, delta: str, finish_reason: str | None) -> RequestOutput:

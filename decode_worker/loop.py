@@ -94,6 +94,7 @@ class DecodeLoop:
         self.draining = threading.Event()
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
         core.on_kv_consumed = pool.release
+        core.hold_parked, core.release_parked = pool.hold, pool.release  # one host bound for staged and parked KV
 
     def start(self) -> "DecodeLoop":
         self._thread.start()

@@ -16,7 +16,8 @@ exactly as `engine.batch_kv.BatchKV.release` does.
 
 Two pressures park a running row (its KV goes to host memory, to be re-embedded later with
 nothing recomputed): a staged request of higher priority when no row is free, and batch KV
-above the high watermark. Below the low watermark the scheduler admits again.
+above the high watermark. Below the low watermark the scheduler admits again. Host memory is
+bounded too: `can_park(seq)` (the decode worker's host pool) may refuse, and the row then stays.
 
 Thread-safety: registration, lookups, counts and taking a moving request may come from any
 thread (RPC threads); the rest is the decode loop's. One lock keeps each call atomic, and no
@@ -27,7 +28,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, Callable
 
 
 class Status(IntEnum):
@@ -112,8 +113,10 @@ class SchedulerOutput:
 
 
 class DecodeScheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, can_park: Callable[[DecodeSequence], bool] = lambda seq: True):
         self.config = config
+        self.can_park = can_park  # asked before a row is parked: host room for its KV, claimed if True
+        self.park_refused_total = 0
         self.requests: dict[str, DecodeSequence] = {}  # every request here, whatever its status
         self.staged: list[DecodeSequence] = []  # STAGED and PARKED: highest priority first, arrival order within one
         self.rows: list[DecodeSequence] = []  # RUNNING, in row order
@@ -192,12 +195,12 @@ class DecodeScheduler:
             out = SchedulerOutput()
             high = self.config.high_watermark_slots
             while high and len(self.rows) > 1 and self.window_slots() > high:
-                self._park(self._lowest_priority_row(), out)
+                if not self._park(self._lowest_priority_row(), out):
+                    break
             while self.staged and len(self.rows) >= self.config.max_rows:
                 victim = self._lowest_priority_row()
-                if self.staged[0].priority <= victim.priority:
+                if self.staged[0].priority <= victim.priority or not self._park(victim, out):
                     break
-                self._park(victim, out)
             while self.staged and self.can_admit(self.staged[0]):
                 seq = self.staged.pop(0)
                 if seq.status is Status.PARKED:
@@ -213,11 +216,16 @@ class DecodeScheduler:
         # Among the lowest priority, the latest admitted: it has the least work to lose in waiting.
         return min(reversed(self.rows), key=lambda s: s.priority)
 
-    def _park(self, seq: DecodeSequence, out: SchedulerOutput) -> None:
+    def _park(self, seq: DecodeSequence, out: SchedulerOutput) -> bool:
+        """Park `seq` if the host has room for its KV; False (it keeps its row) if not."""
+        if not self.can_park(seq):
+            self.park_refused_total += 1
+            return False
         out.parked.append((seq, seq.row))
         self._release(seq)
         self._queue(seq, Status.PARKED, front=True)
         self.parked_total += 1
+        return True
 
     def append_tokens(self, token_ids: list[int]) -> None:
         """Record the token each row sampled this step."""

@@ -180,7 +180,8 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     metrics.gauge("baton_decode_rows_in_use", "Decode batch rows occupied", lambda: core.batch.num_rows)
     metrics.gauge("baton_decode_kv_allocated_bytes", "Batch KV bytes allocated", core.batch.allocated_bytes)
     metrics.gauge("baton_decode_kv_useful_bytes", "Batch KV bytes holding real tokens", core.batch.useful_bytes)
-    metrics.gauge("baton_decode_staged_bytes", "CPU staging pool bytes in use", lambda: pool.stats().used_bytes)
+    metrics.gauge("baton_decode_staged_bytes", "Host KV pool bytes in use: staged KV and parked rows, within "
+                  "decode.staging_bytes", lambda: pool.stats().used_bytes)
     metrics.gauge("baton_decode_waiting_for_kv", "Requests whose KV has not landed", loop.num_waiting)
     metrics.gauge("baton_decode_queue_depth", "Landed requests waiting for a row", lambda: core.scheduler.num_staged)
     metrics.counter("baton_decode_preemptions", "Rows parked on the host (priority or KV watermark)",
@@ -192,7 +193,10 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     metrics.gauge("vllm:kv_cache_usage_perc", "Share of the KV budget holding tokens (1 = full)",
                   lambda: core.batch.useful_bytes() / core.config.kv_budget_bytes)
     metrics.counter("vllm:num_preemptions", "Rows parked on the host", lambda: core.scheduler.parked_total)
-    metrics.gauge("baton_decode_parked_bytes", "KV of parked rows held in host memory", core.parked_bytes)
+    metrics.gauge("baton_decode_parked_bytes", "KV of parked rows held in host memory (part of the host pool)",
+                  core.parked_bytes)
+    metrics.counter("baton_decode_park_refused", "Rows not parked because the host KV pool was full",
+                    lambda: core.scheduler.park_refused_total)
     metrics.serve(settings.metrics_port, settings.host)
     receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape, max_tokens=core.max_columns))
     decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}", tls, token)

@@ -14,6 +14,9 @@ entries. Every request id moves through one lifecycle; each step names who calls
                                 retried push for the same id may then reserve again)
     take(id) -> StagedKV        consumer: LANDED -> TAKEN; it now owns the tensor...
     release(id)                 ...and hands the bytes back when done with it
+    hold(id, n) -> bool         consumer, for KV it keeps on the host itself (a parked row):
+                                TAKEN at once if there is room now and no push waits for
+                                room, else False; release(id) gives the bytes back
     cancel(id)                  anyone, any time: frees whatever the id holds in any state,
                                 wakes a waiting reserve and stops an in-flight receiver
 
@@ -255,6 +258,23 @@ class StagingPool:
             entry.cancelled = True
             self._remove_locked(entry)
             return entry.nbytes
+
+    # -- the consumer's own host KV (parked rows) -------------------------------------------------
+    def hold(self, request_id: str, nbytes: int) -> bool:
+        """Claim nbytes at once for KV the consumer keeps on the host itself (a row parked out of
+        the batch), inside the same bound as staged KV. False when there is no room now, or when
+        pushes already wait for room (they came first). release() gives the bytes back."""
+        if nbytes <= 0:
+            raise ValueError(f"hold needs a positive byte count, got {nbytes}")
+        with self._lock:
+            self._expire_landed_locked()
+            if request_id in self._entries:
+                raise KVDuplicate(f"request {request_id!r} already holds staging room")
+            if self._waiters or not self._fits_locked(nbytes):
+                return False
+            self._entries[request_id] = Reservation(request_id, nbytes, state=EntryState.TAKEN)
+            self._add_used_locked(nbytes)
+            return True
 
     # -- observation --------------------------------------------------------------------------
     def landed_ids(self) -> list[str]:

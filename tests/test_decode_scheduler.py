@@ -68,6 +68,21 @@ def test_higher_priority_parks_the_lowest_priority_row():
     assert sched.schedule().parked == []
 
 
+def test_a_row_the_host_has_no_room_for_stays_in_the_batch():
+    asked = []
+    sched = DecodeScheduler(SchedulerConfig(max_rows=1, max_columns=100, high_watermark_slots=4),
+                            can_park=lambda s: asked.append(s.request_id) or False)
+    a = seq("a", prompt=10)
+    sched.add_staged(a)
+    sched.schedule()
+    urgent = seq("urgent")
+    urgent.priority = 5
+    sched.add_staged(urgent)
+    out = sched.schedule()  # neither the watermark nor the priority can park "a": the host is full
+    assert out.parked == [] and [s.request_id for s in out.running] == ["a"] and urgent.status is Status.STAGED
+    assert asked == ["a"] and sched.park_refused_total == 1
+
+
 def test_watermarks_park_above_high_and_admit_below_low():
     # Each row holds 4 prompt tokens + 1 output; a step's window needs one more column per row.
     sched = DecodeScheduler(SchedulerConfig(max_rows=4, max_columns=100, high_watermark_slots=12,

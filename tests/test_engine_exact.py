@@ -150,6 +150,36 @@ def test_preempted_and_resumed_requests_are_token_identical(tiny_model, tiny_ref
     assert engine.decode.parked_bytes() == 0 and engine.decode.batch.num_rows == 0
 
 
+def test_a_priority_storm_parks_rows_only_while_the_host_pool_has_room(tiny_model, tiny_reference):
+    """Parked rows live in the worker's one host pool (kvtransfer.staging): its bound holds under
+    wave after wave of higher-priority arrivals, refused parks keep their rows, and every request
+    is exact."""
+    from baton.kvtransfer.staging import StagingConfig, StagingPool
+
+    per_token = tiny_model.kv_shape.bytes_per_token()
+    pool = StagingPool(StagingConfig(capacity_bytes=45 * per_token))  # one parked row of ~40 tokens
+    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2))
+    engine.decode.hold_parked, engine.decode.release_parked = pool.hold, pool.release
+    rng = random.Random(11)
+    finals: dict = {}
+    ids = {}
+    for wave in range(4):  # each wave outranks everything before it
+        for _ in range(2):
+            prompt = [rng.randrange(50, 40000) for _ in range(rng.randint(20, 30))]
+            ids[engine.submit(prompt, SamplingParams(max_tokens=12, ignore_eos=True, priority=wave))] = prompt
+        for _ in range(3):
+            run_steps(engine, 1, finals)
+            used = pool.stats().used_bytes
+            assert used == engine.decode.parked_bytes() <= pool.config.capacity_bytes
+    while engine.has_work():
+        run_steps(engine, 1, finals)
+    scheduler = engine.decode.scheduler
+    assert scheduler.parked_total >= 1 and scheduler.park_refused_total >= 1
+    for rid, prompt in ids.items():
+        assert finals[rid].token_ids == tiny_reference.greedy(prompt, 12)
+    assert pool.stats().used_bytes == 0 and engine.decode.parked_bytes() == 0
+
+
 def test_kv_high_watermark_parks_rows_and_low_watermark_readmits(tiny_model, tiny_reference):
     per_token = tiny_model.kv_shape.bytes_per_token()
     config = DecodeConfig(max_rows=4, high_watermark_bytes=3 * 60 * per_token, low_watermark_bytes=2 * 60 * per_token)

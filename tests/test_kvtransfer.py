@@ -452,6 +452,24 @@ def test_take_release_protocol_errors():
     assert_pool_empty(pool)
 
 
+def test_parked_kv_holds_room_in_the_same_bound_and_never_jumps_waiting_pushes():
+    pool = StagingPool(StagingConfig(capacity_bytes=1000))
+    assert pool.hold("parked", 700) and pool.stats().taken_bytes == 700
+    assert not pool.hold("another", 400)  # over the bound: refused at once, no waiting
+    with pytest.raises(KVPoolFull):
+        pool.reserve("push", 400, timeout_s=0)
+    waiting = threading.Thread(target=lambda: pool.reserve("push", 400, timeout_s=5))
+    waiting.start()
+    while not pool.stats().waiting:
+        time.sleep(0.01)
+    assert not pool.hold("small", 100)  # room exists, but a push waits for room: it goes first
+    assert pool.release("parked") == 700
+    waiting.join(timeout=5)
+    assert pool.stats().reserved_bytes == 400
+    pool.cancel("push")
+    assert_pool_empty(pool)
+
+
 def test_landed_kv_nobody_takes_expires():
     pool = StagingPool(StagingConfig(capacity_bytes=1000, landed_ttl_s=0.05))
     pool.land(pool.reserve("r", 512, timeout_s=0), random_kv(SHAPES["float32"], 2), b"")

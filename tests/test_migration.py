@@ -133,15 +133,18 @@ def test_evicting_a_parked_row_frees_its_host_kv(runner, tiny_reference):
     low, urgent = list(range(200, 230)), list(range(500, 512))
     released = Released()
     source = DecodeCore(runner, DecodeConfig(max_rows=1), on_kv_consumed=released)
+    host = StagingPool(StagingConfig(capacity_bytes=1 << 20))  # where the worker keeps parked rows
+    source.hold_parked, source.release_parked = host.hold, host.release
     low_params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     source.add(prefilled(runner, "low", low, low_params))
     for _ in range(5):
         source.step()
     source.add(prefilled(runner, "urgent", urgent, SamplingParams(max_tokens=4, ignore_eos=True, priority=5)))
     source.step()  # parks "low" on the host for the higher priority
-    assert source.scheduler.parked_total == 1 and source.parked_bytes() > 0
+    assert source.scheduler.parked_total == 1 and source.parked_bytes() == host.stats().taken_bytes > 0
     ev = source.evict("low")
     assert source.parked_bytes() == 0 and len(ev.token_ids) == 6
+    assert host.stats().used_bytes == 0  # its host bytes went back with it
     target = DecodeCore(runner, DecodeConfig(max_rows=1))
     target.add(resumed(ev, low_params))
     tokens: dict[str, list[int]] = {}
