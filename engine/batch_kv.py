@@ -6,6 +6,11 @@ headroom on both sides: each step appends one column for every row; a prefilled 
 end-aligned into a free row, its front filled with placeholders that attention masks out; a KV
 longer than the window grows it on the left; columns that are padding for every row are
 released from the left.
+
+The buffer follows what it holds: its rows double (up to `max_rows`) as rows join and halve
+when three quarters of them are free; its columns grow as the window does and shrink when the
+window uses under a quarter of them. Each change is one copy of the live KV, amortised by the
+doubling, so allocated bytes stay within a small factor of the window's.
 """
 from __future__ import annotations
 
@@ -20,13 +25,14 @@ class BatchKVFull(RuntimeError):
 
 class BatchKV:
     def __init__(self, shape: KVShape, max_rows: int, *, max_columns: int, initial_columns: int = 256,
-                 device: torch.device | str = "cpu"):
+                 initial_rows: int = 1, device: torch.device | str = "cpu"):
         if max_rows < 1 or max_columns < 1:
             raise ValueError(f"max_rows and max_columns must be >= 1 (got {max_rows}, {max_columns})")
         self.shape = shape
         self.max_rows = max_rows
         self.max_columns = max_columns
         self.initial_columns = min(initial_columns, max_columns)
+        self.initial_rows = max(1, min(initial_rows, max_rows))
         self.device = torch.device(device)
         self.starts: list[int] = []  # per occupied row: first valid window column
         self.offset = 0  # buffer column where the window begins
@@ -36,13 +42,18 @@ class BatchKV:
         self.left_growths = 0
         self.released_columns = 0
         self.embeds = 0
-        self.buffer = self._allocate(self.initial_columns)
+        self.shrinks = 0
+        self.buffer = self._allocate(self.initial_rows, self.initial_columns)
 
-    # buffer: [layers, 2, max_rows, kv_heads, capacity, head_dim]
-    def _allocate(self, columns: int) -> torch.Tensor:
+    # buffer: [layers, 2, row_capacity, kv_heads, capacity, head_dim]
+    def _allocate(self, rows: int, columns: int) -> torch.Tensor:
         s = self.shape
-        return torch.zeros(s.num_layers, 2, self.max_rows, s.num_kv_heads, columns, s.head_dim,
+        return torch.zeros(s.num_layers, 2, rows, s.num_kv_heads, columns, s.head_dim,
                            dtype=s.dtype, device=self.device)
+
+    @property
+    def row_capacity(self) -> int:
+        return self.buffer.shape[2]
 
     @property
     def num_rows(self) -> int:
@@ -78,6 +89,8 @@ class BatchKV:
         if self.num_rows >= self.max_rows:
             raise BatchKVFull(f"all {self.max_rows} rows are occupied")
         tokens = kv.num_tokens
+        if self.num_rows == self.row_capacity:  # room for one more row: double, up to max_rows
+            self._relayout(0, 0, rows=min(self.max_rows, 2 * self.row_capacity))
         if tokens > self.length:
             self._grow_left(tokens - self.length)
         row = self.num_rows
@@ -133,6 +146,7 @@ class BatchKV:
             self._reset()
         else:
             self.release_leading_columns()
+            self._shrink_if_sparse()
         return moved
 
     def release_leading_columns(self) -> int:
@@ -162,19 +176,37 @@ class BatchKV:
         self.left_growths += 1
         self.starts = [s + extra for s in self.starts]
 
-    def _relayout(self, extra_left: int, extra_right: int) -> None:
-        """Move the window into a buffer with room for the requested growth (rare: doubling)."""
+    def _shrink_if_sparse(self) -> None:
+        """Rows left or the window narrowed: give back what is three quarters unused (keeping
+        twice what is used, so a row or column joining next does not reallocate at once)."""
+        rows, columns = self.row_capacity, self.capacity
+        if rows > self.initial_rows and 4 * self.num_rows <= rows:
+            rows = max(self.initial_rows, 2 * self.num_rows)
+        if columns > self.initial_columns and 4 * (self.length + 1) <= columns:
+            columns = max(self.initial_columns, 2 * (self.length + 1))
+        if (rows, columns) != (self.row_capacity, self.capacity):
+            self._relayout(0, 0, rows=rows, columns=columns)
+            self.shrinks += 1
+
+    def _relayout(self, extra_left: int, extra_right: int, rows: int | None = None,
+                  columns: int | None = None) -> None:
+        """Move the live rows and window into a new buffer: with room for the requested growth
+        (doubling), or of the given rows and columns."""
         needed = extra_left + self.length + extra_right
-        columns = self.capacity
-        if needed > columns:
-            columns = min(max(needed, 2 * columns), self.max_columns)
+        if columns is None:
+            columns = self.capacity
+            if needed > columns:
+                columns = min(max(needed, 2 * columns), self.max_columns)
+        rows = self.row_capacity if rows is None else rows
+        assert rows >= self.num_rows and columns >= needed, "a relayout must keep every live row and column"
         new_offset = extra_left
         # Zeroed, not empty: masked placeholder columns are multiplied by a zero attention weight,
         # and 0 * NaN from uninitialised memory would poison the row.
-        buffer = self._allocate(columns)
-        if self.length:
+        buffer = self._allocate(rows, columns)
+        if self.length and self.num_rows:
             old = slice(self.offset, self.offset + self.length)
-            buffer[:, :, :, :, new_offset:new_offset + self.length].copy_(self.buffer[:, :, :, :, old])
+            live = slice(0, self.num_rows)
+            buffer[:, :, live, :, new_offset:new_offset + self.length].copy_(self.buffer[:, :, live, :, old])
         self.buffer = buffer
         self.offset = new_offset
         self.reallocations += 1
@@ -183,5 +215,5 @@ class BatchKV:
         """The batch emptied: start over at the initial size."""
         self.offset = 0
         self.length = 0
-        if self.capacity != self.initial_columns:
-            self.buffer = self._allocate(self.initial_columns)
+        if (self.row_capacity, self.capacity) != (self.initial_rows, self.initial_columns):
+            self.buffer = self._allocate(self.initial_rows, self.initial_columns)

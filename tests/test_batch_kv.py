@@ -85,3 +85,25 @@ def test_placeholder_columns_are_always_finite():
         batch.append_column()
     batch.embed(kv_of(60, 1.0))  # forces a left growth
     assert torch.isfinite(batch.buffer).all()
+
+
+def test_the_buffer_follows_its_rows_and_window_through_a_burst():
+    """Rows double as they join and the allocation shrinks once a burst has left, contents intact."""
+    per_token = SHAPE.bytes_per_token()
+    batch = BatchKV(SHAPE, max_rows=16, max_columns=4096, initial_columns=8)
+    kvs = [kv_of(30 + i, 10.0 * i) for i in range(12)]
+    for kv in kvs:
+        batch.embed(kv)
+        assert batch.num_rows <= batch.row_capacity <= 2 * batch.num_rows  # never more than twice the rows
+    assert batch.row_capacity == 16
+    for _ in range(300):  # a long decode: the window grows to ~340 columns
+        batch.append_column()
+    peak = batch.allocated_bytes()
+    assert peak <= 2 * 16 * (batch.length + 1) * per_token
+    for _ in range(11):  # the burst leaves; the first row stays
+        batch.release(batch.num_rows - 1)
+    assert batch.num_rows == 1 and batch.row_capacity <= 2 and batch.shrinks >= 1
+    assert batch.allocated_bytes() <= peak / 8
+    survivor = batch.extract(0).data
+    assert torch.equal(survivor[..., :30, :], kvs[0].data)  # its prefilled KV survived every relayout
+    assert batch.allocated_bytes() <= 4 * batch.window_bytes()
