@@ -373,10 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     decode = sub.add_parser("decode", help="run a decode worker")
     _serve_args(decode, "decode", 50071)
-    decode.add_argument("--max-rows", type=int, help="decode batch rows (default 8)")
+    decode.add_argument("--max-rows", type=int, help="decode batch rows at most (default 8)")
     decode.add_argument("--kv-budget-bytes", type=int,
-                        help="the batch KV never exceeds this; it also bounds the context served (default 1 GiB)")
-    decode.add_argument("--staging-bytes", type=int, help="CPU staging pool for landed KV (default 512 MiB)")
+                        help="the batch KV never exceeds this: rows join while every row at its longest fits, "
+                             "and one row's longest bounds the context served (default 0: a share of the "
+                             "device's free memory)")
+    decode.add_argument("--staging-bytes", type=int,
+                        help="the host KV pool: landed KV and parked rows (default 512 MiB)")
     decode.add_argument("--drain-move-after-s", type=float,
                         help="on SIGTERM, seconds before running requests move with their KV to another decode worker "
                              "(default 5)")

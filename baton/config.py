@@ -205,7 +205,9 @@ class DecodeSettings:
     host: str = "0.0.0.0"
     port: int = 50071
     max_rows: int = 8  # decode batch rows
-    kv_budget_bytes: int = 1 << 30  # the batch KV never exceeds this
+    # The batch KV never exceeds this; rows join while every row at its longest (prompt +
+    # max_tokens) would fit, so max_rows is a cap. 0: a share of the device's free memory.
+    kv_budget_bytes: int = 0
     staging_bytes: int = 512 << 20  # the host KV pool: landed KV waiting for a row and parked rows' KV
     # Requests waiting for KV before RESOURCE_EXHAUSTED; with max_rows it also bounds every request
     # held here (waiting for KV or a row, or decoding), each holding a server thread.

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
-from baton.engine.batch_kv import BatchKV
+from baton.engine.batch_kv import BatchKV, default_kv_budget
 from baton.engine.kv import SequenceKV
 from baton.engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput, effective_max_tokens
 from baton.engine.executors import Runner
@@ -17,13 +17,12 @@ from baton.engine.sampling import INVALID_TOKEN, RequestSampler, SamplingParams,
 from baton.engine.stopping import FinishReason, StopChecker
 from baton.sampling import TokenLogprob
 
-DEFAULT_KV_BUDGET_BYTES = 1 << 30
-
-
 @dataclass(frozen=True)
 class DecodeConfig:
-    max_rows: int = 8
-    kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES  # the batch KV may never exceed this
+    max_rows: int = 8  # a cap: how many rows run is what kv_budget_bytes allows
+    # The batch KV never exceeds this (allocated bytes); 0: derived from the device's free memory
+    # (engine.batch_kv.default_kv_budget). Rows join while every row at its longest would fit it.
+    kv_budget_bytes: int = 0
     initial_columns: int = 256
     # Batch KV (rows x window) watermarks: above high, rows are parked on the host; new rows are
     # admitted only while the batch stays at or below low. 0 turns them off.
@@ -36,8 +35,9 @@ class DecodeConfig:
     def __post_init__(self):
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1 (got {self.max_rows})")
-        if self.kv_budget_bytes < 1:
-            raise ValueError(f"kv_budget_bytes must be >= 1 (got {self.kv_budget_bytes})")
+        if self.kv_budget_bytes < 0:
+            raise ValueError(f"kv_budget_bytes must be >= 0 (got {self.kv_budget_bytes}; 0 derives it from the "
+                             "device's memory)")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 (got {self.max_waiting})")
 
@@ -92,17 +92,20 @@ class DecodeCore:
         self.release_parked: Callable[[str], None] = lambda request_id: None
         loaded = runner.loaded
         shape = loaded.kv_shape
-        max_columns = min(loaded.max_context, config.kv_budget_bytes // (config.max_rows * shape.bytes_per_token()))
-        if max_columns < 2:
-            raise ValueError(f"kv_budget_bytes={config.kv_budget_bytes} is too small for {config.max_rows} rows; "
-                             f"each row needs {shape.bytes_per_token()} bytes per token")
-        self.batch = BatchKV(shape, config.max_rows, max_columns=max_columns,
-                             initial_columns=config.initial_columns, device=loaded.device)
         per_slot = shape.bytes_per_token()
+        self.kv_budget_bytes = config.kv_budget_bytes or default_kv_budget(loaded.device)
+        # One row may take the whole budget: a long request runs alone, short ones many at a time.
+        max_columns = min(loaded.max_context, self.kv_budget_bytes // per_slot)
+        if max_columns < 2:
+            raise ValueError(f"kv_budget_bytes={self.kv_budget_bytes} is too small: a row needs {per_slot} bytes "
+                             "per token, and at least two tokens")
+        self.batch = BatchKV(shape, config.max_rows, max_columns=max_columns, initial_columns=config.initial_columns,
+                             budget_bytes=self.kv_budget_bytes, device=loaded.device)
         self.scheduler = DecodeScheduler(SchedulerConfig(
             config.max_rows, max_columns, high_watermark_slots=config.high_watermark_bytes // per_slot,
             low_watermark_slots=config.low_watermark_bytes // per_slot, max_waiting=config.max_waiting,
-            max_requests=config.max_waiting + config.max_rows if config.max_waiting else 0),
+            max_requests=config.max_waiting + config.max_rows if config.max_waiting else 0,
+            budget_slots=self.kv_budget_bytes // per_slot),
             can_park=lambda seq: self.hold_parked(seq.request_id, seq.num_kv_tokens * per_slot))
 
     @property

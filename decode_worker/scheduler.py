@@ -93,6 +93,10 @@ class SchedulerConfig:
     # requests here at all (each one holds a Decode call's server thread).
     max_waiting: int = 0
     max_requests: int = 0
+    # The KV budget in token slots (0: none beyond max_columns a row): a row joins only while
+    # every row, at its longest (prompt + max_tokens), would still fit it. So max_rows is a cap
+    # and memory sets the batch size: many short requests, or a few long ones.
+    budget_slots: int = 0
 
     def __post_init__(self):
         if self.max_rows < 1 or self.max_columns < 1:
@@ -179,12 +183,21 @@ class DecodeScheduler:
         rows = self.rows + ([extra] if extra else [])
         return len(rows) * max((s.num_kv_tokens + 1 for s in rows), default=0)
 
+    def worst_case_slots(self, extra: DecodeSequence | None = None) -> int:
+        """Token slots the batch (with `extra` joining) would take if every row ran to its
+        max_tokens: rows x the longest row (rows stay end-aligned; leading columns are released)."""
+        rows = self.rows + ([extra] if extra else [])
+        return len(rows) * max((s.max_kv_tokens + 1 for s in rows), default=0)
+
     def can_admit(self, seq: DecodeSequence) -> bool:
         # The KV budget buys max_columns for every row, and leading columns are released as rows
         # finish, so the window never exceeds the longest row: a staged request (which fits_ever)
         # needs a free row, and the batch must stay under the low watermark (an empty batch
         # always admits, so one long request cannot wait forever).
         if len(self.rows) >= self.config.max_rows:
+            return False
+        budget = self.config.budget_slots
+        if budget and self.rows and self.worst_case_slots(seq) > budget:
             return False
         low = self.config.low_watermark_slots
         return not (low and self.rows and self.window_slots(seq) > low)

@@ -149,7 +149,7 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             draining=self.loop.draining.is_set(), preemptions=core.scheduler.parked_total,
             parked_bytes=core.parked_bytes(), migrations_out=self.loop.migrations["sent"],
             migrations_failed=self.loop.migrations["failed"], migrations_in=self.loop.migrations["received"],
-            max_context=core.max_context, kv_budget_bytes=core.config.kv_budget_bytes,
+            max_context=core.max_context, kv_budget_bytes=core.kv_budget_bytes,
             kv_bytes_per_token=core.batch.row_bytes_per_column,
         )
 
@@ -191,7 +191,7 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     metrics.gauge("vllm:num_requests_waiting", "Requests waiting for their KV or for a row",
                   lambda: loop.num_waiting() + core.scheduler.num_staged)
     metrics.gauge("vllm:kv_cache_usage_perc", "Share of the KV budget holding tokens (1 = full)",
-                  lambda: core.batch.useful_bytes() / core.config.kv_budget_bytes)
+                  lambda: core.batch.useful_bytes() / core.kv_budget_bytes)
     metrics.counter("vllm:num_preemptions", "Rows parked on the host", lambda: core.scheduler.parked_total)
     metrics.gauge("baton_decode_parked_bytes", "KV of parked rows held in host memory (part of the host pool)",
                   core.parked_bytes)

@@ -14,9 +14,28 @@ doubling, so allocated bytes stay within a small factor of the window's.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from baton.engine.kv import KVShape, SequenceKV
+
+CPU_KV_SHARE = 0.25  # of the host's available memory, for a CPU decode batch's default budget
+CUDA_KV_SHARE = 0.9  # of the device memory free once the model is loaded
+
+
+def default_kv_budget(device: torch.device | str) -> int:
+    """The batch KV budget when none is configured: a share of what the device has free now."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(CUDA_KV_SHARE * free)
+    try:
+        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo", encoding="ascii"))
+        available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(CPU_KV_SHARE * available)
 
 
 class BatchKVFull(RuntimeError):
@@ -25,7 +44,7 @@ class BatchKVFull(RuntimeError):
 
 class BatchKV:
     def __init__(self, shape: KVShape, max_rows: int, *, max_columns: int, initial_columns: int = 256,
-                 initial_rows: int = 1, device: torch.device | str = "cpu"):
+                 initial_rows: int = 1, budget_bytes: int | None = None, device: torch.device | str = "cpu"):
         if max_rows < 1 or max_columns < 1:
             raise ValueError(f"max_rows and max_columns must be >= 1 (got {max_rows}, {max_columns})")
         self.shape = shape
@@ -33,6 +52,7 @@ class BatchKV:
         self.max_columns = max_columns
         self.initial_columns = min(initial_columns, max_columns)
         self.initial_rows = max(1, min(initial_rows, max_rows))
+        self.budget_bytes = budget_bytes  # the buffer never allocates more (None: no limit)
         self.device = torch.device(device)
         self.starts: list[int] = []  # per occupied row: first valid window column
         self.offset = 0  # buffer column where the window begins
@@ -90,7 +110,7 @@ class BatchKV:
             raise BatchKVFull(f"all {self.max_rows} rows are occupied")
         tokens = kv.num_tokens
         if self.num_rows == self.row_capacity:  # room for one more row: double, up to max_rows
-            self._relayout(0, 0, rows=min(self.max_rows, 2 * self.row_capacity))
+            self._relayout(0, 0, rows=min(self.max_rows, 2 * self.row_capacity), least_rows=self.num_rows + 1)
         if tokens > self.length:
             self._grow_left(tokens - self.length)
         row = self.num_rows
@@ -189,7 +209,7 @@ class BatchKV:
             self.shrinks += 1
 
     def _relayout(self, extra_left: int, extra_right: int, rows: int | None = None,
-                  columns: int | None = None) -> None:
+                  columns: int | None = None, least_rows: int | None = None) -> None:
         """Move the live rows and window into a new buffer: with room for the requested growth
         (doubling), or of the given rows and columns."""
         needed = extra_left + self.length + extra_right
@@ -198,6 +218,8 @@ class BatchKV:
             if needed > columns:
                 columns = min(max(needed, 2 * columns), self.max_columns)
         rows = self.row_capacity if rows is None else rows
+        rows, columns = self._within_budget(rows, columns, needed,
+                                            self.num_rows if least_rows is None else least_rows)
         assert rows >= self.num_rows and columns >= needed, "a relayout must keep every live row and column"
         new_offset = extra_left
         # Zeroed, not empty: masked placeholder columns are multiplied by a zero attention weight,
@@ -210,6 +232,19 @@ class BatchKV:
         self.buffer = buffer
         self.offset = new_offset
         self.reallocations += 1
+
+    def _within_budget(self, rows: int, columns: int, needed_columns: int, least_rows: int) -> tuple[int, int]:
+        """Trim a growth's headroom so the buffer stays within budget_bytes; BatchKVFull if even
+        the rows and columns in use (and a joining row: least_rows) do not fit."""
+        per_slot = self.row_bytes_per_column
+        if self.budget_bytes is None or rows * columns * per_slot <= self.budget_bytes:
+            return rows, columns
+        columns = max(needed_columns, min(columns, self.budget_bytes // (rows * per_slot)))
+        if rows * columns * per_slot > self.budget_bytes:  # fewer spare rows, then
+            rows = max(least_rows, min(rows, self.budget_bytes // (columns * per_slot)))
+        if rows * columns * per_slot > self.budget_bytes:
+            raise BatchKVFull(f"{rows} rows x {columns} columns exceed the {self.budget_bytes}-byte KV budget")
+        return rows, columns
 
     def _reset(self) -> None:
         """The batch emptied: start over at the initial size."""

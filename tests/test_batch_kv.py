@@ -107,3 +107,22 @@ def test_the_buffer_follows_its_rows_and_window_through_a_burst():
     survivor = batch.extract(0).data
     assert torch.equal(survivor[..., :30, :], kvs[0].data)  # its prefilled KV survived every relayout
     assert batch.allocated_bytes() <= 4 * batch.window_bytes()
+
+
+def test_growth_stops_at_the_byte_budget():
+    """Doubling never allocates past budget_bytes: headroom is trimmed to what is used."""
+    per_token = SHAPE.bytes_per_token()
+    budget = 5 * 40 * per_token  # five rows of 40 columns
+    batch = BatchKV(SHAPE, max_rows=8, max_columns=40, initial_columns=4, budget_bytes=budget)
+    for i in range(5):
+        batch.embed(kv_of(20 + i, float(i)))
+        assert batch.allocated_bytes() <= budget
+    for _ in range(15):  # the window reaches 40 columns
+        batch.append_column()
+        assert batch.allocated_bytes() <= budget
+    assert (batch.num_rows, batch.length) == (5, 39)
+    try:
+        batch.embed(kv_of(10, 9.0))  # a sixth row at this window would pass the budget
+        raise AssertionError("the budget must refuse a sixth row")
+    except BatchKVFull:
+        pass

@@ -155,3 +155,22 @@ def test_a_moving_request_leaves_the_batch_and_is_taken_once():
     assert sched.take_moving("a") is a and a.status is Status.MOVED and sched.find("a") is None
     with pytest.raises(LookupError):
         sched.take_moving("a")
+
+
+def test_the_kv_budget_sets_the_batch_size_and_max_rows_caps_it():
+    """Rows join while every row at its longest fits the budget: many short requests, one long one."""
+    sched = DecodeScheduler(SchedulerConfig(max_rows=8, max_columns=100, budget_slots=120))
+    for i in range(10):
+        sched.add_staged(seq(f"short{i}", prompt=10, max_new=5))  # 15 slots each at its longest
+    assert len(sched.schedule().running) == 8  # 8 x 15 = 120 fits: max_rows is the limit
+    for row in list(sched.rows):
+        sched.finish(row, Status.FINISHED_LENGTH)
+    sched.add_staged(seq("long", prompt=60, max_new=40))  # 100 slots at its longest
+    out = sched.schedule()
+    assert [s.request_id for s in out.admitted] == ["short8", "short9"]  # queued first
+    for row in list(sched.rows):
+        sched.finish(row, Status.FINISHED_LENGTH)
+    assert [s.request_id for s in sched.schedule().running] == ["long"]
+    sched.add_staged(seq("short10", prompt=10, max_new=5))
+    assert sched.schedule().admitted == []  # 2 rows x 100 > 120: it waits for the long one
+    assert sched.worst_case_slots() == 100

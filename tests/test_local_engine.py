@@ -26,12 +26,12 @@ def test_thousand_requests_leave_kv_allocation_where_it_started(tiny_model):
 
 @pytest.mark.parametrize("prompt, params, message", [
     ([], SamplingParams(), "prompt is empty"),
-    (list(range(3000)), SamplingParams(), "context served is 101"),  # the KV budget's, not the model's 2048
+    (list(range(3000)), SamplingParams(), "context served is 101"),  # one row's KV budget, not the model's 2048
     (list(range(101)), SamplingParams(), "shorten it to at most 100 tokens"),
     ([10**6], SamplingParams(), "outside the model's vocabulary"),
 ])
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny_model, prompt, params, message):
-    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2, kv_budget_bytes=2 * 512 * 100))
+    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2, kv_budget_bytes=512 * 100))
     good = engine.submit([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
     with pytest.raises(RequestError, match=message):
         engine.submit(prompt, params)
@@ -42,7 +42,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny_model, promp
 
 
 def test_max_tokens_past_the_served_context_is_cut_to_it(tiny_model, tiny_reference):
-    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2, kv_budget_bytes=2 * 512 * 100))
+    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2, kv_budget_bytes=512 * 100))
     (out,) = engine.generate([[5, 6]], SamplingParams(max_tokens=500, ignore_eos=True))
     assert engine.decode.max_context == 101
     assert len(out.token_ids) == 99 and out.finish_reason == "length"
