@@ -23,7 +23,7 @@ class DecodeConfig:
     # The batch KV never exceeds this (allocated bytes); 0: derived from the device's free memory
     # (engine.batch_kv.default_kv_budget). Rows join while every row at its longest would fit it.
     kv_budget_bytes: int = 0
-    initial_columns: int = 256
+    initial_columns: int = 64  # the buffer starts this wide and grows with the window
     # Batch KV (rows x window) watermarks: above high, rows are parked on the host; new rows are
     # admitted only while the batch stays at or below low. 0 turns them off.
     high_watermark_bytes: int = 0

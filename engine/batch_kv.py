@@ -8,18 +8,20 @@ longer than the window grows it on the left; columns that are padding for every 
 released from the left.
 
 The buffer follows what it holds: its rows double (up to `max_rows`) as rows join and halve
-when three quarters of them are free; its columns grow as the window does and shrink when the
-window uses under a quarter of them. Each change is one copy of the live KV, amortised by the
-doubling, so allocated bytes stay within a small factor of the window's.
+when three quarters of them are free; its columns grow by a quarter as the window does and
+shrink when the window uses under half of them. Each change is one copy of the live KV,
+amortised over the steps the headroom lasts, so the allocation stays close to the window.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
 from baton.engine.kv import KVShape, SequenceKV
 
+COLUMN_GROWTH = 1.25  # columns a relayout gives the window, per column it needs
 CPU_KV_SHARE = 0.25  # of the host's available memory, for a CPU decode batch's default budget
 CUDA_KV_SHARE = 0.9  # of the device memory free once the model is loaded
 
@@ -202,8 +204,8 @@ class BatchKV:
         rows, columns = self.row_capacity, self.capacity
         if rows > self.initial_rows and 4 * self.num_rows <= rows:
             rows = max(self.initial_rows, 2 * self.num_rows)
-        if columns > self.initial_columns and 4 * (self.length + 1) <= columns:
-            columns = max(self.initial_columns, 2 * (self.length + 1))
+        if columns > self.initial_columns and 2 * (self.length + 1) <= columns:
+            columns = max(self.initial_columns, math.ceil(COLUMN_GROWTH * (self.length + 1)))
         if (rows, columns) != (self.row_capacity, self.capacity):
             self._relayout(0, 0, rows=rows, columns=columns)
             self.shrinks += 1
@@ -216,7 +218,7 @@ class BatchKV:
         if columns is None:
             columns = self.capacity
             if needed > columns:
-                columns = min(max(needed, 2 * columns), self.max_columns)
+                columns = min(max(needed, math.ceil(COLUMN_GROWTH * needed)), self.max_columns)
         rows = self.row_capacity if rows is None else rows
         rows, columns = self._within_budget(rows, columns, needed,
                                             self.num_rows if least_rows is None else least_rows)
