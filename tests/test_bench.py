@@ -84,6 +84,7 @@ def test_relay_quick_runs_all_four_engines_and_checks_tokens(tmp_path, capsys):
     assert document["exactness"]["per_engine"]["local"]["compared"] == 6
     samples = document["kv_samples_local"]["4"]
     assert samples and all(s["useful"] <= s["window"] <= s["allocated"] for s in samples)
+    assert document["kv_memory_local"]["4"]["allocated_over_useful"] >= 1 and "allocated/useful" in printed
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ DESCRIPTION = "BATON Table 2 / Figs 5-7: 30 short chat queries at B=2..10; stati
 PAPER_SPEEDUP_VS_STATIC = {2: 1.94, 4: 1.89, 6: 1.66, 8: 1.61, 10: 1.31}  # BATON Table 2
 TARGET_LOCAL_VS_CONTINUOUS = 1.5
 TARGET_CLUSTER_VS_LOCAL = 0.85
+TARGET_KV_ALLOCATED_VS_USEFUL = 1.5  # issue 18: the batch KV allocated over what holds tokens
 RELAY_ENGINES = ("static", "continuous", "local", "cluster")  # BATON's comparison; `engine` races the peers
 
 
@@ -107,6 +108,12 @@ def race(opts: BenchOptions, suite: str, queries: list[Query], sizes: list[int],
     bounds = {b: ideal_speedup(lengths, b) for b in sizes}
     rows, summary = _tables(opts, runs, sizes, engines, paper, exact, bounds)
     _print_exactness(opts, exact, engines)
+    kv_memory = _kv_memory(runs, sizes)
+    if kv_memory:
+        opts.say(f"Baton local batch KV, mean over decode steps (goal allocated/useful <= "
+                 f"{TARGET_KV_ALLOCATED_VS_USEFUL}): " + ", ".join(
+                     f"B={b} allocated/useful {m['allocated_over_useful']:.2f} window/useful "
+                     f"{m['window_over_useful']:.2f}" for b, m in kv_memory.items()))
     for name, why in problems.items():
         opts.say(f"{name}: {why}")
     files = _plots(opts, suite, runs, sizes, engines, paper, bounds)
@@ -116,6 +123,7 @@ def race(opts: BenchOptions, suite: str, queries: list[Query], sizes: list[int],
         "reference_sequential_s": reference_s,
         "runs": [r.summary() for r in runs.values()],
         "kv_samples_local": {str(b): runs[("local", b)].kv_samples for b in sizes if ("local", b) in runs},
+        "kv_memory_local": {str(b): m for b, m in kv_memory.items()},
         "cluster_stage_means_s": _stage_means(runs),
         "table": rows,
         "summary": summary,
@@ -124,6 +132,19 @@ def race(opts: BenchOptions, suite: str, queries: list[Query], sizes: list[int],
         "problems": problems,
         "plots": files,
     }
+
+
+def _kv_memory(runs, sizes) -> dict[int, dict[str, float]]:
+    """Per batch size, the local engine's batch KV over its decode steps: allocated and padded
+    window bytes over the bytes that hold tokens."""
+    out = {}
+    for b in sizes:
+        samples = runs[("local", b)].kv_samples if ("local", b) in runs else []
+        useful = sum(s["useful"] for s in samples)
+        if useful:
+            out[b] = {"allocated_over_useful": sum(s["allocated"] for s in samples) / useful,
+                      "window_over_useful": sum(s["window"] for s in samples) / useful}
+    return out
 
 
 def ideal_speedup(lengths: list[int], batch_size: int) -> float:
