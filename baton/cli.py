@@ -182,7 +182,7 @@ def load_role_settings(args):
     for key in ("max_rows", "kv_budget_bytes", "staging_bytes", "max_queue", "max_batch_tokens", "chunk_tokens", "prefix_cache_bytes",
                 "block_size", "prefill_workers", "decode_workers", "discovery", "prefix_index", "redis_url",
                 "index_namespace", "max_inflight", "auth_token_file", "require_client_cert", "drain_move_after_s",
-                "http_port", "served_model_name", "chat_template"):
+                "http_port", "served_model_name", "chat_template", "kv_transport"):
         if getattr(args, key, None) is not None:
             section[key] = getattr(args, key)
     model = {"name": args.model_name, "dtype": args.dtype, "device": args.device,
@@ -369,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--prefix-cache-bytes", type=int,
                          help="prefix KV cache size, pins included (default 268435456; 0 turns it off)")
     prefill.add_argument("--block-size", type=int, help="prefix block tokens (default 16)")
+    prefill.add_argument("--kv-transport", choices=("auto", "grpc"),
+                         help="auto: KV to a decode worker on this host goes through shared memory, to others over "
+                              "gRPC (default); grpc: always gRPC")
     prefill.set_defaults(func=cmd_serve)
 
     decode = sub.add_parser("decode", help="run a decode worker")
@@ -383,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--drain-move-after-s", type=float,
                         help="on SIGTERM, seconds before running requests move with their KV to another decode worker "
                              "(default 5)")
+    decode.add_argument("--kv-transport", choices=("auto", "grpc"),
+                        help="auto: also take KV through shared memory from workers on this host (default); "
+                             "grpc: gRPC only")
     decode.set_defaults(func=cmd_serve)
 
     batch = sub.add_parser("batch", help="a large offline batch with shared prefixes (BatchLLM)")

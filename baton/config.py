@@ -175,6 +175,9 @@ class PrefillSettings:
     discovery_labels: str = ""
     block_size: int = 16
     kv_chunk_bytes: int = 2 << 20  # KV payload bytes per message of a push (validate() says how many fit)
+    # 'auto': KV to a decode worker on this host (same network namespace) goes through shared
+    # memory, to any other over gRPC; 'grpc': always gRPC.
+    kv_transport: str = "auto"
     advertise: str = ""  # host:port others use to reach this worker (default: host:port)
     metrics_port: int = 0
 
@@ -183,6 +186,7 @@ class PrefillSettings:
         check_labels(self.discovery_labels, "prefill.discovery_labels")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"prefill.drain_timeout_s must be >= 0 seconds (got {self.drain_timeout_s})")
+        check_kv_transport(self.kv_transport, "prefill.kv_transport")
         if self.chunk_tokens < 0:
             raise ValueError(f"prefill.chunk_tokens must be >= 0 (got {self.chunk_tokens}); 0 turns chunking off")
         if self.discovery not in ("static", "kubernetes"):
@@ -219,14 +223,23 @@ class DecodeSettings:
     # drain_timeout_s, nothing moves and what is left is re-prefilled.
     drain_move_after_s: float = 5.0
     drain_timeout_s: float = 20.0  # on SIGTERM: how long the drain may take in all
+    # 'auto': also take KV pushes through shared memory from workers on this host; 'grpc': gRPC only.
+    kv_transport: str = "auto"
     advertise: str = ""
     metrics_port: int = 0
 
     def validate(self) -> None:
+        check_kv_transport(self.kv_transport, "decode.kv_transport")
         if not self.drain_move_after_s >= 0:
             raise ValueError(f"decode.drain_move_after_s must be >= 0 seconds (got {self.drain_move_after_s})")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"decode.drain_timeout_s must be >= 0 seconds (got {self.drain_timeout_s})")
+
+
+def check_kv_transport(value: str, key: str) -> None:
+    if value not in ("auto", "grpc"):
+        raise ValueError(f"{key} is {value!r}; set it to 'auto' (shared memory between workers on one host, gRPC "
+                         "otherwise) or 'grpc'")
 
 
 def check_labels(selector: str, key: str) -> None:

@@ -60,6 +60,9 @@ class Metrics:
         self.tbt = Histogram("baton_time_between_tokens_seconds", "Time between a request's tokens",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.transfers = Counter("baton_kv_transfers", "KV transfers, by outcome", ["outcome"], registry=r)
+        self.transfer_transports = Counter("baton_kv_transfer_transports", "KV transfers landed, by transport (shm: "
+                                           "shared memory to a decode worker on the same host; grpc)", ["transport"],
+                                           registry=r)
         self.transfer_bytes = Counter("baton_kv_transfer_bytes", "KV bytes pushed or received", registry=r)
         self.prefix_predicted = Counter("baton_prefix_predicted_tokens", "Cached prompt tokens the router predicted",
                                         registry=r)

@@ -24,9 +24,11 @@ from baton.decode_worker.loop import DecodeLoop, Failure, Moving, NotMoving
 from baton.engine.request import GenerationRequest, RequestError, validate_prompt
 from baton.engine.executors import load_runner
 from baton.kvtransfer.errors import KVPushFailed
-from baton.kvtransfer.grpc_transport import KVTransferServicer, PushRetry, push_kv_retrying
+from baton.kvtransfer.grpc_transport import KVTransferServicer, PushRetry
+from baton.kvtransfer.push import KVPusher
 from baton.kvtransfer.receiver import Receiver, ReceiverConfig
 from baton.kvtransfer.staging import StagingConfig, StagingPool
+from baton.kvtransfer.shm import ShmKVServer
 from baton.kvtransfer.wire import grpc_push_channel_options
 
 log = logging.getLogger(__name__)
@@ -41,11 +43,12 @@ _HANDOFF_STATUS = {"RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
 
 class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, loop: DecodeLoop, address: str, tls: TLSSettings | None = None,
-                 cluster_token: str | None = None):
+                 cluster_token: str | None = None, shared_memory: bool = True):
         self.loop = loop
         self.address = address
         self.tls = tls
         self.cluster_token = cluster_token
+        self.pusher = KVPusher(cluster_token, shared_memory)
 
     def Decode(self, request, context):
         loaded = self.loop.core.runner.loaded
@@ -121,8 +124,9 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             # The prefill push's liveness settings and retries: a dead target is known within seconds.
             with channel(target, self.tls, extra_options=grpc_push_channel_options(),
                          cluster_token=self.cluster_token) as ch:
-                push_kv_retrying(ch, target_id, str(self.loop.core.runner.loaded.fingerprint), evicted.kv,
-                                 meta.SerializeToString(), timeout_s=min(HANDOFF_SECONDS, remaining or HANDOFF_SECONDS),
+                self.pusher.push(target, lambda: ch, target_id, str(self.loop.core.runner.loaded.fingerprint),
+                                 evicted.kv, meta.SerializeToString(),
+                                 timeout_s=min(HANDOFF_SECONDS, remaining or HANDOFF_SECONDS),
                                  retry=PushRetry(attempts=2, backoff_s=0.2), push_token=request.push_token)
         except KVPushFailed as exc:
             failure = exc
@@ -199,8 +203,14 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
                     lambda: core.scheduler.park_refused_total)
     metrics.serve(settings.metrics_port, settings.host)
     receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape, max_tokens=core.max_columns))
-    decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}", tls, token)
+    decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}", tls, token,
+                                             shared_memory=settings.kv_transport == "auto")
     kv_api.target = KVTransferServicer(receiver)
+    if settings.kv_transport == "auto":  # prefill workers on this host push through shared memory
+        try:
+            server.extra_stops.append(ShmKVServer(receiver, server.port, token).start().stop)
+        except OSError as exc:
+            log.warning("shared-memory KV pushes are off (%s); KV arrives over gRPC only", exc)
     server.set_serving()
     log.info("decode worker serving on port %d (model %s loaded in %.1fs)", server.port, loaded.fingerprint,
              time.monotonic() - started)

@@ -1,4 +1,5 @@
-"""How close KV shipping over gRPC loopback gets to a plain memory copy of the same bytes.
+"""How close KV shipping gets to a plain memory copy of the same bytes: over gRPC loopback, and
+through shared memory (kvtransfer.shm) as a prefill worker does to a decode worker on its host.
 
     python -m baton.kvtransfer.bench --mbytes 64                 # receiver in its own process
     python -m baton.kvtransfer.bench --mbytes 64 --same-process  # sender and receiver share one GIL
@@ -16,6 +17,7 @@ import torch
 from baton.engine.kv import KVShape, SequenceKV
 from baton.kvtransfer.grpc_transport import KVTransferServer, kvtransfer_channel, push_kv
 from baton.kvtransfer.receiver import Receiver, ReceiverConfig
+from baton.kvtransfer.shm import ShmKVServer, push_kv_shm
 from baton.kvtransfer.staging import StagingConfig, StagingPool
 from baton.kvtransfer.wire import DEFAULT_CHUNK_BYTES
 
@@ -35,27 +37,40 @@ def bench_kv(nbytes: int) -> SequenceKV:
 def measure_loopback_throughput(
     nbytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, repeats: int = 5, receiver_process: bool = True
 ) -> tuple[float, float]:
-    """(seconds to push nbytes of KV over gRPC on 127.0.0.1 until landed, seconds to memcpy them).
+    """(seconds to push nbytes of KV over gRPC on 127.0.0.1 until landed, seconds to memcpy them)."""
+    times = measure_transports(nbytes, chunk_bytes, repeats, receiver_process)
+    return times["grpc"], times["memcpy"]
 
-    Each is the best of `repeats`, after one warm-up push that opens the connection. The
-    push time covers encoding, both checksums, the socket, assembly and landing; the
-    receiver verifies every chunk's checksum. receiver_process=True runs the receiver in
-    its own process, as a decode worker would; False shares this process (and its GIL).
+
+def measure_transports(
+    nbytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, repeats: int = 5, receiver_process: bool = True
+) -> dict[str, float]:
+    """Seconds to land nbytes of KV in a receiver's staging pool over gRPC on 127.0.0.1 ("grpc")
+    and through shared memory ("shm"), and to memcpy them ("memcpy").
+
+    Each is the best of `repeats`, after one warm-up push that opens the connection. A push
+    covers everything a worker's does: encoding or the sealed memory file, both checksums, the
+    socket, assembly and landing. receiver_process=True runs the receiver in its own process, as
+    a decode worker would; False shares this process (and its GIL).
     """
     kv = bench_kv(nbytes)
     server = _receiver_in_subprocess(kv.nbytes) if receiver_process else _receiver_here(kv.nbytes)
-    push_times = []
+    times: dict[str, list[float]] = {"grpc": [], "shm": []}
     with server as target:
+        port = int(target.rpartition(":")[2])
         channel = kvtransfer_channel(target)
         try:
             for attempt in range(repeats + 1):
-                started = time.perf_counter()
-                push_kv(channel, f"bench-{attempt}", BENCH_FINGERPRINT, kv, chunk_bytes=chunk_bytes)
-                if attempt > 0:
-                    push_times.append(time.perf_counter() - started)
+                for transport, push in (("grpc", lambda rid: push_kv(channel, rid, BENCH_FINGERPRINT, kv,
+                                                                     chunk_bytes=chunk_bytes)),
+                                        ("shm", lambda rid: push_kv_shm(port, rid, BENCH_FINGERPRINT, kv))):
+                    started = time.perf_counter()
+                    push(f"bench-{transport}-{attempt}")
+                    if attempt > 0:
+                        times[transport].append(time.perf_counter() - started)
         finally:
             channel.close()
-    return min(push_times), _memcpy_seconds(kv.data, repeats)
+    return {"grpc": min(times["grpc"]), "shm": min(times["shm"]), "memcpy": _memcpy_seconds(kv.data, repeats)}
 
 
 def _recycling_receiver(capacity_bytes: int) -> Receiver:
@@ -72,12 +87,14 @@ def _recycling_receiver(capacity_bytes: int) -> Receiver:
 
 @contextmanager
 def _receiver_here(capacity_bytes: int) -> Iterator[str]:
-    with KVTransferServer(_recycling_receiver(capacity_bytes)) as server:
+    receiver = _recycling_receiver(capacity_bytes)
+    with KVTransferServer(receiver) as server, ShmKVServer(receiver, server.port):
         yield server.target
 
 
 def _serve_until_told(capacity_bytes: int, connection) -> None:
-    with KVTransferServer(_recycling_receiver(capacity_bytes)) as server:
+    receiver = _recycling_receiver(capacity_bytes)
+    with KVTransferServer(receiver) as server, ShmKVServer(receiver, server.port):
         connection.send(server.target)
         connection.recv()  # any message means stop
 
@@ -118,15 +135,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--same-process", action="store_true", help="run the receiver in this process")
     args = parser.parse_args(argv)
     nbytes = args.mbytes * 1024 * 1024
-    transfer_s, memcpy_s = measure_loopback_throughput(
-        nbytes, chunk_bytes=args.chunk_kib * 1024, receiver_process=not args.same_process
-    )
+    times = measure_transports(nbytes, chunk_bytes=args.chunk_kib * 1024, receiver_process=not args.same_process)
     mib = nbytes / 2**20
     where = "same process" if args.same_process else "separate processes"
     print(f"KV {mib:.0f} MiB, chunks {args.chunk_kib} KiB, sender and receiver in {where}")
-    print(f"gRPC loopback: {transfer_s * 1e3:8.1f} ms  {mib / transfer_s:8.0f} MiB/s")
-    print(f"memcpy:        {memcpy_s * 1e3:8.1f} ms  {mib / memcpy_s:8.0f} MiB/s")
-    print(f"memcpy is {transfer_s / memcpy_s:.1f}x faster than the gRPC push")
+    for name, label in (("grpc", "gRPC loopback:"), ("shm", "shared memory:"), ("memcpy", "memcpy:")):
+        print(f"{label:15s}{times[name] * 1e3:8.1f} ms  {mib / times[name]:8.0f} MiB/s")
+    print(f"shared memory is {times['grpc'] / times['shm']:.1f}x faster than the gRPC push; "
+          f"memcpy {times['shm'] / times['memcpy']:.1f}x faster than shared memory")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,31 @@ class Receiver:
             raise
         return ReceiveResult(header.request_id, header.total_bytes, num_chunks, reserved - started, time.monotonic() - started)
 
+    def receive_whole(self, header: pb.KVHeader, payload, crc32: int, timeout_s: float | None = None) -> ReceiveResult:
+        """Land KV that arrived in one piece (a shared-memory push): `payload` is a buffer of
+        `header.total_bytes` whose checksum must be `crc32`, checked before staging room is taken;
+        the pool gets a copy, so the caller may release the buffer on return."""
+        started = time.monotonic()
+        self._check_header(header)
+        rid = header.request_id
+        if len(payload) != header.total_bytes:
+            raise KVTruncated(f"KV for {rid!r} holds {len(payload)} bytes; its header declares {header.total_bytes}")
+        if checksum(payload) != crc32:
+            raise KVCorrupt(f"KV for {rid!r}: checksum mismatch; the data was damaged")
+        wait = self.config.reserve_timeout_s if timeout_s is None else min(timeout_s, self.config.reserve_timeout_s)
+        reservation = self.pool.reserve(rid, header.total_bytes, wait, header.push_token)
+        reserved = time.monotonic()
+        try:
+            shape = self.config.shape
+            dims = (shape.num_layers, 2, shape.num_kv_heads, header.num_tokens, shape.head_dim)
+            data = torch.empty(dims, dtype=shape.dtype)
+            memoryview(data.view(torch.uint8).reshape(-1).numpy())[:] = payload
+            self.pool.land(reservation, SequenceKV(data), bytes(header.metadata))
+        except BaseException:
+            self.pool.abort(reservation)
+            raise
+        return ReceiveResult(rid, header.total_bytes, 1, reserved - started, time.monotonic() - started)
+
     def _check_header(self, header: pb.KVHeader) -> None:
         rid = header.request_id
         if not rid:

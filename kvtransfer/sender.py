@@ -40,29 +40,33 @@ def _check_sendable(request_id: str, kv: SequenceKV, metadata: bytes, chunk_byte
     dtype_name(kv.data.dtype)  # raises for a dtype the wire cannot name
 
 
+def kv_header(request_id: str, fingerprint: str, kv: SequenceKV, metadata: bytes = b"",
+              chunk_bytes: int = DEFAULT_CHUNK_BYTES, push_token: str = "") -> pb.KVHeader:
+    """What every push of kv declares before its bytes, whatever carries them."""
+    shape = kv.shape
+    return pb.KVHeader(
+        request_id=request_id,
+        model_fingerprint=fingerprint,
+        dtype=dtype_name(shape.dtype),
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        num_tokens=kv.num_tokens,
+        total_bytes=kv.nbytes,
+        chunk_bytes=chunk_bytes,
+        layout=pb.KV_LAYOUT_LAYER_MAJOR,
+        metadata=metadata,
+        push_token=push_token,
+    )
+
+
 def _chunks(
     request_id: str, fingerprint: str, kv: SequenceKV, metadata: bytes, chunk_bytes: int, push_token: str
 ) -> Iterator[pb.KVChunk]:
     # Layer-major raw bytes, exactly SequenceKV.data; view(uint8) keeps bf16 bit-exact.
     data = kv.data.detach().to("cpu").contiguous()
     raw = memoryview(data.view(torch.uint8).reshape(-1).numpy())
-    shape = kv.shape
-    yield pb.KVChunk(
-        header=pb.KVHeader(
-            request_id=request_id,
-            model_fingerprint=fingerprint,
-            dtype=dtype_name(shape.dtype),
-            num_layers=shape.num_layers,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            num_tokens=kv.num_tokens,
-            total_bytes=len(raw),
-            chunk_bytes=chunk_bytes,
-            layout=pb.KV_LAYOUT_LAYER_MAJOR,
-            metadata=metadata,
-            push_token=push_token,
-        )
-    )
+    yield pb.KVChunk(header=kv_header(request_id, fingerprint, kv, metadata, chunk_bytes, push_token))
     num_chunks = 0
     for offset in range(0, len(raw), chunk_bytes):
         payload = raw[offset : offset + chunk_bytes]

@@ -33,7 +33,8 @@ from baton.engine.request import GenerationRequest, RequestError
 from baton.messages import logprob_to_proto
 from baton.engine.executors import Runner
 from baton.kvtransfer.errors import KVPushFailed
-from baton.kvtransfer.grpc_transport import PushRetry, push_kv_retrying
+from baton.kvtransfer.grpc_transport import PushRetry
+from baton.kvtransfer.push import KVPusher
 from baton.kvtransfer.wire import grpc_push_channel_options
 from baton.prefill_worker.batching import BACKGROUND_BATCH_TOKENS, URGENT_PRIORITY, PrefillQueue
 from baton.prefill_worker.cache_events import CacheEventLog
@@ -98,6 +99,7 @@ class PrefillLoop:
         self.epoch = self.cache_events.epoch
         self.requests_done = 0
         self._senders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-push")
+        self._pusher = KVPusher(cluster_token, shared_memory=settings.kv_transport == "auto")
         self._channels: "OrderedDict[str, grpc.Channel]" = OrderedDict()  # most recently used last
         self._lock = threading.Lock()
         self._control: "queue.Queue[tuple]" = queue.Queue()
@@ -363,13 +365,15 @@ class PrefillLoop:
         try:
             if job.cancelled:
                 raise RequestError("cancelled")
-            push_kv_retrying(self._channel(job.decode_target), job.request.request_id, self.fingerprint, prefilled.kv,
-                             meta.SerializeToString(), chunk_bytes=self.settings.kv_chunk_bytes,
-                             timeout_s=PUSH_TIMEOUT_SECONDS, retry=PUSH_RETRY, should_stop=lambda: job.cancelled,
-                             on_retry=retrying, push_token=job.push_token)
+            transport = self._pusher.push(
+                job.decode_target, lambda: self._channel(job.decode_target), job.request.request_id, self.fingerprint,
+                prefilled.kv, meta.SerializeToString(), chunk_bytes=self.settings.kv_chunk_bytes,
+                timeout_s=PUSH_TIMEOUT_SECONDS, retry=PUSH_RETRY, should_stop=lambda: job.cancelled, on_retry=retrying,
+                push_token=job.push_token)
             trace.mark("staged")  # the decode worker holds the KV now
             done.transfer_seconds = trace.durations()["transfer"]
             self.metrics.transfers.labels("ok").inc()
+            self.metrics.transfer_transports.labels(transport).inc()
             self.metrics.transfer_bytes.inc(prefilled.kv.nbytes)
             self.metrics.prefix_actual.inc(prefilled.cached_tokens)
             job.done.set_result(done)

@@ -105,11 +105,12 @@ def test_prefix_quick_times_reuse_on_the_model(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_transfer_quick_compares_grpc_memcpy_and_prefill(tmp_path, capsys):
+def test_transfer_quick_compares_grpc_shared_memory_memcpy_and_prefill(tmp_path, capsys):
     document, printed = run_suite("transfer", tmp_path, capsys)
     assert [s["mib"] for s in document["sizes"]] == [1, 4]
     assert all(s["prompt_tokens"] == -(-s["bytes"] // document["kv_bytes_per_token"]) for s in document["sizes"])
-    assert "transfer % prefill" in printed
+    assert all(s["shm_s"] > 0 and s["shm_share_of_prefill"] > 0 for s in document["sizes"])
+    assert "gRPC % prefill" in printed and "shm % prefill" in printed and "goal < 5%" in printed
 
 
 @pytest.mark.slow

@@ -413,10 +413,11 @@ def test_a_failed_handoff_falls_back_to_a_new_prefill(monkeypatch, tiny_referenc
     from baton.client import BatonClient
     from baton.kvtransfer.errors import KVPushFailed
 
-    def unreachable(*args, **kwargs):
-        raise KVPushFailed("UNAVAILABLE", "injected: the target cannot be reached")
+    class Unreachable(decode_service.KVPusher):  # the decode workers' pushes only, not the prefill worker's
+        def push(self, *args, **kwargs):
+            raise KVPushFailed("UNAVAILABLE", "injected: the target cannot be reached")
 
-    monkeypatch.setattr(decode_service, "push_kv_retrying", unreachable)
+    monkeypatch.setattr(decode_service, "KVPusher", Unreachable)
     prompts = [[600 + 7 * i + j for j in range(4 + 3 * i)] for i in range(6)]
     max_tokens = 64
     cluster = InProcessCluster()

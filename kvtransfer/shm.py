@@ -1,0 +1,331 @@
+"""Same-host KV pushes through shared memory, with gRPC's checks and none of its copies.
+
+The sender writes the KV into an anonymous memory file (memfd), seals it against any change and
+passes its descriptor to the decode worker over a Unix socket; the receiver verifies the
+header, the seals and the checksum, then copies the bytes into its staging pool. No KV byte
+crosses a socket, nothing is named in a file system, and the kernel frees the memory when the
+last descriptor and mapping go: a worker killed mid-transfer leaves no segment behind.
+
+The socket lives in the abstract namespace under the decode worker's gRPC port, so it is
+reachable exactly where a prefill worker shares the decode worker's network namespace (`baton
+up`, compose's host network, containers of one pod) and a push targets a local address; anywhere
+else the sender is told `NoSharedMemoryPeer` at once and uses gRPC. The checks are gRPC's: the
+cluster token, the push token the request's Decode call registered, model and shape, checksum,
+the staging wait. Only processes of the receiver's own user (or root) may connect. A receiver
+still waiting for staging room says so every HEARTBEAT_S; one silent for CHUNK_IDLE_TIMEOUT_S
+(stopped, hung) is given up, as a gRPC push's keepalive would.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from baton.v1 import kvtransfer_pb2 as pb
+from baton.engine.kv import SequenceKV
+from baton.kvtransfer.errors import KVBadStream, KVPushFailed, KVTransferError
+from baton.kvtransfer.receiver import Receiver
+from baton.kvtransfer.sender import _check_sendable, kv_header
+from baton.kvtransfer.wire import CHUNK_IDLE_TIMEOUT_S, DEFAULT_CHUNK_BYTES, MAX_METADATA_BYTES
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"BKV1"
+_PREFIX = struct.Struct("<4sIH")  # magic, crc32 of the KV bytes, cluster-token length
+MAX_REQUEST_BYTES = MAX_METADATA_BYTES + (64 << 10)  # header (metadata included) and token
+HEARTBEAT_S = 0.25
+CONNECT_TIMEOUT_S = 1.0
+SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+MAX_WAITING_PUSHES = 64  # pushes accepted beyond the handler threads are refused, not queued forever
+
+
+class NoSharedMemoryPeer(Exception):
+    """Nothing listens for shared-memory pushes for that target here: push over gRPC instead."""
+
+
+def socket_name(port: int) -> bytes:
+    """The abstract Unix socket a decode worker serving gRPC on `port` takes pushes on."""
+    return b"\0baton-kv/%d" % port
+
+
+def local_port(target: str) -> int | None:
+    """The port of `target` (host:port) if its host is an address of this network namespace (one
+    a socket could bind), else None. Names other than `localhost` are not resolved: no DNS on
+    the push path."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    host = host.strip("[]")
+    if host == "localhost":
+        return int(port)
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if address.is_loopback:
+        return int(port)
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((host, 0))
+        except OSError:
+            return None
+    return int(port)
+
+
+def _digest(token: str | bytes) -> bytes:
+    return hashlib.sha256(token.encode() if isinstance(token, str) else token).digest()
+
+
+class _Unauthenticated(KVTransferError):
+    code = "UNAUTHENTICATED"
+
+
+# -- sender -------------------------------------------------------------------------------------
+
+def push_kv_shm(port: int, request_id: str, fingerprint: str, kv: SequenceKV, metadata: bytes = b"",
+                push_token: str = "", cluster_token: str | None = None, timeout_s: float | None = None) -> pb.PushReply:
+    """Push kv to the decode worker on this host serving gRPC on `port`.
+
+    Raises NoSharedMemoryPeer when no decode worker listens for it here (nothing was sent), and
+    KVPushFailed with gRPC's status names otherwise: UNAVAILABLE when the receiver went silent
+    or the connection broke (the push may be retried, over gRPC too), the receiver's refusal
+    codes as a gRPC push would get them."""
+    _check_sendable(request_id, kv, metadata, DEFAULT_CHUNK_BYTES)
+    header = kv_header(request_id, fingerprint, kv, metadata, DEFAULT_CHUNK_BYTES, push_token)
+    token = (cluster_token or "").encode()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        try:
+            sock.connect(socket_name(port))
+        except (ConnectionRefusedError, FileNotFoundError) as exc:
+            raise NoSharedMemoryPeer(f"no decode worker takes shared-memory pushes for port {port} here") from exc
+        fd, crc = _sealed_copy(kv, request_id)
+        try:
+            frame = _PREFIX.pack(MAGIC, crc, len(token)) + token + header.SerializeToString()
+            try:
+                socket.send_fds(sock, [frame], [fd])
+            except OSError as exc:
+                raise KVPushFailed("UNAVAILABLE", f"the shared-memory push of {request_id!r} broke: {exc}") from None
+        finally:
+            os.close(fd)  # the receiver holds its own descriptor now (or none: the memory is freed)
+        return _await_reply(sock, request_id, deadline)
+
+
+def _sealed_copy(kv: SequenceKV, request_id: str) -> tuple[int, int]:
+    """A memory file holding kv's bytes, sealed so neither side can change it; (fd, crc32)."""
+    raw = kv.data.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
+    fd = os.memfd_create(f"baton-kv-{request_id[:64]}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, raw.numel())
+        with mmap.mmap(fd, raw.numel(), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE) as mapped:
+            view = torch.frombuffer(mapped, dtype=torch.uint8)
+            view.copy_(raw)
+            del view  # the mapping cannot close while a tensor exports it
+            crc = zlib.crc32(mapped)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, crc
+
+
+def _await_reply(sock: socket.socket, request_id: str, deadline: float | None) -> pb.PushReply:
+    while True:
+        wait = CHUNK_IDLE_TIMEOUT_S if deadline is None else min(CHUNK_IDLE_TIMEOUT_S, deadline - time.monotonic())
+        if wait <= 0:
+            raise KVPushFailed("DEADLINE_EXCEEDED", f"the shared-memory push of {request_id!r} ran out of time")
+        sock.settimeout(wait)
+        try:
+            message = sock.recv(4096)
+        except socket.timeout:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise KVPushFailed("DEADLINE_EXCEEDED", f"the shared-memory push of {request_id!r} ran out of time") from None
+            raise KVPushFailed("UNAVAILABLE", f"the decode worker went silent for {CHUNK_IDLE_TIMEOUT_S:.1f}s during "
+                               f"the shared-memory push of {request_id!r}") from None
+        except OSError as exc:
+            raise KVPushFailed("UNAVAILABLE", f"the shared-memory push of {request_id!r} broke: {exc}") from None
+        if not message:
+            raise KVPushFailed("UNAVAILABLE", f"the decode worker closed the shared-memory push of {request_id!r}")
+        reply = json.loads(message)
+        if reply.get("waiting"):
+            continue
+        if "code" in reply:
+            raise KVPushFailed(reply["code"], reply.get("details", ""))
+        return pb.PushReply(request_id=request_id, bytes_received=reply["bytes"], num_chunks=1,
+                            staging_wait_seconds=reply["staging_wait_s"], receive_seconds=reply["receive_s"])
+
+
+# -- receiver -----------------------------------------------------------------------------------
+
+class ShmKVServer:
+    """Takes shared-memory pushes for the decode worker serving gRPC on `port` into `receiver`.
+
+    `with ShmKVServer(receiver, port, token):` or start()/stop(). Refuses to start (OSError) if
+    another process already takes that port's pushes."""
+
+    def __init__(self, receiver: Receiver, port: int, cluster_token: str | None = None, max_workers: int = 8) -> None:
+        self._receiver = receiver
+        self._token = None if cluster_token is None else _digest(cluster_token)
+        self.port = port
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            self._listener.bind(socket_name(port))
+        except OSError:
+            self._listener.close()
+            raise
+        self._listener.listen(128)
+        self._handlers = ThreadPoolExecutor(max_workers, thread_name_prefix="kv-shm")
+        self._waiting = threading.BoundedSemaphore(max_workers + MAX_WAITING_PUSHES)
+        self._thread = threading.Thread(target=self._accept, name="kv-shm-accept", daemon=True)
+        self._stopped = False
+
+    def start(self) -> "ShmKVServer":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        except OSError:
+            pass
+        self._listener.close()
+        self._thread.join(timeout=5)
+        self._handlers.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "ShmKVServer":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _accept(self) -> None:
+        while not self._stopped:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._stopped:
+                    return
+                time.sleep(0.05)  # out of descriptors, say: do not spin
+                continue
+            if not self._waiting.acquire(blocking=False):
+                _send(conn, {"code": "RESOURCE_EXHAUSTED", "details": "too many shared-memory pushes are waiting "
+                                                                       "here; retry"})
+                conn.close()
+                continue
+            self._handlers.submit(self._serve, conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        sending = threading.Lock()
+        try:
+            with conn:
+                try:
+                    reply = self._receive(conn, sending)
+                except KVTransferError as err:
+                    reply = {"code": err.code, "details": str(err)}
+                except (socket.timeout, ConnectionError):
+                    return  # the sender went away or never sent: nothing was reserved
+                except Exception:
+                    log.exception("shared-memory KV push failed unexpectedly")
+                    reply = {"code": "INTERNAL", "details": "KV receiver failed unexpectedly; see the decode worker log"}
+                with sending:
+                    _send(conn, reply)
+        finally:
+            self._waiting.release()
+
+    def _receive(self, conn: socket.socket, sending: threading.Lock) -> dict:
+        self._check_peer(conn)
+        conn.settimeout(CHUNK_IDLE_TIMEOUT_S)
+        message, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 1)
+        try:
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(fds) != 1:
+                raise KVBadStream("a shared-memory push is one frame of at most "
+                                  f"{MAX_REQUEST_BYTES} bytes carrying one memory file")
+            crc, header = self._parse(message)
+            fd = fds[0]
+            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+                raise KVBadStream(f"KV for {header.request_id!r}: the memory file must be sealed against writes")
+            size = os.fstat(fd).st_size
+            if size != header.total_bytes or size == 0:
+                raise KVBadStream(f"KV for {header.request_id!r}: the memory file holds {size} bytes; the header "
+                                  f"declares {header.total_bytes}")
+            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped, _Heartbeat(conn, sending):
+                result = self._receiver.receive_whole(header, mapped, crc)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return {"bytes": result.nbytes, "staging_wait_s": result.staging_wait_seconds,
+                "receive_s": result.receive_seconds}
+
+    def _check_peer(self, conn: socket.socket) -> None:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _, uid, _ = struct.unpack("3i", creds)
+        if uid not in (0, os.getuid()):
+            raise _Unauthenticated(f"shared-memory pushes are taken only from user {os.getuid()} (got {uid})")
+
+    def _parse(self, message: bytes) -> tuple[int, pb.KVHeader]:
+        if len(message) < _PREFIX.size:
+            raise KVBadStream("a shared-memory push frame is too short")
+        magic, crc, token_length = _PREFIX.unpack_from(message)
+        if magic != MAGIC:
+            raise KVBadStream("not a Baton shared-memory KV push")
+        token = message[_PREFIX.size:_PREFIX.size + token_length]
+        if self._token is not None and not hmac.compare_digest(_digest(token), self._token):
+            raise _Unauthenticated("the cluster credential is missing or not valid for this worker; check "
+                                   "cluster.token")
+        header = pb.KVHeader()
+        try:
+            header.ParseFromString(message[_PREFIX.size + token_length:])
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError, whatever its module
+            raise KVBadStream("the shared-memory push's header does not parse") from None
+        return crc, header
+
+
+class _Heartbeat:
+    """While the block runs (mostly: waiting for staging room), tell the sender we are alive."""
+
+    def __init__(self, conn: socket.socket, sending: threading.Lock) -> None:
+        self._conn, self._sending, self._done = conn, sending, threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="kv-shm-heartbeat", daemon=True)
+
+    def __enter__(self) -> None:
+        self._thread.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._done.wait(HEARTBEAT_S):
+            with self._sending:
+                if self._done.is_set():
+                    return
+                try:
+                    _send(self._conn, {"waiting": True})
+                except OSError:
+                    return
+
+
+def _send(conn: socket.socket, reply: dict) -> None:
+    try:
+        conn.settimeout(CHUNK_IDLE_TIMEOUT_S)
+        conn.send(json.dumps(reply).encode())
+    except OSError as exc:
+        if exc.errno not in (errno.EPIPE, errno.ECONNRESET, None):
+            log.debug("could not answer a shared-memory push: %s", exc)

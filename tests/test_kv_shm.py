@@ -1,0 +1,241 @@
+"""The same-host shared-memory KV transport (kvtransfer/shm.py): a real Unix socket, real memory
+files, a receiver in this process or (for SIGKILL) in its own."""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from baton.engine.kv import KVShape, SequenceKV
+from baton.kvtransfer import KVPushFailed, Receiver, ReceiverConfig, StagingConfig, StagingPool
+from baton.kvtransfer.sender import kv_header
+from baton.kvtransfer.shm import (MAGIC, NoSharedMemoryPeer, ShmKVServer, _PREFIX, local_port, push_kv_shm,
+                                  socket_name)
+from baton.up import free_port
+
+SHAPE = KVShape(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+
+
+def make_kv(tokens: int, dtype=torch.float32) -> SequenceKV:
+    return SequenceKV(torch.randn(SHAPE.num_layers, 2, SHAPE.num_kv_heads, tokens, SHAPE.head_dim).to(dtype))
+
+
+def receiver(capacity: int = 1 << 20, dtype=torch.float32) -> Receiver:
+    shape = KVShape(SHAPE.num_layers, SHAPE.num_kv_heads, SHAPE.head_dim, dtype)
+    pool = StagingPool(StagingConfig(capacity_bytes=capacity, require_expected=True, max_entries=8))
+    return Receiver(pool, ReceiverConfig("model-a", shape))
+
+
+def memfds(pid: int | str = "self") -> list[str]:
+    """The Baton KV memory files a process holds open."""
+    found = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("/memfd:baton-kv"):
+            found.append(link)
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_push_lands_bit_exact_with_its_metadata(dtype):
+    recv, port = receiver(dtype=dtype), free_port()
+    kv = make_kv(37, dtype)
+    recv.pool.expect("r1", "tok")
+    with ShmKVServer(recv, port, cluster_token="cluster-secret"):
+        reply = push_kv_shm(port, "r1", "model-a", kv, b"meta", push_token="tok", cluster_token="cluster-secret")
+    assert reply.bytes_received == kv.nbytes
+    staged = recv.pool.take("r1")
+    assert staged.metadata == b"meta"
+    assert torch.equal(staged.kv.data.view(torch.uint8), kv.data.view(torch.uint8))
+    assert memfds() == [], "every memory file is closed once the push returns"
+
+
+def test_no_listener_means_no_shared_memory_peer_and_nothing_sent():
+    with pytest.raises(NoSharedMemoryPeer):
+        push_kv_shm(free_port(), "r1", "model-a", make_kv(4))
+    assert memfds() == []
+
+
+def test_refusals_are_gRPC_codes_and_take_no_staging_room():
+    recv, port = receiver(), free_port()
+    recv.pool.expect("r1", "tok")
+    with ShmKVServer(recv, port, cluster_token="cluster-secret"):
+        for token, code in ((None, "UNAUTHENTICATED"), ("wrong", "UNAUTHENTICATED")):
+            with pytest.raises(KVPushFailed) as refused:
+                push_kv_shm(port, "r1", "model-a", make_kv(4), push_token="tok", cluster_token=token)
+            assert refused.value.code == code
+        with pytest.raises(KVPushFailed) as refused:  # the push token the Decode call registered
+            push_kv_shm(port, "r1", "model-a", make_kv(4), push_token="not-tok", cluster_token="cluster-secret")
+        assert refused.value.code == "PERMISSION_DENIED"
+        with pytest.raises(KVPushFailed) as refused:
+            push_kv_shm(port, "r1", "model-b", make_kv(4), push_token="tok", cluster_token="cluster-secret")
+        assert refused.value.code == "INVALID_ARGUMENT" and "model-b" in refused.value.details
+    assert recv.pool.stats().used_bytes == 0
+
+
+def raw_push(port: int, header, payload: bytes, crc: int, seal: bool = True) -> str:
+    """A hand-made push (what a buggy or hostile sender could send); the receiver's answer."""
+    import json
+
+    fd = os.memfd_create("baton-kv-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.write(fd, payload)
+        if seal:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                        | fcntl.F_SEAL_WRITE)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.connect(socket_name(port))
+            socket.send_fds(sock, [_PREFIX.pack(MAGIC, crc, 0) + header.SerializeToString()], [fd])
+            sock.settimeout(5)
+            while True:
+                reply = json.loads(sock.recv(4096))
+                if not reply.get("waiting"):
+                    return reply.get("code", "OK") + ": " + reply.get("details", "")
+    finally:
+        os.close(fd)
+
+
+def test_a_corrupt_short_or_unsealed_memory_file_is_refused():
+    recv, port = receiver(), free_port()
+    kv = make_kv(5)
+    payload = kv.data.numpy().tobytes()
+    header = kv_header("r1", "model-a", kv, push_token="tok")
+    recv.pool.expect("r1", "tok")
+    with ShmKVServer(recv, port):
+        assert raw_push(port, header, payload, zlib.crc32(payload) ^ 1).startswith("INVALID_ARGUMENT: KV for 'r1': checksum")
+        assert "holds" in raw_push(port, header, payload[:-4], zlib.crc32(payload[:-4]))
+        assert "sealed" in raw_push(port, header, payload, zlib.crc32(payload), seal=False)
+        assert recv.pool.stats().used_bytes == 0
+        assert raw_push(port, header, payload, zlib.crc32(payload)).startswith("OK")
+    assert torch.equal(recv.pool.take("r1").kv.data, kv.data)
+
+
+def test_a_silent_receiver_is_given_up_within_about_a_second():
+    port = free_port()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:  # accepts, never answers
+        listener.bind(socket_name(port))
+        listener.listen(1)
+        started = time.monotonic()
+        with pytest.raises(KVPushFailed) as failed:
+            push_kv_shm(port, "r1", "model-a", make_kv(4))
+        assert failed.value.code == "UNAVAILABLE" and "silent" in failed.value.details
+        assert time.monotonic() - started < 3
+
+
+def test_a_push_waiting_for_staging_room_is_kept_alive_and_lands_when_room_frees():
+    kv = make_kv(16)
+    recv, port = receiver(capacity=kv.nbytes), free_port()
+    recv.pool.expect("first", "")
+    recv.pool.expect("second", "")
+    with ShmKVServer(recv, port):
+        push_kv_shm(port, "first", "model-a", kv)
+        threading.Timer(2.5, lambda: recv.pool.release(recv.pool.take("first").request_id)).start()
+        started = time.monotonic()
+        push_kv_shm(port, "second", "model-a", kv)  # waits 2.5 s, past the 1 s idle cut-off
+        assert time.monotonic() - started > 2
+    assert torch.equal(recv.pool.take("second").kv.data, kv.data)
+
+
+def test_a_second_server_for_the_same_port_is_refused():
+    recv, port = receiver(), free_port()
+    with ShmKVServer(recv, port):
+        with pytest.raises(OSError):
+            ShmKVServer(recv, port)
+
+
+def test_local_port_accepts_only_addresses_of_this_host():
+    assert local_port("127.0.0.1:5000") == 5000
+    assert local_port("localhost:5001") == 5001
+    assert local_port("[::1]:5002") == 5002
+    assert local_port("203.0.113.9:5003") is None  # TEST-NET-3: never ours
+    assert local_port("decode-0.baton:5004") is None  # names are not resolved on the push path
+    assert local_port("no-port") is None
+
+
+RECEIVER_PROCESS = """
+import sys, torch
+from baton.engine.kv import KVShape, SequenceKV
+from baton.kvtransfer import Receiver, ReceiverConfig, StagingConfig, StagingPool
+from baton.kvtransfer.shm import ShmKVServer
+shape = KVShape(3, 2, 8, torch.float32)
+nbytes = int(sys.argv[2])
+pool = StagingPool(StagingConfig(capacity_bytes=nbytes, max_entries=4))
+pool.land(pool.reserve("occupant", nbytes, 1), SequenceKV(torch.zeros(3, 2, 2, nbytes // 384, 8)), b"")
+ShmKVServer(Receiver(pool, ReceiverConfig("model-a", shape)), int(sys.argv[1])).start()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_sigkill_of_a_receiver_mid_transfer_leaves_no_memory_behind():
+    """The receiver holds the KV's memory file while it waits for staging room; killed there, the
+    kernel frees the memory (no name anywhere), and the sender is told at once."""
+    kv, port = make_kv(16), free_port()
+    proc = subprocess.Popen([sys.executable, "-c", RECEIVER_PROCESS, str(port), str(kv.nbytes)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        shm_before = set(os.listdir("/dev/shm"))
+        outcome = {}
+
+        def push():
+            try:
+                push_kv_shm(port, "r1", "model-a", kv)
+            except KVPushFailed as failure:
+                outcome["failure"] = failure
+
+        pusher = threading.Thread(target=push)
+        pusher.start()
+        deadline = time.monotonic() + 10
+        while not memfds(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert memfds(proc.pid), "the receiver should hold the KV's memory file while it waits for room"
+        proc.send_signal(signal.SIGKILL)
+        pusher.join(timeout=5)
+        assert outcome["failure"].code == "UNAVAILABLE"
+        proc.wait(timeout=10)
+        assert memfds() == [] and set(os.listdir("/dev/shm")) == shm_before
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_a_local_cluster_pushes_through_shared_memory_unless_told_grpc(transport, tiny_reference):
+    """Real processes on one host: `auto` (the default) lands every KV through shared memory,
+    `grpc` through gRPC; the tokens are the same greedy ones either way."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from baton.client import BatonClient
+    from baton.up import LocalCluster
+
+    metrics_port = free_port()
+    prompts = [[300 + 11 * i + j for j in range(6 + 5 * i)] for i in range(4)]
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=4,
+                      prefill_args=("--metrics-port", str(metrics_port), "--kv-transport", transport),
+                      decode_args=("--kv-transport", transport)) as cluster:
+        with BatonClient(cluster.router_address, timeout=60) as client:
+            results = [client.generate(token_ids=p, max_tokens=12, ignore_eos=True) for p in prompts]
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    assert [r.token_ids for r in results] == [tiny_reference.greedy(p, 12) for p in prompts]
+    landed = {s.labels["transport"]: s.value for f in text_string_to_metric_families(scraped)
+              for s in f.samples if s.name == "baton_kv_transfer_transports_total"}
+    assert landed == {"shm" if transport == "auto" else "grpc": len(prompts)}
