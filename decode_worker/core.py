@@ -10,7 +10,7 @@ from typing import Callable
 
 from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
 from baton.engine.batch_kv import BatchKV, default_kv_budget
-from baton.engine.kv import SequenceKV
+from baton.engine.kv import SequenceKV, to_host
 from baton.engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput, effective_max_tokens
 from baton.engine.executors import Runner
 from baton.engine.sampling import INVALID_TOKEN, RequestSampler, SamplingParams, sample, token_logprobs
@@ -216,7 +216,7 @@ class DecodeCore:
             return None
         live: _Live = seq.engine
         row, was = seq.row, seq.status
-        kv = SequenceKV(self.batch.extract(row).data.cpu()) if row is not None else live.kv
+        kv = SequenceKV(to_host(self.batch.extract(row).data)) if row is not None else live.kv
         assert kv.num_tokens == seq.num_kv_tokens, f"{kv.num_tokens} KV tokens for {seq.num_kv_tokens}"
         self._release_row(row, self.scheduler.move(seq))
         self._drop_kv(seq, was)
@@ -231,7 +231,7 @@ class DecodeCore:
         """One BATON iteration: embed newly admitted KV, decode every row once, release finished rows."""
         plan = self.scheduler.schedule()
         for seq, row in plan.parked:
-            seq.engine.kv = SequenceKV(self.batch.extract(row).data.cpu())  # all but the newest token, exactly
+            seq.engine.kv = SequenceKV(to_host(self.batch.extract(row).data))  # all but the newest token, exactly
             assert seq.engine.kv.nbytes == seq.num_kv_tokens * self.batch.shape.bytes_per_token(), "held != parked"
             self.batch.release(row)
         for seq in plan.admitted:

@@ -202,7 +202,8 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     metrics.counter("baton_decode_park_refused", "Rows not parked because the host KV pool was full",
                     lambda: core.scheduler.park_refused_total)
     metrics.serve(settings.metrics_port, settings.host)
-    receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape, max_tokens=core.max_columns))
+    receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape, max_tokens=core.max_columns,
+                                             pin_memory=loaded.device.type == "cuda"))
     decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}", tls, token,
                                              shared_memory=settings.kv_transport == "auto")
     kv_api.target = KVTransferServicer(receiver)

@@ -66,3 +66,18 @@ class PrefillOutput:
     logits: torch.Tensor  # [vocab] float32: next-token logits after the prompt
     kv: SequenceKV  # the whole prompt's KV, prefix included
     computed_tokens: int  # prompt tokens run through the model (the rest came from the prefix)
+
+
+def host_tensor(shape, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
+    """Host memory for KV on its way to or from a device: page-locked when `pinned` (a CUDA
+    worker's), so the copy to the GPU can run asynchronously and at full bus speed."""
+    return torch.empty(shape, dtype=dtype, pin_memory=pinned and torch.cuda.is_available())
+
+
+def to_host(data: torch.Tensor) -> torch.Tensor:
+    """data in host memory: itself if it is there, else a copy, pinned when it comes from CUDA."""
+    if data.device.type == "cpu":
+        return data
+    out = host_tensor(data.shape, data.dtype, pinned=data.device.type == "cuda")
+    out.copy_(data)
+    return out

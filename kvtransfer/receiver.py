@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 import torch
 
 from baton.v1 import kvtransfer_pb2 as pb
-from baton.engine.kv import KVShape, SequenceKV
+from baton.engine.kv import KVShape, SequenceKV, host_tensor
 from baton.kvtransfer.errors import (
     KVBadStream,
     KVCancelled,
@@ -41,6 +41,9 @@ class ReceiverConfig:
     # a push trickling a chunk a second would otherwise hold its room for as long as it likes.
     min_bytes_per_s: float = MIN_PUSH_BYTES_PER_S
     rate_grace_s: float = PUSH_RATE_GRACE_S
+    # Land KV in page-locked memory (a CUDA decode worker's): its copy into the batch is then
+    # asynchronous and at full bus speed.
+    pin_memory: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ class Receiver:
         try:
             shape = self.config.shape
             dims = (shape.num_layers, 2, shape.num_kv_heads, header.num_tokens, shape.head_dim)
-            data = torch.empty(dims, dtype=shape.dtype)
+            data = host_tensor(dims, shape.dtype, self.config.pin_memory)
             memoryview(data.view(torch.uint8).reshape(-1).numpy())[:] = payload
             self.pool.land(reservation, SequenceKV(data), bytes(header.metadata))
         except BaseException:
@@ -149,9 +152,8 @@ class Receiver:
         shape = self.config.shape
         rid, total, chunk_bytes = header.request_id, header.total_bytes, header.chunk_bytes
         # data: [layers, 2, kv_heads, tokens, head_dim], filled through a flat byte view
-        data = torch.empty(
-            (shape.num_layers, 2, shape.num_kv_heads, header.num_tokens, shape.head_dim), dtype=shape.dtype
-        )
+        data = host_tensor((shape.num_layers, 2, shape.num_kv_heads, header.num_tokens, shape.head_dim), shape.dtype,
+                           self.config.pin_memory)
         target = memoryview(data.view(torch.uint8).reshape(-1).numpy())
         received = num_chunks = 0
         started = time.monotonic()

@@ -122,7 +122,7 @@ def test_a_triton_kernel_that_cannot_run_falls_back_to_torch_with_a_warning(tiny
 
     runner = LlamaRunner(tiny_model, "torch")
     first = runner.prefill([5, 6, 7, 8])
-    batch = BatchKV(tiny_model.kv_shape, 2, max_columns=64)
+    batch = BatchKV(tiny_model.kv_shape, 2, max_columns=64, device=tiny_model.device)
     batch.embed(first.kv)
     expected = runner.decode(copy.deepcopy(batch), [9])
     runner.backend = "triton"
