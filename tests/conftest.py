@@ -27,15 +27,16 @@ class Reference:
 
     def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         model = self.loaded.model
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+        out = model.generate(torch.tensor([prompt_ids], device=model.device), max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=model.generation_config.pad_token_id)
         return out[0, len(prompt_ids):].tolist()
 
     def logprobs(self, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
         """[len(output_ids), vocab]: the log-softmax of the logits each output token was drawn from."""
         with torch.no_grad():
-            logits = self.loaded.model(torch.tensor([prompt_ids + output_ids[:-1]])).logits[0, len(prompt_ids) - 1:]
-        return torch.log_softmax(logits.float(), dim=-1)
+            ids = torch.tensor([prompt_ids + output_ids[:-1]], device=self.loaded.model.device)
+            logits = self.loaded.model(ids).logits[0, len(prompt_ids) - 1:]
+        return torch.log_softmax(logits.float(), dim=-1).cpu()
 
 
 @pytest.fixture(scope="session")

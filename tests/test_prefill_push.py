@@ -188,7 +188,7 @@ def test_a_short_prompt_goes_ahead_of_a_long_one_being_chunked(prefill_worker, d
     assert sorted(landed) == ["long", "short"]
     staged = pool.take("long")
     alone = worker.runner.prefill(PROMPT)
-    torch.testing.assert_close(staged.kv.data, alone.kv.data, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(staged.kv.data, alone.kv.data.cpu(), rtol=1e-4, atol=1e-5)
     assert workers_pb2.KVMetadata.FromString(staged.metadata).first_token == int(alone.logits.argmax())
     pool.take("short")
 
@@ -214,7 +214,7 @@ def test_prompts_sharing_a_new_prefix_compute_it_once(prefill_worker, decode_rec
     for job in jobs:
         staged = pool.take(job.request.request_id)
         alone = worker.runner.prefill(job.request.prompt_token_ids)
-        torch.testing.assert_close(staged.kv.data, alone.kv.data, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(staged.kv.data, alone.kv.data.cpu(), rtol=1e-4, atol=1e-5)
 
 
 def test_an_interactive_prompt_pauses_a_batch_members_forward_between_layers(prefill_worker, decode_receiver):
@@ -249,7 +249,7 @@ def test_an_interactive_prompt_pauses_a_batch_members_forward_between_layers(pre
     for job in (member, urgent):
         staged = pool.take(job.request.request_id)
         alone = worker.runner.prefill(job.request.prompt_token_ids)
-        torch.testing.assert_close(staged.kv.data, alone.kv.data, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(staged.kv.data, alone.kv.data.cpu(), rtol=1e-4, atol=1e-5)
         assert workers_pb2.KVMetadata.FromString(staged.metadata).first_token == int(alone.logits.argmax())
 
 
