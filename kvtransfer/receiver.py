@@ -84,10 +84,12 @@ class Receiver:
             raise
         return ReceiveResult(header.request_id, header.total_bytes, num_chunks, reserved - started, time.monotonic() - started)
 
-    def receive_whole(self, header: pb.KVHeader, payload, crc32: int, timeout_s: float | None = None) -> ReceiveResult:
+    def receive_whole(self, header: pb.KVHeader, payload, crc32: int, timeout_s: float | None = None,
+                      adopt: bool = False) -> ReceiveResult:
         """Land KV that arrived in one piece (a shared-memory push): `payload` is a buffer of
-        `header.total_bytes` whose checksum must be `crc32`, checked before staging room is taken;
-        the pool gets a copy, so the caller may release the buffer on return."""
+        `header.total_bytes` whose checksum must be `crc32`, checked before staging room is taken.
+        The pool gets a copy, or with `adopt` (and no pinned memory asked for) the payload itself:
+        a writable buffer no one else changes, such as a private mapping of a sealed memory file."""
         started = time.monotonic()
         self._check_header(header)
         rid = header.request_id
@@ -101,8 +103,11 @@ class Receiver:
         try:
             shape = self.config.shape
             dims = (shape.num_layers, 2, shape.num_kv_heads, header.num_tokens, shape.head_dim)
-            data = host_tensor(dims, shape.dtype, self.config.pin_memory)
-            memoryview(data.view(torch.uint8).reshape(-1).numpy())[:] = payload
+            if adopt and not self.config.pin_memory:
+                data = torch.frombuffer(payload, dtype=torch.uint8).view(shape.dtype).view(dims)
+            else:
+                data = host_tensor(dims, shape.dtype, self.config.pin_memory)
+                memoryview(data.view(torch.uint8).reshape(-1).numpy())[:] = payload
             self.pool.land(reservation, SequenceKV(data), bytes(header.metadata))
         except BaseException:
             self.pool.abort(reservation)

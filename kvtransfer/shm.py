@@ -2,9 +2,13 @@
 
 The sender writes the KV into an anonymous memory file (memfd), seals it against any change and
 passes its descriptor to the decode worker over a Unix socket; the receiver verifies the
-header, the seals and the checksum, then copies the bytes into its staging pool. No KV byte
-crosses a socket, nothing is named in a file system, and the kernel frees the memory when the
-last descriptor and mapping go: a worker killed mid-transfer leaves no segment behind.
+header, the seals and the checksum, then stages the file's pages themselves, mapped privately
+(a CUDA worker copies them into pinned memory instead). One copy in all, no KV byte crosses a
+socket, nothing is named in a file system, and the kernel frees the memory when the last
+descriptor and mapping go: a worker killed mid-transfer leaves no segment behind. (The pages are
+charged to the sender's memory cgroup: containers that share a network namespace and have
+memory limits should leave the prefill side room for the decode side's staged KV, or use
+kv_transport: grpc.)
 
 The socket lives in the abstract namespace under the decode worker's gRPC port, so it is
 reachable exactly where a prefill worker shares the decode worker's network namespace (`baton
@@ -17,6 +21,7 @@ still waiting for staging room says so every HEARTBEAT_S; one silent for CHUNK_I
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -30,6 +35,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -128,21 +134,45 @@ def push_kv_shm(port: int, request_id: str, fingerprint: str, kv: SequenceKV, me
 
 
 def _sealed_copy(kv: SequenceKV, request_id: str) -> tuple[int, int]:
-    """A memory file holding kv's bytes, sealed so neither side can change it; (fd, crc32)."""
-    raw = kv.data.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
+    """A memory file holding kv's bytes, sealed so neither side can change it; (fd, crc32).
+
+    write(2) fills the file (the kernel allocates its pages as it copies, with no page faults),
+    while another thread checksums the same bytes (zlib lets go of the GIL)."""
+    raw = memoryview(kv.data.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy())
     fd = os.memfd_create(f"baton-kv-{request_id[:64]}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    crc: list[int] = []
+    summing = threading.Thread(target=lambda: crc.append(zlib.crc32(raw)), name="kv-shm-crc")
+    summing.start()
     try:
-        os.ftruncate(fd, raw.numel())
-        with mmap.mmap(fd, raw.numel(), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE) as mapped:
-            view = torch.frombuffer(mapped, dtype=torch.uint8)
-            view.copy_(raw)
-            del view  # the mapping cannot close while a tensor exports it
-            crc = zlib.crc32(mapped)
+        written = 0
+        while written < len(raw):
+            written += os.write(fd, raw[written:])
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
     except BaseException:
         os.close(fd)
         raise
-    return fd, crc
+    finally:
+        summing.join()
+    return fd, crc[0]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_private(fd: int, size: int):
+    """A writable private mapping of fd as a buffer, unmapped when the last object using it goes.
+    (Python's mmap would keep a duplicate of fd open as long as the mapping lives: one descriptor
+    per staged KV.)"""
+    address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    if address in (None, _MAP_FAILED):
+        raise OSError(ctypes.get_errno(), f"mmap of a {size}-byte KV memory file failed")
+    buffer = (ctypes.c_uint8 * size).from_address(address)
+    weakref.finalize(buffer, _libc.munmap, address, size)
+    return buffer
 
 
 def _await_reply(sock: socket.socket, request_id: str, deadline: float | None) -> pb.PushReply:
@@ -265,8 +295,11 @@ class ShmKVServer:
             if size != header.total_bytes or size == 0:
                 raise KVBadStream(f"KV for {header.request_id!r}: the memory file holds {size} bytes; the header "
                                   f"declares {header.total_bytes}")
-            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped, _Heartbeat(conn, sending):
-                result = self._receiver.receive_whole(header, mapped, crc)
+            # The staged KV is these very pages (no copy): a private mapping, so a write to them
+            # would copy the page for us alone; unmapped when the staged tensor goes.
+            mapped = _map_private(fd, size)
+            with _Heartbeat(conn, sending):
+                result = self._receiver.receive_whole(header, mapped, crc, adopt=True)
         finally:
             for fd in fds:
                 os.close(fd)

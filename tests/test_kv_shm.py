@@ -3,6 +3,7 @@ files, a receiver in this process or (for SIGKILL) in its own."""
 from __future__ import annotations
 
 import fcntl
+import gc
 import mmap
 import os
 import signal
@@ -51,6 +52,15 @@ def memfds(pid: int | str = "self") -> list[str]:
     return found
 
 
+def mapped_memfds() -> list[str]:
+    """The Baton KV memory files this process has mapped."""
+    names = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if "/memfd:baton-kv" in line:
+            names.add(line.split(None, 5)[5].removesuffix(" (deleted)"))
+    return sorted(names)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_push_lands_bit_exact_with_its_metadata(dtype):
     recv, port = receiver(dtype=dtype), free_port()
@@ -63,6 +73,11 @@ def test_a_push_lands_bit_exact_with_its_metadata(dtype):
     assert staged.metadata == b"meta"
     assert torch.equal(staged.kv.data.view(torch.uint8), kv.data.view(torch.uint8))
     assert memfds() == [], "every memory file is closed once the push returns"
+    assert mapped_memfds() == ["/memfd:baton-kv-r1"], "the staged KV is the pushed pages, not a copy"
+    recv.pool.release("r1")
+    del staged
+    gc.collect()
+    assert mapped_memfds() == [], "the pages are unmapped (and freed) with the staged KV"
 
 
 def test_no_listener_means_no_shared_memory_peer_and_nothing_sent():
