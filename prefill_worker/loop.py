@@ -14,12 +14,13 @@ their KV, then the members' forward goes on. What a finished job reports is a pl
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import grpc
@@ -76,6 +77,41 @@ class PrefillJob:
     cancelled: bool = False
 
 
+class PushSenders:
+    """Threads that push prefilled KV, highest priority first: an interactive prompt's KV does not
+    queue behind a batch's members' (the order is FIFO within one priority)."""
+
+    def __init__(self, threads: int) -> None:
+        self._queue: "queue.PriorityQueue[tuple]" = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._threads = [threading.Thread(target=self._run, name=f"kv-push-{i}", daemon=True) for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, priority: int, fn, *args) -> None:
+        self._queue.put((-priority, next(self._order), fn, args))
+
+    def shutdown(self) -> None:
+        """Drop the pushes not started; the threads end after the ones under way."""
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        for _ in self._threads:
+            self._queue.put((float("inf"), next(self._order), None, ()))
+
+    def _run(self) -> None:
+        while True:
+            _, _, fn, args = self._queue.get()
+            if fn is None:
+                return
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - _push reports its own failures; a sender must outlive one
+                log.exception("a KV push failed unexpectedly")
+
+
 class PrefillLoop:
     """One compute thread owns the PrefillCore (prefix cache included); RPC threads reach it only
     through the job queue and the control queue (pin/unpin), which it serves between batches."""
@@ -98,7 +134,7 @@ class PrefillLoop:
         self.cache_events = CacheEventLog()
         self.epoch = self.cache_events.epoch
         self.requests_done = 0
-        self._senders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-push")
+        self._senders = PushSenders(4)
         self._pusher = KVPusher(cluster_token, shared_memory=settings.kv_transport == "auto")
         self._channels: "OrderedDict[str, grpc.Channel]" = OrderedDict()  # most recently used last
         self._lock = threading.Lock()
@@ -135,7 +171,7 @@ class PrefillLoop:
         while self._chunking and not self._thread.is_alive():
             job, _ = self._chunking.popleft()
             job.done.set_exception(ConnectionAbortedError("this prefill worker stopped"))
-        self._senders.shutdown(wait=False, cancel_futures=True)
+        self._senders.shutdown()
         self.decode_targets.stop()
 
     def drain(self, timeout: float) -> bool:
@@ -326,14 +362,14 @@ class PrefillLoop:
         else:
             del self._chunking[pick]
             self._publish_cache_changes()
-            self._senders.submit(self._push, job, prefilled)
+            self._senders.submit(job.request.params.priority, self._push, job, prefilled)
             self.requests_done += 1
 
     def _prefill(self, jobs: list[PrefillJob]) -> None:
         prefilled = self.core.prefill([j.request for j in jobs])
         self._publish_cache_changes()  # before the pushes: routers learn of the new blocks at once
         for job, done in zip(jobs, prefilled):
-            self._senders.submit(self._push, job, done)
+            self._senders.submit(job.request.params.priority, self._push, job, done)
         self.requests_done += len(jobs)
 
     def _push(self, job: PrefillJob, prefilled) -> None:

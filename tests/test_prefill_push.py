@@ -308,3 +308,21 @@ def test_with_kubernetes_discovery_kv_goes_only_to_decode_workers_the_worker_dis
             loop.stop()
             server.stop(grace=None)
         assert not loop.decode_targets.discovery._threads[0].is_alive()  # the watch stopped with the worker
+
+
+def test_kv_pushes_go_highest_priority_first():
+    """An interactive prompt's push does not queue behind batch members' pushes."""
+    import threading
+
+    from baton.prefill_worker.loop import PushSenders
+
+    senders, gate, order = PushSenders(1), threading.Event(), []
+    senders.submit(0, gate.wait)  # occupies the only sender
+    for name, priority in (("member-1", -65536), ("member-2", -65536), ("interactive", 0), ("member-3", -65536)):
+        senders.submit(priority, order.append, name)
+    done = threading.Event()
+    senders.submit(-(1 << 20), done.set)
+    gate.set()
+    assert done.wait(5)
+    assert order == ["interactive", "member-1", "member-2", "member-3"]
+    senders.shutdown()
