@@ -182,7 +182,7 @@ def load_role_settings(args):
     for key in ("max_rows", "kv_budget_bytes", "staging_bytes", "max_queue", "max_batch_tokens", "chunk_tokens", "prefix_cache_bytes",
                 "block_size", "prefill_workers", "decode_workers", "discovery", "prefix_index", "redis_url",
                 "index_namespace", "max_inflight", "auth_token_file", "require_client_cert", "drain_move_after_s",
-                "http_port", "served_model_name", "chat_template", "kv_transport"):
+                "http_port", "served_model_name", "chat_template", "kv_transport", "kv_memory_bytes"):
         if getattr(args, key, None) is not None:
             section[key] = getattr(args, key)
     model = {"name": args.model_name, "dtype": args.dtype, "device": args.device,
@@ -366,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--chunk-tokens", type=int,
                          help="prefill a prompt with more uncached tokens than this in chunks of this many, one per "
                               "iteration, so other prompts need not wait for all of it (default 256; 0 = off)")
+    prefill.add_argument("--kv-memory-bytes", type=int,
+                         help="KV prefilled and not yet pushed stays under this; past it new prompts wait for pushes "
+                              "(BatchLLM's M_threshold; default 1073741824; 0 = no limit)")
     prefill.add_argument("--prefix-cache-bytes", type=int,
                          help="prefix KV cache size, pins included (default 268435456; 0 turns it off)")
     prefill.add_argument("--block-size", type=int, help="prefix block tokens (default 16)")

@@ -158,6 +158,10 @@ class PrefillSettings:
     # iteration, so prompts arriving meanwhile wait for a chunk rather than the whole prompt (0 = off).
     # 256 on a CPU core: a chunk takes ~0.5 s, and a long prompt 5-10% longer (`baton bench chunks`).
     chunk_tokens: int = 256
+    # BatchLLM's M_threshold: KV prefilled here and not yet pushed (plus long prompts' KV so far)
+    # stays under this; past it no new prompt is prefilled until pushes free memory (a slow
+    # decode side cannot make this worker hold unbounded KV). A lone prompt always goes. 0 = no limit.
+    kv_memory_bytes: int = 1 << 30
     prefix_cache_bytes: int = 256 << 20
     max_pins: int = 256  # batch groups' pinned prefixes held at once (their KV counts in prefix_cache_bytes)
     pin_ttl_s: float = 3600.0  # a pin not released by then is dropped (its router may have died)
@@ -187,6 +191,8 @@ class PrefillSettings:
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"prefill.drain_timeout_s must be >= 0 seconds (got {self.drain_timeout_s})")
         check_kv_transport(self.kv_transport, "prefill.kv_transport")
+        if self.kv_memory_bytes < 0:
+            raise ValueError(f"prefill.kv_memory_bytes must be >= 0 (got {self.kv_memory_bytes}); 0 = no limit")
         if self.chunk_tokens < 0:
             raise ValueError(f"prefill.chunk_tokens must be >= 0 (got {self.chunk_tokens}); 0 turns chunking off")
         if self.discovery not in ("static", "kubernetes"):

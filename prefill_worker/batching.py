@@ -107,9 +107,12 @@ class PrefillQueue:
         return item[0]
 
     def take_batch(self, timeout: float, min_priority: int | None = None,
-                   key: Callable[[object], Hashable | None] | None = None, busy: Collection[Hashable] = ()):
+                   key: Callable[[object], Hashable | None] | None = None, busy: Collection[Hashable] = (),
+                   max_tokens: int | None = None, at_least_one: bool = True):
         """The next batch (see pick_batch; `key` of a job), waiting up to `timeout` for one; with
-        `min_priority`, only if a prompt of at least that priority is queued, and then without waiting."""
+        `min_priority`, only if a prompt of at least that priority is queued, and then without waiting.
+        With `max_tokens` (the KV memory left) the batch's padded tokens fit it; a first prompt
+        larger than that goes alone if `at_least_one`, else nothing is taken."""
         with self._cond:
             if min_priority is not None:
                 if not any(p >= min_priority for _, _, p in self._items.values()):
@@ -119,9 +122,12 @@ class PrefillQueue:
             if not self._items:
                 return []
             ids = list(self._items)
-            picked = pick_batch([self._items[i][1] for i in ids], self.max_batch_tokens, self.max_batch_size,
-                                [self._items[i][2] for i in ids],
+            lengths = [self._items[i][1] for i in ids]
+            budget = self.max_batch_tokens if max_tokens is None else min(self.max_batch_tokens, max_tokens)
+            picked = pick_batch(lengths, budget, self.max_batch_size, [self._items[i][2] for i in ids],
                                 None if key is None else lambda i: key(self._items[ids[i]][0]), busy)
+            if max_tokens is not None and picked and lengths[picked[0]] > max_tokens and not at_least_one:
+                return []  # not even its first prompt fits the memory left: pushes will free some
             return [self._items.pop(ids[i])[0] for i in picked]
 
     def close(self) -> None:

@@ -135,6 +135,9 @@ class PrefillLoop:
         self.epoch = self.cache_events.epoch
         self.requests_done = 0
         self._senders = PushSenders(4)
+        self._unpushed = 0  # bytes of prefilled KV handed to the senders, not yet pushed
+        self._pushed = threading.Event()  # a push ended: memory under the threshold may be free again
+        self._kv_bytes_per_token = runner.loaded.kv_shape.bytes_per_token()
         self._pusher = KVPusher(cluster_token, shared_memory=settings.kv_transport == "auto")
         self._channels: "OrderedDict[str, grpc.Channel]" = OrderedDict()  # most recently used last
         self._lock = threading.Lock()
@@ -242,11 +245,31 @@ class PrefillLoop:
                 for group_id in self.core.expire_pins():
                     log.warning("pin of group %s expired after prefill.pin_ttl_s=%ss without an unpin", group_id,
                                 self.core.pin_ttl_s)
-            self._run_jobs(self.queue.take_batch(timeout=0 if self._chunking else 0.05, key=self._new_prefix,
-                                                 busy=self._prefixes_in_chunks()))
+            room, held = self._kv_room()
+            if held and room is not None and room <= 0:
+                self._pushed.wait(0 if self._chunking else 0.05)  # the memory threshold: pushes free it
+                self._pushed.clear()
+            else:
+                self._run_jobs(self.queue.take_batch(timeout=0 if self._chunking else 0.05, key=self._new_prefix,
+                                                     busy=self._prefixes_in_chunks(), max_tokens=room,
+                                                     at_least_one=not held))
             if self._chunking:
                 self._next_chunk()
             self._publish_cache_changes()  # whatever changed it (a failed forward, an expired pin)
+
+    def _kv_room(self) -> tuple[int | None, int]:
+        """(prompt tokens the next batch may prefill within prefill.kv_memory_bytes, None without
+        a limit; KV bytes held now): BatchLLM's M_threshold over the KV prefilled and not yet
+        pushed plus the chunked prompts' KV so far. With nothing held, a lone prompt always goes."""
+        held = self.unpushed_kv_bytes + sum(c.kv.nbytes for _, c in self._chunking if c.kv is not None)
+        limit = self.settings.kv_memory_bytes
+        return (None if not limit else (limit - held) // self._kv_bytes_per_token), held
+
+    @property
+    def unpushed_kv_bytes(self) -> int:
+        """KV prefilled here and not yet pushed (or given up)."""
+        with self._lock:
+            return self._unpushed
 
     def _new_prefix(self, job: PrefillJob) -> int | None:
         # Compute thread only (the cache is not thread-safe): take_batch runs here.
@@ -362,15 +385,28 @@ class PrefillLoop:
         else:
             del self._chunking[pick]
             self._publish_cache_changes()
-            self._senders.submit(job.request.params.priority, self._push, job, prefilled)
+            self._send(job, prefilled)
             self.requests_done += 1
 
     def _prefill(self, jobs: list[PrefillJob]) -> None:
         prefilled = self.core.prefill([j.request for j in jobs])
         self._publish_cache_changes()  # before the pushes: routers learn of the new blocks at once
         for job, done in zip(jobs, prefilled):
-            self._senders.submit(job.request.params.priority, self._push, job, done)
+            self._send(job, done)
         self.requests_done += len(jobs)
+
+    def _send(self, job: PrefillJob, prefilled) -> None:
+        with self._lock:
+            self._unpushed += prefilled.kv.nbytes
+        self._senders.submit(job.request.params.priority, self._push_counted, job, prefilled)
+
+    def _push_counted(self, job: PrefillJob, prefilled) -> None:
+        try:
+            self._push(job, prefilled)
+        finally:
+            with self._lock:
+                self._unpushed -= prefilled.kv.nbytes
+            self._pushed.set()
 
     def _push(self, job: PrefillJob, prefilled) -> None:
         trace = job.request.trace

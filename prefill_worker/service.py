@@ -152,6 +152,8 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
     loop = PrefillLoop(runner, settings, tls, settings.block_size, metrics, cluster_token=token,
                        decode_targets=targets).start()
     metrics.gauge("baton_prefill_queue_depth", "Prompts waiting for prefill", lambda: len(loop.queue))
+    metrics.gauge("baton_prefill_unpushed_kv_bytes", "KV prefilled and not yet pushed, held under "
+                  "prefill.kv_memory_bytes", lambda: loop.unpushed_kv_bytes)
     metrics.gauge("baton_prefill_queued_tokens", "Prompt tokens waiting for prefill", lambda: loop.queue.queued_tokens)
     metrics.gauge("baton_prefill_chunking", "Long prompts being prefilled a chunk per iteration",
                   lambda: loop.chunking)

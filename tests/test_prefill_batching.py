@@ -90,3 +90,17 @@ def test_a_prompt_waits_while_its_new_prefix_is_computed_in_chunks():
     keys = {0: "doc", 1: None, 2: "doc"}
     assert pick_batch([40, 40, 40], 4096, 8, key=keys.get, busy={"doc"}) == [1]
     assert pick_batch([40, 40], 4096, 8, key={0: "doc", 1: "doc"}.get, busy={"doc"}) == []
+
+
+def test_the_kv_memory_left_bounds_a_batch_and_may_hold_it_back():
+    queue = PrefillQueue(max_queue=8, max_batch_tokens=4096, max_batch_size=8)
+    for i, length in enumerate([100, 100, 100, 300]):
+        queue.put(Job(f"job{i}"), length, 0)
+
+    def ids(jobs):
+        return [j.request.request_id for j in jobs]
+
+    assert ids(queue.take_batch(0, max_tokens=250)) == ["job0", "job1"]  # 3 x 100 would not fit 250
+    assert queue.take_batch(0, max_tokens=50, at_least_one=False) == []  # not even one: wait for pushes
+    assert ids(queue.take_batch(0, max_tokens=50)) == ["job2"]  # nothing held: a lone prompt always goes
+    assert ids(queue.take_batch(0, max_tokens=None)) == ["job3"]

@@ -326,3 +326,43 @@ def test_kv_pushes_go_highest_priority_first():
     assert done.wait(5)
     assert order == ["interactive", "member-1", "member-2", "member-3"]
     senders.shutdown()
+
+
+def test_prefill_stops_at_the_kv_memory_threshold_until_pushes_free_memory(prefill_worker, grpc_server):
+    """BatchLLM's M_threshold: a decode side that takes one prompt's KV at a time holds the worker to
+    prefilled-but-unpushed KV under prefill.kv_memory_bytes; the rest waits queued, then all land.
+    (Without the threshold, p2 and p3 are prefilled and held too: 3 prompts' KV.)"""
+    _, worker = prefill_worker
+    loaded = worker.runner.loaded
+    prompt_bytes = 200 * loaded.kv_shape.bytes_per_token()
+    landed: list[str] = []
+    pool = StagingPool(StagingConfig(capacity_bytes=prompt_bytes), on_landed=landed.append)
+    receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape, reserve_timeout_s=30))
+    target = grpc_server(kvtransfer_pb2_grpc.add_KVTransferServicer_to_server, KVTransferServicer(receiver),
+                         grpc_channel_options() + grpc_server_ping_options())
+    settings = PrefillSettings(kv_memory_bytes=prompt_bytes * 3 // 2, kv_transport="grpc", max_batch_size=1)
+    loop = PrefillLoop(worker.runner, settings)
+    params = SamplingParams(max_tokens=4)
+    jobs = [PrefillJob(GenerationRequest(f"p{i}", [(7 * i + j) % 900 + 5 for j in range(200)], params), target)
+            for i in range(4)]
+    for job in jobs:
+        loop.submit(job)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(landed) < 1 or loop.unpushed_kv_bytes < prompt_bytes:
+            assert time.monotonic() < deadline, "p0 should land and p1's push wait for staging room"
+            time.sleep(0.05)
+        time.sleep(0.5)  # room for a wrong third prefill to happen
+        assert loop.unpushed_kv_bytes == prompt_bytes and len(loop.queue) == 2, "p2 and p3 wait for memory"
+        for i in range(4):  # the decode side takes each landed KV; the next push lands, then the next prefill
+            while f"p{i}" not in landed:
+                assert time.monotonic() < deadline + 30, f"p{i} never landed"
+                time.sleep(0.05)
+            assert loop.unpushed_kv_bytes <= prompt_bytes * 3 // 2
+            pool.release(pool.take(f"p{i}").request_id)
+        for job in jobs:
+            job.done.result(timeout=30)
+    finally:
+        loop.stop()
+    assert loop.unpushed_kv_bytes == 0
