@@ -121,7 +121,14 @@ def push_kv_shm(port: int, request_id: str, fingerprint: str, kv: SequenceKV, me
             sock.connect(socket_name(port))
         except (ConnectionRefusedError, FileNotFoundError) as exc:
             raise NoSharedMemoryPeer(f"no decode worker takes shared-memory pushes for port {port} here") from exc
-        fd, crc = _sealed_copy(kv, request_id)
+        except OSError as exc:  # its backlog is full, say: gRPC may still get through
+            raise KVPushFailed("UNAVAILABLE", f"could not connect for the shared-memory push of {request_id!r}: "
+                               f"{exc}") from None
+        try:
+            fd, crc = _sealed_copy(kv, request_id)
+        except OSError as exc:  # no memory or descriptors for the file here: gRPC needs neither
+            raise KVPushFailed("UNAVAILABLE", f"no memory file for the shared-memory push of {request_id!r}: "
+                               f"{exc}") from None
         try:
             frame = _PREFIX.pack(MAGIC, crc, len(token)) + token + header.SerializeToString()
             try:
@@ -192,7 +199,11 @@ def _await_reply(sock: socket.socket, request_id: str, deadline: float | None) -
             raise KVPushFailed("UNAVAILABLE", f"the shared-memory push of {request_id!r} broke: {exc}") from None
         if not message:
             raise KVPushFailed("UNAVAILABLE", f"the decode worker closed the shared-memory push of {request_id!r}")
-        reply = json.loads(message)
+        try:
+            reply = json.loads(message)
+        except ValueError:
+            raise KVPushFailed("UNAVAILABLE", f"the decode worker answered the shared-memory push of {request_id!r} "
+                               "with something unreadable") from None
         if reply.get("waiting"):
             continue
         if "code" in reply:
