@@ -107,7 +107,9 @@ class Receiver:
                 data = torch.frombuffer(payload, dtype=torch.uint8).view(shape.dtype).view(dims)
             else:
                 data = host_tensor(dims, shape.dtype, self.config.pin_memory)
-                memoryview(data.view(torch.uint8).reshape(-1).numpy())[:] = payload
+                source = memoryview(payload)
+                memoryview(data.view(torch.uint8).reshape(-1).numpy())[:] = (
+                    source if source.format == "B" else source.cast("B"))  # a ctypes buffer says '<B'
             self.pool.land(reservation, SequenceKV(data), bytes(header.metadata))
         except BaseException:
             self.pool.abort(reservation)

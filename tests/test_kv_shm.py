@@ -254,3 +254,18 @@ def test_a_local_cluster_pushes_through_shared_memory_unless_told_grpc(transport
     landed = {s.labels["transport"]: s.value for f in text_string_to_metric_families(scraped)
               for s in f.samples if s.name == "baton_kv_transfer_transports_total"}
     assert landed == {"shm" if transport == "auto" else "grpc": len(prompts)}
+
+
+def test_a_receiver_asked_for_pinned_memory_copies_the_pushed_pages():
+    """A CUDA decode worker's receiver (pin_memory) copies the pages into host memory of its own
+    (pinned where CUDA is present) instead of staging them: the path the GPU run exercises."""
+    shape = KVShape(SHAPE.num_layers, SHAPE.num_kv_heads, SHAPE.head_dim, torch.float32)
+    pool = StagingPool(StagingConfig(capacity_bytes=1 << 20, require_expected=True, max_entries=8))
+    recv, port = Receiver(pool, ReceiverConfig("model-a", shape, pin_memory=True)), free_port()
+    kv = make_kv(21)
+    pool.expect("r1", "")
+    with ShmKVServer(recv, port):
+        push_kv_shm(port, "r1", "model-a", kv)
+    assert mapped_memfds() == [], "copied, not mapped"
+    staged = pool.take("r1").kv.data
+    assert torch.equal(staged, kv.data) and staged.is_pinned() == torch.cuda.is_available()
