@@ -113,6 +113,9 @@ class RouterSettings:
     # worker that vanished without discovery noticing. The router re-reads every prefill worker's
     # whole cache every third of it, so entries a live worker holds never expire.
     index_ttl_s: float = 900.0
+    # Prefixes just sent to a prefill worker, before its cache events arrive: a request with the
+    # same prefix meanwhile is steered there. At most this many (worker, block) entries are kept.
+    pending_max_blocks: int = 65_536
     load_weight: float = 1.0  # routing cost per queued prompt token on a prefill worker
     cache_weight: float = 1.0  # routing credit per prompt token a worker already holds
     max_inflight: int = 1024  # requests in flight before RESOURCE_EXHAUSTED (also sizes the server's threads)
@@ -136,6 +139,8 @@ class RouterSettings:
 
     def validate(self) -> None:
         check_labels(self.discovery_labels, "router.discovery_labels")
+        if self.pending_max_blocks < 1:
+            raise ValueError(f"router.pending_max_blocks must be >= 1 (got {self.pending_max_blocks})")
         if not self.index_ttl_s >= 0:
             raise ValueError(f"router.index_ttl_s must be >= 0 seconds (0 = never; got {self.index_ttl_s})")
         if not 0 <= self.http_port <= 65535:

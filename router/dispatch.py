@@ -64,13 +64,14 @@ class Route:
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, index: PrefixIndex, block_size: int, picker: Picker | None = None,
-                 on_route: Callable[[float], None] = lambda seconds: None):
+                 on_route: Callable[[float], None] = lambda seconds: None, pending_max_blocks: int = 65_536):
         self.pool = pool
         self.on_route = on_route  # told how long each routing decision took
         self.index = index
         self.block_size = block_size
         self.picker = picker or Picker()
-        self.pending = PendingPrefixes()  # prefixes sent to a prefill worker, not yet in its events
+        # Prefixes sent to a prefill worker, not yet in its events (router.pending_max_blocks).
+        self.pending = PendingPrefixes(max_entries=pending_max_blocks)
         self.stats = RoutingStats()
         self._stats_lock = threading.Lock()
         self._hashers: dict[str, BlockHasher] = {}

@@ -172,7 +172,8 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
     pool.poll_once()
     pool.start()
     picker = Picker(RoutingWeights(load=settings.load_weight, cached_tokens=settings.cache_weight))
-    dispatcher = Dispatcher(pool, index, settings.block_size, picker, on_route=metrics.route_seconds.observe)
+    dispatcher = Dispatcher(pool, index, settings.block_size, picker, on_route=metrics.route_seconds.observe,
+                            pending_max_blocks=settings.pending_max_blocks)
     sync.on_lost = dispatcher.pending.forget  # what we sent a worker that died is not being computed
     front = Front(view, dispatcher, settings, metrics)
     api.target = RouterServicer(front)

@@ -152,3 +152,14 @@ def test_two_requests_with_the_same_new_prefix_meet_on_one_prefill_worker():
         assert dispatcher.route([5] + prompt).predicted_cached_tokens == 0  # another prefix
     finally:
         pool.stop()
+
+
+def test_the_pending_prefix_bound_comes_from_the_config():
+    from baton.config import load_settings
+
+    settings = load_settings(env={"BATON_ROUTER_PENDING_MAX_BLOCKS": "7"}).router
+    dispatcher = Dispatcher(WorkerPool(), build_prefix_index(PrefixIndexConfig()), block_size=16,
+                            pending_max_blocks=settings.pending_max_blocks)
+    assert dispatcher.pending.max_entries == 7
+    with pytest.raises(ValueError, match="router.pending_max_blocks must be >= 1"):
+        load_settings(env={"BATON_ROUTER_PENDING_MAX_BLOCKS": "0"})
