@@ -300,8 +300,12 @@ class ShmKVServer:
                                   f"{MAX_REQUEST_BYTES} bytes carrying one memory file")
             crc, header = self._parse(message)
             fd = fds[0]
-            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
-                raise KVBadStream(f"KV for {header.request_id!r}: the memory file must be sealed against writes")
+            try:
+                sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+            except OSError:  # a descriptor of something else (a file, a pipe, a socket)
+                sealed = False
+            if not sealed:
+                raise KVBadStream(f"KV for {header.request_id!r}: send a memory file (memfd) sealed against writes")
             size = os.fstat(fd).st_size
             if size != header.total_bytes or size == 0:
                 raise KVBadStream(f"KV for {header.request_id!r}: the memory file holds {size} bytes; the header "

@@ -135,6 +135,12 @@ def test_a_corrupt_short_or_unsealed_memory_file_is_refused():
         assert raw_push(port, header, payload, zlib.crc32(payload) ^ 1).startswith("INVALID_ARGUMENT: KV for 'r1': checksum")
         assert "holds" in raw_push(port, header, payload[:-4], zlib.crc32(payload[:-4]))
         assert "sealed" in raw_push(port, header, payload, zlib.crc32(payload), seal=False)
+        with open(__file__, "rb") as not_a_memfd:  # any other descriptor is refused the same way
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+                sock.connect(socket_name(port))
+                socket.send_fds(sock, [_PREFIX.pack(MAGIC, 0, 0) + header.SerializeToString()], [not_a_memfd.fileno()])
+                sock.settimeout(5)
+                assert b"INVALID_ARGUMENT" in sock.recv(4096)
         assert recv.pool.stats().used_bytes == 0
         assert raw_push(port, header, payload, zlib.crc32(payload)).startswith("OK")
     assert torch.equal(recv.pool.take("r1").kv.data, kv.data)
