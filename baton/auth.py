@@ -72,12 +72,23 @@ def _digest(value: bytes) -> bytes:
     return hashlib.sha256(value).digest()
 
 
+class TokenCheck:
+    """Compares a presented token with the expected one in constant time: both sides are hashed to
+    a fixed length first, so the time taken depends on neither."""
+
+    def __init__(self, expected: str):
+        self._expected = _digest(expected.encode())
+
+    def matches(self, given: bytes | str) -> bool:
+        return hmac.compare_digest(_digest(given.encode() if isinstance(given, str) else given), self._expected)
+
+
 class TokenInterceptor(grpc.ServerInterceptor):
     """Refuses, with UNAUTHENTICATED, every call outside EXEMPT_SERVICES whose `key` metadata is
     not `expected`. `missing` and `wrong` say what the caller should do."""
 
     def __init__(self, key: str, expected: str, missing: str, wrong: str):
-        self._key, self._expected, self._missing, self._wrong = key, _digest(expected.encode()), missing, wrong
+        self._key, self._expected, self._missing, self._wrong = key, TokenCheck(expected), missing, wrong
 
     def intercept_service(self, continuation, handler_call_details):
         service = handler_call_details.method.lstrip("/").rpartition("/")[0]
@@ -98,8 +109,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
             return f"send exactly one '{self._key}' metadata entry"
         value = values[0]
         given = value.encode() if isinstance(value, str) else bytes(value)
-        # Hashed first, so the comparison's time does not depend on the length of either side.
-        if hmac.compare_digest(_digest(given), self._expected):
+        if self._expected.matches(given):
             return None
         return self._wrong(given)
 

@@ -242,11 +242,11 @@ class DecodeCore:
             row = self.batch.embed(live.kv)
             assert row == seq.row, f"batch row {row} != scheduler row {seq.row}"
             live.kv = None
-            if not first:
-                self.release_parked(seq.request_id)
-            if first:
+            if first:  # the prefill's KV: its staging bytes go back
                 self.on_kv_consumed(seq.request_id)
                 live.request.trace.mark("admitted")
+            else:  # a parked row's KV: its host bytes go back
+                self.release_parked(seq.request_id)
         if not plan.running:
             return []
         logits = self.runner.decode(self.batch, [s.next_input for s in plan.running])

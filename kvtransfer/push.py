@@ -2,7 +2,6 @@
 (kvtransfer.shm), gRPC to any other, and gRPC's retries when a shared-memory push breaks."""
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import Callable
@@ -14,8 +13,6 @@ from baton.kvtransfer.errors import KVPushFailed
 from baton.kvtransfer.grpc_transport import RETRYABLE_PUSH_CODES, PushRetry, push_kv_retrying
 from baton.kvtransfer.shm import NoSharedMemoryPeer, local_port, push_kv_shm
 from baton.kvtransfer.wire import DEFAULT_CHUNK_BYTES
-
-log = logging.getLogger(__name__)
 
 RECHECK_SHM_AFTER_S = 60.0  # a target found without a shared-memory listener is tried again this late
 

@@ -73,16 +73,7 @@ class Receiver:
         header = first.header
         started = time.monotonic()
         self._check_header(header)
-        wait = self.config.reserve_timeout_s if timeout_s is None else min(timeout_s, self.config.reserve_timeout_s)
-        reservation = self.pool.reserve(header.request_id, header.total_bytes, wait, header.push_token)
-        reserved = time.monotonic()
-        try:
-            kv, num_chunks = self._assemble(header, stream, reservation)
-            self.pool.land(reservation, kv, bytes(header.metadata))
-        except BaseException:
-            self.pool.abort(reservation)
-            raise
-        return ReceiveResult(header.request_id, header.total_bytes, num_chunks, reserved - started, time.monotonic() - started)
+        return self._land(header, started, timeout_s, lambda reservation: self._assemble(header, stream, reservation))
 
     def receive_whole(self, header: pb.KVHeader, payload, crc32: int, timeout_s: float | None = None,
                       adopt: bool = False) -> ReceiveResult:
@@ -97,24 +88,41 @@ class Receiver:
             raise KVTruncated(f"KV for {rid!r} holds {len(payload)} bytes; its header declares {header.total_bytes}")
         if checksum(payload) != crc32:
             raise KVCorrupt(f"KV for {rid!r}: checksum mismatch; the data was damaged")
+
+        def fill(_reservation) -> tuple[SequenceKV, int]:
+            if adopt and not self.config.pin_memory:
+                dims = self._kv_dims(header.num_tokens)
+                return SequenceKV(torch.frombuffer(payload, dtype=torch.uint8).view(self.config.shape.dtype).view(dims)), 1
+            data = self._new_kv(header.num_tokens)
+            source = memoryview(payload)
+            memoryview(data.view(torch.uint8).reshape(-1).numpy())[:] = (
+                source if source.format == "B" else source.cast("B"))  # a ctypes buffer says '<B'
+            return SequenceKV(data), 1
+
+        return self._land(header, started, timeout_s, fill)
+
+    def _land(self, header: pb.KVHeader, started: float, timeout_s: float | None, fill) -> ReceiveResult:
+        """Reserve staging room for a checked header, let `fill(reservation)` make the KV (and its
+        message count), land it; the reservation is aborted if anything fails."""
         wait = self.config.reserve_timeout_s if timeout_s is None else min(timeout_s, self.config.reserve_timeout_s)
-        reservation = self.pool.reserve(rid, header.total_bytes, wait, header.push_token)
+        reservation = self.pool.reserve(header.request_id, header.total_bytes, wait, header.push_token)
         reserved = time.monotonic()
         try:
-            shape = self.config.shape
-            dims = (shape.num_layers, 2, shape.num_kv_heads, header.num_tokens, shape.head_dim)
-            if adopt and not self.config.pin_memory:
-                data = torch.frombuffer(payload, dtype=torch.uint8).view(shape.dtype).view(dims)
-            else:
-                data = host_tensor(dims, shape.dtype, self.config.pin_memory)
-                source = memoryview(payload)
-                memoryview(data.view(torch.uint8).reshape(-1).numpy())[:] = (
-                    source if source.format == "B" else source.cast("B"))  # a ctypes buffer says '<B'
-            self.pool.land(reservation, SequenceKV(data), bytes(header.metadata))
+            kv, messages = fill(reservation)
+            self.pool.land(reservation, kv, bytes(header.metadata))
         except BaseException:
             self.pool.abort(reservation)
             raise
-        return ReceiveResult(rid, header.total_bytes, 1, reserved - started, time.monotonic() - started)
+        return ReceiveResult(header.request_id, header.total_bytes, messages, reserved - started,
+                             time.monotonic() - started)
+
+    def _kv_dims(self, num_tokens: int) -> tuple[int, ...]:
+        shape = self.config.shape
+        return (shape.num_layers, 2, shape.num_kv_heads, num_tokens, shape.head_dim)
+
+    def _new_kv(self, num_tokens: int) -> torch.Tensor:
+        """Host memory for one sequence's KV (pinned for a CUDA worker)."""
+        return host_tensor(self._kv_dims(num_tokens), self.config.shape.dtype, self.config.pin_memory)
 
     def _check_header(self, header: pb.KVHeader) -> None:
         rid = header.request_id
@@ -156,11 +164,8 @@ class Receiver:
     def _assemble(
         self, header: pb.KVHeader, stream: Iterator[pb.KVChunk], reservation: Reservation
     ) -> tuple[SequenceKV, int]:
-        shape = self.config.shape
         rid, total, chunk_bytes = header.request_id, header.total_bytes, header.chunk_bytes
-        # data: [layers, 2, kv_heads, tokens, head_dim], filled through a flat byte view
-        data = host_tensor((shape.num_layers, 2, shape.num_kv_heads, header.num_tokens, shape.head_dim), shape.dtype,
-                           self.config.pin_memory)
+        data = self._new_kv(header.num_tokens)  # [layers, 2, kv_heads, tokens, head_dim], filled as bytes
         target = memoryview(data.view(torch.uint8).reshape(-1).numpy())
         received = num_chunks = 0
         started = time.monotonic()

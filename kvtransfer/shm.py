@@ -24,8 +24,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import hashlib
-import hmac
 import ipaddress
 import json
 import logging
@@ -41,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from baton.auth import TokenCheck
 from baton.v1 import kvtransfer_pb2 as pb
 from baton.engine.kv import SequenceKV
 from baton.kvtransfer.errors import KVBadStream, KVPushFailed, KVTransferError
@@ -91,10 +90,6 @@ def local_port(target: str) -> int | None:
         except OSError:
             return None
     return int(port)
-
-
-def _digest(token: str | bytes) -> bytes:
-    return hashlib.sha256(token.encode() if isinstance(token, str) else token).digest()
 
 
 class _Unauthenticated(KVTransferError):
@@ -222,7 +217,7 @@ class ShmKVServer:
 
     def __init__(self, receiver: Receiver, port: int, cluster_token: str | None = None, max_workers: int = 8) -> None:
         self._receiver = receiver
-        self._token = None if cluster_token is None else _digest(cluster_token)
+        self._token = None if cluster_token is None else TokenCheck(cluster_token)
         self.port = port
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
@@ -334,7 +329,7 @@ class ShmKVServer:
         if magic != MAGIC:
             raise KVBadStream("not a Baton shared-memory KV push")
         token = message[_PREFIX.size:_PREFIX.size + token_length]
-        if self._token is not None and not hmac.compare_digest(_digest(token), self._token):
+        if self._token is not None and not self._token.matches(token):
             raise _Unauthenticated("the cluster credential is missing or not valid for this worker; check "
                                    "cluster.token")
         header = pb.KVHeader()

@@ -12,7 +12,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import hmac
 import json
 import logging
 import re
@@ -35,6 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from baton import tracing
+from baton.auth import TokenCheck
 from baton.engine.request import RequestError
 from baton.messages import logprob_from_proto, sampling_to_proto
 from baton.router.dispatch import DispatchError
@@ -182,7 +182,8 @@ class OpenAIServer:
 
     def __init__(self, front: Front, *, host: str, port: int, served: list[str], token: str = "",
                  tls=None, require_client_cert: bool = True, max_threads: int = 1024, timeout: float = 0):
-        self.front, self.served, self.token = front, served, token
+        self.front, self.served = front, served
+        self.token = TokenCheck(token) if token else None  # the gRPC port's bearer token, checked the same way
         self.timeout = timeout or None  # seconds a request may run; past it, 504
         self.token_text = functools.lru_cache(maxsize=1 << 16)(front.model.token_text)
         self.executor = concurrent.futures.ThreadPoolExecutor(max_threads, thread_name_prefix="openai")
@@ -234,7 +235,7 @@ class OpenAIServer:
         if not self.token:
             return True
         scheme, _, given = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.token.encode())
+        return scheme.lower() == "bearer" and self.token.matches(given.strip())
 
     async def health(self, request):
         if self.front.draining:
