@@ -229,6 +229,9 @@ class DecodeSettings:
     max_pending: int = 256
     kv_high_watermark_bytes: int = 0  # batch KV above this parks rows on the host (0 = off)
     kv_low_watermark_bytes: int = 0  # and rows are admitted only while it stays at or below this
+    # Rows whose prompts begin with at least this many equal tokens hold that prefix's KV once, in
+    # the batch (a system prompt, a batch group's document); 0 turns sharing off.
+    share_min_tokens: int = 64
     # On SIGTERM (drain): seconds to let running requests finish before their KV moves to another
     # decode worker that has room (the router re-prefills a request when none takes it). At or past
     # drain_timeout_s, nothing moves and what is left is re-prefilled.
@@ -241,6 +244,8 @@ class DecodeSettings:
 
     def validate(self) -> None:
         check_kv_transport(self.kv_transport, "decode.kv_transport")
+        if self.share_min_tokens < 0:
+            raise ValueError(f"decode.share_min_tokens must be >= 0 (got {self.share_min_tokens}; 0 turns sharing off)")
         if not self.drain_move_after_s >= 0:
             raise ValueError(f"decode.drain_move_after_s must be >= 0 seconds (got {self.drain_move_after_s})")
         if not self.drain_timeout_s >= 0:

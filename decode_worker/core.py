@@ -31,6 +31,10 @@ class DecodeConfig:
     # Requests registered whose KV has not landed (0: unbounded, as in-process engines want); a
     # worker also refuses beyond max_waiting + max_rows requests in all.
     max_waiting: int = 0
+    # Rows whose prompts begin with at least this many equal tokens hold that prefix's KV once
+    # (decode_worker.sharing); 0 turns sharing off. Executors that cannot decode shared rows
+    # (the transformers reference) never share.
+    share_min_tokens: int = 64
 
     def __post_init__(self):
         if self.max_rows < 1:
@@ -40,6 +44,8 @@ class DecodeConfig:
                              "device's memory)")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 (got {self.max_waiting})")
+        if self.share_min_tokens < 0:
+            raise ValueError(f"share_min_tokens must be >= 0 (got {self.share_min_tokens}; 0 turns sharing off)")
 
 
 @dataclass
@@ -105,7 +111,8 @@ class DecodeCore:
             config.max_rows, max_columns, high_watermark_slots=config.high_watermark_bytes // per_slot,
             low_watermark_slots=config.low_watermark_bytes // per_slot, max_waiting=config.max_waiting,
             max_requests=config.max_waiting + config.max_rows if config.max_waiting else 0,
-            budget_slots=self.kv_budget_bytes // per_slot),
+            budget_slots=self.kv_budget_bytes // per_slot,
+            share_min_tokens=config.share_min_tokens if getattr(runner, "shares_prefixes", False) else 0),
             can_park=lambda seq: self.hold_parked(seq.request_id, seq.num_kv_tokens * per_slot))
 
     @property
@@ -140,7 +147,8 @@ class DecodeCore:
         self.check_fits(prompt_len, request.params)
         seq = DecodeSequence(request.request_id, prompt_len,
                              effective_max_tokens(prompt_len, request.params, self.max_context), [],
-                             priority=request.params.priority, engine=_Live(request))
+                             priority=request.params.priority, engine=_Live(request),
+                             prompt_ids=request.prompt_token_ids)
         self.scheduler.register(seq)
 
     def waiting(self, request_id: str) -> GenerationRequest | None:
@@ -239,7 +247,7 @@ class DecodeCore:
             first = seq not in plan.resumed
             if first:
                 live.request.trace.mark("admit_start")
-            row = self.batch.embed(live.kv)
+            row = self._embed(seq, live.kv)
             assert row == seq.row, f"batch row {row} != scheduler row {seq.row}"
             live.kv = None
             if first:  # the prefill's KV: its staging bytes go back
@@ -270,6 +278,18 @@ class DecodeCore:
                 self._finish(seq, _STATUS[reason])
             outputs.append(self._output(live, step.text_delta, reason.value if reason else None))
         return outputs
+
+    def _embed(self, seq: DecodeSequence, kv: SequenceKV) -> int:
+        """Into a new row: the whole KV, or, where the scheduler placed the row after a shared
+        prefix, only its own tokens (a new shared prefix is taken from this KV, and the partner
+        row drops its copy)."""
+        placement = seq.placement
+        if placement is None:
+            return self.batch.embed(kv)
+        if placement.partner is not None:
+            self.batch.add_prefix(placement.group, kv.prefix(placement.tokens))
+            self.batch.share(self.scheduler.find(placement.partner).row, placement.group)
+        return self.batch.embed(SequenceKV(kv.data[:, :, :, placement.tokens:]), prefix=placement.group)
 
     def _finish(self, seq: DecodeSequence, status: Status) -> None:
         """End a request: free its row or KV and forget it. LookupError if it had already ended."""

@@ -28,7 +28,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
+
+from baton.decode_worker.sharing import Placement, PrefixSharing
 
 
 class Status(IntEnum):
@@ -62,6 +64,8 @@ class DecodeSequence:
     status: Status = Status.WAITING
     row: int | None = None
     engine: Any = field(default=None, repr=False)  # what the engine keeps for it; opaque here
+    prompt_ids: Sequence[int] = field(default=(), repr=False)  # for prefix sharing (empty: it shares nothing)
+    placement: Placement | None = None  # set on admission when its row continues a shared prefix
 
     @property
     def num_kv_tokens(self) -> int:
@@ -97,6 +101,9 @@ class SchedulerConfig:
     # every row, at its longest (prompt + max_tokens), would still fit it. So max_rows is a cap
     # and memory sets the batch size: many short requests, or a few long ones.
     budget_slots: int = 0
+    # Rows whose prompts begin with at least this many equal tokens share one copy of that
+    # prefix's KV (decode_worker.sharing); 0 turns sharing off.
+    share_min_tokens: int = 0
 
     def __post_init__(self):
         if self.max_rows < 1 or self.max_columns < 1:
@@ -105,6 +112,8 @@ class SchedulerConfig:
             raise ValueError("the low KV watermark must not exceed the high one")
         if self.max_waiting < 0 or self.max_requests < 0:
             raise ValueError("max_waiting and max_requests must be >= 0 (0: unbounded)")
+        if self.share_min_tokens < 0:
+            raise ValueError(f"share_min_tokens must be >= 0 (got {self.share_min_tokens}; 0 turns sharing off)")
 
 
 @dataclass
@@ -126,6 +135,7 @@ class DecodeScheduler:
         self.rows: list[DecodeSequence] = []  # RUNNING, in row order
         self.parked_total = 0
         self.finished_total = 0  # ended here: stopped, length or aborted (not moved, not cancelled while waiting)
+        self.sharing = PrefixSharing(config.share_min_tokens) if config.share_min_tokens else None
         self._lock = threading.RLock()
 
     def fits_ever(self, seq: DecodeSequence) -> bool:
@@ -178,18 +188,29 @@ class DecodeScheduler:
 
     # -- one iteration ----------------------------------------------------------------------------
 
-    def window_slots(self, extra: DecodeSequence | None = None) -> int:
-        """Token slots of the padded batch KV: rows x the longest row (leading columns are released)."""
-        rows = self.rows + ([extra] if extra else [])
-        return len(rows) * max((s.num_kv_tokens + 1 for s in rows), default=0)
+    def window_slots(self, extra: DecodeSequence | None = None, placement: Placement | None = None) -> int:
+        """Token slots of the batch KV: rows x the longest row's own tokens (leading columns are
+        released), plus each shared prefix once."""
+        return self._slots(lambda s: s.num_kv_tokens + 1, extra, placement)
 
-    def worst_case_slots(self, extra: DecodeSequence | None = None) -> int:
-        """Token slots the batch (with `extra` joining) would take if every row ran to its
-        max_tokens: rows x the longest row (rows stay end-aligned; leading columns are released)."""
-        rows = self.rows + ([extra] if extra else [])
-        return len(rows) * max((s.max_kv_tokens + 1 for s in rows), default=0)
+    def worst_case_slots(self, extra: DecodeSequence | None = None, placement: Placement | None = None) -> int:
+        """Token slots the batch (with `extra` joining at `placement`) would take if every row ran
+        to its max_tokens."""
+        return self._slots(lambda s: s.max_kv_tokens + 1, extra, placement)
 
-    def can_admit(self, seq: DecodeSequence) -> bool:
+    def _slots(self, tokens: Callable[[DecodeSequence], int], extra: DecodeSequence | None,
+               placement: Placement | None) -> int:
+        rows = self.rows + ([extra] if extra else [])
+        shared = {s.request_id: self.sharing.shared_tokens(s.request_id) for s in rows} if self.sharing else {}
+        prefixes = self.sharing.prefix_tokens() if self.sharing else 0
+        if placement is not None:
+            shared[extra.request_id] = placement.tokens
+            if placement.partner is not None:
+                shared[placement.partner] = placement.tokens
+                prefixes += placement.tokens
+        return len(rows) * max((tokens(s) - shared.get(s.request_id, 0) for s in rows), default=0) + prefixes
+
+    def can_admit(self, seq: DecodeSequence, placement: Placement | None = None) -> bool:
         # The KV budget buys max_columns for every row, and leading columns are released as rows
         # finish, so the window never exceeds the longest row: a staged request (which fits_ever)
         # needs a free row, and the batch must stay under the low watermark (an empty batch
@@ -197,10 +218,16 @@ class DecodeScheduler:
         if len(self.rows) >= self.config.max_rows:
             return False
         budget = self.config.budget_slots
-        if budget and self.rows and self.worst_case_slots(seq) > budget:
+        if budget and self.rows and self.worst_case_slots(seq, placement) > budget:
             return False
         low = self.config.low_watermark_slots
-        return not (low and self.rows and self.window_slots(seq) > low)
+        return not (low and self.rows and self.window_slots(seq, placement) > low)
+
+    def _placement(self, seq: DecodeSequence) -> Placement | None:
+        if self.sharing is None or not seq.prompt_ids:
+            return None
+        running = {s.request_id: s.prompt_ids for s in self.rows if s.prompt_ids}
+        return self.sharing.place(seq.request_id, seq.prompt_ids, running)
 
     def schedule(self) -> SchedulerOutput:
         """Park for memory or priority, then admit in priority order while requests fit."""
@@ -214,8 +241,15 @@ class DecodeScheduler:
                 victim = self._lowest_priority_row()
                 if self.staged[0].priority <= victim.priority or not self._park(victim, out):
                     break
-            while self.staged and self.can_admit(self.staged[0]):
-                seq = self.staged.pop(0)
+            while self.staged:
+                seq = self.staged[0]
+                placement = self._placement(seq)
+                if not self.can_admit(seq, placement):
+                    break
+                self.staged.pop(0)
+                seq.placement = placement
+                if placement is not None:
+                    self.sharing.join(seq.request_id, placement, seq.prompt_ids)
                 if seq.status is Status.PARKED:
                     out.resumed.append(seq)
                 seq.status = Status.RUNNING
@@ -298,6 +332,9 @@ class DecodeScheduler:
     def _release(self, seq: DecodeSequence) -> int | None:
         row, last = seq.row, len(self.rows) - 1
         seq.row = None
+        seq.placement = None
+        if self.sharing is not None:
+            self.sharing.leave(seq.request_id)
         moved = None
         if row != last:
             mover = self.rows[last]

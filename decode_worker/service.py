@@ -175,7 +175,8 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     core = DecodeCore(runner, DecodeConfig(max_rows=settings.max_rows, kv_budget_bytes=settings.kv_budget_bytes,
                                            high_watermark_bytes=settings.kv_high_watermark_bytes,
                                            low_watermark_bytes=settings.kv_low_watermark_bytes,
-                                           max_waiting=settings.max_pending))
+                                           max_waiting=settings.max_pending,
+                                           share_min_tokens=settings.share_min_tokens))
     pool = StagingPool(StagingConfig(capacity_bytes=settings.staging_bytes, require_expected=True,
                                      max_entries=settings.max_pending + settings.max_rows),
                        on_landed=lambda request_id: loop.on_landed(request_id))

@@ -36,6 +36,15 @@ class DecodeAttention:
 
 
 @dataclass
+class SharedPrefix:
+    """Rows of a decode step that continue one shared prefix (`engine.batch_kv`): their queries
+    attend to its KV once, together, and the result merges into each row's own part."""
+
+    rows: torch.Tensor  # int64 [m]: batch rows continuing the prefix
+    kv: torch.Tensor  # [layers, 2, kv_heads, prefix tokens, head_dim]
+
+
+@dataclass
 class PrefillAttention:
     prefix_len: int  # cached prefix columns every new token sees in full
     backend: str
@@ -84,6 +93,58 @@ def decode(query, key, value, ctx: DecodeAttention, scale):
     # ctx.mask: [B, 1, 1, window], built by for_window for the batch's whole window (the keys here)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=ctx.mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)
+
+
+def decode_shared(query, key, value, ctx: DecodeAttention, scale, prefixes: list[SharedPrefix], layer: int):
+    """Decode attention where some rows continue a shared prefix held once: each row's own window
+    part, then each prefix's part for all of its rows in one matmul, merged by log-sum-exp (the
+    same maths as one softmax over prefix and window together).
+    query: [B, Hq, 1, D]; key, value: [B, Hkv, window, D] -> [B, 1, Hq, D]"""
+    out, lse = _window_with_lse(query[:, :, 0], key, value, ctx, scale)  # [B, Hq, D], [B, Hq]
+    for prefix in prefixes:
+        rows = prefix.rows
+        shared_out, shared_lse = prefix_attention(query[rows, :, 0], prefix.kv[layer, 0], prefix.kv[layer, 1], scale)
+        out[rows] = merge(out[rows], lse[rows], shared_out, shared_lse)
+    return out.to(query.dtype).unsqueeze(1)
+
+
+def prefix_attention(query, key, value, scale):
+    """Queries of several rows against one sequence's KV, no mask: query [m, Hq, D]; key, value
+    [Hkv, P, D] -> out [m, Hq, D] and log-sum-exp [m, Hq], float32. The rows' queries of one KV
+    head form one matrix, so the prefix is read once for all of them."""
+    m, hq, d = query.shape
+    hkv = key.shape[0]
+    q = query.float().view(m, hkv, hq // hkv, d).transpose(0, 1).reshape(hkv, -1, d)  # [Hkv, m * group, D]
+    scores = torch.bmm(q, key.float().transpose(1, 2)) * scale  # [Hkv, m * group, P]
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.bmm(torch.exp(scores - lse[..., None]), value.float())  # [Hkv, m * group, D]
+    return (out.view(hkv, m, hq // hkv, d).transpose(0, 1).reshape(m, hq, d),
+            lse.view(hkv, m, hq // hkv).transpose(0, 1).reshape(m, hq))
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+    """Two attention results over disjoint key sets -> the result over their union (online softmax)."""
+    top = torch.maximum(lse_a, lse_b)
+    weight_a, weight_b = torch.exp(lse_a - top)[..., None], torch.exp(lse_b - top)[..., None]
+    return (out_a * weight_a + out_b * weight_b) / (weight_a + weight_b)
+
+
+def _window_with_lse(query, key, value, ctx: DecodeAttention, scale):
+    """The own-window part of decode attention with its log-sum-exp: query [B, Hq, D]; key, value
+    [B, Hkv, window, D] -> out [B, Hq, D], lse [B, Hq], float32."""
+    rows, hq, d = query.shape
+    if query.dtype == torch.float32 and query.device.type == "cpu" and cpu_kernels.available():
+        lse = torch.empty(rows, hq, dtype=torch.float32)
+        starts = ctx.starts64 if ctx.starts64 is not None else ctx.starts.to(torch.int64)
+        return cpu_kernels.decode_attention(query, key, value, starts, scale, lse=lse), lse
+    hkv, window = key.shape[1], key.shape[2]
+    q = query.float().view(rows, hkv, hq // hkv, d)
+    scores = torch.matmul(q, key.float().transpose(-1, -2)) * scale  # [B, Hkv, group, window]
+    padding = torch.arange(window, device=key.device)[None, :] < ctx.starts[:, None].to(key.device)  # [B, window]
+    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), value.float())
+    return out.view(rows, hq, d), lse.view(rows, hq)
 
 
 def prefill(query, key, value, ctx: PrefillAttention, scale):

@@ -7,6 +7,11 @@ end-aligned into a free row, its front filled with placeholders that attention m
 longer than the window grows it on the left; columns that are padding for every row are
 released from the left.
 
+Rows that begin with the same tokens may share one copy of that prefix's KV (`add_prefix`,
+`embed(..., prefix=)`, `share`): the prefix lives once outside the padded buffer, and each of
+its rows keeps only its own tokens in the window. Attention runs the prefix part once for all
+of its rows and merges it with each row's part by their log-sum-exps (`engine.attention`).
+
 The buffer follows what it holds: its rows double (up to `max_rows`) as rows join and halve
 when three quarters of them are free; its columns grow by a quarter as the window does and
 shrink when the window uses under half of them. Each change is one copy of the live KV,
@@ -57,6 +62,8 @@ class BatchKV:
         self.budget_bytes = budget_bytes  # the buffer never allocates more (None: no limit)
         self.device = torch.device(device)
         self.starts: list[int] = []  # per occupied row: first valid window column
+        self.groups: list[int | None] = []  # per occupied row: the shared prefix it continues, if any
+        self.prefixes: dict[int, torch.Tensor] = {}  # shared prefix id -> [layers, 2, kv_heads, tokens, head_dim]
         self.offset = 0  # buffer column where the window begins
         self.length = 0  # window columns
         # Counted so tests and metrics can see the layout at work.
@@ -65,6 +72,8 @@ class BatchKV:
         self.released_columns = 0
         self.embeds = 0
         self.shrinks = 0
+        self.prefixes_added = 0
+        self.rows_sharing = 0  # rows placed after a shared prefix (embedded so, or converted by `share`)
         self.buffer = self._allocate(self.initial_rows, self.initial_columns)
 
     # buffer: [layers, 2, row_capacity, kv_heads, capacity, head_dim]
@@ -90,22 +99,80 @@ class BatchKV:
         return self.shape.bytes_per_token()
 
     def allocated_bytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        return self.buffer.numel() * self.buffer.element_size() + self.prefix_bytes()
+
+    def prefix_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.prefixes.values())
 
     def window_bytes(self) -> int:
         """Bytes of the padded batch KV that attention reads: rows x window columns."""
         return self.num_rows * self.length * self.row_bytes_per_column
 
     def useful_bytes(self) -> int:
-        return sum(self.length - s for s in self.starts) * self.row_bytes_per_column
+        return sum(self.length - s for s in self.starts) * self.row_bytes_per_column + self.prefix_bytes()
 
     def row_tokens(self, row: int) -> int:
+        """The row's own tokens in the window (its shared prefix excluded)."""
         return self.length - self.starts[row]
+
+    def prefix_tokens(self, row: int) -> int:
+        group = self.groups[row]
+        return 0 if group is None else self.prefixes[group].shape[3]
+
+    def sequence_tokens(self, row: int) -> int:
+        """Tokens of KV the row's sequence has: its shared prefix and its own."""
+        return self.prefix_tokens(row) + self.row_tokens(row)
+
+    def shared_groups(self) -> dict[int, list[int]]:
+        """Shared prefix id -> the rows continuing it, for the prefixes some row uses."""
+        rows: dict[int, list[int]] = {}
+        for row, group in enumerate(self.groups):
+            if group is not None:
+                rows.setdefault(group, []).append(row)
+        return rows
+
+    # -- shared prefixes ----------------------------------------------------------------------
+
+    def add_prefix(self, group: int, kv: SequenceKV) -> None:
+        """Hold `kv` once as shared prefix `group`; rows refer to it through `embed` or `share`.
+        It is dropped when the last row referring to it leaves."""
+        if kv.shape != self.shape:
+            raise ValueError(f"KV shape {kv.shape} does not match the batch {self.shape}")
+        if group in self.prefixes:
+            raise ValueError(f"shared prefix {group} exists already")
+        if self.budget_bytes is not None and self.allocated_bytes() + kv.nbytes > self.budget_bytes:
+            raise BatchKVFull(f"a {kv.nbytes}-byte shared prefix exceeds the {self.budget_bytes}-byte KV budget")
+        data = torch.empty(kv.data.shape, dtype=kv.data.dtype, device=self.device)  # its own, contiguous copy
+        self.prefixes[group] = data.copy_(kv.data)
+        self.prefixes_added += 1
+
+    def drop_prefix(self, group: int) -> None:
+        """Forget a shared prefix no row refers to (one added for an embed that then failed)."""
+        if group in self.groups:
+            raise ValueError(f"shared prefix {group} is still in use")
+        self.prefixes.pop(group, None)
+
+    def share(self, row: int, group: int) -> None:
+        """Row `row` begins with shared prefix `group`'s tokens: it drops its own copy of them (the
+        columns become padding, released once no row needs them) and refers to the prefix."""
+        tokens = self.prefixes[group].shape[3]
+        if self.groups[row] is not None:
+            raise ValueError(f"row {row} already continues shared prefix {self.groups[row]}")
+        if tokens > self.row_tokens(row):
+            raise ValueError(f"row {row} has {self.row_tokens(row)} tokens, fewer than the {tokens}-token prefix")
+        self.starts[row] += tokens
+        self.groups[row] = group
+        self.rows_sharing += 1
+        self.release_leading_columns()
+        self._shrink_if_sparse()
 
     # -- layout changes ---------------------------------------------------------------------
 
-    def embed(self, kv: SequenceKV) -> int:
-        """Place a prefilled KV end-aligned into the next free row; returns the row."""
+    def embed(self, kv: SequenceKV, prefix: int | None = None) -> int:
+        """Place a prefilled KV end-aligned into the next free row; returns the row. With `prefix`,
+        kv holds only the tokens after that shared prefix's."""
+        if prefix is not None and prefix not in self.prefixes:
+            raise ValueError(f"no shared prefix {prefix} in this batch")
         if kv.shape != self.shape:
             raise ValueError(f"KV shape {kv.shape} does not match the batch {self.shape}")
         if self.num_rows >= self.max_rows:
@@ -121,7 +188,9 @@ class BatchKV:
         # data: [layers, 2, kv_heads, tokens, head_dim] -> row slot, end-aligned
         self.buffer[:, :, row, :, first:first + tokens].copy_(kv.data.to(self.device, non_blocking=True))
         self.starts.append(start)
+        self.groups.append(prefix)
         self.embeds += 1
+        self.rows_sharing += prefix is not None
         return row
 
     def append_column(self) -> int:
@@ -159,11 +228,16 @@ class BatchKV:
         if not 0 <= row <= last:
             raise IndexError(f"row {row} is not occupied")
         moved = None
+        group = self.groups[row]
         if row != last:
             self.buffer[:, :, row].copy_(self.buffer[:, :, last])
             self.starts[row] = self.starts[last]
+            self.groups[row] = self.groups[last]
             moved = last
         self.starts.pop()
+        self.groups.pop()
+        if group is not None and group not in self.groups:
+            del self.prefixes[group]  # its last row left
         if not self.starts:
             self._reset()
         else:
@@ -182,9 +256,13 @@ class BatchKV:
         return drop
 
     def extract(self, row: int) -> SequenceKV:
-        """A copy of one row's valid KV (for preemption or migration)."""
+        """A copy of one row's whole KV, its shared prefix included (for preemption or migration)."""
         first = self.offset + self.starts[row]
-        return SequenceKV(self.buffer[:, :, row, :, first:self.offset + self.length].clone())
+        own = self.buffer[:, :, row, :, first:self.offset + self.length]
+        group = self.groups[row]
+        if group is None:
+            return SequenceKV(own.clone())
+        return SequenceKV(torch.cat([self.prefixes[group], own], dim=3))
 
     # -- buffer management --------------------------------------------------------------------
 
@@ -239,13 +317,17 @@ class BatchKV:
         """Trim a growth's headroom so the buffer stays within budget_bytes; BatchKVFull if even
         the rows and columns in use (and a joining row: least_rows) do not fit."""
         per_slot = self.row_bytes_per_column
-        if self.budget_bytes is None or rows * columns * per_slot <= self.budget_bytes:
+        if self.budget_bytes is None:
             return rows, columns
-        columns = max(needed_columns, min(columns, self.budget_bytes // (rows * per_slot)))
-        if rows * columns * per_slot > self.budget_bytes:  # fewer spare rows, then
-            rows = max(least_rows, min(rows, self.budget_bytes // (columns * per_slot)))
-        if rows * columns * per_slot > self.budget_bytes:
-            raise BatchKVFull(f"{rows} rows x {columns} columns exceed the {self.budget_bytes}-byte KV budget")
+        budget = self.budget_bytes - self.prefix_bytes()  # shared prefixes are inside the same bound
+        if rows * columns * per_slot <= budget:
+            return rows, columns
+        columns = max(needed_columns, min(columns, budget // (rows * per_slot)))
+        if rows * columns * per_slot > budget:  # fewer spare rows, then
+            rows = max(least_rows, min(rows, budget // (columns * per_slot)))
+        if rows * columns * per_slot > budget:
+            raise BatchKVFull(f"{rows} rows x {columns} columns and {self.prefix_bytes()} bytes of shared prefixes "
+                              f"exceed the {self.budget_bytes}-byte KV budget")
         return rows, columns
 
     def _reset(self) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.engine import attention
-from baton.engine.attention import DecodeAttention, PrefillAttention
+from baton.engine.attention import DecodeAttention, PrefillAttention, SharedPrefix
 from baton.engine.batch_kv import BatchKV
 from baton.engine.kv import PrefillOutput, SequenceKV
 from baton.engine.linear import Linear, best_layout
@@ -76,6 +76,7 @@ class LlamaRunner:
     """Prefill and BATON decode for a Llama-family model, without transformers on the hot path."""
 
     name = "baton"
+    shares_prefixes = True  # decodes rows that continue a shared prefix held once (engine.batch_kv)
 
     def __init__(self, loaded: LoadedModel, attention_backend: str = "auto"):
         reason = unsupported_reason(loaded)
@@ -171,10 +172,12 @@ class LlamaRunner:
         rows = batch.num_rows
         if len(input_ids) != rows:
             raise ValueError(f"decode needs one token per occupied row: {rows} rows, {len(input_ids)} tokens")
-        positions = torch.tensor([batch.row_tokens(r) for r in range(rows)], device=self.device)
+        positions = torch.tensor([batch.sequence_tokens(r) for r in range(rows)], device=self.device)
         column = batch.append_column()
         starts = torch.tensor(batch.starts, dtype=torch.int32, device=self.device)
         ctx = DecodeAttention.for_window(starts, batch.length, self.backend)
+        shared = [SharedPrefix(torch.tensor(members, device=self.device), batch.prefixes[group])
+                  for group, members in batch.shared_groups().items()]
         rotary = self._rotary(positions)
         h = self.embed[torch.tensor(input_ids, device=self.device)]  # [R, hidden]
         new_kv, window = batch.step_views(column)
@@ -183,7 +186,10 @@ class LlamaRunner:
             new_kv[index, 0].copy_(k)
             new_kv[index, 1].copy_(v)
             keys, values = window[index]  # [R, Hkv, window, D] each
-            out = self._decode_attention(q[:, :, None], keys, values, ctx)  # [R, 1, Hq, D]
+            if shared:
+                out = attention.decode_shared(q[:, :, None], keys, values, ctx, self.scale, shared, index)
+            else:
+                out = self._decode_attention(q[:, :, None], keys, values, ctx)  # [R, 1, Hq, D]
             h = h + layer.o(out.reshape(rows, -1))
             h = self._mlp(layer, h)
         logits = self.lm_head(self._rms_norm(h, self.norm))

@@ -68,6 +68,7 @@ class TransformersRunner:
     """The reference executor: the stock transformers forward, for any model it loads."""
 
     name = "transformers"
+    shares_prefixes = False  # the stock forward attends over the padded window alone
 
     def __init__(self, loaded: LoadedModel, attention_backend: str = "auto"):
         self.loaded = loaded
@@ -133,6 +134,8 @@ class TransformersRunner:
         rows = batch.num_rows
         if len(input_ids) != rows:
             raise ValueError(f"decode needs one token per occupied row: {rows} rows, {len(input_ids)} tokens")
+        if batch.prefixes:
+            raise ValueError("the transformers executor cannot decode rows that share a prefix KV")
         positions = torch.tensor([[batch.row_tokens(r)] for r in range(rows)], device=self.device)
         column = batch.append_column()
         starts = torch.tensor(batch.starts, dtype=torch.int32, device=self.device)

@@ -1,4 +1,5 @@
 """The BATON batch KV layout: embedding, left growth, column release, row reuse, accounting."""
+import pytest
 import torch
 
 from baton.engine.batch_kv import BatchKV, BatchKVFull
@@ -126,3 +127,39 @@ def test_growth_stops_at_the_byte_budget():
         raise AssertionError("the budget must refuse a sixth row")
     except BatchKVFull:
         pass
+
+
+def test_rows_sharing_a_prefix_hold_it_once():
+    """A shared prefix lives once outside the window; rows keep only their own tokens, extract
+    gives the whole KV back, and the prefix goes with its last row."""
+    batch = BatchKV(SHAPE, max_rows=4, max_columns=64, initial_columns=4)
+    whole = kv_of(30, 0.0)  # a 30-token prompt: 24 shared, 6 its own
+    partner = batch.embed(whole)
+    batch.add_prefix(7, whole.prefix(24))
+    batch.share(partner, 7)  # the partner drops its copy of the prefix
+    own = SequenceKV(kv_of(33, 0.0).data[:, :, :, 24:].contiguous())  # the same 24 tokens, then 9 of its own
+    row = batch.embed(own, prefix=7)
+    assert batch.length == 9 and batch.starts == [3, 0], "the window holds only the rows' own tokens"
+    assert [batch.sequence_tokens(r) for r in (partner, row)] == [30, 33]
+    assert torch.equal(row_kv(batch, partner), whole.data) and torch.equal(row_kv(batch, row), kv_of(33, 0.0).data)
+    per_token = SHAPE.bytes_per_token()
+    assert batch.useful_bytes() == (24 + 6 + 9) * per_token  # the prefix once
+    assert batch.shared_groups() == {7: [0, 1]} and batch.rows_sharing == 2
+    batch.release(partner)
+    assert batch.shared_groups() == {7: [0]} and 7 in batch.prefixes
+    batch.release(0)
+    assert not batch.prefixes and batch.allocated_bytes() == batch.buffer.numel() * 4
+
+
+def test_a_shared_prefix_counts_against_the_byte_budget():
+    per_token = SHAPE.bytes_per_token()
+    batch = BatchKV(SHAPE, max_rows=2, max_columns=64, initial_columns=4, budget_bytes=40 * per_token)
+    with pytest.raises(BatchKVFull):
+        batch.add_prefix(1, kv_of(41, 0.0))
+    batch.add_prefix(1, kv_of(32, 0.0))
+    with pytest.raises(BatchKVFull):  # 32 + 2 rows x 5 columns > 40
+        batch.embed(kv_of(5, 1.0), prefix=1)
+        batch.embed(kv_of(5, 1.0), prefix=1)
+    with pytest.raises(ValueError):
+        batch.embed(kv_of(5, 1.0), prefix=99)
+    assert batch.allocated_bytes() <= 40 * per_token

@@ -70,8 +70,9 @@ int baton_small_gemm(const float *x, const float *packed, float *out, int64_t M,
 /* Decode attention over the BATON window: one query token per row, keys and values of the
  * window [start_r, W) of each row (columns before start_r are padding and are skipped, not
  * masked), grouped-query heads. q: [R, Hq, D] contiguous; keys/values: strided views of the
- * batch buffer (row, head and token strides in floats); out: [R, Hq, D]. Softmax in fp32 with
- * the running maximum subtracted, as SDPA does. */
+ * batch buffer (row, head and token strides in floats); out: [R, Hq, D]; lse (optional, [R, Hq]):
+ * the log-sum-exp of the scaled scores, for merging with a shared prefix's part. Softmax in fp32
+ * with the running maximum subtracted, as SDPA does. */
 /* q . k over D floats: eight lanes of partial sums where D allows (no -ffast-math needed) */
 static inline float dot(const float *a, const float *b, int64_t D) {
   float s = 0.f;
@@ -91,7 +92,7 @@ static inline float dot(const float *a, const float *b, int64_t D) {
 }
 
 int baton_decode_attention(const float *q, const float *keys, const float *values, const int64_t *starts,
-                           float *out, int64_t R, int64_t Hq, int64_t Hkv, int64_t W, int64_t D,
+                           float *out, float *lse, int64_t R, int64_t Hq, int64_t Hkv, int64_t W, int64_t D,
                            int64_t row_stride, int64_t head_stride, int64_t token_stride, float scale,
                            int threads) {
   const int64_t group = Hq / Hkv;
@@ -123,6 +124,7 @@ int baton_decode_attention(const float *q, const float *keys, const float *value
       const float p = scores[t] / total;
       for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
     }
+    if (lse) lse[r * Hq + h] = top + __builtin_logf(total);
     free(scores);
   }
   return failed ? -1 : 0;

@@ -56,9 +56,10 @@ def small_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, lse: torch.Tensor | None = None) -> torch.Tensor:
     """query [R, Hq, D]; keys, values [R, Hkv, W, D] (views of the batch buffer, last dim contiguous);
-    starts int64 [R]: each row's first valid column -> [R, Hq, D], float32."""
+    starts int64 [R]: each row's first valid column -> [R, Hq, D], float32. With `lse` (float32
+    [R, Hq], contiguous), each row and head's log-sum-exp of scaled scores is written there too."""
     rows, heads, dim = query.shape
     kv_heads, window = keys.shape[1], keys.shape[2]
     if keys.stride() != values.stride() or keys.stride(3) != 1:
@@ -67,8 +68,8 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     out = torch.empty_like(query)
     scale = dim ** -0.5 if scale is None else scale
     if _library().baton_decode_attention(query.data_ptr(), keys.data_ptr(), values.data_ptr(), starts.data_ptr(),
-                                         out.data_ptr(), rows, heads, kv_heads, window, dim, keys.stride(0),
-                                         keys.stride(1), keys.stride(2), ctypes.c_float(scale), torch.get_num_threads()):
+                                         out.data_ptr(), None if lse is None else lse.data_ptr(), rows, heads,
+                                         kv_heads, window, dim, keys.stride(0), keys.stride(1), keys.stride(2), ctypes.c_float(scale), torch.get_num_threads()):
         raise MemoryError("decode_attention could not allocate its scores")
     return out
 
@@ -93,7 +94,7 @@ def _library() -> ctypes.CDLL | None:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.baton_small_gemm.argtypes = [pointer] * 3 + [size] * 3 + [ctypes.c_int]
     lib.baton_small_gemm.restype = ctypes.c_int
-    lib.baton_decode_attention.argtypes = [pointer] * 5 + [size] * 8 + [ctypes.c_float, ctypes.c_int]
+    lib.baton_decode_attention.argtypes = [pointer] * 6 + [size] * 8 + [ctypes.c_float, ctypes.c_int]
     lib.baton_decode_attention.restype = ctypes.c_int
     return lib
 
