@@ -131,6 +131,15 @@ def test_chunks_quick_times_a_long_prompt_whole_and_in_chunks(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_shared_quick_decodes_rows_of_one_prefix_with_and_without_sharing(tmp_path, capsys):
+    document, printed = run_suite("shared", tmp_path, capsys, "--rows", "4", "--prefix", "128")
+    assert document["tokens_agree"] and document["with"]["rows_sharing"] == 4 and not document["without"]["rows_sharing"]
+    # the useful KV falls by nearly what the shape allows (rows joining at different steps cost a little)
+    assert 0.9 * document["bound_kv_ratio"] <= document["kv_useful_ratio"] <= document["bound_kv_ratio"]
+    assert "with sharing" in printed
+
+
+@pytest.mark.slow
 def test_engine_quick_races_the_executors_and_reports_a_missing_vllm(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("BATON_VLLM_PYTHON", raising=False)
     document, printed = run_suite("engine", tmp_path, capsys)

@@ -50,6 +50,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("route", "issue 16: 200 requests over 12 shared prefixes, 2 prefill workers (one restarted half way): "
                    "prediction precision, tokens reused vs optimum, router time per request; memory, Redis, a "
                    "bounded index, round-robin", "baton.bench.route"),
+    Suite("shared", "issue 18: 8 rows sharing a 512-token prefix, decoded with its KV held once vs per row: KV "
+                    "bytes and step time side by side", "baton.bench.shared"),
     Suite("fairness", "interactive TTFT p50/p99 idle vs during an 84-request batch (low priority) vs the same load "
                       "at equal priority", "baton.bench.fairness"),
 ]}
