@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import torch
+
 from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
 from baton.engine.batch_kv import BatchKV, default_kv_budget
 from baton.engine.kv import SequenceKV, to_host
@@ -224,7 +226,7 @@ class DecodeCore:
             return None
         live: _Live = seq.engine
         row, was = seq.row, seq.status
-        kv = SequenceKV(to_host(self.batch.extract(row).data)) if row is not None else live.kv
+        kv = SequenceKV(to_host(self.batch.extract(row).data)) if row is not None else self._whole_kv(seq, live.kv)
         assert kv.num_tokens == seq.num_kv_tokens, f"{kv.num_tokens} KV tokens for {seq.num_kv_tokens}"
         self._release_row(row, self.scheduler.move(seq))
         self._drop_kv(seq, was)
@@ -242,6 +244,7 @@ class DecodeCore:
             seq.engine.kv = SequenceKV(to_host(self.batch.extract(row).data))  # all but the newest token, exactly
             assert seq.engine.kv.nbytes == seq.num_kv_tokens * self.batch.shape.bytes_per_token(), "held != parked"
             self.batch.release(row)
+        self._forget_prefixes()
         for seq in plan.admitted:
             live: _Live = seq.engine
             first = seq not in plan.resumed
@@ -279,17 +282,37 @@ class DecodeCore:
             outputs.append(self._output(live, step.text_delta, reason.value if reason else None))
         return outputs
 
+    def held_prefix_tokens(self, request_id: str) -> int:
+        """Leading prompt tokens of a registered request whose KV this worker holds (a shared
+        prefix in its batch, kept for it): its prefill need push only the KV after them."""
+        return self.scheduler.held_tokens(request_id)
+
     def _embed(self, seq: DecodeSequence, kv: SequenceKV) -> int:
         """Into a new row: the whole KV, or, where the scheduler placed the row after a shared
         prefix, only its own tokens (a new shared prefix is taken from this KV, and the partner
-        row drops its copy)."""
+        row drops its copy). A request that held the prefix since registration may have been
+        sent only its own tokens."""
         placement = seq.placement
         if placement is None:
             return self.batch.embed(kv)
         if placement.partner is not None:
             self.batch.add_prefix(placement.group, kv.prefix(placement.tokens))
             self.batch.share(self.scheduler.find(placement.partner).row, placement.group)
-        return self.batch.embed(SequenceKV(kv.data[:, :, :, placement.tokens:]), prefix=placement.group)
+        own = kv if kv.num_tokens + placement.tokens == seq.num_kv_tokens else SequenceKV(
+            kv.data[:, :, :, placement.tokens:])
+        return self.batch.embed(own, prefix=placement.group)
+
+    def _whole_kv(self, seq: DecodeSequence, kv: SequenceKV) -> SequenceKV:
+        """A staged KV with the shared prefix in front, if it was sent without it."""
+        placement = seq.placement
+        if placement is None or kv.num_tokens == seq.num_kv_tokens:
+            return kv
+        return SequenceKV(torch.cat([to_host(self.batch.prefixes[placement.group]), kv.data], dim=3))
+
+    def _forget_prefixes(self) -> None:
+        """Drop the shared prefixes that no row and no waiting request needs any more (the loop's)."""
+        for group in [g for g in self.batch.prefixes if not self.scheduler.has_group(g)]:
+            self.batch.drop_prefix(group)
 
     def _finish(self, seq: DecodeSequence, status: Status) -> None:
         """End a request: free its row or KV and forget it. LookupError if it had already ended."""
@@ -298,9 +321,10 @@ class DecodeCore:
         self._drop_kv(seq, was)
 
     def _release_row(self, row: int | None, moved: int | None) -> None:
-        if row is not None:
+        if row is not None:  # only the loop releases rows, so only the loop touches the batch here
             moved_in_batch = self.batch.release(row)
             assert moved == moved_in_batch, "scheduler and batch disagree on row compaction"
+            self._forget_prefixes()
 
     def _drop_kv(self, seq: DecodeSequence, status: Status) -> None:
         live: _Live = seq.engine

@@ -166,6 +166,22 @@ class DecodeScheduler:
                                     "retry later")
             seq.status = Status.WAITING
             self.requests[seq.request_id] = seq
+            if self.sharing is not None and seq.prompt_ids:
+                # A shared prefix held now stays until this request's KV lands or it ends: its
+                # prefill need send only the rest (`held_tokens`).
+                seq.placement = self.sharing.continuing(seq.prompt_ids)
+                if seq.placement is not None:
+                    self.sharing.join(seq.request_id, seq.placement, seq.prompt_ids)
+
+    def held_tokens(self, request_id: str) -> int:
+        """Leading prompt tokens of a waiting request whose KV this worker holds already (any thread)."""
+        with self._lock:
+            seq = self.requests.get(request_id)
+            return seq.placement.tokens if seq is not None and seq.placement is not None else 0
+
+    def has_group(self, group: int) -> bool:
+        with self._lock:
+            return self.sharing is not None and group in self.sharing.groups
 
     def add_staged(self, seq: DecodeSequence) -> None:
         """Its KV landed: queue it for a row (registering it first if nobody did). ValueError if it
@@ -226,6 +242,8 @@ class DecodeScheduler:
     def _placement(self, seq: DecodeSequence) -> Placement | None:
         if self.sharing is None or not seq.prompt_ids:
             return None
+        if seq.placement is not None:  # held since registration
+            return seq.placement
         running = {s.request_id: s.prompt_ids for s in self.rows if s.prompt_ids}
         return self.sharing.place(seq.request_id, seq.prompt_ids, running)
 
@@ -327,6 +345,8 @@ class DecodeScheduler:
             return self._release(seq)
         if seq in self.staged:
             self.staged.remove(seq)
+        if self.sharing is not None:  # it may hold a shared prefix since registration
+            self.sharing.leave(seq.request_id)
         return None
 
     def _release(self, seq: DecodeSequence) -> int | None:

@@ -69,7 +69,8 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         request_id = request.request_id
         context.add_callback(lambda: self.loop.cancel(request_id, outputs))
-        yield workers_pb2.DecodeResponse()  # registered: the router may start the prefill now
+        # Registered: the router may start the prefill now, pushing only the KV not held here.
+        yield workers_pb2.DecodeResponse(held_prefix_tokens=self.loop.core.held_prefix_tokens(request_id))
         sent = 0
         while True:
             try:

@@ -19,7 +19,9 @@ from typing import Sequence
 class Group:
     id: int
     tokens: tuple[int, ...]  # the shared prefix
-    members: set[str] = field(default_factory=set)  # request ids whose row continues it
+    # request ids whose row continues it, or which hold it until their KV lands (that KV then
+    # covers only the tokens after the prefix: the prefill sent no more)
+    members: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -54,17 +56,23 @@ class PrefixSharing:
         self.group_of: dict[str, int] = {}  # request id -> its group
         self._ids = itertools.count()
 
+    def continuing(self, prompt: Sequence[int]) -> Placement | None:
+        """The longest shared prefix held now that `prompt` continues (leaving it a token of its own)."""
+        prompt = tuple(prompt)
+        best = max((g for g in self.groups.values()
+                    if len(g.tokens) < len(prompt) and prompt[:len(g.tokens)] == g.tokens),
+                   key=lambda g: len(g.tokens), default=None)
+        return None if best is None else Placement(best.id, len(best.tokens))
+
     def place(self, request_id: str, prompt: Sequence[int], running: dict[str, Sequence[int]]) -> Placement | None:
         """Where the row of `request_id` (prompt `prompt`) goes, given the running rows' prompts
         by request id; None: it keeps its whole KV. A prefix always leaves the prompt's last token
         to the row (so every row has a token of its own), and only running rows outside any group
         can be partners."""
         usable = len(prompt) - 1
-        prompt = tuple(prompt)
-        best = max((g for g in self.groups.values() if len(g.tokens) <= usable and prompt[:len(g.tokens)] == g.tokens),
-                   key=lambda g: len(g.tokens), default=None)
-        if best is not None:
-            return Placement(best.id, len(best.tokens))
+        joined = self.continuing(prompt)
+        if joined is not None:
+            return joined
         partner, shared = None, 0
         for other, other_prompt in running.items():
             if other in self.group_of or other == request_id:
@@ -87,7 +95,8 @@ class PrefixSharing:
         self.group_of[request_id] = group.id
 
     def leave(self, request_id: str) -> None:
-        """The row left the batch; a group with no rows left is forgotten (the batch drops its KV)."""
+        """The row left the batch (or a request holding the group ended); a group with no members
+        left is forgotten (the batch then drops its KV)."""
         group_id = self.group_of.pop(request_id, None)
         if group_id is None:
             return

@@ -23,6 +23,7 @@ class DecodeAttention:
     backend: str
     mask: torch.Tensor | None = None  # torch backend: bool [rows, 1, 1, window], built once per step
     starts64: torch.Tensor | None = None  # torch backend on CPU: int64 starts for Baton's C kernel
+    group_of_row: torch.Tensor | None = None  # triton backend with shared prefixes: built once per step
 
     @classmethod
     def for_window(cls, starts: torch.Tensor, window: int, backend: str) -> "DecodeAttention":
@@ -100,12 +101,37 @@ def decode_shared(query, key, value, ctx: DecodeAttention, scale, prefixes: list
     part, then each prefix's part for all of its rows in one matmul, merged by log-sum-exp (the
     same maths as one softmax over prefix and window together).
     query: [B, Hq, 1, D]; key, value: [B, Hkv, window, D] -> [B, 1, Hq, D]"""
+    if ctx.backend == "triton":
+        return _decode_shared_triton(query, key, value, ctx, scale, prefixes, layer)
     out, lse = _window_with_lse(query[:, :, 0], key, value, ctx, scale)  # [B, Hq, D], [B, Hq]
     for prefix in prefixes:
         rows = prefix.rows
         shared_out, shared_lse = prefix_attention(query[rows, :, 0], prefix.kv[layer, 0], prefix.kv[layer, 1], scale)
         out[rows] = merge(out[rows], lse[rows], shared_out, shared_lse)
     return out.to(query.dtype).unsqueeze(1)
+
+
+def _decode_shared_triton(query, key, value, ctx: DecodeAttention, scale, prefixes: list[SharedPrefix], layer: int):
+    """The fused prefix-shared kernel: every prefix's rows and every row's window in one launch.
+    One prefix is passed as a view; several are padded to the longest into one tensor per layer."""
+    from baton.engine.kernels import prefix_shared_decode_attention
+
+    if ctx.group_of_row is None:
+        ctx.group_of_row = torch.full((query.shape[0],), -1, dtype=torch.int32, device=query.device)
+        for index, prefix in enumerate(prefixes):
+            ctx.group_of_row[prefix.rows] = index
+    lengths = [prefix.kv.shape[3] for prefix in prefixes]
+    if len(prefixes) == 1:
+        prefix_k, prefix_v = prefixes[0].kv[layer, 0][None], prefixes[0].kv[layer, 1][None]
+    else:
+        top = max(lengths)
+        prefix_k, prefix_v = (torch.stack([F.pad(p.kv[layer, kind], (0, 0, 0, top - n)) for p, n in zip(prefixes, lengths)])
+                              for kind in (0, 1))
+    out = prefix_shared_decode_attention(
+        query[:, :, 0], prefix_k, prefix_v, key, value, ctx.starts, ctx.group_of_row,
+        torch.tensor(lengths, dtype=torch.int32, device=query.device), scale,
+        max_group_rows=max(prefix.rows.numel() for prefix in prefixes))
+    return out.unsqueeze(1)
 
 
 def prefix_attention(query, key, value, scale):

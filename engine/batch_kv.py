@@ -135,7 +135,8 @@ class BatchKV:
 
     def add_prefix(self, group: int, kv: SequenceKV) -> None:
         """Hold `kv` once as shared prefix `group`; rows refer to it through `embed` or `share`.
-        It is dropped when the last row referring to it leaves."""
+        It stays until `drop_prefix` (the decode scheduler says when no row nor waiting request
+        needs it any more)."""
         if kv.shape != self.shape:
             raise ValueError(f"KV shape {kv.shape} does not match the batch {self.shape}")
         if group in self.prefixes:
@@ -147,7 +148,7 @@ class BatchKV:
         self.prefixes_added += 1
 
     def drop_prefix(self, group: int) -> None:
-        """Forget a shared prefix no row refers to (one added for an embed that then failed)."""
+        """Forget a shared prefix no row refers to."""
         if group in self.groups:
             raise ValueError(f"shared prefix {group} is still in use")
         self.prefixes.pop(group, None)
@@ -228,7 +229,6 @@ class BatchKV:
         if not 0 <= row <= last:
             raise IndexError(f"row {row} is not occupied")
         moved = None
-        group = self.groups[row]
         if row != last:
             self.buffer[:, :, row].copy_(self.buffer[:, :, last])
             self.starts[row] = self.starts[last]
@@ -236,8 +236,6 @@ class BatchKV:
             moved = last
         self.starts.pop()
         self.groups.pop()
-        if group is not None and group not in self.groups:
-            del self.prefixes[group]  # its last row left
         if not self.starts:
             self._reset()
         else:

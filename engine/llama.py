@@ -186,10 +186,7 @@ class LlamaRunner:
             new_kv[index, 0].copy_(k)
             new_kv[index, 1].copy_(v)
             keys, values = window[index]  # [R, Hkv, window, D] each
-            if shared:
-                out = attention.decode_shared(q[:, :, None], keys, values, ctx, self.scale, shared, index)
-            else:
-                out = self._decode_attention(q[:, :, None], keys, values, ctx)  # [R, 1, Hq, D]
+            out = self._decode_attention(q[:, :, None], keys, values, ctx, shared, index)  # [R, 1, Hq, D]
             h = h + layer.o(out.reshape(rows, -1))
             h = self._mlp(layer, h)
         logits = self.lm_head(self._rms_norm(h, self.norm))
@@ -197,9 +194,14 @@ class LlamaRunner:
         self.decode_steps += 1
         return logits.float()
 
-    def _decode_attention(self, q, keys, values, ctx: DecodeAttention):
-        try:
+    def _decode_attention(self, q, keys, values, ctx: DecodeAttention, shared: list[SharedPrefix], layer: int):
+        def run():
+            if shared:
+                return attention.decode_shared(q, keys, values, ctx, self.scale, shared, layer)
             return attention.decode(q, keys, values, ctx, self.scale)
+
+        try:
+            return run()
         except Exception as exc:  # a Triton kernel that cannot build here must not fail every request
             if ctx.backend != "triton":
                 raise
@@ -208,7 +210,7 @@ class LlamaRunner:
             self.backend = "torch"
             torch_ctx = DecodeAttention.for_window(ctx.starts, keys.shape[2], "torch")
             ctx.backend, ctx.mask, ctx.starts64 = torch_ctx.backend, torch_ctx.mask, torch_ctx.starts64
-            return attention.decode(q, keys, values, ctx, self.scale)
+            return run()
 
     # -- prefill ------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from baton.v1 import workers_pb2
 from baton.engine.request import GenerationRequest, RequestError
 from baton.messages import logprob_to_proto
 from baton.engine.executors import Runner
+from baton.engine.kv import SequenceKV
 from baton.kvtransfer.errors import KVPushFailed
 from baton.kvtransfer.grpc_transport import PushRetry
 from baton.kvtransfer.push import KVPusher
@@ -72,6 +73,7 @@ class PrefillJob:
     request: GenerationRequest
     decode_target: str
     push_token: str = ""  # presented with the KV push; the decode worker registered the same
+    kv_skip_tokens: int = 0  # leading prompt tokens whose KV the decode worker holds: not pushed
     new_prefix: int | None = None  # while in chunks: its first block the cache lacked (see batching)
     done: Future = field(default_factory=Future)
     cancelled: bool = False
@@ -437,16 +439,19 @@ class PrefillLoop:
         try:
             if job.cancelled:
                 raise RequestError("cancelled")
+            kv = prefilled.kv
+            if job.kv_skip_tokens:  # the decode worker has the first ones: only the rest travels
+                kv = SequenceKV(kv.data[:, :, :, job.kv_skip_tokens:].contiguous())
             transport = self._pusher.push(
                 job.decode_target, lambda: self._channel(job.decode_target), job.request.request_id, self.fingerprint,
-                prefilled.kv, meta.SerializeToString(), chunk_bytes=self.settings.kv_chunk_bytes,
+                kv, meta.SerializeToString(), chunk_bytes=self.settings.kv_chunk_bytes,
                 timeout_s=PUSH_TIMEOUT_SECONDS, retry=PUSH_RETRY, should_stop=lambda: job.cancelled, on_retry=retrying,
                 push_token=job.push_token)
             trace.mark("staged")  # the decode worker holds the KV now
             done.transfer_seconds = trace.durations()["transfer"]
             self.metrics.transfers.labels("ok").inc()
             self.metrics.transfer_transports.labels(transport).inc()
-            self.metrics.transfer_bytes.inc(prefilled.kv.nbytes)
+            self.metrics.transfer_bytes.inc(kv.nbytes)
             self.metrics.prefix_actual.inc(prefilled.cached_tokens)
             job.done.set_result(done)
         except Exception as exc:

@@ -61,8 +61,11 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
             params = sampling_from_proto(request.sampling)
             prompt = list(request.prompt_token_ids)
             validate_prompt(prompt, params, max_context=loaded.max_context, vocab_size=loaded.config.vocab_size)
+            if request.kv_skip_tokens >= len(prompt):
+                raise RequestError(f"kv_skip_tokens={request.kv_skip_tokens} leaves none of the {len(prompt)}-token "
+                                   "prompt's KV to push; it must be less than the prompt's length")
             job = PrefillJob(GenerationRequest(request.request_id, prompt, params, resume_step=request.resume_step),
-                             request.decode_target, request.push_token)
+                             request.decode_target, request.push_token, kv_skip_tokens=request.kv_skip_tokens)
             done = self.loop.submit(job)
         except (RequestError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -213,8 +213,8 @@ class Dispatcher:
                                           sampling=_left(sampling, leg.resume_step), resume_step=leg.resume_step,
                                           push_token=leg.source.push_token),
                 timeout=_until(deadline), metadata=metadata or None)
-            next(call)  # registered: its KV will be accepted
-            leg.source.start(on_give_up=call.cancel)
+            registered = next(call)  # its KV will be accepted
+            leg.source.start(on_give_up=call.cancel, held_tokens=registered.held_prefix_tokens)
             on_done(lambda: (call.cancel(), leg.source.cancel()))
             for msg in call:
                 if msg.moving:

@@ -64,9 +64,12 @@ class PrefillChain(KVSource):
         self.tries = 0
         self.call = None
         self._acquired = None
+        self.skip_tokens = 0  # leading prompt tokens whose KV the decode worker holds already
 
-    def start(self, on_give_up) -> None:
+    def start(self, on_give_up, held_tokens: int = 0) -> None:
+        """`held_tokens`: what the decode worker's registration said it holds; not pushed again."""
         self._give_up = on_give_up
+        self.skip_tokens = held_tokens if 0 < held_tokens < len(self.prompt) else 0
         self._launch(self.route.prefill)
 
     def _launch(self, worker: Worker) -> None:
@@ -79,7 +82,8 @@ class PrefillChain(KVSource):
                 workers_pb2.PrefillRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
                                            sampling=self.sampling, decode_target=self.route.decode.view.address,
                                            model_fingerprint=self.route.decode.fingerprint,
-                                           resume_step=self.resume_step, push_token=self.push_token),
+                                           resume_step=self.resume_step, push_token=self.push_token,
+                                           kv_skip_tokens=self.skip_tokens),
                 timeout=self.timeout, metadata=self.metadata)
         # Outside the lock: a call that already failed (a dead worker fails at once) runs _done
         # right here, and its retry takes the lock again.
@@ -164,7 +168,8 @@ class Handoff(KVSource):
         self.timeout = timeout
         self.call = None
 
-    def start(self, on_give_up) -> None:
+    def start(self, on_give_up, held_tokens: int = 0) -> None:
+        """A handoff pushes the whole KV (`held_tokens` is not used: the receiver takes that too)."""
         self._give_up = on_give_up
         with self._lock:
             if self._cancelled:

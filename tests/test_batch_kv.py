@@ -131,7 +131,7 @@ def test_growth_stops_at_the_byte_budget():
 
 def test_rows_sharing_a_prefix_hold_it_once():
     """A shared prefix lives once outside the window; rows keep only their own tokens, extract
-    gives the whole KV back, and the prefix goes with its last row."""
+    gives the whole KV back, and the prefix stays until dropped (the scheduler says when)."""
     batch = BatchKV(SHAPE, max_rows=4, max_columns=64, initial_columns=4)
     whole = kv_of(30, 0.0)  # a 30-token prompt: 24 shared, 6 its own
     partner = batch.embed(whole)
@@ -146,8 +146,12 @@ def test_rows_sharing_a_prefix_hold_it_once():
     assert batch.useful_bytes() == (24 + 6 + 9) * per_token  # the prefix once
     assert batch.shared_groups() == {7: [0, 1]} and batch.rows_sharing == 2
     batch.release(partner)
-    assert batch.shared_groups() == {7: [0]} and 7 in batch.prefixes
+    assert batch.shared_groups() == {7: [0]}
+    with pytest.raises(ValueError):  # a row still continues it
+        batch.drop_prefix(7)
     batch.release(0)
+    assert batch.shared_groups() == {} and 7 in batch.prefixes
+    batch.drop_prefix(7)
     assert not batch.prefixes and batch.allocated_bytes() == batch.buffer.numel() * 4
 
 

@@ -226,3 +226,58 @@ def test_rows_sharing_a_prefix_decode_exactly_as_without_sharing(tiny_model, tin
     assert not batch.prefixes and not shared_engine.decode.scheduler.sharing.groups
     # Eight rows of the same 300 tokens: the shared run held several times less KV at its peak.
     assert plain_peak > 4 * shared_peak
+
+
+def test_a_request_registered_after_its_shared_prefix_takes_only_its_own_kv(tiny_model, tiny_reference):
+    """The decode worker tells a request's registration how much of its prompt it holds as a shared
+    prefix; the prefill then sends only the rest. The prefix stays while any such request waits
+    (even once every row using it has gone), a whole KV is taken as well, and it goes once no one
+    needs it."""
+    import dataclasses
+
+    from baton.decode_worker.core import DecodeCore
+    from baton.engine.executors import make_runner
+    from baton.engine.kv import SequenceKV
+    from baton.engine.request import GenerationRequest
+    from baton.prefill_worker.core import PrefillCore
+
+    rng = random.Random(23)
+    document = [rng.randrange(50, 40000) for _ in range(100)]
+    prompts = {name: document + [rng.randrange(50, 40000) for _ in range(rng.randint(2, 9))] for name in "ABCDEF"}
+    runner = make_runner(tiny_model)
+    decode, prefill = DecodeCore(runner, DecodeConfig(max_rows=4)), PrefillCore(runner, prefix_cache_bytes=0)
+    requests = {n: GenerationRequest(n, p, SamplingParams(max_tokens=10, ignore_eos=True)) for n, p in prompts.items()}
+    finals: dict[str, list[int]] = {}
+
+    def send(name: str, own_only: bool) -> None:
+        done = prefill.prefill([requests[name]])[0]
+        held = decode.held_prefix_tokens(name)
+        if own_only:
+            assert held == 100
+            done = dataclasses.replace(done, kv=SequenceKV(done.kv.data[:, :, :, held:].contiguous()))
+        decode.add(done)
+
+    def run_until(names) -> None:
+        while any(n not in finals for n in names):
+            for out in decode.step():
+                if out.finished:
+                    finals[out.request_id] = out.token_ids
+
+    for name in "AB":
+        decode.register(requests[name])
+        assert decode.held_prefix_tokens(name) == 0  # nothing shared yet: whole KVs
+        send(name, own_only=False)
+    decode.step()  # B pairs with A: the document's KV is held once
+    assert decode.batch.rows_sharing == 2 and len(decode.batch.prefixes) == 1
+    for name in "CDEF":
+        decode.register(requests[name])
+    send("C", own_only=True)
+    send("D", own_only=False)  # a whole KV for a held prefix is fine too
+    run_until("ABCD")
+    assert decode.batch.num_rows == 0 and len(decode.batch.prefixes) == 1, "E and F still hold the prefix"
+    send("E", own_only=True)
+    decode.abort("F")
+    run_until("E")
+    assert not decode.batch.prefixes and not decode.scheduler.sharing.groups
+    for name in "ABCDE":
+        assert finals[name] == tiny_reference.greedy(prompts[name], 10), name

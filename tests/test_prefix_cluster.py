@@ -66,3 +66,37 @@ def test_batchllm_batch_saves_near_optimal_prefill_tokens():
     assert actual >= 0.99 * optimum, f"saved {actual:.3f} of prompt tokens, optimum {optimum:.3f}"
     assert lru_ratio < actual
     assert summary["routing_accuracy"] >= 0.95
+
+
+def test_requests_continuing_a_prefix_held_in_the_decode_batch_push_only_their_own_kv(tiny_reference):
+    """Two running requests share a 160-token document, so the decode worker holds its KV once; a
+    request for the same document registered then is told so, and its prefill pushes only the
+    tokens after it. Every request's tokens equal generate's; the bytes pushed say what travelled."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from test_kv_shm import free_port
+
+    rng = random.Random(29)
+    document = [rng.randrange(100, 40000) for _ in range(160)]
+    long_ones = [document + [rng.randrange(100, 40000) for _ in range(5)] for _ in range(2)]
+    short_ones = [document + [rng.randrange(100, 40000) for _ in range(rng.randint(2, 8))] for _ in range(3)]
+    metrics_port = free_port()
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=8,
+                      prefill_args=("--metrics-port", str(metrics_port))) as cluster:
+        with BatonClient(cluster.router_address, timeout=120) as client:
+            streams = [client.stream(token_ids=p, max_tokens=1200, ignore_eos=True) for p in long_ones]
+            for stream in streams:  # both rows are decoding, so the document is shared
+                for _, chunk in zip(range(3), stream):
+                    pass
+            shorts = [client.generate(token_ids=p, max_tokens=8, ignore_eos=True) for p in short_ones]
+            longs = [stream.result() for stream in streams]
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    assert [r.token_ids for r in shorts] == [tiny_reference.greedy(p, 8) for p in short_ones]
+    assert [r.token_ids for r in longs] == [tiny_reference.greedy(p, 1200) for p in long_ones]
+    pushed = sum(s.value for f in text_string_to_metric_families(scraped) for s in f.samples
+                 if s.name == "baton_kv_transfer_bytes_total")
+    held = len(document)  # the two long prompts have the document, then their own first tokens differ
+    expected = sum(map(len, long_ones)) + sum(len(p) - held for p in short_ones)
+    assert pushed == expected * TINY_BYTES_PER_TOKEN

@@ -13,13 +13,16 @@ SCRIPT = textwrap.dedent("""
     from baton.sampling import SamplingParams
 
     model = load_model("tiny-random", dtype="float32")
-    prompts = [[5, 6, 7], list(range(100, 140)), [9], list(range(300, 317))]
+    document = list(range(1000, 1080))  # rows continuing it share its KV: the fused prefix-shared kernel
+    prompts = [[5, 6, 7], list(range(100, 140)), [9], list(range(300, 317)), document + [7, 8], document + [9],
+               document + [4, 5, 6]]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     result = {}
     for backend in ("torch", "triton"):
         engine = LocalEngine(model, DecodeConfig(max_rows=2), attention_backend=backend)
         result[backend] = [o.token_ids for o in engine.generate(prompts, params)]
         result[backend + "_backend"] = engine.runner.backend
+        result[backend + "_sharing"] = engine.decode.batch.rows_sharing
     print(json.dumps(result))
 """)
 
@@ -31,3 +34,4 @@ def test_triton_backend_matches_torch_backend():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["torch_backend"] == "torch" and result["triton_backend"] == "triton"
     assert result["triton"] == result["torch"]
+    assert result["triton_sharing"] >= 2 and result["torch_sharing"] >= 2
