@@ -121,6 +121,7 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
         remaining = context.time_remaining()
         started = time.monotonic()
         failure = None
+        kv_tokens, kv_bytes = evicted.kv.num_tokens, evicted.kv.nbytes
         try:  # the KV is freed whatever happens: a failed handoff falls back to a new prefill
             # The prefill push's liveness settings and retries: a dead target is known within seconds.
             with channel(target, self.tls, extra_options=grpc_push_channel_options(),
@@ -130,15 +131,16 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
                                  timeout_s=min(HANDOFF_SECONDS, remaining or HANDOFF_SECONDS),
                                  retry=PushRetry(attempts=2, backoff_s=0.2), push_token=request.push_token)
         except KVPushFailed as exc:
-            failure = exc
+            failure = (exc.code, str(exc))  # not the exception: its traceback's frames hold the KV
         finally:
             self.loop.end_moving(request_id, outputs, ok=failure is None)
+            # gRPC keeps an aborted call's traceback, and with it this frame: drop the KV first.
+            del evicted
         if failure is not None:
-            log.warning("handing request %s to %s failed: %s", request_id, target, failure)
-            code = _HANDOFF_STATUS.get(failure.code, grpc.StatusCode.UNAVAILABLE)
-            context.abort(code, f"the KV of request {request_id} could not be handed to {target}: {failure}")
-        return workers_pb2.HandoffReply(kv_tokens=evicted.kv.num_tokens, kv_bytes=evicted.kv.nbytes,
-                                        seconds=time.monotonic() - started)
+            log.warning("handing request %s to %s failed: %s", request_id, target, failure[1])
+            code = _HANDOFF_STATUS.get(failure[0], grpc.StatusCode.UNAVAILABLE)
+            context.abort(code, f"the KV of request {request_id} could not be handed to {target}: {failure[1]}")
+        return workers_pb2.HandoffReply(kv_tokens=kv_tokens, kv_bytes=kv_bytes, seconds=time.monotonic() - started)
 
     def GetLoad(self, request, context):
         core, pool = self.loop.core, self.loop.pool

@@ -456,6 +456,9 @@ class PrefillLoop:
             job.done.set_result(done)
         except Exception as exc:
             self.metrics.transfers.labels("cancelled" if job.cancelled else "failed").inc()
+            # Its traceback's frames hold the KV; the Prefill call re-raises it and aborts, and
+            # gRPC keeps an aborted call's traceback: hand over the error alone.
+            exc.__traceback__ = exc.__context__ = exc.__cause__ = None
             job.done.set_exception(exc)
 
     def _channel(self, target: str) -> grpc.Channel:

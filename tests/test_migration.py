@@ -11,6 +11,7 @@ its KV moved rather than prefilled again.
 from __future__ import annotations
 
 import contextlib
+import gc
 import signal
 import threading
 import time
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from conftest import TEST_DTYPE
+from test_kv_shm import mapped_memfds
 
 from baton.up import LocalCluster
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
@@ -452,6 +454,10 @@ def test_a_failed_handoff_falls_back_to_a_new_prefill(monkeypatch, tiny_referenc
         assert failed > 0 and not drained.migrations["sent"] and not other.migrations["received"]
         assert cluster.prefill.requests_done == len(prompts) + failed  # each failed handoff prefilled again
         assert drained.pool.stats().used_bytes == 0 and not drained.core.scheduler.requests
+        gc.collect()
+        # What a failed handoff held (KV staged through shared memory) is gone: an aborted call's
+        # frame, which gRPC keeps, no longer holds it.
+        assert mapped_memfds() == []
     finally:
         cluster.stop()
 
