@@ -3,10 +3,14 @@
 The batch planner finds the shared prefixes of the whole batch ahead of time and orders the
 prefix-sharing groups (largest R = 1/(L_prefix + sum L_distinct) first). For each group the
 router pins its prefix on one prefill worker (computed once, held in that worker's prefix
-cache), sends every member there, and unpins when the last member is done. At most
-`max_concurrency` requests are in flight, so groups are pinned as their turn comes, and at most
-MAX_PINS_PER_BATCH at once: one caller's batch cannot hold every prefill worker's pins (the
-groups past it run unpinned, routed by the prefix index).
+cache), sends every member there, and unpins when the last member is done. The levels around a
+group are pinned too (`batch_planner.levels`): a prefix it shares with other groups (an
+instruction template; pinned first, on the same worker, until the batch ends) and the
+sub-prefixes some of its members share, so the worker reuses every shared level to the token,
+not only to its last whole block. At most `max_concurrency` requests are in flight, so groups
+are pinned as their turn comes, and at most MAX_PINS_PER_BATCH pins at once: one caller's batch
+cannot hold every prefill worker's pins (the groups past it run unpinned, routed by the prefix
+index).
 """
 from __future__ import annotations
 
@@ -15,13 +19,13 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from baton import tracing
 from baton.v1 import router_pb2, workers_pb2
-from baton.router.batch_planner import plan_batch
+from baton.router.batch_planner import GroupLevels, group_levels, plan_batch
 from baton.router.dispatch import DispatchError, Dispatcher, RoutingStats
 
 _DONE = object()
@@ -40,14 +44,30 @@ def batch_priority(sampling):
 
 
 @dataclass
+class _Pin:
+    id: str
+    address: str  # the prefill worker holding it
+    tokens: tuple[int, ...]
+    computed_tokens: int  # what pinning it cost
+
+
+@dataclass
 class _Group:
     id: str
     members: list[int]
     prefix: list[int]
+    levels: GroupLevels = GroupLevels((), ())
     prefill_address: str | None = None
-    pinned_tokens: int = 0
-    computed_tokens: int = 0  # what pinning the prefix cost
+    pins: list[_Pin] = field(default_factory=list)  # its prefix and sub-prefixes, held until its last member is done
     remaining: int = 0
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(p.computed_tokens for p in self.pins)
+
+    def pinned_tokens(self, prompt: list[int]) -> int:
+        """The longest of its pinned levels that `prompt` continues."""
+        return max((len(p.tokens) for p in self.pins if tuple(prompt[:len(p.tokens)]) == p.tokens), default=0)
 
 
 class BatchRunner:
@@ -79,6 +99,7 @@ class BatchRunner:
         cancelled = threading.Event()
         member_cancels: list = []
         pins_held = [0]
+        ancestors: dict[tuple[int, ...], _Pin | None] = {}  # levels above groups: pinned once, until the batch ends
 
         def register(cancel) -> None:  # a member's dispatch registers how to cancel it
             with lock:
@@ -100,10 +121,11 @@ class BatchRunner:
             with lock:
                 group.remaining -= 1
                 last = group.remaining == 0
-            if last and group.prefill_address:
-                self._unpin(group)
+            if last and group.pins:
+                for pin in group.pins:
+                    self._unpin(pin)
                 with lock:
-                    pins_held[0] -= 1
+                    pins_held[0] -= len(group.pins)
 
         def run_one(index: int, group: _Group) -> None:
             try:
@@ -125,17 +147,21 @@ class BatchRunner:
                         slots.release()
                         member_done(group)
                         continue
-                    if index == group.members[0] and group.prefix and pins_held[0] < MAX_PINS_PER_BATCH:
-                        self._pin(group)
-                        if group.prefill_address:
-                            with lock:
-                                pins_held[0] += 1
+                    if index == group.members[0]:
+                        with lock:
+                            room = MAX_PINS_PER_BATCH - pins_held[0]
+                        pinned = self._pin_group(group, ancestors, room)
+                        with lock:
+                            pins_held[0] += pinned
                     try:
                         pool.submit(run_one, index, group)
                     except RuntimeError:  # cancelled between the check and here: the pool is shut
                         slots.release()
                         member_done(group)
             pool.shutdown(wait=True)
+            for pin in ancestors.values():
+                if pin is not None:
+                    self._unpin(pin)
             results.put(_DONE)
 
         pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix=f"batch-{batch_id}")
@@ -157,7 +183,7 @@ class BatchRunner:
         total = sum(map(len, prompts))
         # A pinned prefix is computed once by the pin, then reused by every member: what the
         # batch saved is what members reused minus what the pins computed.
-        pinned = sum(g.computed_tokens for g in groups)
+        pinned = sum(g.computed_tokens for g in groups) + sum(p.computed_tokens for p in ancestors.values() if p)
         yield None, router_pb2.BatchSummary(
             requests=len(prompts), failed=failed, prompt_tokens=total,
             planned_saved_tokens=plan.total_prompt_tokens - plan.computed_tokens, cached_tokens=cached,
@@ -168,12 +194,12 @@ class BatchRunner:
 
     def _groups(self, plan, prompts) -> list[_Group]:
         block = self.dispatcher.block_size
-        groups = []
+        shapes = []
         for g in plan.groups:
             members = sorted(g.request_ids)
-            shared = g.prefix_len if g.size > 1 and g.prefix_len >= block else 0
-            groups.append(_Group(uuid.uuid4().hex, members, prompts[members[0]][:shared], remaining=len(members)))
-        return groups
+            shapes.append((members, g.prefix_len if g.size > 1 and g.prefix_len >= block else 0))
+        return [_Group(uuid.uuid4().hex, members, prompts[members[0]][:shared], levels, remaining=len(members))
+                for (members, shared), levels in zip(shapes, group_levels(prompts, shapes))]
 
     def _collect(self, request_id, prompt, sampling, timeout, group: _Group, stats: RoutingStats, on_done,
                  carrier=None):
@@ -185,8 +211,8 @@ class BatchRunner:
                                                                   "baton.batch_group": group.id})
         try:
             for msg in self.dispatcher.run(request_id, prompt, sampling, timeout, on_done=on_done,
-                                           prefill_address=group.prefill_address, pinned_tokens=group.pinned_tokens,
-                                           span=span):
+                                           prefill_address=group.prefill_address,
+                                           pinned_tokens=group.pinned_tokens(prompt), span=span):
                 result.prompt_token_ids.extend(msg.prompt_token_ids)
                 result.token_ids.extend(msg.token_ids)
                 result.logprobs.extend(msg.logprobs)
@@ -204,21 +230,45 @@ class BatchRunner:
         stats.record(result.trace.predicted_cached_tokens, result.trace.cached_tokens)
         return result
 
-    def _pin(self, group: _Group) -> None:
-        try:
-            route = self.dispatcher.route(group.prefix)
-            reply = route.prefill.stub.PinPrefix(
-                workers_pb2.PinPrefixRequest(group_id=group.id, token_ids=group.prefix), timeout=120)
-        except (grpc.RpcError, DispatchError):
-            return  # members are then routed as usual, by the prefix index and load
-        group.prefill_address = route.prefill.view.address
-        group.pinned_tokens = reply.pinned_tokens
-        group.computed_tokens = reply.computed_tokens
+    def _pin_group(self, group: _Group, ancestors: dict, room: int) -> int:
+        """Pin a group's levels on one prefill worker, as its turn comes: the levels above it (once
+        per batch), its prefix, then its members' sub-prefixes, each computing only what the one
+        before left. Members then go to that worker. Returns how many pins it took (at most `room`)."""
+        taken, address = 0, None
+        for level in group.levels.ancestors:
+            if level not in ancestors:
+                ancestors[level] = self._pin(level, address) if taken < room else None
+                taken += ancestors[level] is not None
+            if ancestors[level] is not None:
+                address = ancestors[level].address
+        for level in ([tuple(group.prefix)] if group.prefix else []) + list(group.levels.sub_prefixes):
+            if taken >= room:
+                break
+            pin = self._pin(level, group.prefill_address or address)
+            if pin is None:
+                break  # the members are routed as usual, by the prefix index and load
+            group.pins.append(pin)
+            group.prefill_address = pin.address
+            taken += 1
+        if group.prefill_address is None and address is not None:
+            group.prefill_address = address  # no prefix of its own: its members continue the level above
+        return taken
 
-    def _unpin(self, group: _Group) -> None:
-        worker = self.dispatcher.pool.get("prefill", group.prefill_address)
+    def _pin(self, tokens: tuple[int, ...], address: str | None = None) -> _Pin | None:
+        pin_id = uuid.uuid4().hex
+        try:
+            route = self.dispatcher.route(list(tokens), prefill_address=address)
+            reply = route.prefill.stub.PinPrefix(
+                workers_pb2.PinPrefixRequest(group_id=pin_id, token_ids=tokens), timeout=120)
+        except (grpc.RpcError, DispatchError):
+            return None
+        # The worker may hold less than asked (no prefix cache, or no room for a partial block).
+        return _Pin(pin_id, route.prefill.view.address, tuple(tokens[:reply.pinned_tokens]), reply.computed_tokens)
+
+    def _unpin(self, pin: _Pin) -> None:
+        worker = self.dispatcher.pool.get("prefill", pin.address)
         if worker is not None:
             try:
-                worker.stub.UnpinPrefix(workers_pb2.UnpinPrefixRequest(group_id=group.id), timeout=30)
+                worker.stub.UnpinPrefix(workers_pb2.UnpinPrefixRequest(group_id=pin.id), timeout=30)
             except grpc.RpcError:
                 pass  # a worker that left took its pins with it

@@ -371,3 +371,18 @@ def test_planner_imports_no_heavy_runtime():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo_root
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_levels_above_and_below_groups_are_the_branch_points():
+    from baton.router.batch_planner import branch_points, group_levels
+
+    template, doc_a, doc_b = [1, 2, 3, 4, 5, 6], [10] * 20, [11] * 20
+    prompts = [template + doc_a + [1, 7], template + doc_a + [2, 8],
+               template + doc_b + [3], template + doc_b + [4] * 5 + [9], template + doc_b + [4] * 5 + [8],
+               template + [99, 98]]  # a prompt of its own, under the template only
+    assert branch_points([p[:-1] for p in prompts[2:5]]) == [tuple(template + doc_b), tuple(template + doc_b + [4] * 5)]
+    assert branch_points([[1, 2, 3], [1, 2, 4]]) == []  # shorter than MIN_LEVEL_TOKENS
+    levels = group_levels(prompts, [([0, 1], 26), ([2, 3, 4], 26), ([5], 0)])
+    assert [a for g in levels for a in g.ancestors] == [tuple(template)] * 3
+    assert levels[0].sub_prefixes == () and levels[1].sub_prefixes == (tuple(template + doc_b + [4] * 5),)
+    assert levels[2].sub_prefixes == ()

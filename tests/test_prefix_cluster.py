@@ -9,7 +9,7 @@ import pytest
 from baton.up import LocalCluster
 from baton.client import BatonClient
 from redis_server import redis_server_fixture
-from baton.router.batch_planner import simulate_lru_prefix_cache, synthetic_batch
+from baton.router.batch_planner import shared_document_batch, simulate_lru_prefix_cache, synthetic_batch
 
 pytestmark = pytest.mark.slow
 
@@ -63,8 +63,26 @@ def test_batchllm_batch_saves_near_optimal_prefill_tokens():
     lru_ratio = lru.saved_tokens / sum(map(len, prompts))
     print(f"prefill tokens saved: baton batch {actual:.4f}, optimum {optimum:.4f}, LRU {lru_ratio:.4f}; "
           f"routing accuracy {summary['routing_accuracy']:.4f}")
-    assert actual >= 0.99 * optimum, f"saved {actual:.3f} of prompt tokens, optimum {optimum:.3f}"
+    assert actual >= 0.995 * optimum, f"saved {actual:.3f} of prompt tokens, optimum {optimum:.3f}"
     assert lru_ratio < actual
+    assert summary["routing_accuracy"] >= 0.95
+
+
+def test_a_shuffled_shared_document_batch_saves_the_multi_level_optimum():
+    """Issue 17's shape: 12 documents behind one chat header, 7 questions each, shuffled. The
+    header is shared across groups and is not a whole number of blocks: pinned as a level above
+    the groups, it is reused to the token, so the saving the workers report reaches the optimum
+    that computes every shared level once."""
+    prompts = shared_document_batch(12, 7, header_len=30, document_len=200, question_len=12, seed=3, vocab=40000)
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=8,
+                      prefill_args=("--prefix-cache-bytes", str(4096 * TINY_BYTES_PER_TOKEN))) as cluster:
+        with BatonClient(cluster.router_address, timeout=600) as client:
+            outcome = client.generate_batch([{"token_ids": p, "max_tokens": 2} for p in prompts], max_concurrency=8)
+    summary = outcome.summary
+    assert summary["failed"] == 0 and summary["requests"] == 84
+    optimum, actual = summary["optimum_saving_ratio"], summary["actual_saving_ratio"]
+    print(f"shared documents: saved {actual:.4f} of prompt tokens, optimum {optimum:.4f} ({actual / optimum:.4f})")
+    assert actual >= 0.995 * optimum
     assert summary["routing_accuracy"] >= 0.95
 
 

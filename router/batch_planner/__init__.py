@@ -11,6 +11,7 @@ from .groups import (
     order_groups,
     prefill_saving_ratio,
 )
+from .levels import GroupLevels, branch_points, group_levels
 from .lru_baseline import LruResult, simulate_lru_prefix_cache
 from .planner import BatchPlan, plan_batch
 from .prefix_dp import (
@@ -22,11 +23,14 @@ from .prefix_dp import (
     saved_tokens_for,
 )
 from .prefix_tree import PrefixNode, PrefixTree
-from .synthetic import synthetic_batch
+from .synthetic import shared_document_batch, synthetic_batch
 from .token_batching import Iteration, WorkItem, plan_token_batches, token_batch_sizes
 
 __all__ = [
     "BatchPlan",
+    "GroupLevels",
+    "branch_points",
+    "group_levels",
     "Iteration",
     "LruResult",
     "PrefixChoice",
@@ -47,6 +51,7 @@ __all__ = [
     "prefill_saving_ratio",
     "saved_tokens_for",
     "simulate_lru_prefix_cache",
+    "shared_document_batch",
     "synthetic_batch",
     "token_batch_sizes",
 ]

@@ -62,3 +62,26 @@ def synthetic_batch(
             prompts.append(head + tokens(around(distinct_len, 0.5)))
     rng.shuffle(prompts)
     return prompts
+
+
+def shared_document_batch(num_documents: int, questions_per_document: int, header_len: int, document_len: int,
+                          question_len: int, seed: int = 0, vocab: int = 32000) -> list[list[int]]:
+    """Questions about shared documents behind one chat header, shuffled: prompt = header (the
+    chat template's system turn, shared by all) + document + question (+-50%). Two levels of
+    sharing, the header above every document's group."""
+    if min(num_documents, questions_per_document, header_len, document_len, question_len) <= 0:
+        raise ValueError("every count and length must be positive")
+    rng = random.Random(seed)
+
+    def tokens(count: int) -> list[int]:
+        return rng.choices(range(vocab), k=count)
+
+    header = tokens(header_len)
+    prompts = []
+    for _ in range(num_documents):
+        document = tokens(document_len)
+        for _ in range(questions_per_document):
+            n = max(1, rng.randint(round(question_len * 0.5), round(question_len * 1.5)))
+            prompts.append(header + document + tokens(n))
+    rng.shuffle(prompts)
+    return prompts
