@@ -25,6 +25,7 @@ VLLM_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0
                         240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 ROUTE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
+ITERATION_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -76,6 +77,9 @@ class Metrics:
         self.route_seconds = Histogram("baton_router_route_seconds", "Router time choosing a request's workers "
                                        "(block hashes, prefix index match, pick); no worker time",
                                        buckets=ROUTE_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram("baton_prefill_iteration_tokens", "Prompt tokens computed per prefill "
+                                          "iteration (chunks and whole prompts; BatchLLM's token batches, whose dips "
+                                          "are its valleys)", buckets=ITERATION_TOKEN_BUCKETS, registry=r)
         self.paused_forwards = Counter("baton_prefill_paused_forwards", "Batch-member prefill forwards paused "
                                        "between layers to prefill interactive prompts first", registry=r)
 

@@ -150,6 +150,7 @@ class PrefillLoop:
         self._running: dict[str, PrefillJob] = {}  # the same jobs by request id, so a Cancel reaches them
         self._chunking: "deque[tuple[PrefillJob, Chunked]]" = deque()  # long prompts, a chunk per iteration
         self.chunks_done = 0
+        self.iteration_tokens: deque[int] = deque(maxlen=4096)  # prompt tokens computed per iteration, latest last
         self.preemptions = 0  # background forwards paused for urgent prompts
         self._urgent_running = False  # the compute thread's: serving urgent prompts inside a paused forward
         self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
@@ -242,22 +243,32 @@ class PrefillLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._serve_control()
-            if self.core.pins:
-                for group_id in self.core.expire_pins():
-                    log.warning("pin of group %s expired after prefill.pin_ttl_s=%ss without an unpin", group_id,
-                                self.core.pin_ttl_s)
-            room, held = self._kv_room()
-            if held and room is not None and room <= 0:
-                self._pushed.wait(0 if self._chunking else 0.05)  # the memory threshold: pushes free it
-                self._pushed.clear()
-            else:
-                self._run_jobs(self.queue.take_batch(timeout=0 if self._chunking else 0.05, key=self._new_prefix,
-                                                     busy=self._prefixes_in_chunks(), max_tokens=room,
-                                                     at_least_one=not held))
-            if self._chunking:
-                self._next_chunk()
-            self._publish_cache_changes()  # whatever changed it (a failed forward, an expired pin)
+            forwarded = self.runner.prompt_tokens_forwarded
+            self._iterate()
+            computed = self.runner.prompt_tokens_forwarded - forwarded
+            if computed:  # the token batch this iteration ran (urgent prompts it let in included)
+                self.iteration_tokens.append(computed)
+                self.metrics.iteration_tokens.observe(computed)
+
+    def _iterate(self) -> None:
+        """One iteration: control calls, then a batch of whole prompts within the memory threshold
+        and the token budget, and one chunk of a long prompt."""
+        self._serve_control()
+        if self.core.pins:
+            for group_id in self.core.expire_pins():
+                log.warning("pin of group %s expired after prefill.pin_ttl_s=%ss without an unpin", group_id,
+                            self.core.pin_ttl_s)
+        room, held = self._kv_room()
+        if held and room is not None and room <= 0:
+            self._pushed.wait(0 if self._chunking else 0.05)  # the memory threshold: pushes free it
+            self._pushed.clear()
+        else:
+            self._run_jobs(self.queue.take_batch(timeout=0 if self._chunking else 0.05, key=self._new_prefix,
+                                                 busy=self._prefixes_in_chunks(), max_tokens=room,
+                                                 at_least_one=not held))
+        if self._chunking:
+            self._next_chunk()
+        self._publish_cache_changes()  # whatever changed it (a failed forward, an expired pin)
 
     def _kv_room(self) -> tuple[int | None, int]:
         """(prompt tokens the next batch may prefill within prefill.kv_memory_bytes, None without

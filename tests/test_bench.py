@@ -102,6 +102,11 @@ def test_prefix_quick_times_reuse_on_the_model(tmp_path, capsys):
     assert timed["computed_tokens"] < timed["prompt_tokens"]
     assert "prefill only, planner's prefix reuse" in printed
     assert "cluster" in timed and ("with_planning_s" in timed["cluster"] or "not wired yet" in printed)
+    shapes = document["shapes_end_to_end"]["results"]
+    assert [s["shape"] for s in shapes] == ["400/40 x4", "shared documents 12x7"] and not document["problems"]
+    for shape in shapes:  # what the workers measured reaches the multi-level optimum
+        assert shape["measured_saving"] >= 0.995 * shape["optimum_saving"] and shape["generate_batch_s"] > 0
+    assert "batch speedup" in printed
 
 
 @pytest.mark.slow

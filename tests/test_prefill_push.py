@@ -185,6 +185,9 @@ def test_a_short_prompt_goes_ahead_of_a_long_one_being_chunked(prefill_worker, d
     finally:
         loop.stop()
     assert finished == ["short", "long"] and loop.chunks_done == 3  # 1500 tokens in chunks of 512
+    # Each iteration's token batch is recorded: the chunks, the second with the short prompt's 4
+    # tokens past the block the first chunk cached.
+    assert list(loop.iteration_tokens) == [512, 512 + 4, 476]
     assert sorted(landed) == ["long", "short"]
     staged = pool.take("long")
     alone = worker.runner.prefill(PROMPT)

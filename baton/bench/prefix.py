@@ -9,6 +9,13 @@
    reuse); the prefill alone without reuse vs following the plan (each group's prefix once,
    then only the distinct tokens, with the executor); and, where the router serves
    GenerateBatch, the batch end to end through a local cluster with and without planning.
+4. Issue 17's shapes end to end on one local cluster: BatchLLM's microbenchmark (prefix/distinct
+   2000/200, 1000/1000 and 200/2000 tokens, scaled to this CPU as 400/40, 200/200, 40/400) at
+   share degree 4 and 16, and a shuffled shared-document batch (12 documents x 7 questions
+   behind a 30-token chat header): the saving the workers measured under `generate_batch` vs the
+   multi-level optimum vs an LRU prefix cache of the worker's size, and the seconds of
+   `generate_batch` vs `generate_many` (the same shape, fresh prompts each, so neither finds the
+   other's prefixes cached).
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ from typing import Any
 
 from baton.bench import plots
 from baton.bench.common import BenchOptions, Stopwatch, ratio, table
-from baton.router.batch_planner import plan_batch, simulate_lru_prefix_cache, synthetic_batch
+from baton.router.batch_planner import plan_batch, shared_document_batch, simulate_lru_prefix_cache, synthetic_batch
 
 PAPER = {"planner": 0.549, "lru": 0.442, "optimum": 0.56}
 BLOCK_SIZE = 16
@@ -48,6 +55,8 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         shapes["iteration_tokens"])]
     if not opts.extra.get("no_model"):
         result["timed"] = timed_figures(opts, shapes, result["problems"])
+        if not opts.extra.get("no_cluster"):
+            result["shapes_end_to_end"] = shape_figures(opts, result["problems"])
     result["plots"] = [str(f) for f in files]
     return result
 
@@ -191,3 +200,87 @@ def cluster_figures(opts: BenchOptions, prompts: list[list[int]], max_tokens: in
         problems["cluster"] = f"failed: {type(exc).__name__}: {exc}"
         out["not_wired"] = f"the cluster run failed ({type(exc).__name__}: {exc})"
     return out
+
+
+MICRO_SHAPES = ((400, 40), (200, 200), (40, 400))  # BatchLLM's 2000/200, 1000/1000, 200/2000, scaled by 1/5
+MICRO_DEGREES = (4, 16)
+MICRO_PROMPTS = 32  # per shape: 8 groups of 4 or 2 groups of 16
+PREFIX_CACHE_TOKENS = 8192  # the prefill worker's prefix cache in this run, and the LRU baseline's size
+
+
+def micro_batch(prefix_len: int, distinct_len: int, degree: int, prompts: int, seed: int, vocab: int) -> list[list[int]]:
+    """`prompts // degree` groups of `degree` prompts: a shared prefix, then a distinct part; shuffled."""
+    import random
+
+    rng = random.Random(seed)
+    batch = []
+    for _ in range(prompts // degree):
+        prefix = rng.choices(range(vocab), k=prefix_len)
+        batch.extend(prefix + rng.choices(range(vocab), k=distinct_len) for _ in range(degree))
+    rng.shuffle(batch)
+    return batch
+
+
+def shape_figures(opts: BenchOptions, problems: dict[str, str]) -> dict[str, Any]:
+    from baton.client import BatonClient
+    from baton.engine.model import load_tokenizer_view
+    from baton.up import LocalCluster
+
+    vocab = load_tokenizer_view(opts.model).vocab_size
+    max_tokens = 4 if opts.quick else 16
+    cases = [(f"{p}/{d} x{k}", lambda seed, p=p, d=d, k=k: micro_batch(p, d, k, 8 if opts.quick else MICRO_PROMPTS,
+                                                                        seed, vocab))
+             for p, d in (MICRO_SHAPES[:1] if opts.quick else MICRO_SHAPES)
+             for k in ((4,) if opts.quick else MICRO_DEGREES)]
+    cases.append(("shared documents 12x7", lambda seed: shared_document_batch(
+        3 if opts.quick else 12, 7, header_len=30, document_len=60 if opts.quick else 200, question_len=12, seed=seed,
+        vocab=vocab)))
+    bytes_per_token = None
+    rows, results = [], []
+    try:
+        with LocalCluster(prefill=1, decode=1, model=opts.model, max_rows=8, extra_env=opts.worker_env(),
+                          prefill_args=("--prefix-cache-bytes", str(PREFIX_CACHE_TOKENS * _kv_bytes(opts)))) as cluster:
+            with BatonClient(cluster.router_address, timeout=3600) as client:
+                client.generate(token_ids=[1, 2, 3], max_tokens=2)  # warm-up
+                for index, (name, make) in enumerate(cases):
+                    opts.progress(f"prefix: {name}")
+                    many_prompts, batch_prompts = make(100 + 2 * index), make(101 + 2 * index)
+                    clock = Stopwatch()
+                    client.generate_many([{"token_ids": p, "max_tokens": max_tokens, "ignore_eos": True}
+                                          for p in many_prompts], max_concurrency=len(many_prompts))
+                    many_s = clock()
+                    clock = Stopwatch()
+                    outcome = client.generate_batch([{"token_ids": p, "max_tokens": max_tokens, "ignore_eos": True}
+                                                     for p in batch_prompts])
+                    batch_s = clock()
+                    summary = dict(outcome.summary)
+                    if summary.get("failed"):
+                        problems[f"prefix {name}"] = f"failed: {summary['failed']} batch requests failed"
+                    lru = simulate_lru_prefix_cache(batch_prompts, block_size=BLOCK_SIZE,
+                                                    capacity_blocks=PREFIX_CACHE_TOKENS // BLOCK_SIZE)
+                    total = sum(map(len, batch_prompts))
+                    row = {"shape": name, "prompts": len(batch_prompts), "prompt_tokens": total,
+                           "optimum_saving": summary["optimum_saving_ratio"],
+                           "measured_saving": summary["actual_saving_ratio"], "lru_saving": lru.saved_tokens / total,
+                           "generate_many_s": many_s, "generate_batch_s": batch_s}
+                    results.append(row)
+                    rows.append([name, len(batch_prompts), total, 100 * row["optimum_saving"],
+                                 100 * row["measured_saving"], row["measured_saving"] / row["optimum_saving"],
+                                 100 * row["lru_saving"], many_s, batch_s, ratio(many_s, batch_s)])
+    except Exception as exc:  # noqa: BLE001 - a broken cluster must not hide the other figures
+        problems["shapes"] = f"failed: {type(exc).__name__}: {exc}"
+    opts.say(f"\nissue 17 shapes end to end ({opts.model}, one prefill and one decode worker, prefix cache "
+             f"{PREFIX_CACHE_TOKENS} tokens, max_tokens {max_tokens}, ignore_eos):")
+    opts.say(table(["shape (prefix/distinct x degree)", "prompts", "prompt tokens", "optimum %", "measured %",
+                    "of optimum", "LRU %", "generate_many s", "generate_batch s", "batch speedup"], rows, digits=3))
+    return {"max_tokens": max_tokens, "prefix_cache_tokens": PREFIX_CACHE_TOKENS, "results": results}
+
+
+def _kv_bytes(opts: BenchOptions) -> int:
+    """KV bytes per token of the model (fp32/bf16 as asked), without loading its weights."""
+    from baton.engine.model import load_tokenizer_view
+
+    cfg = load_tokenizer_view(opts.model).config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    itemsize = 4 if opts.dtype == "float32" else 2
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * itemsize
