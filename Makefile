@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml constraints.txt
 test: setup
 	$(BIN)/python -m pytest -q --durations=30
 
-# Tiers (tests/README.md): test-fast is the unit tier, offline, well under a minute.
-test-fast: test-unit
+# Tiers (tests/README.md): test-fast is the unit tier, offline, well under a minute: it never
+# creates the venv or installs anything (`make setup` does that, once).
+test-fast:
+	@test -x $(BIN)/python || { echo "make test-fast runs offline in the project's venv: run 'make setup' once first" >&2; exit 1; }
+	$(BIN)/python -m pytest -q -m unit
 
 test-unit test-engine test-cluster test-deploy: setup
 	$(BIN)/python -m pytest -q -m $(patsubst test-%,%,$@)

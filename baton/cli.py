@@ -22,7 +22,10 @@ ENVIRONMENT = """environment:
   BATON_CACHE_DIR         where converted models and compiled CPU kernels are kept (~/.cache/baton)
   BATON_CPU_KERNELS=0     use oneDNN/torch instead of Baton's C kernels on CPU
   BATON_VLLM_PYTHON       the vLLM venv's python for `baton bench engine`
-  OMP_NUM_THREADS         torch threads when --threads is 0"""
+  OMP_NUM_THREADS         torch threads when --threads is 0
+  CC                      the C compiler that builds Baton's CPU kernels once (default: cc)
+  KUBECONFIG              the cluster a router or prefill worker with discovery 'kubernetes' watches
+                          from outside a pod (inside one, its service account)"""
 
 
 class UsageError(Exception):
@@ -124,7 +127,7 @@ def _serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> None:
     parser.add_argument("--executor", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
     parser.add_argument("--threads", type=int, help=THREADS_HELP)
     parser.add_argument("--cpu-cores", metavar="LIST", help=CORES_HELP)
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = off)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default 0: off)")
     parser.add_argument("--tls-cert", metavar="FILE",
                         help="this process's certificate (PEM): TLS on its port and to every other component")
     parser.add_argument("--tls-key", metavar="FILE", help="the private key of --tls-cert (PEM)")
@@ -398,10 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("file", metavar="FILE.jsonl", help="one JSON request a line")
     batch.add_argument("--router", metavar="HOST:PORT", help="a running router (default: start a local cluster)")
     batch.add_argument("--json", action="store_true", help="one JSON line per request, then a summary line")
-    batch.add_argument("--model", default="default", help="model of the local cluster (without --router)")
-    batch.add_argument("--max-rows", type=int, default=8, help="decode rows of the local cluster")
+    batch.add_argument("--model", default="default", help="model of the local cluster, without --router (default 'default')")
+    batch.add_argument("--max-rows", type=int, default=8, help="decode rows of the local cluster (default 8)")
     batch.add_argument("--max-concurrency", type=int, default=0, help="requests in flight (default: the router's)")
-    batch.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole batch")
+    batch.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole batch (default 3600)")
     add_connection_args(batch)
     batch.set_defaults(func=cmd_batch)
 
@@ -421,6 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-rows", type=int, default=8, help="decode batch rows per decode worker (default 8)")
     up.add_argument("--demo", action="store_true", help="send a short demo workload through the SDK, then stop")
     up.set_defaults(func=cmd_up)
+    for name, command in sub.choices.items():  # `baton router --log-level info` works as well
+        if name != "bench":
+            command.add_argument("--log-level", default=argparse.SUPPRESS, type=level_name,
+                                 metavar="{" + ",".join(LEVELS) + "}", help="as before the command (default warning)")
     return parser
 
 

@@ -11,8 +11,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-import yaml
-
 from baton.transport import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES, max_chunk_bytes_within
 
 
@@ -293,6 +291,8 @@ def load_settings(path: str | None = None, env: dict[str, str] | None = None,
     settings = Settings()
     env = os.environ if env is None else env
     if path:
+        import yaml  # only config files need it: the SDK-only install has no PyYAML
+
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"config file {path} must be a mapping of sections {sorted(SECTIONS)}")

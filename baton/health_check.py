@@ -18,7 +18,11 @@ import sys
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+try:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+except ImportError:  # the SDK-only install: the servers' extra brings grpcio-health-checking
+    health_pb2 = health_pb2_grpc = None
 
 
 def channel_for(args: argparse.Namespace) -> grpc.Channel:
@@ -57,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls-dir", default="", help="folder with ca.crt, tls.crt, tls.key; empty: plaintext")
     parser.add_argument("--server-name", default="", help="name the server certificate must carry")
     args = parser.parse_args(argv)
+    if health_pb2 is None:
+        print("baton-health needs grpcio-health-checking, part of the server install: "
+              "pip install 'baton-serve[server]'", file=sys.stderr)
+        return 2
     serving, status = check(args)
     print(f"{args.host}:{args.port} {args.service or '(server)'}: {status}")
     return 0 if serving else 1

@@ -1,13 +1,12 @@
 """Structured logs: one JSON object a line on stderr, quiet (WARNING) unless asked.
 
 python-json-logger writes them, so a message holding quotes or a traceback is still valid JSON
-and fields passed with `extra=` are kept as keys of their own."""
+and fields passed with `extra=` are kept as keys of their own. (An SDK-only install has no
+python-json-logger: its `baton generate --router` logs plain lines instead.)"""
 from __future__ import annotations
 
 import logging
 import sys
-
-from pythonjsonlogger.json import JsonFormatter
 
 LEVELS = ("debug", "info", "warning", "error")
 
@@ -22,6 +21,10 @@ def level_name(text: str) -> str:
 
 
 def json_formatter() -> logging.Formatter:
+    try:
+        from pythonjsonlogger.json import JsonFormatter
+    except ImportError:  # the SDK alone: the servers (the [server] extra) always have it
+        return logging.Formatter("{asctime} {levelname} {name} {message}", style="{")
     return JsonFormatter("{asctime}{levelname}{name}{message}", style="{",
                          rename_fields={"asctime": "time", "levelname": "level", "name": "logger"})
 

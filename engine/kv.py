@@ -55,11 +55,6 @@ class SequenceKV:
     def prefix(self, num_tokens: int) -> "SequenceKV":
         return SequenceKV(self.data[:, :, :, :num_tokens].contiguous())
 
-    @staticmethod
-    def from_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> "SequenceKV":
-        """From per-layer (key, value) pairs, each [kv_heads, tokens, head_dim]."""
-        return SequenceKV(torch.stack([torch.stack(kv) for kv in layers]))
-
 
 @dataclass
 class PrefillOutput:

@@ -3,7 +3,8 @@
     prefill worker                                   decode worker
     encode(rid, fingerprint, kv, metadata)  --->  Receiver.receive(chunks)
       header, data chunks (crc32), end              validates, reserves staging bytes,
-    over push_kv (gRPC) or push_in_process          assembles, lands in StagingPool -> on_landed
+    over push_kv (gRPC), or a sealed memfd          assembles, lands in StagingPool -> on_landed
+    (push_kv_shm, same host)                         (Receiver.receive_whole for a memfd)
 
 Refusals are `KVTransferError` subclasses whose `.code` names the gRPC status (errors.py).
 """
@@ -22,7 +23,6 @@ from baton.kvtransfer.errors import (
     KVTruncated,
     KVUnexpected,
 )
-from baton.kvtransfer.inprocess import push_in_process
 from baton.kvtransfer.receiver import ReceiveResult, Receiver, ReceiverConfig
 from baton.kvtransfer.sender import encode
 from baton.kvtransfer.staging import StagedKV, StagingConfig, StagingPool, StagingStats
@@ -52,5 +52,4 @@ __all__ = [
     "StagingPool",
     "StagingStats",
     "encode",
-    "push_in_process",
 ]

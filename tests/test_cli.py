@@ -47,6 +47,11 @@ def test_an_unknown_log_level_is_a_usage_error_naming_the_choices(capsys):
     err = capsys.readouterr().err
     assert "'verbose' is not a log level" in err and "debug, info, warning, error" in err
     assert build_parser().parse_args(["--log-level", "INFO", "up"]).log_level == "info"
+    # after the command too, and the default stays when it is given nowhere
+    assert build_parser().parse_args(["router", "--log-level", "debug"]).log_level == "debug"
+    assert build_parser().parse_args(["up"]).log_level == "warning"
+    with pytest.raises(SystemExit):
+        main(["decode", "--log-level", "verbose"])
 
 
 def test_log_lines_are_json_with_quotes_tracebacks_and_extra_fields():

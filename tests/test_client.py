@@ -18,7 +18,6 @@ import pytest
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
 from baton.client import (AsyncBatonClient, BatonClient, BatonError, Cancelled, DeadlineExceeded, GenerationResult,
                     InvalidRequest, Overloaded, PermissionDenied, Unauthenticated, Unavailable)
-from baton.client.cli_support import generate_via_router
 
 DEFAULT_MAX_TOKENS = 4
 SLOW_TOKEN_SECONDS = 0.05
@@ -423,22 +422,29 @@ def test_async_errors_deadlines_and_cancellation(router):
 
 # --- cli_support and packaging ---
 
-def test_generate_via_router_takes_engine_sampling_params(router):
-    from baton.sampling import SamplingParams
+def test_baton_generate_through_a_router_sends_the_command_lines_sampling(router, capsys):
+    """`baton generate --router`, in-process: the prompts go through the SDK with the flags'
+    sampling parameters, and a refused request is a usage error (status 2) with the router's message."""
+    import json
+
+    from baton import cli
 
     servicer, target = router
-    outputs = generate_via_router(target, ["one", "two"], SamplingParams(max_tokens=3, seed=4), raw=True)
-    check_result(outputs[0], [ord(c) for c in "one"], 3)
-    check_result(outputs[1], [ord(c) for c in "two"], 3)
+    assert cli.main(["generate", "--router", target, "--raw", "--json", "--max-tokens", "3", "--seed", "4",
+                     "one", "two"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in lines] == ["one", "two"]
+    assert [r["token_ids"] for r in lines] == [expected_tokens([ord(c) for c in p], 3) for p in ("one", "two")]
     sent = next(iter(servicer.requests.values()))
     assert sent.WhichOneof("prompt") == "text" and sent.sampling.seed == 4 and sent.sampling.top_p == 1.0
-    with pytest.raises(InvalidRequest):
-        generate_via_router(target, ["ok", "abort INVALID_ARGUMENT no"], SamplingParams(), raw=True)
+    assert cli.main(["generate", "--router", target, "--raw", "ok", "abort INVALID_ARGUMENT no"]) == cli.USAGE_ERROR
+    assert "baton generate: error:" in capsys.readouterr().err
 
 
 def test_client_package_imports_no_torch_or_engine():
-    code = ("import sys, client, client.cli_support; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'engine')]; "
+    code = ("import sys, baton.client, baton.client.cli_support; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
+            "or m.startswith(('baton.engine', 'baton.router', 'baton.decode_worker', 'baton.prefill_worker'))]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 

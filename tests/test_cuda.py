@@ -104,7 +104,8 @@ def test_kv_landing_on_a_cuda_worker_waits_in_pinned_memory():
     """Both transports land pinned KV when the receiver is a CUDA worker's; it embeds unchanged."""
     from baton.engine.batch_kv import BatchKV
     from baton.engine.kv import KVShape, SequenceKV, to_host
-    from baton.kvtransfer import Receiver, ReceiverConfig, StagingConfig, StagingPool, push_in_process
+    from baton.kvtransfer import Receiver, ReceiverConfig, StagingConfig, StagingPool
+    from inprocess_push import push_in_process
     from baton.kvtransfer.sender import kv_header
 
     shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)

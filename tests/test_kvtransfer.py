@@ -27,9 +27,9 @@ from baton.kvtransfer import (
     StagingConfig,
     StagingPool,
     encode,
-    push_in_process,
 )
-from baton.kvtransfer.bench import measure_loopback_throughput
+from baton.bench.kv_pushes import measure_loopback_throughput
+from inprocess_push import push_in_process
 from baton.kvtransfer.errors import KVPushFailed
 from baton.kvtransfer.grpc_transport import (
     KVTransferServer,

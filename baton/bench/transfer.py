@@ -3,7 +3,7 @@ same-host path `baton up` takes), against a memory copy of the same bytes, and a
 prefill that produced it.
 
 For each KV size a push covers everything a worker's does (encoding or the sealed memory file,
-checksums, the socket, assembly, landing in the receiver's staging pool; kvtransfer.bench,
+checksums, the socket, assembly, landing in the receiver's staging pool; baton.bench.kv_pushes,
 receiver in its own process). The prefill side times the executor's prefill of a prompt whose
 KV has that size (the model's KV bytes per token give the token count, capped at its context).
 Issue 18's goal: same-host transfer under 5% of prefill time.
@@ -23,7 +23,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
 
     from baton.engine.model import load_model
     from baton.engine.executors import make_runner
-    from baton.kvtransfer.bench import measure_transports
+    from baton.bench.kv_pushes import measure_transports
 
     sizes_mib = [1, 4] if opts.quick else [1, 16, 64]
     repeats = 2 if opts.quick else 5

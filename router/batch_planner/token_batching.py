@@ -44,10 +44,6 @@ class WorkItem:
     tokens: int
 
     @property
-    def is_prefix(self) -> bool:
-        return self.request_id is None
-
-    @property
     def end(self) -> int:
         return self.start + self.tokens
 

@@ -1,7 +1,5 @@
-"""The in-process transport: the sender's chunks fed straight to a Receiver.
-
-Same encode and receive code as gRPC, minus the socket, for tests and single-process runs.
-"""
+"""The in-process transport, for tests: the sender's chunks fed straight to a Receiver (the
+same encode and receive code as gRPC, minus the socket)."""
 from __future__ import annotations
 
 from baton.engine.kv import SequenceKV

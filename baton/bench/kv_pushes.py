@@ -1,8 +1,8 @@
 """How close KV shipping gets to a plain memory copy of the same bytes: over gRPC loopback, and
 through shared memory (kvtransfer.shm) as a prefill worker does to a decode worker on its host.
 
-    python -m baton.kvtransfer.bench --mbytes 64                 # receiver in its own process
-    python -m baton.kvtransfer.bench --mbytes 64 --same-process  # sender and receiver share one GIL
+    python -m baton.bench.kv_pushes --mbytes 64                 # receiver in its own process
+    python -m baton.bench.kv_pushes --mbytes 64 --same-process  # sender and receiver share one GIL
 """
 from __future__ import annotations
 
