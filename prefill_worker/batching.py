@@ -16,28 +16,30 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable
 
 SIMILAR_LENGTH_RATIO = 1.5
-# Prompts below priority 0 (batch members) prefill in batches of at most this many tokens, so
-# that an interactive prompt arriving meanwhile waits for a short forward where the executor
-# cannot pause one between layers (the transformers fallback). Small batches cost little here: a
-# prefill forward is compute-bound from a few dozen tokens.
+# Where the executor cannot pause a forward between layers (the transformers fallback), prompts
+# below priority 0 (batch members) prefill in batches of at most this many tokens, so that an
+# interactive prompt arriving meanwhile waits for a short forward. Baton's executor pauses
+# instead, and members there take whole batches: short forwards cost a batch ~10% end to end.
 BACKGROUND_BATCH_TOKENS = 96
 URGENT_PRIORITY = 0  # prompts at or above it (interactive ones) may pause a background forward
 
 
 def pick_batch(lengths: list[int], max_batch_tokens: int, max_batch_size: int,
                priorities: list[int] | None = None,
-               key: Callable[[int], Hashable | None] | None = None, busy: Collection[Hashable] = ()) -> list[int]:
+               key: Callable[[int], Hashable | None] | None = None, busy: Collection[Hashable] = (),
+               background_tokens: int | None = BACKGROUND_BATCH_TOKENS) -> list[int]:
     """Indices (into arrival order) of the next batch: the oldest prompt of the highest priority
     plus length-similar ones of that priority while the padded size (count x longest) stays
     within max_batch_tokens, leaving out any whose `key(i)` (not None) is in `busy` or is one a
-    prompt already chosen has."""
+    prompt already chosen has. A batch of prompts below priority 0 holds at most
+    `background_tokens` (None: no cap of its own)."""
     if not lengths:
         return []
     if priorities is None:
         priorities = [0] * len(lengths)
     top = max(priorities)
-    if top < 0:
-        max_batch_tokens = min(max_batch_tokens, BACKGROUND_BATCH_TOKENS)
+    if top < 0 and background_tokens is not None:
+        max_batch_tokens = min(max_batch_tokens, background_tokens)
     same = [i for i in range(len(lengths)) if priorities[i] == top]
     if key is not None:
         key = functools.cache(key)  # each prompt's key at most once per pick (it hashes the prompt)
@@ -71,10 +73,12 @@ def pick_batch(lengths: list[int], max_batch_tokens: int, max_batch_size: int,
 class PrefillQueue:
     """Bounded, thread-safe; items are keyed by request id and carry their prompt length and priority."""
 
-    def __init__(self, max_queue: int, max_batch_tokens: int, max_batch_size: int):
+    def __init__(self, max_queue: int, max_batch_tokens: int, max_batch_size: int,
+                 background_tokens: int | None = BACKGROUND_BATCH_TOKENS):
         self.max_queue = max_queue
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
+        self.background_tokens = background_tokens  # see pick_batch
         self._items: OrderedDict[str, tuple[object, int, int]] = OrderedDict()
         self._cond = threading.Condition()
         self._closed = False
@@ -125,7 +129,8 @@ class PrefillQueue:
             lengths = [self._items[i][1] for i in ids]
             budget = self.max_batch_tokens if max_tokens is None else min(self.max_batch_tokens, max_tokens)
             picked = pick_batch(lengths, budget, self.max_batch_size, [self._items[i][2] for i in ids],
-                                None if key is None else lambda i: key(self._items[ids[i]][0]), busy)
+                                None if key is None else lambda i: key(self._items[ids[i]][0]), busy,
+                                self.background_tokens)
             if max_tokens is not None and picked and lengths[picked[0]] > max_tokens and not at_least_one:
                 return []  # not even its first prompt fits the memory left: pushes will free some
             return [self._items.pop(ids[i])[0] for i in picked]

@@ -129,7 +129,10 @@ class PrefillLoop:
         self.tls = tls
         self.cluster_token = cluster_token
         self.decode_targets = decode_targets or DecodeTargets(settings.decode_workers)
-        self.queue = PrefillQueue(settings.max_queue, settings.max_batch_tokens, settings.max_batch_size)
+        # Members' forwards are short only where urgent prompts cannot pause them between layers.
+        self.pausable = hasattr(runner, "between_layers")
+        self.queue = PrefillQueue(settings.max_queue, settings.max_batch_tokens, settings.max_batch_size,
+                                  background_tokens=None if self.pausable else BACKGROUND_BATCH_TOKENS)
         self.fingerprint = str(runner.loaded.fingerprint)
         # The prefix cache's changes, numbered; routers follow them (WatchCache). Its epoch is this
         # process's: a new one tells a router our cache began empty.
@@ -313,7 +316,7 @@ class PrefillLoop:
     def _preemptible(self, jobs: list[PrefillJob]):
         """While a forward of batch members only runs, urgent prompts may pause it between layers."""
         background = all(j.request.params.priority < URGENT_PRIORITY for j in jobs)
-        if not hasattr(self.runner, "between_layers") or not background or self._urgent_running:
+        if not self.pausable or not background or self._urgent_running:
             yield  # the transformers fallback cannot pause: its batch members take short forwards
             return
         self.runner.between_layers = self._serve_urgent
@@ -358,10 +361,10 @@ class PrefillLoop:
         job.done.add_done_callback(forget)
 
     def _budget(self, job: PrefillJob) -> int:
-        """Tokens per chunk: batch members (below priority 0) take the short forwards they take
-        unchunked, so an interactive prompt never waits long behind them."""
+        """Tokens per chunk: where forwards cannot pause, batch members (below priority 0) take the
+        short forwards they take unchunked, so an interactive prompt never waits long behind them."""
         budget = self.settings.chunk_tokens
-        return min(budget, BACKGROUND_BATCH_TOKENS) if job.request.params.priority < 0 else budget
+        return min(budget, BACKGROUND_BATCH_TOKENS) if job.request.params.priority < 0 and not self.pausable else budget
 
     def _chunk(self, job: PrefillJob) -> bool:
         """Queue `job` for chunked prefill if its uncached part is longer than one chunk."""
