@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from baton.logs import configure
-    from baton.up import die_with_parent
+    from baton.lifeline import die_with_parent
 
     die_with_parent()
     configure(args.log_level)

@@ -20,46 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.auth import CLUSTER_TOKEN_ENV
 from baton.config import TLSSettings
+from baton.lifeline import PARENT_ENV  # the processes Baton starts die with it
 from baton.server import channel
 from baton.engine.threads import split_cores
 
 STARTUP_TIMEOUT_S = 600  # the first start converts the default model
-PARENT_ENV = "BATON_PARENT_PID"  # set for the processes Baton starts: they exit when that process dies
-
-
-ORPHAN_EXIT_S = 20.0  # a process whose parent died is gone this long after, drained or not
-
-
-def die_with_parent() -> None:
-    """In a process Baton started (PARENT_ENV set): have the kernel send SIGTERM (a drain) when its
-    parent dies, even by SIGKILL, so no worker outlives `baton up` holding its port. Linux only.
-    A watchdog backs it: an orphan still alive ORPHAN_EXIT_S later prints where its threads are
-    and exits.
-
-    The kernel ties this to the parent *thread* that started the process: Baton starts its
-    processes from the main thread."""
-    expected = os.environ.pop(PARENT_ENV, "")
-    if not expected or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    threading.Thread(target=_exit_when_orphaned, args=(int(expected),), name="orphan-watchdog", daemon=True).start()
-    if os.getppid() != int(expected):  # the parent died before the line above took effect
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _exit_when_orphaned(parent: int, poll_s: float = 0.5) -> None:
-    while os.getppid() == parent:
-        time.sleep(poll_s)
-    time.sleep(ORPHAN_EXIT_S)
-    import faulthandler
-
-    print(f"baton: parent {parent} died {ORPHAN_EXIT_S:.0f}s ago and this process has not finished "
-          "draining; exiting. Its threads were at:", file=sys.stderr, flush=True)
-    faulthandler.dump_traceback(all_threads=True)
-    os._exit(1)
 
 
 def free_port() -> int:

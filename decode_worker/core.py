@@ -122,7 +122,10 @@ class DecodeCore:
         return self.scheduler.finished_total
 
     def parked_bytes(self) -> int:
-        return sum(seq.engine.kv.nbytes for seq in list(self.scheduler.staged) if seq.status is Status.PARKED)
+        """Host bytes of parked rows' KV (any thread: a row the loop is parking right now counts
+        once its KV is out of the batch)."""
+        return sum(kv.nbytes for seq in list(self.scheduler.staged)
+                   if seq.status is Status.PARKED and (kv := seq.engine.kv) is not None)
 
     @property
     def max_columns(self) -> int:

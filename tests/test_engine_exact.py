@@ -143,6 +143,11 @@ def test_preempted_and_resumed_requests_are_token_identical(tiny_model, tiny_ref
     ids[engine.submit(urgent, SamplingParams(max_tokens=8, ignore_eos=True, priority=5))] = urgent
     run_steps(engine, 2, finals)
     assert engine.decode.scheduler.parked_total == 1 and engine.decode.parked_bytes() > 0
+    # What a load report (another thread) sees while the loop parks a row: PARKED, its KV not out yet.
+    parked = next(s for s in engine.decode.scheduler.staged if s.status.name == "PARKED")
+    kv, parked.engine.kv = parked.engine.kv, None
+    assert engine.decode.parked_bytes() == 0
+    parked.engine.kv = kv
     while engine.has_work():
         run_steps(engine, 1, finals)
     for rid, prompt in ids.items():

@@ -5,6 +5,7 @@ local cluster from there.
 """
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -66,5 +67,14 @@ def test_the_sdk_installs_without_torch_and_talks_to_a_cluster(wheel, tmp_path):
             print(len(result.token_ids))
         """)
         done = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        # The console scripts start on the SDK alone: `baton generate --router` needs nothing more.
+        cli = subprocess.run([str(venv / "bin" / "baton"), "generate", "--router", cluster.router_address, "--raw",
+                              "--json", "--max-tokens", "3", "hello"], capture_output=True, text=True, timeout=120,
+                             cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "4"
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["prompt"] == "hello"
+    health = subprocess.run([str(venv / "bin" / "baton-health"), "--port", "1"], capture_output=True, text=True,
+                            timeout=60)
+    assert health.returncode == 2 and "baton-serve[server]" in health.stderr  # a clear word, not a traceback

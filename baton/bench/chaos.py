@@ -271,7 +271,7 @@ class Chaos:
 
     def fault_loop(self, until: float, every_s: float) -> None:
         """Runs on the main thread: a restarted worker must be a child of the thread that lives
-        as long as the cluster (baton.up.die_with_parent ties its death signal to that thread)."""
+        as long as the cluster (baton.lifeline.die_with_parent ties its death signal to that thread)."""
         order: list[str] = []
         while True:
             pause = self.rng.uniform(0.5, 1.5) * every_s

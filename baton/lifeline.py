@@ -1,0 +1,49 @@
+"""A process Baton started dies with the process that started it.
+
+Standard library only: the command line calls `die_with_parent` first thing, before it knows
+whether the servers' packages are installed (the SDK-only install runs `baton generate` too).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+PARENT_ENV = "BATON_PARENT_PID"  # set for the processes Baton starts: they exit when that process dies
+
+
+ORPHAN_EXIT_S = 20.0  # a process whose parent died is gone this long after, drained or not
+
+
+def die_with_parent() -> None:
+    """In a process Baton started (PARENT_ENV set): have the kernel send SIGTERM (a drain) when its
+    parent dies, even by SIGKILL, so no worker outlives `baton up` holding its port. Linux only.
+    A watchdog backs it: an orphan still alive ORPHAN_EXIT_S later prints where its threads are
+    and exits.
+
+    The kernel ties this to the parent *thread* that started the process: Baton starts its
+    processes from the main thread."""
+    expected = os.environ.pop(PARENT_ENV, "")
+    if not expected or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    threading.Thread(target=_exit_when_orphaned, args=(int(expected),), name="orphan-watchdog", daemon=True).start()
+    if os.getppid() != int(expected):  # the parent died before the line above took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _exit_when_orphaned(parent: int, poll_s: float = 0.5) -> None:
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    time.sleep(ORPHAN_EXIT_S)
+    import faulthandler
+
+    print(f"baton: parent {parent} died {ORPHAN_EXIT_S:.0f}s ago and this process has not finished "
+          "draining; exiting. Its threads were at:", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(all_threads=True)
+    os._exit(1)
