@@ -188,6 +188,10 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     metrics.gauge("baton_decode_rows_in_use", "Decode batch rows occupied", lambda: core.batch.num_rows)
     metrics.gauge("baton_decode_kv_allocated_bytes", "Batch KV bytes allocated", core.batch.allocated_bytes)
     metrics.gauge("baton_decode_kv_useful_bytes", "Batch KV bytes holding real tokens", core.batch.useful_bytes)
+    metrics.gauge("baton_decode_kv_shared_prefix_bytes", "Batch KV bytes of prefixes held once for the rows that "
+                  "share them (within the allocated bytes)", core.batch.prefix_bytes)
+    metrics.counter("baton_decode_rows_sharing", "Rows placed after a shared prefix, holding only their own tokens",
+                    lambda: core.batch.rows_sharing)
     metrics.gauge("baton_decode_staged_bytes", "Host KV pool bytes in use: staged KV and parked rows, within "
                   "decode.staging_bytes", lambda: pool.stats().used_bytes)
     metrics.gauge("baton_decode_waiting_for_kv", "Requests whose KV has not landed", loop.num_waiting)

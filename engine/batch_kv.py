@@ -102,7 +102,8 @@ class BatchKV:
         return self.buffer.numel() * self.buffer.element_size() + self.prefix_bytes()
 
     def prefix_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.prefixes.values())
+        # list() takes the values at once: metrics and load reports read this from other threads
+        return sum(p.numel() * p.element_size() for p in list(self.prefixes.values()))
 
     def window_bytes(self) -> int:
         """Bytes of the padded batch KV that attention reads: rows x window columns."""

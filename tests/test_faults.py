@@ -200,8 +200,9 @@ def test_every_process_serves_prometheus_metrics():
     assert router["baton_requests_total", (("reason", "length"),)] == 1.0
     assert prefill["baton_kv_transfers_total", (("outcome", "ok"),)] == 1.0
     assert prefill["baton_kv_transfer_transports_total", (("transport", "shm"),)] == 1.0  # one host: shared memory
-    for name in ("baton_decode_rows_in_use", "baton_decode_kv_allocated_bytes", "baton_decode_staged_bytes",
-                 "baton_decode_preemptions_total", "baton_time_between_tokens_seconds_count"):
+    for name in ("baton_decode_rows_in_use", "baton_decode_kv_allocated_bytes", "baton_decode_kv_shared_prefix_bytes",
+                 "baton_decode_staged_bytes", "baton_decode_preemptions_total", "baton_decode_rows_sharing_total",
+                 "baton_time_between_tokens_seconds_count"):
         assert (name, ()) in decode, name
     # vLLM's names, where each lives in a disaggregated cluster: the router sees what the user
     # sees, the prefill worker the prompt, the decode worker the tokens and the KV.
