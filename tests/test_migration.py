@@ -73,15 +73,20 @@ def run_to_end(core: DecodeCore, tokens: dict[str, list[int]], logprobs: dict | 
                 logprobs[out.request_id] = out.logprobs
 
 
-def test_evicted_rows_go_on_token_identically_on_another_core(runner, tiny_reference):
+@pytest.mark.parametrize("shared", [False, True], ids=["own-kv", "shared-prefix"])
+def test_evicted_rows_go_on_token_identically_on_another_core(runner, tiny_reference, shared):
+    """Shared: the rows continue one 80-token document held once in the batch; the evicted row
+    takes the whole KV, prefix included."""
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
-    prompts = {f"r{i}": [40 + 13 * i + j for j in range(6 + 5 * i)] for i in range(3)}
+    document = [900 + 7 * j for j in range(80)] if shared else []
+    prompts = {f"r{i}": document + [40 + 13 * i + j for j in range(6 + 5 * i)] for i in range(3)}
     released = Released()
     source = DecodeCore(runner, DecodeConfig(max_rows=3), on_kv_consumed=released)
     for rid, prompt in prompts.items():
         source.add(prefilled(runner, rid, prompt, params))
     for _ in range(7):
         source.step()
+    assert source.batch.rows_sharing == (3 if shared else 0)
     ev = source.evict("r1")  # the middle row: the last row moves into its place
     assert ev.token_ids[:8] == tiny_reference.greedy(prompts["r1"], 8)
     assert ev.kv.num_tokens == len(prompts["r1"]) + len(ev.token_ids) - 1 and ev.kv.data.device.type == "cpu"
