@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
-from baton.engine.batch_kv import BatchKV, default_kv_budget
+from baton.engine.batch_kv import BatchKV, BatchKVFull, default_kv_budget
 from baton.engine.kv import SequenceKV, to_host
 from baton.engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput, effective_max_tokens
 from baton.engine.executors import Runner
@@ -299,7 +299,11 @@ class DecodeCore:
         if placement is None:
             return self.batch.embed(kv)
         if placement.partner is not None:
-            self.batch.add_prefix(placement.group, kv.prefix(placement.tokens))
+            try:
+                self.batch.add_prefix(placement.group, kv.prefix(placement.tokens))
+            except BatchKVFull:  # no room for the prefix beside the rows: this pair shares nothing
+                self.scheduler.unshare(seq, placement)
+                return self.batch.embed(kv)
             self.batch.share(self.scheduler.find(placement.partner).row, placement.group)
         own = kv if kv.num_tokens + placement.tokens == seq.num_kv_tokens else SequenceKV(
             kv.data[:, :, :, placement.tokens:])

@@ -173,6 +173,13 @@ class DecodeScheduler:
                 if seq.placement is not None:
                     self.sharing.join(seq.request_id, seq.placement, seq.prompt_ids)
 
+    def unshare(self, seq: DecodeSequence, placement: Placement) -> None:
+        """Undo a new pair's placement the batch found no room for: both rows keep their own KV."""
+        with self._lock:
+            self.sharing.leave(seq.request_id)
+            self.sharing.leave(placement.partner)
+            seq.placement = None
+
     def held_tokens(self, request_id: str) -> int:
         """Leading prompt tokens of a waiting request whose KV this worker holds already (any thread)."""
         with self._lock:

@@ -143,7 +143,10 @@ class BatchKV:
         if group in self.prefixes:
             raise ValueError(f"shared prefix {group} exists already")
         if self.budget_bytes is not None and self.allocated_bytes() + kv.nbytes > self.budget_bytes:
-            raise BatchKVFull(f"a {kv.nbytes}-byte shared prefix exceeds the {self.budget_bytes}-byte KV budget")
+            # The buffer's headroom goes first: the scheduler counted only the rows and window in use.
+            self._relayout(0, 0, rows=max(1, self.num_rows), columns=max(1, self.length))
+            if self.allocated_bytes() + kv.nbytes > self.budget_bytes:
+                raise BatchKVFull(f"a {kv.nbytes}-byte shared prefix exceeds the {self.budget_bytes}-byte KV budget")
         data = torch.empty(kv.data.shape, dtype=kv.data.dtype, device=self.device)  # its own, contiguous copy
         self.prefixes[group] = data.copy_(kv.data)
         self.prefixes_added += 1

@@ -167,3 +167,15 @@ def test_a_shared_prefix_counts_against_the_byte_budget():
     with pytest.raises(ValueError):
         batch.embed(kv_of(5, 1.0), prefix=99)
     assert batch.allocated_bytes() <= 40 * per_token
+
+
+def test_a_new_shared_prefix_takes_the_buffers_headroom_before_it_is_refused():
+    per_token = SHAPE.bytes_per_token()
+    batch = BatchKV(SHAPE, max_rows=2, max_columns=64, initial_columns=64, budget_bytes=100 * per_token)
+    whole = kv_of(50, 0.0)
+    batch.embed(whole)  # 50 tokens in a 64-column buffer: 64 + 40 would exceed 100
+    batch.add_prefix(1, kv_of(40, 0.0))
+    assert batch.capacity == 50 and batch.allocated_bytes() == 90 * per_token  # the headroom went
+    assert torch.equal(row_kv(batch, 0), whole.data)  # the row's KV is untouched
+    with pytest.raises(BatchKVFull):
+        batch.add_prefix(2, kv_of(11, 0.0))  # 50 + 40 + 11 > 100 even without headroom

@@ -286,3 +286,20 @@ def test_a_request_registered_after_its_shared_prefix_takes_only_its_own_kv(tiny
     assert not decode.batch.prefixes and not decode.scheduler.sharing.groups
     for name in "ABCDE":
         assert finals[name] == tiny_reference.greedy(prompts[name], 10), name
+
+
+def test_a_pair_the_batch_has_no_room_to_share_for_keeps_its_own_kv(tiny_model, tiny_reference, monkeypatch):
+    """When a new shared prefix does not fit beside the rows, the pair shares nothing and both
+    rows decode exactly; nothing is left in the policy."""
+    from baton.engine.batch_kv import BatchKV, BatchKVFull
+
+    def full(self, group, kv):
+        raise BatchKVFull("no room (injected)")
+
+    monkeypatch.setattr(BatchKV, "add_prefix", full)
+    document = list(range(3000, 3090))
+    prompts = [document + [7, 8], document + [9]]
+    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [tiny_reference.greedy(p, 8) for p in prompts]
+    assert engine.decode.batch.rows_sharing == 0 and not engine.decode.scheduler.sharing.groups
