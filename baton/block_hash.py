@@ -100,3 +100,17 @@ def hash_prompt(token_ids: Sequence[int], model_fingerprint: str,
                 block_size: int = DEFAULT_BLOCK_SIZE) -> list[int]:
     """One-shot form of `BlockHasher(model_fingerprint, block_size).hash_prompt(token_ids)`."""
     return BlockHasher(model_fingerprint, block_size).hash_prompt(token_ids)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two prompts share, to the token (block hashes say it by whole
+    blocks): a binary search over slice comparisons, which run in C."""
+    a, b = list(a), list(b)
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -14,6 +14,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from baton.block_hash import common_prefix
+
 
 @dataclass
 class Group:
@@ -32,19 +34,6 @@ class Placement:
     group: int
     tokens: int
     partner: str | None = None
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix: a binary search over slice comparisons, which run in C."""
-    a, b = list(a), list(b)
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class PrefixSharing:

@@ -159,15 +159,13 @@ def _window_with_lse(query, key, value, ctx: DecodeAttention, scale):
     """The own-window part of decode attention with its log-sum-exp: query [B, Hq, D]; key, value
     [B, Hkv, window, D] -> out [B, Hq, D], lse [B, Hq], float32."""
     rows, hq, d = query.shape
-    if query.dtype == torch.float32 and query.device.type == "cpu" and cpu_kernels.available():
+    if ctx.starts64 is not None and query.dtype == torch.float32 and cpu_kernels.available():
         lse = torch.empty(rows, hq, dtype=torch.float32)
-        starts = ctx.starts64 if ctx.starts64 is not None else ctx.starts.to(torch.int64)
-        return cpu_kernels.decode_attention(query, key, value, starts, scale, lse=lse), lse
-    hkv, window = key.shape[1], key.shape[2]
+        return cpu_kernels.decode_attention(query, key, value, ctx.starts64, scale, lse=lse), lse
+    hkv = key.shape[1]
     q = query.float().view(rows, hkv, hq // hkv, d)
     scores = torch.matmul(q, key.float().transpose(-1, -2)) * scale  # [B, Hkv, group, window]
-    padding = torch.arange(window, device=key.device)[None, :] < ctx.starts[:, None].to(key.device)  # [B, window]
-    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    scores = scores.masked_fill(~ctx.mask, float("-inf"))  # ctx.mask: [B, 1, 1, window], the torch backend's
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse[..., None]), value.float())
     return out.view(rows, hq, d), lse.view(rows, hq)

@@ -2,7 +2,8 @@
 import pytest
 
 from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig
-from baton.decode_worker.sharing import Placement, PrefixSharing, common_prefix
+from baton.block_hash import common_prefix
+from baton.decode_worker.sharing import Placement, PrefixSharing
 
 DOC = list(range(1000, 1100))  # a 100-token shared document
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from baton.block_hash import common_prefix
+
 MIN_LEVEL_TOKENS = 4  # a shorter shared level is not worth a pin
 
 
@@ -20,14 +22,6 @@ MIN_LEVEL_TOKENS = 4  # a shorter shared level is not worth a pin
 class GroupLevels:
     ancestors: tuple[tuple[int, ...], ...]  # shared prefixes above the group's, shortest first
     sub_prefixes: tuple[tuple[int, ...], ...]  # shared by some members below it, shortest first
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def branch_points(sequences: Sequence[Sequence[int]], min_tokens: int = MIN_LEVEL_TOKENS) -> list[tuple[int, ...]]:
