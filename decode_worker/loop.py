@@ -29,7 +29,7 @@ from baton.decode_worker.core import DecodeCore, Evicted
 from baton.decode_worker.scheduler import Status
 from baton.engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput
 from baton.messages import logprob_from_proto
-from baton.sampling import MAX_LOGPROBS
+from baton.sampling import MAX_LOGPROBS, MAX_SEED
 from baton.kvtransfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
@@ -275,6 +275,8 @@ class DecodeLoop:
         vocab = self.core.runner.loaded.config.vocab_size
         if not 0 <= meta.first_token < vocab:
             raise RequestError(f"the KV's first token {meta.first_token} is outside the vocabulary [0, {vocab})")
+        if meta.seed > MAX_SEED:  # a uint64 on the wire; every sampler seed is below 2**63
+            raise RequestError(f"the KV's seed {meta.seed} is outside 0..2**63-1")
         if meta.HasField("first_logprob") and (meta.first_logprob.token_id != meta.first_token or len(
                 meta.first_logprob.top_token_ids) != len(meta.first_logprob.top_logprobs) or len(
                 meta.first_logprob.top_token_ids) > MAX_LOGPROBS):

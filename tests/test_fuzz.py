@@ -517,9 +517,11 @@ kv_metadata = st.one_of(
 
 
 def usable(metadata: bytes, vocab_size: int) -> bool:
-    """Whether a decode worker can start from this metadata: it parses, and names a real token."""
+    """Whether a decode worker can start from this metadata: it parses, names a real token and a
+    seed a sampler takes (below 2**63; the wire's field is a uint64)."""
     try:
-        return workers_pb2.KVMetadata.FromString(metadata).first_token < vocab_size
+        meta = workers_pb2.KVMetadata.FromString(metadata)
+        return meta.first_token < vocab_size and meta.seed <= MAX_SEED
     except Exception:  # noqa: BLE001 - DecodeError
         return False
 
