@@ -191,7 +191,7 @@ class DecodeCore:
         seq.output_ids.append(prefilled.first_token)
         # Continue the random stream the prefill's first draw started.
         live.sampler = RequestSampler(replace(req.params, seed=prefilled.seed), tokens_generated=req.resume_step + 1)
-        live.kv = prefilled.kv
+        live.kv = prefilled.whole_kv()
         if prefilled.first_logprob is not None:
             live.logprobs.append(prefilled.first_logprob)
         if step.finish_reason is not None:

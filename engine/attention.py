@@ -189,6 +189,53 @@ def prefill(query, key, value, ctx: PrefillAttention, scale):
     return out.transpose(1, 2)
 
 
+def prefill_continued(query, key, value, prefix_k, prefix_v, backend: str, scale):
+    """Prefill attention of prompts that all continue one prefix held once (a BatchLLM group):
+    every new token sees the whole prefix and, causally, its own prompt's new tokens. Nothing is
+    copied per prompt: the prefix part runs once for every query of the batch, then merges with
+    each prompt's own part by log-sum-exp (on Triton, one kernel does both in one online softmax).
+    query: [B, Hq, T, D]; key, value: [B, Hkv, T, D]; prefix_k, prefix_v: [Hkv, P, D] -> [B, T, Hq, D]"""
+    b, hq, t, d = query.shape
+    hkv = key.shape[1]
+    if backend == "triton":
+        from baton.engine.kernels import prefill_attention_varlen
+
+        # the varlen layout: q [B * T, Hq, D], k/v [Hkv, B * T, D], one sequence per prompt
+        cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=query.device)
+        out = prefill_attention_varlen(query.transpose(1, 2).reshape(b * t, hq, d),
+                                       key.transpose(0, 1).reshape(hkv, b * t, d),
+                                       value.transpose(0, 1).reshape(hkv, b * t, d), cu, cu, scale, t,
+                                       shared_k=prefix_k, shared_v=prefix_v)
+        return out.view(b, t, hq, d)
+    group = hq // hkv
+    # own part: causal over the prompt's new tokens (their KV is small next to the prefix: expanded per head)
+    own_k = key[:, :, None].expand(b, hkv, group, t, d).reshape(b, hq, t, d)
+    own_v = value[:, :, None].expand(b, hkv, group, t, d).reshape(b, hq, t, d)
+    own, own_lse = _attention_with_lse(query, own_k, own_v, causal=True, scale=scale)  # [B, Hq, T, D], [B, Hq, T]
+    # prefix part: per KV head, every query of the batch as one matrix against the prefix
+    q = query.reshape(b, hkv, group * t, d).transpose(0, 1).reshape(1, hkv, b * group * t, d)
+    shared, shared_lse = _attention_with_lse(q, prefix_k[None], prefix_v[None], causal=False, scale=scale)
+    shared = shared[0].view(hkv, b, group * t, d).transpose(0, 1).reshape(b, hq, t, d)
+    shared_lse = shared_lse[0].view(hkv, b, group * t).transpose(0, 1).reshape(b, hq, t)
+    out = merge(own.float(), own_lse, shared.float(), shared_lse)
+    return out.to(query.dtype).transpose(1, 2)
+
+
+def _attention_with_lse(query, key, value, causal: bool, scale):
+    """Attention and its log-sum-exp (natural log, float32): query [N, H, Tq, D]; key, value
+    [N, H, Tk, D] -> [N, H, Tq, D], [N, H, Tq]. `causal` aligns the mask to the top left (Tq == Tk)."""
+    if query.device.type == "cpu":  # torch's flash kernel for CPU tiles the scores and returns the LSE
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal,
+                                                                               scale=scale)
+        return out, lse
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
+    if causal:
+        tq, tk = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(tq, tk, dtype=torch.bool, device=scores.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), value.float()), lse
+
+
 def register() -> None:
     from transformers import AttentionInterface
 

@@ -56,11 +56,29 @@ class SequenceKV:
         return SequenceKV(self.data[:, :, :, :num_tokens].contiguous())
 
 
+def joined(prefix: SequenceKV | None, own: SequenceKV, start: int = 0) -> SequenceKV:
+    """Tokens [start:] of `prefix` followed by `own`, copying only those: a group's members
+    reference their shared prefix and pay for its copy only where one is really needed."""
+    cached = prefix.num_tokens if prefix is not None else 0
+    if not 0 <= start <= cached + own.num_tokens:
+        raise ValueError(f"start {start} is outside the {cached + own.num_tokens}-token KV")
+    if start >= cached:
+        rest = own.data[:, :, :, start - cached:]
+        return own if start == cached else SequenceKV(rest.contiguous())
+    return SequenceKV(torch.cat([prefix.data[:, :, :, start:], own.data], dim=3))
+
+
 @dataclass
 class PrefillOutput:
     logits: torch.Tensor  # [vocab] float32: next-token logits after the prompt
-    kv: SequenceKV  # the whole prompt's KV, prefix included
+    own: SequenceKV  # the KV of the prompt's tokens after `prefix` (all of them without one)
     computed_tokens: int  # prompt tokens run through the model (the rest came from the prefix)
+    prefix: SequenceKV | None = None  # the cached prefix continued, referenced (one tensor for a whole group)
+
+    @property
+    def kv(self) -> SequenceKV:
+        """The whole prompt's KV as one tensor: a copy where a prefix is referenced."""
+        return joined(self.prefix, self.own)
 
 
 def host_tensor(shape, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:

@@ -8,8 +8,9 @@ the forward itself, with the same interface as the `transformers` reference runn
   together from a cos/sin table built once;
 - decode writes each step's keys and values straight into the BATON batch column and attends
   over the padded window with the row mask built once per step (Triton kernel on CUDA);
-- prefill writes the prompt's KV into one preallocated tensor that starts with the cached prefix,
-  so nothing is concatenated per layer, and runs the LM head on the last token of each prompt only.
+- prefill writes the new tokens' KV into one preallocated tensor; a cached prefix (a BatchLLM
+  group's, shared by every prompt of the forward) stays one tensor that all of them attend to,
+  merged with their own part by log-sum-exp; the LM head runs on each prompt's last token only.
 
 Numerics follow transformers' Llama forward operation for operation (norms in fp32, the same
 rotary tables), so greedy tokens equal `generate`'s in the same dtype.
@@ -239,20 +240,24 @@ class LlamaRunner:
         for i, s in enumerate(suffixes):
             ids[i, :len(s)] = torch.tensor(s, device=self.device)
         positions = torch.arange(cached, cached + t, device=self.device).repeat(b)  # [B * T]
-        # kv: [layers, 2, B, Hkv, cached + T, D]: the prefix once per prompt, then the new tokens
-        kv = torch.empty(len(self.layers), 2, b, self.num_kv_heads, cached + t, self.head_dim,
+        # kv: [layers, 2, B, Hkv, T, D], the new tokens only: the prefix is one tensor every
+        # prompt's attention reads (a BatchLLM group's members reference it, none copies it)
+        kv = torch.empty(len(self.layers), 2, b, self.num_kv_heads, t, self.head_dim,
                          dtype=self.dtype, device=self.device)
-        if cached:
-            kv[:, :, :, :, :cached] = prefix.data.to(kv)[:, :, None]
-        ctx = PrefillAttention(cached, self.backend)
+        shared = prefix.data.to(kv) if cached else None
+        ctx = PrefillAttention(0, self.backend)
         rotary = self._rotary(positions)
         h = self.embed[ids.view(-1)]  # [B * T, hidden]
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._rms_norm(h, layer.input_norm), rotary)
-            kv[index, 0, :, :, cached:] = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            kv[index, 1, :, :, cached:] = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            kv[index, 0] = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            kv[index, 1] = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
             q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, D]
-            out = attention.prefill(q, kv[index, 0], kv[index, 1], ctx, self.scale)  # [B, T, Hq, D]
+            if shared is None:
+                out = attention.prefill(q, kv[index, 0], kv[index, 1], ctx, self.scale)  # [B, T, Hq, D]
+            else:
+                out = attention.prefill_continued(q, kv[index, 0], kv[index, 1], shared[index, 0], shared[index, 1],
+                                                  self.backend, self.scale)
             h = h + layer.o(out.reshape(b * t, -1))
             h = self._mlp(layer, h)
             if self.between_layers is not None:
@@ -260,5 +265,7 @@ class LlamaRunner:
         last = torch.tensor([i * t + len(s) - 1 for i, s in enumerate(suffixes)], device=self.device)
         logits = self.lm_head(self._rms_norm(h[last], self.norm)).float()  # [B, vocab]
         self.prompt_tokens_forwarded += sum(map(len, suffixes))
-        return [PrefillOutput(logits[i], SequenceKV(kv[:, :, i, :, :len(p)].contiguous()), len(s))
-                for i, (p, s) in enumerate(zip(prompts, suffixes))]
+        own = (kv[:, :, i, :, :len(s)] for i, s in enumerate(suffixes))
+        reference = SequenceKV(shared) if shared is not None else None
+        return [PrefillOutput(logits[i], SequenceKV(data.contiguous()), len(s), reference)
+                for i, (data, s) in enumerate(zip(own, suffixes))]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from baton.engine.kv import SequenceKV
+from baton.engine.kv import SequenceKV, joined
 from baton.sampling import SamplingParams, TokenLogprob
 
 # Stages in the order a request passes them; the trace says how long each took.
@@ -60,11 +60,23 @@ class PrefilledRequest:
     """A prompt's KV and first sampled token, ready to be embedded into a decode batch."""
 
     request: GenerationRequest
-    kv: SequenceKV
+    kv: SequenceKV  # the prompt's KV after `shared_prefix` (all of it without one): `whole_kv` joins them
     first_token: int
     seed: int  # the seed sampling used, so the decode side continues the same random stream
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     first_logprob: TokenLogprob | None = None  # when the request asked for log probabilities
+    # A group's shared prefix, referenced by all its members: the whole KV is put together
+    # (`whole_kv`) only when it leaves for a decode worker, without the part that worker holds.
+    shared_prefix: SequenceKV | None = None
+
+    def whole_kv(self, start: int = 0) -> SequenceKV:
+        """The prompt's KV from token `start` on."""
+        return joined(self.shared_prefix, self.kv, start)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of KV this request holds of its own (a shared prefix is one tensor for the whole group)."""
+        return self.kv.nbytes
 
 
 @dataclass

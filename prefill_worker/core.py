@@ -17,7 +17,7 @@ from baton.block_hash import BlockHasher
 from baton.engine.kv import SequenceKV
 from baton.engine.request import GenerationRequest, PrefilledRequest
 from baton.engine.executors import Runner
-from baton.engine.kv import PrefillOutput
+from baton.engine.kv import PrefillOutput, joined
 from baton.engine.sampling import RequestSampler, sample, token_logprobs
 from baton.prefill_worker.prefix_cache import KVEvents, PrefixCache
 
@@ -124,14 +124,15 @@ class PrefillCore:
 
     def _finish(self, request: GenerationRequest, plan: Reuse, out: PrefillOutput) -> PrefilledRequest:
         """Cache the prompt's new blocks and sample its first token."""
-        self._remember(plan.hashes, out.kv)
+        self._remember(plan.hashes, out)
         sampler = RequestSampler(request.params, tokens_generated=request.resume_step)
         first_token = sample(out.logits[None], [sampler])[0]
         first_logprob = token_logprobs(out.logits[None], [first_token], [request.params])[0]
         request.trace.cached_tokens = plan.tokens
         request.trace.mark("prefill_end")
         self.cached_tokens_total += plan.tokens
-        return PrefilledRequest(request, out.kv, first_token, sampler.seed, plan.tokens, first_logprob)
+        return PrefilledRequest(request, out.own, first_token, sampler.seed, plan.tokens, first_logprob,
+                                shared_prefix=out.prefix)
 
     # -- chunked prefill (Sarathi) -----------------------------------------------------------
 
@@ -152,12 +153,13 @@ class PrefillCore:
         prompt = chunked.request.prompt_token_ids
         end = min(len(prompt), chunked.done + budget)
         out = self.runner.prefill_batch([prompt[:end]], chunked.kv)[0]
-        chunked.kv, chunked.done = out.kv, end
+        chunked.done = end
         chunked.chunks += 1
         if end < len(prompt):
+            chunked.kv = out.kv
             # Its whole blocks so far are cached at once: a prompt sharing them need not wait for
             # the last chunk, nor compute them again (SGLang caches unfinished requests alike).
-            self._remember(chunked.plan.hashes[:end // self.block_size], out.kv)
+            self._remember(chunked.plan.hashes[:end // self.block_size], out)
             return None
         return self._finish(chunked.request, chunked.plan, out)
 
@@ -179,13 +181,19 @@ class PrefillCore:
         finally:
             self.cache.unlock(held)
 
-    def _remember(self, hashes: list[int], kv: SequenceKV) -> None:
+    def _remember(self, hashes: list[int], out: PrefillOutput) -> None:
         if self.cache is None or not hashes:
             return
         b = self.block_size
         known = self.cache.match(hashes)
         # Only the new blocks need their own copy; the cache keeps them after this KV is shipped.
-        payloads = [None] * known + [kv.data[:, :, :, i * b:(i + 1) * b].clone() for i in range(known, len(hashes))]
+        # They are usually all past the prefix the prompt continued (a cached block evicted
+        # meanwhile is the exception, and comes from that prefix).
+        cached = out.prefix.num_tokens if out.prefix is not None else 0
+        kv = out.own if known * b >= cached else out.kv
+        skip = cached if kv is out.own else 0
+        payloads = [None] * known + [kv.data[:, :, :, i * b - skip:(i + 1) * b - skip].clone()
+                                     for i in range(known, len(hashes))]
         self.cache.insert(hashes, payloads)  # None when everything is locked: simply not cached
 
     # -- BatchLLM groups ---------------------------------------------------------------------
@@ -211,13 +219,13 @@ class PrefillCore:
             plan = self.reuse_for(prefix)
             out = self._run_on_prefix([prefix], plan)[0]
             computed = out.computed_tokens
-            self._remember(full, out.kv)
+            self._remember(full, out)
         held = full[:self.cache.match(full)]
         self.cache.lock(held)
         pin = _Pin(held, time.monotonic() + self.pin_ttl_s)
         if tail and len(held) == len(full) and self.cache.reserve(1):  # a partial block is charged as a whole one
             pin.partial = (held[-1] if held else None, tuple(tail))
-            pin.partial_kv = out.kv.data[:, :, :, len(full) * b:].clone()
+            pin.partial_kv = joined(out.prefix, out.own, len(full) * b).data.clone()
             self.partials[pin.partial] = pin.partial_kv
         self.pins[group_id] = pin
         return len(held) * b + (len(tail) if pin.partial else 0), computed

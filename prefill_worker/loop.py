@@ -33,7 +33,6 @@ from baton.v1 import workers_pb2
 from baton.engine.request import GenerationRequest, RequestError
 from baton.messages import logprob_to_proto
 from baton.engine.executors import Runner
-from baton.engine.kv import SequenceKV
 from baton.kvtransfer.errors import KVPushFailed
 from baton.kvtransfer.grpc_transport import PushRetry
 from baton.kvtransfer.push import KVPusher
@@ -413,7 +412,7 @@ class PrefillLoop:
 
     def _send(self, job: PrefillJob, prefilled) -> None:
         with self._lock:
-            self._unpushed += prefilled.kv.nbytes
+            self._unpushed += prefilled.kv_bytes
         self._senders.submit(job.request.params.priority, self._push_counted, job, prefilled)
 
     def _push_counted(self, job: PrefillJob, prefilled) -> None:
@@ -421,7 +420,7 @@ class PrefillLoop:
             self._push(job, prefilled)
         finally:
             with self._lock:
-                self._unpushed -= prefilled.kv.nbytes
+                self._unpushed -= prefilled.kv_bytes
             self._pushed.set()
 
     def _push(self, job: PrefillJob, prefilled) -> None:
@@ -453,9 +452,8 @@ class PrefillLoop:
         try:
             if job.cancelled:
                 raise RequestError("cancelled")
-            kv = prefilled.kv
-            if job.kv_skip_tokens:  # the decode worker has the first ones: only the rest travels
-                kv = SequenceKV(kv.data[:, :, :, job.kv_skip_tokens:].contiguous())
+            # The decode worker may hold the first tokens (kv_skip_tokens): only the rest travels.
+            kv = prefilled.whole_kv(job.kv_skip_tokens)
             transport = self._pusher.push(
                 job.decode_target, lambda: self._channel(job.decode_target), job.request.request_id, self.fingerprint,
                 kv, meta.SerializeToString(), chunk_bytes=self.settings.kv_chunk_bytes,

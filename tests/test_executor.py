@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from baton.local import LocalEngine
 from baton.decode_worker.core import DecodeConfig
-from baton.engine import threads
+from baton.engine import attention, threads
 from baton.engine.batch_kv import BatchKV
 from baton.engine.cpu import kernels as cpu_kernels
 from baton.engine.executors import make_runner
@@ -159,6 +159,25 @@ def test_cpu_decode_attention_equals_masked_sdpa_over_the_batch_window():
                                               enable_gqa=True)[:, :, 0]
     got = cpu_kernels.decode_attention(query, keys, values, starts, 0.125)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_prefill_over_a_shared_prefix_equals_masked_sdpa_over_copies_of_it(dtype, tol):
+    """A group's prompts attend to one prefix tensor and their own tokens, merged by LSE: the same
+    as each prompt holding a copy of the prefix (what the engine did before)."""
+    torch.manual_seed(1)
+    prompts, heads, kv_heads, dim, new, cached = 3, 9, 3, 64, 17, 40
+    query = torch.randn(prompts, new, heads, dim).to(dtype).transpose(1, 2)  # [B, Hq, T, D], as the engine's
+    keys, values = torch.randn(2, prompts, kv_heads, new, dim).to(dtype)
+    prefix_k, prefix_v = torch.randn(2, kv_heads, cached, dim).to(dtype)
+    whole_k = torch.cat([prefix_k[None].expand(prompts, -1, -1, -1), keys], dim=2)
+    whole_v = torch.cat([prefix_v[None].expand(prompts, -1, -1, -1), values], dim=2)
+    mask = torch.arange(cached + new)[None, :] <= torch.arange(new)[:, None] + cached
+    expected = F.scaled_dot_product_attention(query.float(), whole_k.float(), whole_v.float(), attn_mask=mask,
+                                              scale=0.125, enable_gqa=True).transpose(1, 2)
+    got = attention.prefill_continued(query, keys, values, prefix_k, prefix_v, "torch", 0.125)
+    assert got.dtype == dtype and got.shape == (prompts, new, heads, dim)
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
 
 
 def test_layouts_and_auto_dtype_follow_what_this_cpu_can_do():

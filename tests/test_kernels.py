@@ -241,6 +241,24 @@ def test_prefill_varlen_batch():
     assert_matches(out, prefill_attention_varlen_ref(q, k, v, cu_q, cu_k, 0.125), torch.float32)
 
 
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_varlen_over_a_shared_prefix(dtype):
+    """A BatchLLM group's member prompts, each with its own new tokens (one also over cached
+    columns of its own), all continuing one prefix passed once: the same as each copying it."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [(10, 10), (1, 1), (33, 33), (7, 20)]  # (new tokens, own columns)
+    cu_q = torch.tensor([0] + [a for a, _ in lens]).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + [b for _, b in lens]).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]), 6, 64, generator=gen).to(dtype).to(DEVICE)
+    k, v = torch.randn(2, 2, int(cu_k[-1]), 64, generator=gen).to(dtype).to(DEVICE)
+    shared_k, shared_v = torch.randn(2, 2, 45, 64, generator=gen).to(dtype).to(DEVICE)
+    out = prefill_attention_varlen(q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), 0.125, 33, shared_k, shared_v)
+    assert_matches(out, prefill_attention_varlen_ref(q, k, v, cu_q, cu_k, 0.125, shared_k, shared_v), dtype)
+    with pytest.raises(ValueError, match="shared"):
+        prefill_attention_varlen(q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), 0.125, 33, shared_k, None)
+
+
 # -- prefix-shared decode -------------------------------------------------------------------
 
 def shared_prefix(groups: int, kv_heads: int, max_len: int, head_dim: int, dtype, lens: list[int], gen):

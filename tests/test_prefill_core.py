@@ -33,8 +33,8 @@ def test_a_pinned_group_prefills_in_one_forward_with_the_first_tokens_of_a_cold_
     cold = PrefillCore(make_runner(tiny_model), prefix_cache_bytes=0)
     prompts = [PREFIX + s for s in SUFFIXES]
     params = SamplingParams(max_tokens=4)
-    expected = [p.first_token for p in cold.prefill([GenerationRequest(f"c{i}", p, params)
-                                                     for i, p in enumerate(prompts)])]
+    cold_done = cold.prefill([GenerationRequest(f"c{i}", p, params) for i, p in enumerate(prompts)])
+    expected = [p.first_token for p in cold_done]
 
     core = PrefillCore(make_runner(tiny_model))
     held, computed = core.pin("group", PREFIX)
@@ -48,8 +48,13 @@ def test_a_pinned_group_prefills_in_one_forward_with_the_first_tokens_of_a_cold_
     assert core.runner.prompt_tokens_forwarded - before == sum(map(len, SUFFIXES))
     assert [p.cached_tokens for p in got] == [len(PREFIX)] * len(prompts)
     assert [p.first_token for p in got] == expected
-    for p, prompt in zip(got, prompts):
-        assert p.kv.num_tokens == len(prompt)
+    # The members reference one prefix tensor and hold only their own tokens' KV: none copies it
+    assert len({p.shared_prefix.data.data_ptr() for p in got}) == 1
+    assert [p.kv.num_tokens for p in got] == list(map(len, SUFFIXES))
+    for p, c, prompt in zip(got, cold_done, prompts):
+        assert p.whole_kv().num_tokens == len(prompt)
+        torch.testing.assert_close(p.whole_kv().data, c.kv.data, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(p.whole_kv(len(PREFIX)).data, p.kv.data, rtol=0, atol=0)
     assert core.unpin("group")
 
 
@@ -115,8 +120,8 @@ def test_chunked_prefill_gives_the_kv_and_first_token_of_one_forward(tiny_model,
             steps.append(chunked.done)
         expected_chunks = -(-(len(prompt) - cached) // budget)
         assert chunked.chunks == expected_chunks and len(steps) == expected_chunks - 1  # progress every chunk
-        assert done.kv.num_tokens == len(prompt) and done.cached_tokens == cached
-        torch.testing.assert_close(done.kv.data, whole.kv.data, rtol=1e-4, atol=1e-5)
+        assert done.whole_kv().num_tokens == len(prompt) and done.cached_tokens == cached
+        torch.testing.assert_close(done.whole_kv().data, whole.whole_kv().data, rtol=1e-4, atol=1e-5)
         assert done.first_token == whole.first_token
         assert abs(done.first_logprob.logprob - whole.first_logprob.logprob) < 1e-4
         assert core.cache.match(core.hasher.hash_prompt(prompt)) == len(prompt) // core.block_size  # cached after
@@ -137,7 +142,7 @@ def test_a_chunked_prompt_s_blocks_are_cached_chunk_by_chunk(tiny_model):
     alone = PrefillCore(make_runner(tiny_model), prefix_cache_bytes=0).prefill(
         [GenerationRequest("alone", other, params)])[0]
     assert shared.cached_tokens == 64
-    torch.testing.assert_close(shared.kv.data, alone.kv.data, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(shared.whole_kv().data, alone.whole_kv().data, rtol=1e-4, atol=1e-5)
     while core.advance(chunked, 70) is None:
         pass
     assert core.cache.match(hashes) == len(prompt) // core.block_size

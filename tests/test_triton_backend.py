@@ -13,16 +13,20 @@ SCRIPT = textwrap.dedent("""
     from baton.sampling import SamplingParams
 
     model = load_model("tiny-random", dtype="float32")
-    document = list(range(1000, 1080))  # rows continuing it share its KV: the fused prefix-shared kernel
+    # rows continuing it share its KV (the fused prefix-shared decode kernel), and prefill over its
+    # cached blocks (the prefill kernel with a shared prefix)
+    document = list(range(1000, 1080))
     prompts = [[5, 6, 7], list(range(100, 140)), [9], list(range(300, 317)), document + [7, 8], document + [9],
                document + [4, 5, 6]]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     result = {}
     for backend in ("torch", "triton"):
-        engine = LocalEngine(model, DecodeConfig(max_rows=2), attention_backend=backend)
+        engine = LocalEngine(model, DecodeConfig(max_rows=2), attention_backend=backend, prefix_cache_bytes=1 << 24)
+        engine.generate([document + [3]], params)  # caches the document's blocks
         result[backend] = [o.token_ids for o in engine.generate(prompts, params)]
         result[backend + "_backend"] = engine.runner.backend
         result[backend + "_sharing"] = engine.decode.batch.rows_sharing
+        result[backend + "_cached"] = engine.prefill.cached_tokens_total  # prefills continuing a prefix
     print(json.dumps(result))
 """)
 
@@ -35,3 +39,4 @@ def test_triton_backend_matches_torch_backend():
     assert result["torch_backend"] == "torch" and result["triton_backend"] == "triton"
     assert result["triton"] == result["torch"]
     assert result["triton_sharing"] >= 2 and result["torch_sharing"] >= 2
+    assert result["triton_cached"] >= 64 and result["torch_cached"] >= 64  # the shared-prefix prefill kernel ran

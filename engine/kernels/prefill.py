@@ -6,6 +6,10 @@ Packed layout, as in flash-attn's varlen API: sequence s owns query rows
 `prefix_len = len_k - len_q` columns; new token j sees columns [0, prefix_len + j] (causal
 mask aligned to the bottom-right), so prefix reuse and chunked prefill are the same call.
 
+A batch of prompts continuing one shared prefix (a BatchLLM group) passes it once as
+`shared_k`/`shared_v`: every query sees all of it before its own sequence's columns, in the same
+online softmax, so no prompt needs its own copy of the prefix.
+
 Grid: (query block, sequence, query head). Prefill is compute bound, so one head per program
 keeps the tile large; the GQA siblings read the same K/V tiles shortly after, from L2.
 The loop stops at the block's last visible column, so work above the diagonal is skipped.
@@ -23,10 +27,11 @@ BLOCK_N = 32
 
 
 @triton.jit
-def _prefill_kernel(Q, K, V, Out, CuQ, CuK, qk_scale,
-                    stride_qt, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt, stride_ot, stride_oh,
+def _prefill_kernel(Q, K, V, SK, SV, Out, CuQ, CuK, shared_len, qk_scale,
+                    stride_qt, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt, stride_skh, stride_skt,
+                    stride_svh, stride_svt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+                    BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, SHARED: tl.constexpr):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -51,6 +56,11 @@ def _prefill_kernel(Q, K, V, Out, CuQ, CuK, qk_scale,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     kv_head = head // GROUP
+    if SHARED:  # the group's prefix, seen in full by every query (a block past the queries skips it)
+        shared_hi = tl.where(m_block * BLOCK_M < num_q, shared_len, 0)
+        acc, m_i, l_i = attend_range(acc, m_i, l_i, q, SK + kv_head * stride_skh, SV + kv_head * stride_svh,
+                                     stride_skt, stride_svt, 0, shared_hi, q_pos, offs_d, d_mask, qk_scale,
+                                     BLOCK_N=BLOCK_N, CAUSAL=False, UPCAST=UPCAST)
     k_base = K + kv_head * stride_kh + k_begin.to(tl.int64) * stride_kt
     v_base = V + kv_head * stride_vh + k_begin.to(tl.int64) * stride_vt
     acc, m_i, l_i = attend_range(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, 0, hi, q_pos,
@@ -60,19 +70,29 @@ def _prefill_kernel(Q, K, V, Out, CuQ, CuK, qk_scale,
 
 
 def prefill_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                             cu_seqlens_k: torch.Tensor, scale: float | None, max_seqlen_q: int) -> torch.Tensor:
+                             cu_seqlens_k: torch.Tensor, scale: float | None, max_seqlen_q: int,
+                             shared_k: torch.Tensor | None = None, shared_v: torch.Tensor | None = None) -> torch.Tensor:
     """q: [total_q, H, D]; k, v: [Hkv, total_k, D]; cu_seqlens_*: int [num_seqs + 1], each
     sequence needing len_k >= len_q (not checked on the device: that would cost a sync).
+    shared_k, shared_v: [Hkv, P, D], a prefix every sequence continues, held once.
     scale: None means head_dim ** -0.5. Returns [total_q, H, D] in q's dtype."""
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[0]
     if k.shape != v.shape or k.shape[2] != head_dim:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if (shared_k is None) != (shared_v is None):
+        raise ValueError("a shared prefix needs both shared_k and shared_v")
+    shared = shared_k is not None
+    if shared and (shared_k.shape != shared_v.shape or shared_k.shape[0] != num_kv_heads
+                   or shared_k.shape[2] != head_dim):
+        raise ValueError(f"shared prefix shape mismatch: k {tuple(k.shape)}, shared_k {tuple(shared_k.shape)}, "
+                         f"shared_v {tuple(shared_v.shape)}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must both be [num_seqs + 1]")
-    interpreted = check_launchable(_prefill_kernel, q, k, v)
+    interpreted = check_launchable(_prefill_kernel, q, k, v, *((shared_k, shared_v) if shared else ()))
+    sk, sv = (shared_k, shared_v) if shared else (k, v)  # not read without SHARED
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     num_seqs = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or num_seqs == 0 or max_seqlen_q == 0:
@@ -82,10 +102,11 @@ def prefill_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
     grid = (triton.cdiv(max_seqlen_q, BLOCK_M), num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, k, v, out, cu_q, cu_k, scale * LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        q, k, v, sk, sv, out, cu_q, cu_k, sk.shape[1] if shared else 0, scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), sk.stride(0), sk.stride(1),
+        sv.stride(0), sv.stride(1), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_D=block_d(head_dim), UPCAST=needs_upcast(interpreted, q, k), num_warps=4)
+        BLOCK_D=block_d(head_dim), UPCAST=needs_upcast(interpreted, q, k), SHARED=shared, num_warps=4)
     return out
 
 

@@ -42,14 +42,19 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre
 
 
 def prefill_attention_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                 cu_seqlens_k: torch.Tensor, scale: float) -> torch.Tensor:
-    """Packed batch: sequence s owns q rows cu_q[s]:cu_q[s+1] and k/v columns cu_k[s]:cu_k[s+1]."""
+                                 cu_seqlens_k: torch.Tensor, scale: float, shared_k: torch.Tensor | None = None,
+                                 shared_v: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed batch: sequence s owns q rows cu_q[s]:cu_q[s+1] and k/v columns cu_k[s]:cu_k[s+1],
+    after the shared prefix shared_k/shared_v [Hkv, P, D] if given (copied here, as the kernel does not)."""
     out = torch.empty_like(q)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for s in range(len(cu_q) - 1):
         q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
-        prefix_len = (k1 - k0) - (q1 - q0)
-        out[q0:q1] = prefill_attention_ref(q[q0:q1], k[:, k0:k1], v[:, k0:k1], prefix_len, scale)
+        keys, values = k[:, k0:k1], v[:, k0:k1]
+        if shared_k is not None:
+            keys, values = torch.cat([shared_k, keys], dim=1), torch.cat([shared_v, values], dim=1)
+        prefix_len = keys.shape[1] - (q1 - q0)
+        out[q0:q1] = prefill_attention_ref(q[q0:q1], keys, values, prefix_len, scale)
     return out
 
 
