@@ -137,7 +137,7 @@ def test_a_triton_kernel_that_cannot_run_falls_back_to_torch_with_a_warning(tiny
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
 def test_small_row_gemm_equals_f_linear(rows):
     torch.manual_seed(rows)
-    weight, bias = torch.randn(1001, 577) * 0.05, torch.randn(1001)  # N and K not multiples of 8
+    weight, bias = torch.randn(1001, 577) * 0.05, torch.randn(1001)  # N and K not multiples of the panel width (16)
     x = torch.randn(rows, 577)
     got = Linear(weight, bias, layout="panels")(x)
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)

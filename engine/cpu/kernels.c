@@ -3,10 +3,13 @@
  * baton_small_gemm: y = x @ W^T for the few rows of a decode step, reading each weight once at
  * memory speed.
  *
- * The weight is packed in panels of 8 output features, k-major: packed[p][k][j] = W[8p + j][k]
+ * The weight is packed in panels of 16 output features, k-major: packed[p][k][j] = W[16p + j][k]
  * (zero-padded past N), so one panel is a contiguous stream that a core reads front to back
- * while up to 8 rows accumulate in vector registers. Rows beyond 8 are taken 8 at a time while
- * the panel is still in cache. Panels are split between `threads` OpenMP threads (torch's own
+ * while up to 8 rows accumulate in vector registers, one 16-float vector per row (one AVX-512
+ * register, or two AVX2 ones: either way one weight load and one broadcast of x feed 16
+ * multiply-adds, and the 4-cycle chain of each accumulator covers 64 bytes of weights, so a few
+ * rows stream them at memory speed). Rows beyond 8 are taken 8 at a time while the panel is
+ * still in cache. Panels are split between `threads` OpenMP threads (torch's own
  * runtime: libgomp is resolved by soname; the caller passes torch's thread count, since the
  * calling thread's own OpenMP setting may not be torch's).
  * Sums run over k in order with fused multiply-adds: results differ from another GEMM's by
@@ -17,19 +20,21 @@
 #include <string.h>
 
 typedef float v8 __attribute__((vector_size(32)));
+#define PANEL 16
+typedef float vpanel __attribute__((vector_size(PANEL * sizeof(float))));
 
 #define PANEL_KERNEL(M)                                                                       \
   static void panel_##M(const float *xt, int64_t rows, const float *w, int64_t K, float *out, \
                         int64_t N, int64_t col) {                                             \
-    v8 acc[M];                                                                                \
-    for (int m = 0; m < M; ++m) acc[m] = (v8){0, 0, 0, 0, 0, 0, 0, 0};                        \
+    vpanel acc[M];                                                                            \
+    for (int m = 0; m < M; ++m) acc[m] = (vpanel){0};                                         \
     for (int64_t k = 0; k < K; ++k) {                                                         \
-      v8 wv;                                                                                  \
-      memcpy(&wv, w + k * 8, sizeof(v8));                                                     \
+      vpanel wv;                                                                              \
+      memcpy(&wv, w + k * PANEL, sizeof(vpanel));                                             \
       const float *xk = xt + k * rows;                                                        \
       for (int m = 0; m < M; ++m) acc[m] += xk[m] * wv;                                       \
     }                                                                                         \
-    int64_t width = N - col < 8 ? N - col : 8;                                                \
+    int64_t width = N - col < PANEL ? N - col : PANEL;                                        \
     for (int m = 0; m < M; ++m) memcpy(out + m * N + col, &acc[m], width * sizeof(float));   \
   }
 
@@ -45,7 +50,7 @@ PANEL_KERNEL(8)
 typedef void (*panel_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int64_t);
 static const panel_fn PANELS[9] = {0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6, panel_7, panel_8};
 
-/* x: [M, K] row-major; packed: [ceil(N / 8), K, 8]; out: [M, N]. Returns 0, or -1 when out of memory. */
+/* x: [M, K] row-major; packed: [ceil(N / PANEL), K, PANEL]; out: [M, N]. Returns 0, or -1 when out of memory. */
 int baton_small_gemm(const float *x, const float *packed, float *out, int64_t M, int64_t K, int64_t N, int threads) {
   /* x transposed, 8 rows at a time: the rows of one k side by side in one cache line */
   float *xt = malloc(sizeof(float) * M * K);
@@ -55,12 +60,12 @@ int baton_small_gemm(const float *x, const float *packed, float *out, int64_t M,
     for (int64_t k = 0; k < K; ++k)
       for (int64_t m = 0; m < rows; ++m) xt[m0 * K + k * rows + m] = x[(m0 + m) * K + k];
   }
-  int64_t panels = (N + 7) / 8;
+  int64_t panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < panels; ++p) {
     for (int64_t m0 = 0; m0 < M; m0 += 8) {
       int64_t rows = M - m0 < 8 ? M - m0 : 8;
-      PANELS[rows](xt + m0 * K, rows, packed + p * K * 8, K, out + m0 * N, N, p * 8);
+      PANELS[rows](xt + m0 * K, rows, packed + p * K * PANEL, K, out + m0 * N, N, p * PANEL);
     }
   }
   free(xt);

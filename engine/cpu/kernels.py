@@ -35,13 +35,16 @@ def available() -> bool:
     return _library() is not None
 
 
+PANEL = 16  # output features per panel: kernels.c's PANEL
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> panels [ceil(N / 8), K, 8] of 8 output features, k-major, zero-padded."""
+    """[N, K] -> panels [ceil(N / PANEL), K, PANEL] of PANEL output features, k-major, zero-padded."""
     n, k = weight.shape
-    panels = (n + 7) // 8
-    padded = torch.zeros(panels * 8, k, dtype=torch.float32)
+    panels = (n + PANEL - 1) // PANEL
+    padded = torch.zeros(panels * PANEL, k, dtype=torch.float32)
     padded[:n] = weight
-    return padded.view(panels, 8, k).transpose(1, 2).contiguous()
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
 def small_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
