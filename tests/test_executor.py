@@ -161,6 +161,31 @@ def test_cpu_decode_attention_equals_masked_sdpa_over_the_batch_window():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for Baton's CPU kernels")
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 128), (10, 2, 80), (6, 6, 64), (16, 2, 64)])
+def test_cpu_decode_attention_and_its_lse_for_every_head_layout(heads, kv_heads, dim):
+    """head_dim 64 and 128 run in registers (groups of up to 4 query heads at a time), any other
+    head_dim in plain loops; each gives SDPA's result and the log-sum-exp of the scaled scores."""
+    torch.manual_seed(heads * dim)
+    rows, window = 3, 203  # a window that is not a multiple of 16: the softmax's last lanes
+    buffer = torch.randn(2, 2, 4, kv_heads, 256, dim) * 2
+    keys, values = buffer[1, 0, :rows, :, 20:20 + window], buffer[1, 1, :rows, :, 20:20 + window]
+    query = torch.randn(rows, heads, dim)
+    starts = torch.tensor([0, 37, window])  # the last row has nothing to attend to
+    lse = torch.empty(rows, heads)
+    got = cpu_kernels.decode_attention(query, keys, values, starts, dim ** -0.5, lse=lse)
+    group = heads // kv_heads
+    for r, start in enumerate(starts.tolist()):
+        k = keys[r, :, start:].repeat_interleave(group, dim=0)  # [H, n, D]
+        v = values[r, :, start:].repeat_interleave(group, dim=0)
+        if start == window:
+            assert torch.all(got[r] == 0) and torch.all(lse[r] == float("-inf"))
+            continue
+        scores = torch.einsum("hd,hnd->hn", query[r], k) * dim ** -0.5
+        torch.testing.assert_close(got[r], torch.einsum("hn,hnd->hd", scores.softmax(-1), v), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[r], scores.logsumexp(-1), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_prefill_over_a_shared_prefix_equals_masked_sdpa_over_copies_of_it(dtype, tol):
     """A group's prompts attend to one prefix tensor and their own tokens, merged by LSE: the same
