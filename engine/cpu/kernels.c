@@ -21,6 +21,7 @@
 
 typedef float v8 __attribute__((vector_size(32)));
 #define PANEL 16
+#define GEMM_PREFETCH 192 /* k steps (cache lines of a panel) ahead, 12 KiB: prefetchers stop at page ends */
 typedef float vpanel __attribute__((vector_size(PANEL * sizeof(float))));
 
 #define PANEL_KERNEL(M)                                                                       \
@@ -30,6 +31,7 @@ typedef float vpanel __attribute__((vector_size(PANEL * sizeof(float))));
     for (int m = 0; m < M; ++m) acc[m] = (vpanel){0};                                         \
     for (int64_t k = 0; k < K; ++k) {                                                         \
       vpanel wv;                                                                              \
+      __builtin_prefetch(w + (k + GEMM_PREFETCH) * PANEL);                                    \
       memcpy(&wv, w + k * PANEL, sizeof(vpanel));                                             \
       const float *xk = xt + k * rows;                                                        \
       for (int m = 0; m < M; ++m) acc[m] += xk[m] * wv;                                       \
