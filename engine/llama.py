@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from baton.engine import attention
 from baton.engine.attention import DecodeAttention, PrefillAttention, SharedPrefix
 from baton.engine.batch_kv import BatchKV
+from baton.engine.cpu import kernels as cpu_kernels
 from baton.engine.kv import PrefillOutput, SequenceKV
 from baton.engine.linear import Linear, best_layout
 from baton.engine.model import LoadedModel
@@ -140,6 +141,8 @@ class LlamaRunner:
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
+            if self.layout == "panels":  # Baton's C kernels are built here: one call, not torch's six
+                return cpu_kernels.rms_norm(x, weight, self.eps)
             return F.rms_norm(x, weight.shape, weight, self.eps)
         # transformers normalises in fp32 and casts back before the weight multiplies
         return weight * F.rms_norm(x.float(), weight.shape, None, self.eps).to(x.dtype)

@@ -186,6 +186,15 @@ def test_cpu_decode_attention_and_its_lse_for_every_head_layout(heads, kv_heads,
         torch.testing.assert_close(lse[r], scores.logsumexp(-1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for Baton's CPU kernels")
+@pytest.mark.parametrize("rows,width", [(4, 576), (1, 100), (70, 64)])  # a tail past 16 lanes; rows in threads
+def test_cpu_rms_norm_equals_torch(rows, width):
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, width) * 3, torch.randn(width)
+    got = cpu_kernels.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got, F.rms_norm(x, (width,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_prefill_over_a_shared_prefix_equals_masked_sdpa_over_copies_of_it(dtype, tol):
     """A group's prompts attend to one prefix tensor and their own tokens, merged by LSE: the same

@@ -164,9 +164,10 @@ static float softmax(float *s, int64_t n) {
   return top + __builtin_logf(total);
 }
 
-/* Hardware prefetchers stop at page boundaries: the window's keys and values are asked for this
- * many tokens ahead (past the window's end this only touches cache lines, it reads nothing). */
-#define PREFETCH_TOKENS 16
+/* Hardware prefetchers stop at page boundaries: every cache line of the window's keys and values
+ * is asked for this many tokens (8 KiB at head_dim 64) ahead. Past the window's end a prefetch
+ * may fetch lines that go unused; it never faults. */
+#define PREFETCH_TOKENS 32
 
 /* One (row, KV head) whose head_dim is NV x 16 floats: the group's queries and each key, and
  * each head's output, live in vector registers; every key and value is read once for the group. */
@@ -181,7 +182,7 @@ static float softmax(float *s, int64_t n) {
         for (int j = 0; j < NV; ++j) memcpy(&qv[g][j], qg + (g0 + g) * NV * 16 + 16 * j, 64);    \
       for (int64_t t = 0; t < n; ++t) {                                                           \
         const float *k = kb + t * ts;                                                             \
-        for (int j = 0; j < NV; j += 4) __builtin_prefetch(k + PREFETCH_TOKENS * ts + 16 * j);    \
+        for (int j = 0; j < NV; ++j) __builtin_prefetch(k + PREFETCH_TOKENS * ts + 16 * j);    \
         v16 kv[NV];                                                                               \
         for (int j = 0; j < NV; ++j) memcpy(&kv[j], k + 16 * j, 64);                              \
         for (int64_t g = 0; g < heads; ++g) {                                                     \
@@ -192,22 +193,24 @@ static float softmax(float *s, int64_t n) {
       }                                                                                           \
     }                                                                                             \
     for (int64_t g = 0; g < group; ++g) {                                                         \
-      float *p = scores + g * n;                                                                  \
-      const float l = softmax(p, n);                                                              \
+      const float l = softmax(scores + g * n, n);                                                 \
       if (lse) lse[g] = l;                                                                        \
-      v16 o[NV];                                                                                  \
-      for (int j = 0; j < NV; ++j) o[j] = (v16){0};                                               \
+    }                                                                                             \
+    for (int64_t g0 = 0; g0 < group; g0 += 4) { /* each value once for four heads' outputs */    \
+      const int64_t heads = group - g0 < 4 ? group - g0 : 4;                                      \
+      const float *p = scores + g0 * n;                                                           \
+      v16 o[4][NV];                                                                               \
+      for (int64_t g = 0; g < heads; ++g)                                                         \
+        for (int j = 0; j < NV; ++j) o[g][j] = (v16){0};                                          \
       for (int64_t t = 0; t < n; ++t) {                                                           \
         const float *v = vb + t * ts;                                                             \
-        if (g == 0)                                                                               \
-          for (int j = 0; j < NV; j += 4) __builtin_prefetch(v + PREFETCH_TOKENS * ts + 16 * j);  \
-        for (int j = 0; j < NV; ++j) {                                                            \
-          v16 vv;                                                                                 \
-          memcpy(&vv, v + 16 * j, 64);                                                            \
-          o[j] += p[t] * vv;                                                                      \
-        }                                                                                         \
+        for (int j = 0; j < NV; ++j) __builtin_prefetch(v + PREFETCH_TOKENS * ts + 16 * j);    \
+        v16 vv[NV];                                                                               \
+        for (int j = 0; j < NV; ++j) memcpy(&vv[j], v + 16 * j, 64);                              \
+        for (int64_t g = 0; g < heads; ++g)                                                       \
+          for (int j = 0; j < NV; ++j) o[g][j] += p[g * n + t] * vv[j];                           \
       }                                                                                           \
-      memcpy(og + g * NV * 16, o, sizeof(o));                                                     \
+      for (int64_t g = 0; g < heads; ++g) memcpy(og + (g0 + g) * NV * 16, o[g], sizeof(o[g]));    \
     }                                                                                             \
   }
 
@@ -262,4 +265,25 @@ int baton_decode_attention(const float *q, const float *keys, const float *value
     free(scores);
   }
   return failed ? -1 : 0;
+}
+
+/* RMSNorm of each row, as transformers computes it in fp32: y = w * (x / sqrt(mean(x^2) + eps)).
+ * x, y: [R, N] contiguous (y may be x); w: [N]. */
+void baton_rms_norm(const float *x, const float *w, float *y, int64_t R, int64_t N, float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (R >= 64)
+  for (int64_t r = 0; r < R; ++r) {
+    const float *xr = x + r * N;
+    float *yr = y + r * N;
+    v16 acc = {0};
+    int64_t i = 0;
+    for (; i + 16 <= N; i += 16) {
+      v16 v;
+      memcpy(&v, xr + i, sizeof(v16));
+      acc += v * v;
+    }
+    float sum = hsum16(acc);
+    for (; i < N; ++i) sum += xr[i] * xr[i];
+    const float inv = 1.0f / __builtin_sqrtf(sum / (float)N + eps);
+    for (i = 0; i < N; ++i) yr[i] = w[i] * (xr[i] * inv);
+  }
 }

@@ -1,5 +1,5 @@
 """Baton's CPU kernels for the decode step (kernels.c), built once per machine, called via ctypes:
-the few-row GEMM over panel-packed weights, and attention over the BATON window.
+the few-row GEMM over panel-packed weights, attention over the BATON window, and RMSNorm.
 
 Built on first use with the machine's C compiler (`cc`, or $CC) for this very CPU
 (-march=native) into Baton's cache directory, keyed by the source, the flags and the CPU, so
@@ -77,6 +77,16 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return out
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., N] float32 -> RMSNorm(x) * weight, as transformers computes it in fp32."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    _library().baton_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n,
+                              ctypes.c_float(eps), torch.get_num_threads())
+    return out
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get(DISABLE_ENV, "1") == "0":
@@ -99,6 +109,8 @@ def _library() -> ctypes.CDLL | None:
     lib.baton_small_gemm.restype = ctypes.c_int
     lib.baton_decode_attention.argtypes = [pointer] * 6 + [size] * 8 + [ctypes.c_float, ctypes.c_int]
     lib.baton_decode_attention.restype = ctypes.c_int
+    lib.baton_rms_norm.argtypes = [pointer] * 3 + [size] * 2 + [ctypes.c_float, ctypes.c_int]
+    lib.baton_rms_norm.restype = None
     return lib
 
 
