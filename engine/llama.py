@@ -159,8 +159,11 @@ class LlamaRunner:
         """x: [N, hidden] -> q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D], rotary applied."""
         n, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = layer.qkv(x).view(n, hq + 2 * hkv, d)
-        qk, v = qkv[:, :hq + hkv], qkv[:, hq + hkv:]
         cos, signed_sin = rotary
+        if self.layout == "panels" and qkv.is_contiguous():  # in place, one C call
+            cpu_kernels.rotary(qkv, hq + hkv, cos, signed_sin)
+            return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+        qk, v = qkv[:, :hq + hkv], qkv[:, hq + hkv:]
         qk = qk * cos + qk.roll(d // 2, dims=-1) * signed_sin
         return qk[:, :hq], qk[:, hq:], v
 

@@ -195,6 +195,24 @@ def test_cpu_rms_norm_equals_torch(rows, width):
     torch.testing.assert_close(got, F.rms_norm(x, (width,), weight, 1e-5), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for Baton's CPU kernels")
+@pytest.mark.parametrize("tokens", [3, 70])  # 70: rows in threads
+def test_cpu_rotary_rotates_query_and_key_heads_in_place_and_leaves_values(tokens):
+    torch.manual_seed(tokens)
+    heads, kv_heads, dim = 9, 3, 64
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim)
+    angles = torch.rand(tokens, dim // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [N, D], as HF builds them
+    rotate_half = lambda x: torch.cat([-x[..., dim // 2:], x[..., :dim // 2]], -1)
+    expected = qkv[:, :heads + kv_heads] * cos[:, None] + rotate_half(qkv[:, :heads + kv_heads]) * sin[:, None]
+    values = qkv[:, heads + kv_heads:].clone()
+    signed_sin = sin.clone()
+    signed_sin[:, :dim // 2].neg_()
+    cpu_kernels.rotary(qkv, heads + kv_heads, cos, signed_sin)
+    torch.testing.assert_close(qkv[:, :heads + kv_heads], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, heads + kv_heads:], values)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_prefill_over_a_shared_prefix_equals_masked_sdpa_over_copies_of_it(dtype, tol):
     """A group's prompts attend to one prefix tensor and their own tokens, merged by LSE: the same

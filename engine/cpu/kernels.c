@@ -287,3 +287,23 @@ void baton_rms_norm(const float *x, const float *w, float *y, int64_t R, int64_t
     for (i = 0; i < N; ++i) yr[i] = w[i] * (xr[i] * inv);
   }
 }
+
+/* Rotary embedding in place on the first H heads of each row of x ([N, rows of row_stride
+ * floats, heads of D]): x = x * cos + roll(x, D/2) * signed_sin, with cos and signed_sin [N, D]
+ * (sin with its first half negated: rotate_half(x) * sin in one product). */
+void baton_rotary(float *x, int64_t N, int64_t H, int64_t D, int64_t row_stride, const float *cos,
+                  const float *signed_sin, int threads) {
+  const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (N >= 64)
+  for (int64_t n = 0; n < N; ++n) {
+    const float *c = cos + n * D, *s = signed_sin + n * D;
+    for (int64_t h = 0; h < H; ++h) {
+      float *xh = x + n * row_stride + h * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = xh[i], b = xh[i + half];
+        xh[i] = a * c[i] + b * s[i];
+        xh[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}

@@ -1,5 +1,5 @@
 """Baton's CPU kernels for the decode step (kernels.c), built once per machine, called via ctypes:
-the few-row GEMM over panel-packed weights, attention over the BATON window, and RMSNorm.
+the few-row GEMM over panel-packed weights, attention over the BATON window, RMSNorm and rotary embedding.
 
 Built on first use with the machine's C compiler (`cc`, or $CC) for this very CPU
 (-march=native) into Baton's cache directory, keyed by the source, the flags and the CPU, so
@@ -87,6 +87,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def rotary(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """In place on the first `heads` heads of x [N, H, D] (rows contiguous): x = x * cos +
+    roll(x, D/2) * signed_sin, with cos and signed_sin holding [N, D] contiguously."""
+    n, _, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d or cos.numel() != n * d or signed_sin.numel() != n * d:
+        raise ValueError(f"rotary needs contiguous heads and [{n}, {d}] tables")
+    _library().baton_rotary(x.data_ptr(), n, heads, d, x.stride(0), cos.contiguous().data_ptr(),
+                            signed_sin.contiguous().data_ptr(), torch.get_num_threads())
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get(DISABLE_ENV, "1") == "0":
@@ -111,6 +121,8 @@ def _library() -> ctypes.CDLL | None:
     lib.baton_decode_attention.restype = ctypes.c_int
     lib.baton_rms_norm.argtypes = [pointer] * 3 + [size] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.baton_rms_norm.restype = None
+    lib.baton_rotary.argtypes = [pointer] + [size] * 4 + [pointer] * 2 + [ctypes.c_int]
+    lib.baton_rotary.restype = None
     return lib
 
 
