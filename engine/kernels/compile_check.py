@@ -25,14 +25,16 @@ def _signature(kernel, pointers: dict[str, str], constexprs: dict[str, object]) 
 
 
 def _specs(dtype: str, upcast: bool):
-    kv = {name: f"*{dtype}" for name in ("Q", "K", "V", "PK", "PV")}
+    kv = {name: f"*{dtype}" for name in ("Q", "K", "V", "PK", "PV", "SK", "SV")}
     idx = {name: "*i32" for name in ("Starts", "CuQ", "CuK", "PrefixLens", "RowPtr", "GroupRows")}
     mid = {"Out": "*fp32", "Lse": "*fp32"}
     yield "decode", decode._decode_split_kernel, {**kv, **idx, **mid}, dict(
         GROUP=3, HEAD_DIM=64, BLOCK_G=16, BLOCK_D=64, BLOCK_N=decode.BLOCK_N, WRITE_LSE=True,
         UPCAST=upcast)
-    yield "prefill", prefill._prefill_kernel, {**kv, **idx, "Out": f"*{dtype}"}, dict(
-        GROUP=8, HEAD_DIM=128, BLOCK_M=prefill.BLOCK_M, BLOCK_N=prefill.BLOCK_N, BLOCK_D=128, UPCAST=upcast)
+    for shared in (False, True):  # with a BatchLLM group's shared prefix, and without
+        yield "prefill" + " shared" * shared, prefill._prefill_kernel, {**kv, **idx, "Out": f"*{dtype}"}, dict(
+            GROUP=8, HEAD_DIM=128, BLOCK_M=prefill.BLOCK_M, BLOCK_N=prefill.BLOCK_N, BLOCK_D=128, UPCAST=upcast,
+            SHARED=shared)
     yield "prefix_shared", prefix_shared._prefix_shared_kernel, {**kv, **idx, **mid}, dict(
         NUM_KV_HEADS=3, GROUP=3, HEAD_DIM=64, BLOCK_M=64, BLOCK_G=16, BLOCK_D=64,
         BLOCK_N=decode.BLOCK_N, UPCAST=upcast)
