@@ -209,6 +209,9 @@ def cmd_serve(args) -> int:
     else:
         from baton.decode_worker.service import serve
     serve(settings.model, getattr(settings, args.role), settings.tls, cluster=settings.cluster)
+    from baton.lifeline import bound_exit
+
+    bound_exit(0)  # drained and stopped: a stray thread must not hold the process (and its port)
     return 0
 
 

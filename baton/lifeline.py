@@ -47,3 +47,24 @@ def _exit_when_orphaned(parent: int, poll_s: float = 0.5) -> None:
           "draining; exiting. Its threads were at:", file=sys.stderr, flush=True)
     faulthandler.dump_traceback(all_threads=True)
     os._exit(1)
+
+
+EXIT_JOIN_S = 15.0  # after an orderly stop, how long interpreter exit may wait for stray threads
+
+
+def bound_exit(status: int = 0, seconds: float = EXIT_JOIN_S) -> None:
+    """Call when a server has stopped in order and is about to return from main: interpreter
+    exit then joins every non-daemon thread, without limit, and a thread still blocked in a
+    call nothing interrupts (a socket, another pool's job) would keep the process and its port
+    alive. Past `seconds`, print where the threads are and exit with `status`."""
+    def give_up() -> None:
+        import faulthandler
+
+        print(f"baton: stopped, but exit has waited {seconds:.0f}s for threads still running; exiting. "
+              "Its threads were at:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(status)
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True  # it runs while exit joins the others, and dies with a clean exit
+    timer.start()

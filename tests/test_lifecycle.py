@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -201,3 +202,21 @@ def test_the_advertised_context_is_the_one_served_and_max_tokens_is_cut_to_it(ti
             assert result.token_ids == tiny_reference.greedy(prompt, context - len(prompt))
             with pytest.raises(BatonError, match=f"context served is {context}"):
                 client.generate(token_ids=list(range(1, context + 1)), max_tokens=1)
+
+
+def test_a_stopped_server_process_exits_even_with_a_thread_still_blocked():
+    """bound_exit: interpreter exit would join a blocked non-daemon thread forever; it gives up
+    after its bound, says where the threads were, and exits with the status it was given."""
+    script = textwrap.dedent("""
+        import threading
+        from baton.lifeline import bound_exit
+
+        threading.Thread(target=threading.Event().wait, name="stuck-handler").start()  # never set
+        bound_exit(0, seconds=0.5)
+    """)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - started < 30
+    assert "threads still running" in done.stderr and "Thread 0x" in done.stderr  # where each thread was
+
