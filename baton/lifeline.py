@@ -41,12 +41,17 @@ def _exit_when_orphaned(parent: int, poll_s: float = 0.5) -> None:
     while os.getppid() == parent:
         time.sleep(poll_s)
     time.sleep(ORPHAN_EXIT_S)
+    _exit_showing_threads(f"parent {parent} died {ORPHAN_EXIT_S:.0f}s ago and this process has not finished "
+                          "draining", 1)
+
+
+def _exit_showing_threads(why: str, status: int) -> None:
+    """Give up on a process that should have ended: say why and where its threads are, then exit."""
     import faulthandler
 
-    print(f"baton: parent {parent} died {ORPHAN_EXIT_S:.0f}s ago and this process has not finished "
-          "draining; exiting. Its threads were at:", file=sys.stderr, flush=True)
+    print(f"baton: {why}; exiting. Its threads were at:", file=sys.stderr, flush=True)
     faulthandler.dump_traceback(all_threads=True)
-    os._exit(1)
+    os._exit(status)
 
 
 EXIT_JOIN_S = 15.0  # after an orderly stop, how long interpreter exit may wait for stray threads
@@ -57,14 +62,7 @@ def bound_exit(status: int = 0, seconds: float = EXIT_JOIN_S) -> None:
     exit then joins every non-daemon thread, without limit, and a thread still blocked in a
     call nothing interrupts (a socket, another pool's job) would keep the process and its port
     alive. Past `seconds`, print where the threads are and exit with `status`."""
-    def give_up() -> None:
-        import faulthandler
-
-        print(f"baton: stopped, but exit has waited {seconds:.0f}s for threads still running; exiting. "
-              "Its threads were at:", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(all_threads=True)
-        os._exit(status)
-
-    timer = threading.Timer(seconds, give_up)
+    timer = threading.Timer(seconds, _exit_showing_threads,
+                            (f"stopped, but exit has waited {seconds:.0f}s for threads still running", status))
     timer.daemon = True  # it runs while exit joins the others, and dies with a clean exit
     timer.start()

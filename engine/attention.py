@@ -225,9 +225,7 @@ def _attention_with_lse(query, key, value, causal: bool, scale):
     """Attention and its log-sum-exp (natural log, float32): query [N, H, Tq, D]; key, value
     [N, H, Tk, D] -> [N, H, Tq, D], [N, H, Tq]. `causal` aligns the mask to the top left (Tq == Tk)."""
     if query.device.type == "cpu":  # torch's flash kernel for CPU tiles the scores and returns the LSE
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal,
-                                                                               scale=scale)
-        return out, lse
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, scale=scale)
     scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
     if causal:
         tq, tk = scores.shape[-2:]

@@ -57,14 +57,14 @@ class SequenceKV:
 
 
 def joined(prefix: SequenceKV | None, own: SequenceKV, start: int = 0) -> SequenceKV:
-    """Tokens [start:] of `prefix` followed by `own`, copying only those: a group's members
-    reference their shared prefix and pay for its copy only where one is really needed."""
+    """Tokens [start:] of `prefix` followed by `own`: a group's members reference their shared
+    prefix and pay for its copy only where one is really needed. Past the prefix this is a view
+    of `own` (whoever needs it contiguous, the wire, copies it anyway); else a new tensor."""
     cached = prefix.num_tokens if prefix is not None else 0
     if not 0 <= start <= cached + own.num_tokens:
         raise ValueError(f"start {start} is outside the {cached + own.num_tokens}-token KV")
     if start >= cached:
-        rest = own.data[:, :, :, start - cached:]
-        return own if start == cached else SequenceKV(rest.contiguous())
+        return own if start == cached else SequenceKV(own.data[:, :, :, start - cached:])
     return SequenceKV(torch.cat([prefix.data[:, :, :, start:], own.data], dim=3))
 
 

@@ -160,7 +160,7 @@ class LlamaRunner:
         n, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = layer.qkv(x).view(n, hq + 2 * hkv, d)
         cos, signed_sin = rotary
-        if self.layout == "panels" and qkv.is_contiguous():  # in place, one C call
+        if self.layout == "panels":  # in place, one C call
             cpu_kernels.rotary(qkv, hq + hkv, cos, signed_sin)
             return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
         qk, v = qkv[:, :hq + hkv], qkv[:, hq + hkv:]

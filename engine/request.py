@@ -73,11 +73,6 @@ class PrefilledRequest:
         """The prompt's KV from token `start` on."""
         return joined(self.shared_prefix, self.kv, start)
 
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes of KV this request holds of its own (a shared prefix is one tensor for the whole group)."""
-        return self.kv.nbytes
-
 
 @dataclass
 class RequestOutput:

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.block_hash import BlockHasher
-from baton.engine.kv import SequenceKV
 from baton.engine.request import GenerationRequest, PrefilledRequest
 from baton.engine.executors import Runner
-from baton.engine.kv import PrefillOutput, joined
+from baton.engine.kv import PrefillOutput, SequenceKV, joined
 from baton.engine.sampling import RequestSampler, sample, token_logprobs
 from baton.prefill_worker.prefix_cache import KVEvents, PrefixCache
 
@@ -187,12 +186,10 @@ class PrefillCore:
         b = self.block_size
         known = self.cache.match(hashes)
         # Only the new blocks need their own copy; the cache keeps them after this KV is shipped.
-        # They are usually all past the prefix the prompt continued (a cached block evicted
-        # meanwhile is the exception, and comes from that prefix).
-        cached = out.prefix.num_tokens if out.prefix is not None else 0
-        kv = out.own if known * b >= cached else out.kv
-        skip = cached if kv is out.own else 0
-        payloads = [None] * known + [kv.data[:, :, :, i * b - skip:(i + 1) * b - skip].clone()
+        # They are usually all past the prefix the prompt continued: then `new` is a view.
+        start = known * b
+        new = joined(out.prefix, out.own, start).data
+        payloads = [None] * known + [new[:, :, :, i * b - start:(i + 1) * b - start].clone()
                                      for i in range(known, len(hashes))]
         self.cache.insert(hashes, payloads)  # None when everything is locked: simply not cached
 

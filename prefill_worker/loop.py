@@ -411,8 +411,8 @@ class PrefillLoop:
         self.requests_done += len(jobs)
 
     def _send(self, job: PrefillJob, prefilled) -> None:
-        with self._lock:
-            self._unpushed += prefilled.kv_bytes
+        with self._lock:  # its own KV: a group's shared prefix is one tensor for all its members
+            self._unpushed += prefilled.kv.nbytes
         self._senders.submit(job.request.params.priority, self._push_counted, job, prefilled)
 
     def _push_counted(self, job: PrefillJob, prefilled) -> None:
@@ -420,7 +420,7 @@ class PrefillLoop:
             self._push(job, prefilled)
         finally:
             with self._lock:
-                self._unpushed -= prefilled.kv_bytes
+                self._unpushed -= prefilled.kv.nbytes
             self._pushed.set()
 
     def _push(self, job: PrefillJob, prefilled) -> None:

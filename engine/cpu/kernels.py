@@ -91,10 +91,11 @@ def rotary(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Ten
     """In place on the first `heads` heads of x [N, H, D] (rows contiguous): x = x * cos +
     roll(x, D/2) * signed_sin, with cos and signed_sin holding [N, D] contiguously."""
     n, _, d = x.shape
+    cos, signed_sin = cos.contiguous(), signed_sin.contiguous()  # held here while C reads them
     if x.stride(2) != 1 or x.stride(1) != d or cos.numel() != n * d or signed_sin.numel() != n * d:
         raise ValueError(f"rotary needs contiguous heads and [{n}, {d}] tables")
-    _library().baton_rotary(x.data_ptr(), n, heads, d, x.stride(0), cos.contiguous().data_ptr(),
-                            signed_sin.contiguous().data_ptr(), torch.get_num_threads())
+    _library().baton_rotary(x.data_ptr(), n, heads, d, x.stride(0), cos.data_ptr(), signed_sin.data_ptr(),
+                            torch.get_num_threads())
 
 
 @functools.cache
