@@ -101,6 +101,12 @@ class LlamaRunner:
         self.norm = decoder.norm.weight
         head = model.get_output_embeddings()
         self.lm_head = Linear(head.weight, head.bias, layout=self.layout)
+        # CPU fp32 with Baton's kernels: a decode step's layers run as one C call (None: layer by layer)
+        self.decode_layers = None
+        if self.layout == "panels" and self.dtype == torch.float32:
+            self.decode_layers = cpu_kernels.DecodeLayers(
+                self.layers, hidden=cfg.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim, intermediate=cfg.intermediate_size, eps=self.eps, scale=self.scale)
         # cos, sin: [max_context, head_dim], from the model's own rotary module (any RoPE scaling)
         positions = torch.arange(loaded.max_context, device=loaded.device)[None]
         probe = torch.zeros(1, dtype=loaded.dtype, device=loaded.device)
@@ -187,6 +193,23 @@ class LlamaRunner:
                   for group, members in batch.shared_groups().items()]
         rotary = self._rotary(positions)
         h = self.embed[torch.tensor(input_ids, device=self.device)]  # [R, hidden]
+        one_call = (self.decode_layers is not None and ctx.starts64 is not None and not shared
+                    and rows <= cpu_kernels.MAX_ROWS)  # (starts64: the torch attention backend, on CPU)
+        if one_call:
+            cos, signed_sin = rotary
+            self.decode_layers(h, cos, signed_sin, batch.buffer, batch.offset, batch.length, batch.offset + column,
+                               ctx.starts64)
+        else:
+            h = self._decode_layers(batch, column, h, rotary, ctx, shared)
+        logits = self.lm_head(self._rms_norm(h, self.norm))
+        self.decode_tokens_forwarded += rows
+        self.decode_steps += 1
+        return logits.float()
+
+    def _decode_layers(self, batch: BatchKV, column: int, h, rotary, ctx: DecodeAttention, shared: list[SharedPrefix]):
+        """Layer by layer from Python: the reference for the one-call step, and the path for shared
+        prefixes, other dtypes and devices."""
+        rows = h.shape[0]
         new_kv, window = batch.step_views(column)
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._rms_norm(h, layer.input_norm), rotary)
@@ -196,10 +219,7 @@ class LlamaRunner:
             out = self._decode_attention(q[:, :, None], keys, values, ctx, shared, index)  # [R, 1, Hq, D]
             h = h + layer.o(out.reshape(rows, -1))
             h = self._mlp(layer, h)
-        logits = self.lm_head(self._rms_norm(h, self.norm))
-        self.decode_tokens_forwarded += rows
-        self.decode_steps += 1
-        return logits.float()
+        return h
 
     def _decode_attention(self, q, keys, values, ctx: DecodeAttention, shared: list[SharedPrefix], layer: int):
         def run():

@@ -39,13 +39,14 @@ class Greedy:
         return out[0, len(prompt_ids):].tolist()
 
 
-def tiny(architecture: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def tiny(architecture: str, dtype: torch.dtype = torch.float32, **overrides) -> LoadedModel:
     """A two-layer random model of the given family with the default tokenizer's vocabulary."""
     import transformers
 
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.2)
+    common.update(overrides)
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),  # q/k/v biases, untied head
@@ -86,6 +87,34 @@ def test_bf16_is_exact_against_generate_in_bf16():
     reference = Greedy(loaded.model)
     assert LlamaRunner(loaded).dtype == torch.bfloat16
     assert engine_tokens(loaded, "baton", max_tokens=12) == [reference.greedy(p, 12) for p in PROMPTS]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for Baton's CPU kernels")
+@pytest.mark.parametrize("architecture,overrides", [
+    ("llama", {}),
+    ("qwen2", {}),  # q/k/v biases
+    ("llama", {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 200}),
+])  # head_dim 16, then 64 (the register kernel) with a SiLU width that leaves a tail past 16 lanes
+def test_the_one_call_decode_step_equals_the_layer_by_layer_step(architecture, overrides):
+    runner = LlamaRunner(tiny(architecture, **overrides))
+    assert runner.decode_layers is not None
+
+    def steps(one_call: bool):
+        saved, runner.decode_layers = runner.decode_layers, runner.decode_layers if one_call else None
+        batch = BatchKV(runner.loaded.kv_shape, 4, max_columns=400, initial_columns=200)
+        for prompt in PROMPTS:  # different lengths: rows start at different window columns
+            batch.embed(runner.prefill(prompt).kv)
+        tokens, logits = [3, 5, 7, 11], []
+        for _ in range(6):
+            logits.append(runner.decode(batch, tokens))
+            tokens = logits[-1].argmax(-1).tolist()
+        runner.decode_layers = saved
+        return torch.stack(logits), batch.buffer[:, :, :4, :, batch.offset:batch.offset + batch.length]
+
+    (logits, kv), (reference_logits, reference_kv) = steps(True), steps(False)
+    torch.testing.assert_close(logits, reference_logits, rtol=1e-5, atol=1e-5)  # SiLU's exp rounds differently
+    torch.testing.assert_close(kv, reference_kv, rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits.argmax(-1), reference_logits.argmax(-1))
 
 
 def test_executors_agree_on_prefill_kv_and_logits_with_a_cached_prefix(tiny_model):

@@ -1,5 +1,6 @@
 """Baton's CPU kernels for the decode step (kernels.c), built once per machine, called via ctypes:
-the few-row GEMM over panel-packed weights, attention over the BATON window, RMSNorm and rotary embedding.
+the few-row GEMM over panel-packed weights, attention over the BATON window, RMSNorm, rotary embedding, and
+all of a decode step's layers in one call.
 
 Built on first use with the machine's C compiler (`cc`, or $CC) for this very CPU
 (-march=native) into Baton's cache directory, keyed by the source, the flags and the CPU, so
@@ -98,6 +99,50 @@ def rotary(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Ten
                             torch.get_num_threads())
 
 
+class DecodeLayers:
+    """Every decoder layer of a decode step in one C call (`baton_decode_layers`), for a Llama-family
+    model whose linear layers are panel-packed. Built once per runner from its layers' tensors."""
+
+    def __init__(self, layers, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                 eps: float, scale: float):
+        self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
+        self.intermediate, self.eps, self.scale = intermediate, eps, scale
+        self.num_layers = len(layers)
+        tensors = []
+        for layer in layers:
+            row = (layer.input_norm, layer.qkv.packed, layer.qkv.bias, layer.o.packed, layer.post_norm,
+                   layer.gate_up.packed, layer.down.packed)
+            if any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous()) for t in row):
+                raise ValueError("the fused decode step needs contiguous float32 weights")
+            if layer.o.bias is not None or layer.gate_up.bias is not None or layer.down.bias is not None:
+                raise ValueError("the fused decode step has no bias for the O, gate/up and down projections")
+            tensors.append(row)
+        self._held = [t for row in tensors for t in row if t is not None]  # C reads their addresses
+        self.addresses = torch.tensor([[0 if t is None else t.data_ptr() for t in row] for row in tensors],
+                                      dtype=torch.int64)
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, buffer: torch.Tensor,
+                 window: int, width: int, column: int, starts: torch.Tensor) -> None:
+        """h: [R, hidden] float32 contiguous, updated in place; cos, signed_sin: [R, head_dim];
+        buffer: the batch KV [layers, 2, rows, kv_heads, columns, head_dim]; the window is buffer
+        columns [window, window + width), the step writes column `column`; starts: int64 [R]."""
+        rows = h.shape[0]
+        cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
+        if (h.dtype != torch.float32 or not h.is_contiguous() or h.shape[1] != self.hidden
+                or buffer.dtype != torch.float32 or buffer.stride(5) != 1 or buffer.stride(4) != self.head_dim
+                or buffer.shape[0] != self.num_layers or starts.dtype != torch.int64 or starts.numel() != rows
+                or cos.numel() != rows * self.head_dim or signed_sin.numel() != rows * self.head_dim
+                or not window <= column < window + width <= buffer.shape[4]):
+            raise ValueError("decode_layers: tensors do not match the model or the window")
+        if _library().baton_decode_layers(
+                h.data_ptr(), self.addresses.data_ptr(), self.num_layers, rows, self.hidden, self.heads,
+                self.kv_heads, self.head_dim, self.intermediate, ctypes.c_float(self.eps),
+                ctypes.c_float(self.scale), cos.data_ptr(), signed_sin.data_ptr(), buffer.data_ptr(),
+                buffer.stride(0), buffer.stride(1), buffer.stride(2), buffer.stride(3), window, width, column,
+                starts.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("decode_layers could not allocate its scratch")
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get(DISABLE_ENV, "1") == "0":
@@ -124,6 +169,9 @@ def _library() -> ctypes.CDLL | None:
     lib.baton_rms_norm.restype = None
     lib.baton_rotary.argtypes = [pointer] + [size] * 4 + [pointer] * 2 + [ctypes.c_int]
     lib.baton_rotary.restype = None
+    lib.baton_decode_layers.argtypes = ([pointer, pointer] + [size] * 7 + [ctypes.c_float] * 2 + [pointer] * 3
+                                        + [size] * 7 + [pointer, ctypes.c_int])
+    lib.baton_decode_layers.restype = ctypes.c_int
     return lib
 
 
