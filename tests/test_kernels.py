@@ -141,6 +141,28 @@ def test_decode_split_count_does_not_change_result():
 
 
 @in_process
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_with_per_row_ends_equals_each_row_over_its_own_window(splits):
+    """What a captured step does: attend over the whole buffer, each row stopping where `ends`
+    says; the NaN columns past each end must never be read."""
+    gen = torch.Generator().manual_seed(5)
+    n, kv_heads, group, length, head_dim = 4, 2, 3, 120, 64
+    ends = torch.tensor([120, 90, 1, 60], dtype=torch.int32)
+    starts = torch.tensor([0, 30, 1, 10], dtype=torch.int32)  # row 2: start == end, empty
+    k, v, k_ref, v_ref = baton_kv(n, kv_heads, length, head_dim, torch.float32, starts, gen)
+    for i, end in enumerate(ends.tolist()):
+        k[i, :, end:] = NAN
+        v[i, :, end:] = NAN
+    q = make_q(n, kv_heads * group, head_dim, torch.float32, gen)
+    out = decode_attention(q, k, v, starts.to(DEVICE), 0.125, num_splits=splits, ends=ends.to(DEVICE))
+    for i, end in enumerate(ends.tolist()):
+        ref = decode_attention_ref(q[i:i + 1], k_ref[i:i + 1, :, :end], v_ref[i:i + 1, :, :end], starts[i:i + 1],
+                                   0.125)
+        assert_matches(out[i:i + 1], ref, torch.float32)
+    assert torch.all(out[2] == 0)
+
+
+@in_process
 def test_decode_rejects_bad_shapes():
     q = torch.zeros(2, 5, 64, device=DEVICE)
     kv = torch.zeros(2, 2, 8, 64, device=DEVICE)

@@ -55,13 +55,15 @@ def decode_program(Q, K, V, Starts, Out, Lse, L, qk_scale, row, kv_head, split, 
 
 # L and the split count change from step to step: runtime values, so they never trigger a recompile
 @triton.jit(do_not_specialize=["L", "num_splits"])
-def _decode_split_kernel(Q, K, V, Starts, Out, Lse, L, num_splits, qk_scale,
+def _decode_split_kernel(Q, K, V, Starts, Ends, Out, Lse, L, num_splits, qk_scale,
                          stride_qn, stride_qh, stride_kn, stride_kh, stride_kl, stride_vn, stride_vh, stride_vl,
                          stride_on, stride_oh, stride_os, stride_ln, stride_lh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr,
-                         UPCAST: tl.constexpr):
+                         UPCAST: tl.constexpr, ROW_ENDS: tl.constexpr):
     split = tl.program_id(2)
+    if ROW_ENDS:  # each row's window ends where Ends says (a captured step reads it from memory)
+        L = tl.minimum(tl.load(Ends + tl.program_id(0)), L)
     decode_program(Q, K, V, Starts, Out, Lse, L, qk_scale, tl.program_id(0), tl.program_id(1), split, split,
                    num_splits, stride_qn, stride_qh, stride_kn, stride_kh, stride_kl, stride_vn, stride_vh,
                    stride_vl, stride_on, stride_oh, stride_os, stride_ln, stride_lh,
@@ -69,11 +71,14 @@ def _decode_split_kernel(Q, K, V, Starts, Out, Lse, L, num_splits, qk_scale,
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
-                     scale: float | None, *, num_splits: int | None = None) -> torch.Tensor:
+                     scale: float | None, *, num_splits: int | None = None,
+                     ends: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step of attention for every row of a BATON batch.
 
     q: [n, num_heads, D]; k, v: [n, num_kv_heads, L, D] (any strides but stride(-1) == 1);
-    starts: int [n], row i attends to columns [starts[i], L) (starts[i] >= L: output zeros).
+    starts: int [n], row i attends to columns [starts[i], L) (starts[i] >= L: output zeros);
+    ends: int32 [n] on q's device, if given, ends row i's columns at min(ends[i], L) instead (read
+    by the kernel, so a captured CUDA graph replays with new values).
     scale: None means head_dim ** -0.5. num_splits: KV chunks per row (None: enough to fill the GPU).
     Returns [n, num_heads, D] in q's dtype.
     """
@@ -85,6 +90,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: 
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if starts.shape != (n,):
         raise ValueError(f"starts must have shape ({n},), got {tuple(starts.shape)}")
+    if ends is not None and (ends.shape != (n,) or ends.dtype != torch.int32 or ends.device != q.device):
+        raise ValueError(f"ends must be int32 [{n}] on {q.device}")
     interpreted = check_launchable(_decode_split_kernel, q, k, v)
     out = torch.empty(n, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if n == 0:
@@ -103,12 +110,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: 
         dest = torch.empty(n, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(n, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(n, num_kv_heads, num_splits)](
-        q, k, v, starts, dest, lse, length, num_splits, scale * LOG2E,
+        q, k, v, starts, starts if ends is None else ends, dest, lse, length, num_splits, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         dest.stride(0), dest.stride(1), dest.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g(group),
         BLOCK_D=block_d(head_dim), BLOCK_N=BLOCK_N, WRITE_LSE=num_splits > 1,
-        UPCAST=needs_upcast(interpreted, q, k), num_warps=4)
+        UPCAST=needs_upcast(interpreted, q, k), ROW_ENDS=ends is not None, num_warps=4)
     if num_splits > 1:
         merge_partials(dest, lse, out)
     return out
