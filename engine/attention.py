@@ -96,6 +96,20 @@ def decode(query, key, value, ctx: DecodeAttention, scale):
     return out.transpose(1, 2)
 
 
+def decode_ranges(query, key, value, starts, ends, backend: str, scale):
+    """Decode attention where row i attends columns [starts[i], ends[i]) of key and value, both
+    given as device tensors, so a captured CUDA graph replays it with each step's values.
+    query: [B, Hq, D]; key, value: [B, Hkv, columns, D]; starts, ends: int32 [B] -> [B, Hq, D]"""
+    if backend == "triton":
+        from baton.engine.kernels import decode_attention
+
+        return decode_attention(query, key, value, starts, scale, ends=ends)
+    columns = torch.arange(key.shape[2], device=key.device)
+    mask = ((columns >= starts[:, None]) & (columns < ends[:, None]))[:, None, None, :]
+    out = F.scaled_dot_product_attention(query[:, :, None], key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[:, :, 0]
+
+
 def decode_shared(query, key, value, ctx: DecodeAttention, scale, prefixes: list[SharedPrefix], layer: int):
     """Decode attention where some rows continue a shared prefix held once: each row's own window
     part, then each prefix's part for all of its rows in one matmul, merged by log-sum-exp (the

@@ -28,6 +28,7 @@ from baton.engine import attention
 from baton.engine.attention import DecodeAttention, PrefillAttention, SharedPrefix
 from baton.engine.batch_kv import BatchKV
 from baton.engine.cpu import kernels as cpu_kernels
+from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.kv import PrefillOutput, SequenceKV
 from baton.engine.linear import Linear, best_layout
 from baton.engine.model import LoadedModel
@@ -80,7 +81,7 @@ class LlamaRunner:
     name = "baton"
     shares_prefixes = True  # decodes rows that continue a shared prefix held once (engine.batch_kv)
 
-    def __init__(self, loaded: LoadedModel, attention_backend: str = "auto"):
+    def __init__(self, loaded: LoadedModel, attention_backend: str = "auto", cuda_graphs: bool = True):
         reason = unsupported_reason(loaded)
         if reason:
             raise ValueError(f"the Baton executor cannot run {loaded.name}: {reason}")
@@ -112,6 +113,9 @@ class LlamaRunner:
         probe = torch.zeros(1, dtype=loaded.dtype, device=loaded.device)
         cos, sin = decoder.rotary_emb(probe, positions)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        # CUDA: decode steps replay captured graphs (engine.cuda_graphs); None: launched op by op
+        self.graphs = StepGraphs(self._captured_step, loaded.device) if cuda_graphs and loaded.device.type == "cuda" \
+            else None
         # Counted, so tests and metrics can prove where each kind of token was computed.
         self.prompt_tokens_forwarded = 0
         self.decode_tokens_forwarded = 0
@@ -185,8 +189,15 @@ class LlamaRunner:
         rows = batch.num_rows
         if len(input_ids) != rows:
             raise ValueError(f"decode needs one token per occupied row: {rows} rows, {len(input_ids)} tokens")
-        positions = torch.tensor([batch.sequence_tokens(r) for r in range(rows)], device=self.device)
+        positions = [batch.sequence_tokens(r) for r in range(rows)]
         column = batch.append_column()
+        if self.graphs is not None and not batch.shared_groups():
+            logits = self._replay(batch, input_ids, positions, column)
+            if logits is not None:
+                self.decode_tokens_forwarded += rows
+                self.decode_steps += 1
+                return logits
+        positions = torch.tensor(positions, device=self.device)
         starts = torch.tensor(batch.starts, dtype=torch.int32, device=self.device)
         ctx = DecodeAttention.for_window(starts, batch.length, self.backend)
         shared = [SharedPrefix(torch.tensor(members, device=self.device), batch.prefixes[group])
@@ -205,6 +216,33 @@ class LlamaRunner:
         self.decode_tokens_forwarded += rows
         self.decode_steps += 1
         return logits.float()
+
+    def _replay(self, batch: BatchKV, input_ids: list[int], positions: list[int], column: int) -> torch.Tensor | None:
+        try:
+            return self.graphs.step(batch, input_ids, positions, column)
+        except Exception as exc:  # a step that cannot be captured must not fail every request
+            log.warning("capturing the decode step as a CUDA graph failed (%s); this worker decodes without graphs",
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            self.graphs = None
+            return None
+
+    def _captured_step(self, buffer, ids, positions, starts, ends, column) -> torch.Tensor:
+        """The decode step a CUDA graph records: every input a device tensor (engine.cuda_graphs).
+        buffer: the batch KV [layers, 2, rows, kv_heads, columns, head_dim]; ids, positions [R];
+        starts, ends int32 [R]: each row's window as absolute buffer columns; column [1]: the one
+        this step writes. Attention spans the buffer's whole capacity, each row within its window."""
+        rows = ids.shape[0]
+        rotary = self._rotary(positions)
+        h = self.embed[ids]
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._rms_norm(h, layer.input_norm), rotary)
+            keys, values = buffer[index, 0, :rows], buffer[index, 1, :rows]  # [R, Hkv, columns, D]
+            keys.index_copy_(2, column, k[:, :, None])
+            values.index_copy_(2, column, v[:, :, None])
+            out = attention.decode_ranges(q, keys, values, starts, ends, self.backend, self.scale)  # [R, Hq, D]
+            h = h + layer.o(out.reshape(rows, -1))
+            h = self._mlp(layer, h)
+        return self.lm_head(self._rms_norm(h, self.norm)).float()
 
     def _decode_layers(self, batch: BatchKV, column: int, h, rotary, ctx: DecodeAttention, shared: list[SharedPrefix]):
         """Layer by layer from Python: the reference for the one-call step, and the path for shared

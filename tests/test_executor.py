@@ -117,6 +117,33 @@ def test_the_one_call_decode_step_equals_the_layer_by_layer_step(architecture, o
     assert torch.equal(logits.argmax(-1), reference_logits.argmax(-1))
 
 
+def test_the_step_a_cuda_graph_captures_equals_the_eager_step_with_a_padding_row(tiny_model):
+    """engine.cuda_graphs replays `_captured_step` on a GPU (test_cuda.py); its maths runs here on
+    CPU: inputs read from one tensor, attention over the buffer's whole capacity within each row's
+    window, the KV write at a column given as a tensor, a fourth row padding a 3-row batch."""
+    from baton.engine.cuda_graphs import step_arguments, step_inputs
+
+    runner = LlamaRunner(tiny_model, "torch")
+    batch = BatchKV(tiny_model.kv_shape, 4, max_columns=256, initial_columns=160, initial_rows=4)
+    for prompt in PROMPTS[:3]:
+        batch.embed(runner.prefill(prompt).kv)
+    captured, tokens = copy.deepcopy(batch), [3, 5, 7]
+    for _ in range(4):
+        expected = runner.decode(batch, tokens)
+        positions = [captured.sequence_tokens(r) for r in range(3)]
+        column = captured.append_column()
+        inputs = torch.tensor(step_inputs(captured, tokens, positions, column, rows=4))
+        got = runner._captured_step(captured.buffer, *step_arguments(inputs, 4))
+        assert got.shape == (4, expected.shape[1]) and torch.isfinite(got).all()
+        torch.testing.assert_close(got[:3], expected, rtol=1e-4, atol=1e-4)
+        tokens = expected.argmax(-1).tolist()
+
+    def window(b):
+        return b.buffer[:, :, :3, :, b.offset:b.offset + b.length]
+
+    torch.testing.assert_close(window(captured), window(batch), rtol=1e-5, atol=1e-5)
+
+
 def test_executors_agree_on_prefill_kv_and_logits_with_a_cached_prefix(tiny_model):
     fast, ref = LlamaRunner(tiny_model), TransformersRunner(copy.copy(tiny_model))
     prefix = fast.prefill(list(range(300, 340))).kv
