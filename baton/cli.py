@@ -50,6 +50,7 @@ def sampling_from_args(args):
 
 EXECUTOR_HELP = ("auto (default): Baton's own executor for Llama-family models, else the transformers forward; "
                  "baton; transformers (the reference)")
+CUDA_GRAPHS_HELP = "on CUDA, replay each decode step of Baton's executor as a captured graph (default: on)"
 THREADS_HELP = "torch threads (default 0: one per core this process may use, or OMP_NUM_THREADS)"
 CORES_HELP = "bind the process to these CPU cores, e.g. 0-3 or 0,2 (default: no binding)"
 
@@ -63,6 +64,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                         help="auto (default): Triton kernels on CUDA, torch (and Baton's C kernel) on CPU")
     parser.add_argument("--executor", default="auto", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help=CUDA_GRAPHS_HELP)
     parser.add_argument("--threads", type=int, default=0, help=THREADS_HELP)
     parser.add_argument("--cpu-cores", default="", metavar="LIST", help=CORES_HELP)
 
@@ -107,7 +109,7 @@ def cmd_generate(args) -> int:
         raise UsageError(str(exc)) from None
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     engine = LocalEngine(loaded, DecodeConfig(max_rows=args.max_rows), attention_backend=args.attention_backend,
-                         executor=args.executor)
+                         executor=args.executor, cuda_graphs=args.cuda_graphs)
     prompt_ids = [loaded.encode_text(p) if args.raw else loaded.encode_chat([{"role": "user", "content": p}])
                   for p in args.prompts]
     print_results(args.prompts, engine.generate(prompt_ids, params), args.json)
@@ -125,6 +127,7 @@ def _serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> None:
     parser.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], help="auto (default), torch or triton")
     parser.add_argument("--executor", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, help=CUDA_GRAPHS_HELP)
     parser.add_argument("--threads", type=int, help=THREADS_HELP)
     parser.add_argument("--cpu-cores", metavar="LIST", help=CORES_HELP)
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default 0: off)")
@@ -189,7 +192,8 @@ def load_role_settings(args):
         if getattr(args, key, None) is not None:
             section[key] = getattr(args, key)
     model = {"name": args.model_name, "dtype": args.dtype, "device": args.device,
-             "attention_backend": args.attention_backend, "executor": args.executor, "threads": args.threads,
+             "attention_backend": args.attention_backend, "executor": args.executor,
+             "cuda_graphs": args.cuda_graphs, "threads": args.threads,
              "cpu_cores": args.cpu_cores}
     tls = {"cert_file": args.tls_cert, "key_file": args.tls_key, "ca_file": args.tls_ca,
            "server_name": args.tls_server_name}

@@ -25,6 +25,7 @@ class ModelSettings:
     device: str = "auto"
     attention_backend: str = "auto"
     executor: str = "auto"  # 'baton' (Llama family), 'transformers' (any model); auto: baton where it applies
+    cuda_graphs: bool = True  # CUDA, Baton's executor: decode steps replay captured graphs (false: op by op)
     threads: int = 0  # torch intra-op threads; 0: one per core this process may use
     cpu_cores: str = ""  # bind the process to these cores, e.g. '0-3' (empty: no binding)
 

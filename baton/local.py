@@ -21,9 +21,9 @@ from baton.prefill_worker.core import PrefillCore
 class LocalEngine:
     def __init__(self, loaded: LoadedModel, decode_config: DecodeConfig = DecodeConfig(),
                  attention_backend: str = "auto", max_waiting: int = 100_000, prefix_cache_bytes: int = 0,
-                 executor: str = "auto"):
+                 executor: str = "auto", cuda_graphs: bool = True):
         self.loaded = loaded
-        self.runner = make_runner(loaded, executor, attention_backend)  # one model serves both phases
+        self.runner = make_runner(loaded, executor, attention_backend, cuda_graphs)  # one model serves both phases
         self.prefill = PrefillCore(self.runner, prefix_cache_bytes=prefix_cache_bytes)
         self.decode = DecodeCore(self.runner, decode_config)
         self.max_waiting = max_waiting

@@ -329,3 +329,15 @@ def test_a_worker_binds_to_its_cores_and_runs_one_thread_per_core():
     assert out.stdout.split() == ["1", "1", "[0]"]
     with pytest.raises(ValueError, match="do not exist"):
         threads.configure(1, f"{os.cpu_count() + 5}")
+
+
+def test_cuda_graphs_are_on_by_default_and_can_be_turned_off(monkeypatch, tiny_model):
+    from baton.cli import build_parser, load_role_settings
+
+    monkeypatch.delenv("BATON_MODEL_CUDA_GRAPHS", raising=False)
+    assert load_role_settings(build_parser().parse_args(["decode"])).model.cuda_graphs is True
+    assert load_role_settings(build_parser().parse_args(["decode", "--no-cuda-graphs"])).model.cuda_graphs is False
+    monkeypatch.setenv("BATON_MODEL_CUDA_GRAPHS", "false")
+    assert load_role_settings(build_parser().parse_args(["prefill"])).model.cuda_graphs is False
+    assert build_parser().parse_args(["generate", "--no-cuda-graphs", "hi"]).cuda_graphs is False
+    assert LlamaRunner(tiny_model).graphs is None, "no graphs on a CPU"
