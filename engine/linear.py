@@ -2,8 +2,9 @@
 
 Small-batch decode reads every weight once per step, so the weight layout decides the step
 time. On CPU, fp32, a decode step's few rows go to Baton's own kernel over weights packed in
-k-major panels (`engine.cpu.kernels`), and prompts' many rows to `F.linear` (MKL) over the
-plain weight; without a C compiler, oneDNN's prepacked layout serves the few rows instead. Both
+k-major panels (`engine.cpu.kernels`), and so do prompts' rows where that kernel stays ahead
+(`max_rows`: to 2048 rows with AVX-512, else 16); more rows go to `F.linear` (MKL) over the
+plain weight. Without a C compiler, oneDNN's prepacked layout serves the few rows instead. Both
 read weights faster than `F.linear` does at 1-16 rows (docs/bench.md, `baton bench engine`).
 On CUDA, and for dtypes neither packs, the plain weight and `F.linear`.
 """
@@ -41,7 +42,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
         flat = x.reshape(-1, self.in_features)
-        if self.layout == "panels" and flat.shape[0] <= cpu_kernels.MAX_ROWS:
+        if self.layout == "panels" and flat.shape[0] <= cpu_kernels.max_rows():
             out = cpu_kernels.small_gemm(flat, self.packed, self.out_features)
             if self.bias is not None:
                 out += self.bias

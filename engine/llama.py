@@ -205,7 +205,7 @@ class LlamaRunner:
         rotary = self._rotary(positions)
         h = self.embed[torch.tensor(input_ids, device=self.device)]  # [R, hidden]
         one_call = (self.decode_layers is not None and ctx.starts64 is not None and not shared
-                    and rows <= cpu_kernels.MAX_ROWS)  # (starts64: the torch attention backend, on CPU)
+                    and rows <= cpu_kernels.max_rows())  # (starts64: the torch attention backend, on CPU)
         if one_call:
             cos, signed_sin = rotary
             self.decode_layers(h, cos, signed_sin, batch.buffer, batch.offset, batch.length, batch.offset + column,
