@@ -211,7 +211,7 @@ class LlamaRunner:
             self.decode_layers(h, cos, signed_sin, batch.buffer, batch.offset, batch.length, batch.offset + column,
                                ctx.starts64)
         else:
-            h = self._decode_layers(batch, column, h, rotary, ctx, shared)
+            h = self._decode_layer_by_layer(batch, column, h, rotary, ctx, shared)
         logits = self.lm_head(self._rms_norm(h, self.norm))
         self.decode_tokens_forwarded += rows
         self.decode_steps += 1
@@ -244,7 +244,8 @@ class LlamaRunner:
             h = self._mlp(layer, h)
         return self.lm_head(self._rms_norm(h, self.norm)).float()
 
-    def _decode_layers(self, batch: BatchKV, column: int, h, rotary, ctx: DecodeAttention, shared: list[SharedPrefix]):
+    def _decode_layer_by_layer(self, batch: BatchKV, column: int, h, rotary, ctx: DecodeAttention,
+                               shared: list[SharedPrefix]):
         """Layer by layer from Python: the reference for the one-call step, and the path for shared
         prefixes, other dtypes and devices."""
         rows = h.shape[0]

@@ -37,6 +37,8 @@ def max_rows() -> int:
     (2026-11-26), one thread, SmolLM2's layer shapes, 104-112 GFLOP/s against MKL's 49-100 at
     16-1024 rows, 106 against 95 at 2048, 83 against 91 at 4096. Without it, MKL won past 16 rows."""
     return 2048 if "avx512f" in _cpu_flags() else 16
+
+
 DISABLE_ENV = "BATON_CPU_KERNELS"  # '0' turns the kernels off (for A/B measurements)
 
 
