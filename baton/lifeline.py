@@ -55,14 +55,16 @@ def _exit_showing_threads(why: str, status: int) -> None:
 
 
 EXIT_JOIN_S = 15.0  # after an orderly stop, how long interpreter exit may wait for stray threads
+STOP_S = 40.0  # after a drain's own limit, how long the stops may take (gRPC's grace, the loops' joins)
 
 
-def bound_exit(status: int = 0, seconds: float = EXIT_JOIN_S) -> None:
+def bound_exit(status: int = 0, seconds: float = EXIT_JOIN_S,
+               why: str = "stopped, but exit has waited {seconds:.0f}s for threads still running") -> None:
     """Call when a server has stopped in order and is about to return from main: interpreter
     exit then joins every non-daemon thread, without limit, and a thread still blocked in a
     call nothing interrupts (a socket, another pool's job) would keep the process and its port
-    alive. Past `seconds`, print where the threads are and exit with `status`."""
-    timer = threading.Timer(seconds, _exit_showing_threads,
-                            (f"stopped, but exit has waited {seconds:.0f}s for threads still running", status))
+    alive. Past `seconds`, print where the threads are and exit with `status`. Also armed when a
+    stop begins (`why` says so), which bounds the drain and the stops themselves."""
+    timer = threading.Timer(seconds, _exit_showing_threads, (why.format(seconds=seconds), status))
     timer.daemon = True  # it runs while exit joins the others, and dies with a clean exit
     timer.start()

@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from baton import lifeline
 from baton.auth import ClusterTokenInterceptor, load_cluster_token, with_cluster_token
 from baton.config import ClusterSettings, TLSSettings
 from baton.transport import GRPC_OPTIONS, SERVER_OPTIONS
@@ -274,13 +275,19 @@ class GrpcServer:
             stop()
         self._stopped.set()
 
-    def wait_for_signal(self, on_stop=None, drain=None) -> None:
+    def wait_for_signal(self, on_stop=None, drain=None, drain_timeout_s: float | None = None) -> None:
         """Serve until SIGTERM or SIGINT; then report NOT_SERVING, let `drain()` finish or hand off
-        the work in hand, and stop."""
+        the work in hand, and stop. With `drain_timeout_s` (the drain's own limit), the whole stop
+        is bounded: past it and lifeline.STOP_S more, the process says where its threads are and
+        exits (a handler blocked on something the stop cannot interrupt held a drained worker
+        for minutes)."""
         done = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: done.set())
         done.wait()
+        if drain_timeout_s is not None:
+            lifeline.bound_exit(0, drain_timeout_s + lifeline.STOP_S,
+                                why="the drain and the stops have taken {seconds:.0f}s since the signal")
         log.info("draining")
         for name in ["", *self._service_names]:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

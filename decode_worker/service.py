@@ -226,4 +226,5 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     if not block:
         return server, loop
     server.wait_for_signal(on_stop=loop.stop,
-                           drain=lambda: loop.drain(settings.drain_timeout_s, move_after=settings.drain_move_after_s))
+                           drain=lambda: loop.drain(settings.drain_timeout_s, move_after=settings.drain_move_after_s),
+                           drain_timeout_s=settings.drain_timeout_s)

@@ -174,4 +174,5 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
              time.monotonic() - started)
     if not block:
         return server, loop
-    server.wait_for_signal(on_stop=loop.stop, drain=lambda: loop.drain(settings.drain_timeout_s))
+    server.wait_for_signal(on_stop=loop.stop, drain=lambda: loop.drain(settings.drain_timeout_s),
+                           drain_timeout_s=settings.drain_timeout_s)

@@ -200,4 +200,4 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
     if not block:
         return server, pool
     server.wait_for_signal(on_stop=lambda: (discovery.stop(), sync.stop(), pool.stop()),
-                           drain=lambda: front.drain(settings.drain_timeout_s))
+                           drain=lambda: front.drain(settings.drain_timeout_s), drain_timeout_s=settings.drain_timeout_s)

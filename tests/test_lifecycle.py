@@ -204,6 +204,28 @@ def test_the_advertised_context_is_the_one_served_and_max_tokens_is_cut_to_it(ti
                 client.generate(token_ids=list(range(1, context + 1)), max_tokens=1)
 
 
+def test_a_signalled_server_exits_within_its_drain_and_stop_bound_even_if_a_stop_blocks():
+    """wait_for_signal with the drain's limit: a stop that never returns (a handler blocked on
+    something the stop cannot interrupt) holds the process no longer than the drain's limit plus
+    lifeline.STOP_S; it says where the threads were and exits 0 (the work was drained)."""
+    script = textwrap.dedent("""
+        import os, signal, threading
+        from baton import lifeline
+        from baton.server import GrpcServer
+
+        lifeline.STOP_S = 0.5
+        server = GrpcServer("127.0.0.1", 0)
+        server.start()
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        server.wait_for_signal(on_stop=threading.Event().wait, drain=lambda: None, drain_timeout_s=0.5)
+    """)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - started < 30
+    assert "since the signal" in done.stderr and "Thread 0x" in done.stderr
+
+
 def test_a_stopped_server_process_exits_even_with_a_thread_still_blocked():
     """bound_exit: interpreter exit would join a blocked non-daemon thread forever; it gives up
     after its bound, says where the threads were, and exits with the status it was given."""
