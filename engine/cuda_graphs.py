@@ -105,7 +105,10 @@ class StepGraphs:
             for _ in range(WARMUP_RUNS):
                 self.body(buffer, *step_arguments(graph.inputs, rows))
         torch.cuda.current_stream(self.device).wait_stream(side)
-        with torch.cuda.graph(graph.graph, pool=self.pool):
+        # thread_local: other threads of this process (a prefill worker beside this decode worker,
+        # the KV receivers) keep launching work while this thread captures; in the default
+        # global mode their launches failed ("operation not permitted when stream is capturing")
+        with torch.cuda.graph(graph.graph, pool=self.pool, capture_error_mode="thread_local"):
             graph.logits = self.body(buffer, *step_arguments(graph.inputs, rows))
         self.captures += 1
         log.debug("captured the decode step for %d rows", rows)
