@@ -8,8 +8,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # Shared by every process and imported by every part: they may import only each other.
-BOTTOM = {"baton", "baton.auth", "baton.block_hash", "baton.config", "baton.health_check", "baton.metrics",
-          "baton.paths", "baton.protogen", "baton.sampling", "baton.server", "baton.transport"}
+BOTTOM = {"baton", "baton.auth", "baton.block_hash", "baton.config", "baton.health_check", "baton.lifeline",
+          "baton.metrics", "baton.paths", "baton.protogen", "baton.sampling", "baton.server", "baton.transport"}
 # The commands and benchmarks: nothing below them imports them.
 TOP = ("baton.cli", "baton.up", "baton.local", "baton.bench", "baton.bench_kernels")
 # Policy: plain Python over ints and lists (DESIGN.md).
