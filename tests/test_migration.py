@@ -268,9 +268,25 @@ def test_a_cancel_racing_with_a_landing_leaks_nothing(runner):
         assert not loop.core.scheduler.requests and pool.stats().used_bytes == 0 and loop.core.batch.num_rows == 0
 
 
+class PacedRunner:
+    """The real runner, each decode step at least `seconds` long: a test that must catch requests
+    still running after a grace does not depend on how fast the device decodes (on an H200 with
+    CUDA graphs, 200 tokens of the tiny model took under the 0.2 s grace)."""
+
+    def __init__(self, runner, seconds: float):
+        self._runner, self._seconds = runner, seconds
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def decode(self, *args, **kwargs):
+        time.sleep(self._seconds)
+        return self._runner.decode(*args, **kwargs)
+
+
 def test_drain_past_its_grace_moves_every_request_and_frees_everything(runner):
     params = SamplingParams(max_tokens=200, ignore_eos=True)
-    with running_loop(runner) as (loop, pool):
+    with running_loop(PacedRunner(runner, 0.01)) as (loop, pool):  # 200 steps: at least 2 s
         streams = {}
         for i in range(3):  # two rows running, one staged behind them
             rid = f"d{i}"
