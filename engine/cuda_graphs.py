@@ -44,8 +44,9 @@ def step_inputs(batch: BatchKV, input_ids: list[int], positions: list[int], colu
 
 def step_arguments(inputs: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
     """The body's arguments from `step_inputs` as a device tensor: ids, positions, starts, ends, column."""
-    r, x = rows, inputs
-    return x[:r], x[r:2 * r], x[2 * r:3 * r].to(torch.int32), x[3 * r:4 * r].to(torch.int32), x[4 * r:]
+    r = rows
+    return (inputs[:r], inputs[r:2 * r], inputs[2 * r:3 * r].to(torch.int32), inputs[3 * r:4 * r].to(torch.int32),
+            inputs[4 * r:])
 
 
 class _Graph:

@@ -191,7 +191,8 @@ class LlamaRunner:
             raise ValueError(f"decode needs one token per occupied row: {rows} rows, {len(input_ids)} tokens")
         positions = [batch.sequence_tokens(r) for r in range(rows)]
         column = batch.append_column()
-        if self.graphs is not None and not batch.shared_groups():
+        groups = batch.shared_groups()
+        if self.graphs is not None and not groups:
             logits = self._replay(batch, input_ids, positions, column)
             if logits is not None:
                 self.decode_tokens_forwarded += rows
@@ -201,7 +202,7 @@ class LlamaRunner:
         starts = torch.tensor(batch.starts, dtype=torch.int32, device=self.device)
         ctx = DecodeAttention.for_window(starts, batch.length, self.backend)
         shared = [SharedPrefix(torch.tensor(members, device=self.device), batch.prefixes[group])
-                  for group, members in batch.shared_groups().items()]
+                  for group, members in groups.items()]
         rotary = self._rotary(positions)
         h = self.embed[torch.tensor(input_ids, device=self.device)]  # [R, hidden]
         one_call = (self.decode_layers is not None and ctx.starts64 is not None and not shared

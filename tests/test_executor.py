@@ -94,6 +94,7 @@ def test_bf16_is_exact_against_generate_in_bf16():
     ("llama", {}),
     ("qwen2", {}),  # q/k/v biases
     ("llama", {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 200}),
+    ("llama", {"head_dim": 64, "intermediate_size": 96}),  # heads x head_dim (256) wider than hidden and MLP
 ])  # head_dim 16, then 64 (the register kernel) with a SiLU width that leaves a tail past 16 lanes
 def test_the_one_call_decode_step_equals_the_layer_by_layer_step(architecture, overrides):
     runner = LlamaRunner(tiny(architecture, **overrides))

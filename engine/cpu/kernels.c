@@ -355,6 +355,11 @@ static void silu_mul(const float *gate_up, float *out, int64_t R, int64_t I) {
   }
 }
 
+static inline int64_t max3(int64_t a, int64_t b, int64_t c) {
+  const int64_t ab = a > b ? a : b;
+  return ab > c ? ab : c;
+}
+
 /* One decode step through every decoder layer of a Llama-family model, in one call: for each
  * layer, RMSNorm, fused QKV (+ bias), rotary on queries and keys, the new keys and values written
  * into the batch's opened column, attention over each row's window, the output projection added
@@ -372,8 +377,9 @@ int baton_decode_layers(float *h, const int64_t *weights, int64_t L, int64_t R, 
                         const float *signed_sin, float *kv, int64_t layer_stride, int64_t kind_stride,
                         int64_t row_stride, int64_t head_stride, int64_t window, int64_t W, int64_t column,
                         const int64_t *starts, int threads) {
-  const int64_t QKV = (Hq + 2 * Hkv) * D, K_MAX = H > I ? H : I;
-  const int64_t N_MAX = QKV > 2 * I ? (QKV > H ? QKV : H) : (2 * I > H ? 2 * I : H);
+  /* scratch for the widest input (the GEMMs' K: H, I, or Hq * D for the output projection, which
+   * need not equal H) and the widest output (N: QKV, 2 * I or H) */
+  const int64_t QKV = (Hq + 2 * Hkv) * D, K_MAX = max3(H, I, Hq * D), N_MAX = max3(QKV, 2 * I, H);
   float *x = malloc(sizeof(float) * R * K_MAX), *y = malloc(sizeof(float) * R * N_MAX);
   float *attn = malloc(sizeof(float) * R * Hq * D), *xt = malloc(sizeof(float) * R * K_MAX);
   int failed = !x || !y || !attn || !xt;
