@@ -10,6 +10,7 @@ Make the client inside the event loop that uses it (grpc.aio channels belong to 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,8 +23,8 @@ from baton.client.channel import (DEFAULT_KEEPALIVE_S, DEFAULT_MAX_MESSAGE_BYTES
 from baton.client.convert import (ResultAssembler, build_request, chunk_from_proto, cluster_status_from_proto,
                             model_info_from_proto)
 from baton.client.errors import BatonError, Unavailable, error_from_rpc
-from baton.client.many import finish_batch, prepare_batch
-from baton.client.types import ClusterStatus, GenerationResult, ModelInfo, StreamChunk
+from baton.client.many import BatchCollector, batch_request, finish_batch, prepare_batch
+from baton.client.types import BatchOutcome, ClusterStatus, GenerationResult, ModelInfo, StreamChunk
 
 
 class AsyncChunkStream:
@@ -146,6 +147,27 @@ class AsyncBatonClient:
 
         outcomes = await asyncio.gather(*(run_one(kwargs) for kwargs in calls))
         return finish_batch(list(outcomes), return_exceptions)
+
+    async def generate_batch(self, requests: Sequence[str | Mapping[str, Any]], *, max_concurrency: int = 0,
+                             timeout: float | None = None, on_result=None, **defaults: Any) -> BatchOutcome:
+        """A large offline batch through Router.GenerateBatch, planned by the router (BatchLLM);
+        arguments and result as BatonClient.generate_batch. on_result(index, result_or_error) may
+        be a plain function or a coroutine function (awaited before the next result is read)."""
+        request = batch_request(requests, max_concurrency, defaults)
+        if not request.requests:
+            return BatchOutcome([], {})
+        call = self._stub.GenerateBatch(request, timeout=self._config.deadline(timeout), metadata=self._config.metadata())
+        collected = BatchCollector(len(request.requests), on_result)
+        try:
+            async for item in call:
+                pending = collected.add(item)
+                if inspect.isawaitable(pending):
+                    await pending
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        finally:
+            call.cancel()  # a no-op once the stream ended; frees the batch on the router otherwise
+        return collected.outcome()
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         return model_info_from_proto(

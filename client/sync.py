@@ -18,10 +18,10 @@ import grpc
 from baton.v1 import router_pb2, router_pb2_grpc
 from baton.client.channel import (DEFAULT_KEEPALIVE_S, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, ConnectionConfig,
                             PemSource)
-from baton.client.convert import (ResultAssembler, batch_item_from_proto, build_request, chunk_from_proto,
-                            cluster_status_from_proto, message_fields, model_info_from_proto, split_request_args)
+from baton.client.convert import (ResultAssembler, build_request, chunk_from_proto, cluster_status_from_proto,
+                            model_info_from_proto)
 from baton.client.errors import BatonError, Unavailable, error_from_rpc
-from baton.client.many import finish_batch, prepare_batch
+from baton.client.many import BatchCollector, batch_request, finish_batch, prepare_batch
 from baton.client.types import BatchOutcome, ClusterStatus, GenerationResult, ModelInfo, StreamChunk
 
 
@@ -179,27 +179,19 @@ class BatonClient:
         ahead of time and computes each once (BatchLLM). Entries as for generate_many; results
         come back in input order with the router's summary. on_result(index, result_or_error)
         is called as each request finishes (results stream back as they are done)."""
-        built = [build_request(**_request_kwargs(split_request_args(i, item, defaults)))
-                 for i, item in enumerate(requests)]
-        if not built:
+        request = batch_request(requests, max_concurrency, defaults)
+        if not request.requests:
             return BatchOutcome([], {})
-        call = self._stub.GenerateBatch(router_pb2.GenerateBatchRequest(requests=built, max_concurrency=max_concurrency),
-                                        timeout=self._config.deadline(timeout), metadata=self._config.metadata())
-        results: list = [None] * len(built)
-        summary: dict[str, Any] = {}
+        call = self._stub.GenerateBatch(request, timeout=self._config.deadline(timeout), metadata=self._config.metadata())
+        collected = BatchCollector(len(request.requests), on_result)
         try:
             for item in call:
-                if item.HasField("summary"):
-                    summary = message_fields(item.summary)
-                    continue
-                results[item.index] = batch_item_from_proto(item)
-                if on_result is not None:
-                    on_result(item.index, results[item.index])
+                collected.add(item)
         except grpc.RpcError as error:
             raise error_from_rpc(error) from error
         finally:
             call.cancel()
-        return BatchOutcome(results, summary)
+        return collected.outcome()
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         """The model served: name, context length, fingerprint, vocabulary size."""
@@ -233,8 +225,3 @@ class BatonClient:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
-
-
-def _request_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """generate()-style keywords minus the per-call timeout, which a batch applies to the whole."""
-    return {k: v for k, v in kwargs.items() if k != "timeout"}

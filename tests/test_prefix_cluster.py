@@ -86,6 +86,43 @@ def test_a_shuffled_shared_document_batch_saves_the_multi_level_optimum():
     assert summary["routing_accuracy"] >= 0.95
 
 
+def test_the_asyncio_client_runs_a_planned_batch_like_the_blocking_one(tiny_reference):
+    """AsyncBatonClient.generate_batch against a real cluster: the same plan, results in input
+    order equal to generate's greedy tokens and to the blocking client's, each reported to a
+    coroutine as it finishes; a bad entry is refused before anything is sent."""
+    import asyncio
+
+    from baton.client import AsyncBatonClient, BatonError
+
+    prompts = synthetic_batch(num_prefixes=3, prompts_per_prefix=4, prefix_len=2 * BLOCK, distinct_len=6, seed=5,
+                              vocab=40000)
+    entries = [{"token_ids": p, "max_tokens": 4, "temperature": 0} for p in prompts]
+    seen: list[int] = []
+
+    async def report(index, result):
+        await asyncio.sleep(0)
+        assert not isinstance(result, BatonError), result
+        seen.append(index)
+
+    async def run(address: str):
+        async with AsyncBatonClient(address, timeout=120) as client:
+            with pytest.raises(ValueError, match=r"requests\[1\]"):
+                await client.generate_batch([entries[0], {"token_ids": []}])
+            assert (await client.generate_batch([])).results == []
+            return await client.generate_batch(entries, max_concurrency=4, on_result=report)
+
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=4) as cluster:
+        outcome = asyncio.run(run(cluster.router_address))
+        with BatonClient(cluster.router_address, timeout=120) as client:
+            blocking = client.generate_batch(entries, max_concurrency=4)
+    assert outcome.summary["failed"] == 0 and outcome.summary["requests"] == len(prompts)
+    assert outcome.summary["actual_saving_ratio"] > 0  # the shared prefixes were computed once
+    assert sorted(seen) == list(range(len(prompts)))
+    for i, prompt in enumerate(prompts):
+        assert outcome.results[i].token_ids == tiny_reference.greedy(prompt, 4), i
+        assert outcome.results[i].token_ids == blocking.results[i].token_ids
+
+
 def test_requests_continuing_a_prefix_held_in_the_decode_batch_push_only_their_own_kv(tiny_reference):
     """Two running requests share a 160-token document, so the decode worker holds its KV once; a
     request for the same document registered then is told so, and its prefill pushes only the
