@@ -56,6 +56,40 @@ def _exit_showing_threads(why: str, status: int) -> None:
 
 EXIT_JOIN_S = 15.0  # after an orderly stop, how long interpreter exit may wait for stray threads
 STOP_S = 40.0  # after a drain's own limit, how long the stops may take (gRPC's grace, the loops' joins)
+NATIVE_GRACE_S = 5.0  # how much later than a bound the native watchdog ends a process no Python thread can run in
+SIGNAL_POLL_S = 0.2  # how often a main thread waiting for a signal runs Python code (see wait_for_stop_signal)
+
+
+class StopSignals:
+    """From construction on (in the main thread), records SIGTERM and SIGINT; `wait()` blocks until
+    one has come.
+
+    Python runs a signal handler in the main thread only, when that thread next runs Python code.
+    The kernel hands a process-directed signal to any of its threads that does not block it, not
+    always the main one; then the main thread is not interrupted, and one blocked in a lock wait
+    without a timeout (`threading.Event().wait()`) never runs the handler (CPython issue 85300):
+    a SIGTERM'd worker went on serving, never drained, and armed no bound. So `wait()` wakes every
+    `poll_s` to let a pending handler run. The handler only records the signal: one that took a
+    lock (Event.set) could deadlock against the main thread interrupted while holding it."""
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+        self.received: list[int] = []
+        for sig in signals:
+            signal.signal(sig, lambda signum, _frame: self.received.append(signum))
+
+    def wait(self, poll_s: float = SIGNAL_POLL_S) -> int:
+        """The first signal's number, once one has come."""
+        while not self.received:
+            time.sleep(poll_s)
+        return self.received[0]
+
+
+def wait_for_stop_signal() -> int:
+    """Block the main thread until SIGTERM or SIGINT; return its number (see StopSignals)."""
+    return StopSignals().wait()
+
+
+_native_deadline = float("inf")  # when faulthandler's watchdog fires (it keeps one at a time)
 
 
 def bound_exit(status: int = 0, seconds: float = EXIT_JOIN_S,
@@ -64,7 +98,19 @@ def bound_exit(status: int = 0, seconds: float = EXIT_JOIN_S,
     exit then joins every non-daemon thread, without limit, and a thread still blocked in a
     call nothing interrupts (a socket, another pool's job) would keep the process and its port
     alive. Past `seconds`, print where the threads are and exit with `status`. Also armed when a
-    stop begins (`why` says so), which bounds the drain and the stops themselves."""
+    stop begins (`why` says so), which bounds the drain and the stops themselves.
+
+    Two watchdogs: a Python timer says why and exits with `status`; should no Python thread be
+    able to run then (one holding the GIL in native code), faulthandler's own C thread prints
+    every thread's stack and exits with status 1, NATIVE_GRACE_S later. A later, longer bound
+    never postpones an earlier one."""
+    global _native_deadline
     timer = threading.Timer(seconds, _exit_showing_threads, (why.format(seconds=seconds), status))
     timer.daemon = True  # it runs while exit joins the others, and dies with a clean exit
     timer.start()
+    import faulthandler
+
+    deadline = time.monotonic() + seconds + NATIVE_GRACE_S
+    if deadline < _native_deadline:
+        _native_deadline = deadline
+        faulthandler.dump_traceback_later(seconds + NATIVE_GRACE_S, exit=True)

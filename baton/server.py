@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -281,10 +280,7 @@ class GrpcServer:
         is bounded: past it and lifeline.STOP_S more, the process says where its threads are and
         exits (a handler blocked on something the stop cannot interrupt held a drained worker
         for minutes)."""
-        done = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: done.set())
-        done.wait()
+        lifeline.wait_for_stop_signal()
         if drain_timeout_s is not None:
             lifeline.bound_exit(0, drain_timeout_s + lifeline.STOP_S,
                                 why="the drain and the stops have taken {seconds:.0f}s since the signal")

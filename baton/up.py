@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
@@ -20,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.auth import CLUSTER_TOKEN_ENV
 from baton.config import TLSSettings
-from baton.lifeline import PARENT_ENV  # the processes Baton starts die with it
+from baton.lifeline import PARENT_ENV, StopSignals  # the processes Baton starts die with it
 from baton.server import channel
 from baton.engine.threads import split_cores
 
@@ -276,9 +275,7 @@ def run_http_demo(http_url: str, model: str, out=sys.stdout) -> None:
 def run_up(args) -> int:
     cluster = LocalCluster(port=args.port, prefill=args.prefill, decode=args.decode, model=args.model,
                            max_rows=args.max_rows, share_cores=True, http_port=args.http_port)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignals()  # from here on, Ctrl-C or SIGTERM ends the cluster in order
     print(f"starting {args.prefill} prefill and {args.decode} decode workers for model {args.model!r}...",
           flush=True)
     cluster.start()

@@ -226,6 +226,63 @@ def test_a_signalled_server_exits_within_its_drain_and_stop_bound_even_if_a_stop
     assert "since the signal" in done.stderr and "Thread 0x" in done.stderr
 
 
+@pytest.mark.parametrize("role", ["decode", "router"])
+def test_a_sigterm_taken_by_any_thread_drains_the_process(role):
+    """The kernel hands a process-directed SIGTERM to any thread of the process that does not
+    block it, not always the main one, and Python runs the handler only when the main thread next
+    runs Python code. A main thread parked in `Event().wait()` never did: the drained decode
+    worker of test_migration went on serving, never drained, armed no bound, and exited only when
+    the test tore the cluster down (CI, now and then). Here the signal goes to a gRPC thread on
+    purpose (kill(2) given a thread's id prefers that thread): the process drains and exits 0."""
+    from baton.up import wait_serving
+
+    port = free_port()
+    args = ["--prefill-workers", f"127.0.0.1:{free_port()}", "--decode-workers", f"127.0.0.1:{free_port()}"] \
+        if role == "router" else []
+    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "--log-level", "info", role, "--host", "127.0.0.1",
+                             "--port", str(port), "--model", "tiny-random", *args],
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_serving(f"127.0.0.1:{port}", proc, 120)
+        threads = {tid: Path(f"/proc/{proc.pid}/task/{tid}/comm").read_text().strip()
+                   for tid in os.listdir(f"/proc/{proc.pid}/task")}
+        other = next(int(tid) for tid, name in threads.items() if int(tid) != proc.pid and name != "python")
+        os.kill(other, signal.SIGTERM)
+        started = time.monotonic()
+        status = proc.wait(timeout=60)
+        stderr = proc.stderr.read()
+    finally:
+        stop_process(proc)
+    print(f"\n{role}: SIGTERM to thread {threads[str(other)]!r}; exited {time.monotonic() - started:.1f}s later")
+    assert status == 0, stderr[-2000:]
+    assert '"draining"' in stderr
+
+
+def test_a_signalled_server_whose_threads_cannot_run_still_exits_within_its_bound():
+    """The bound's last resort needs no Python thread: a drain stuck in native code with the GIL
+    held (a C call made through PyDLL keeps it) leaves the Python timer no way to run, and
+    faulthandler's own thread prints every thread's stack and exits (status 1), NATIVE_GRACE_S
+    after the drain's limit plus STOP_S."""
+    script = textwrap.dedent("""
+        import ctypes, os, signal, threading
+        from baton import lifeline
+        from baton.server import GrpcServer
+
+        lifeline.STOP_S = lifeline.NATIVE_GRACE_S = 0.5
+        server = GrpcServer("127.0.0.1", 0)
+        server.start()
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        stuck = lambda: ctypes.PyDLL(None).sleep(120)  # libc's sleep, holding the GIL all along
+        server.wait_for_signal(drain=stuck, drain_timeout_s=0.5)
+    """)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert elapsed < 60, elapsed
+    assert "Timeout" in done.stderr and 'File "<string>", line 10' in done.stderr  # where the drain was stuck
+
+
 def test_a_stopped_server_process_exits_even_with_a_thread_still_blocked():
     """bound_exit: interpreter exit would join a blocked non-daemon thread forever; it gives up
     after its bound, says where the threads were, and exits with the status it was given."""

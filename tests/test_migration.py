@@ -528,7 +528,9 @@ def test_sigterm_moves_running_requests_kv_to_the_other_decode_worker(tiny_refer
             exit_wait = time.monotonic()
             # Usually well under a second. The bound is the worst the design allows on a loaded
             # machine: the 20 s drain, then the stops, which the worker bounds to 40 s more
-            # (lifeline.STOP_S; past it, it prints its threads to stderr and exits).
+            # (lifeline.STOP_S; past it, it prints its threads to stderr and exits). This test
+            # used to fail now and then with the worker still serving: the SIGTERM had gone to
+            # another thread than the main one (test_lifecycle's any-thread test).
             assert procs[drained].wait(timeout=90) == 0, "the drained decode worker did not exit cleanly"
             print(f"\ndrained worker exited {time.monotonic() - exit_wait:.1f}s after the last request")
             time.sleep(1.0)  # a load poll after the last request finished
