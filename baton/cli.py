@@ -194,7 +194,8 @@ def load_role_settings(args):
     model = {"name": args.model_name, "dtype": args.dtype, "device": args.device,
              "attention_backend": args.attention_backend, "executor": args.executor,
              "cuda_graphs": args.cuda_graphs, "threads": args.threads,
-             "cpu_cores": args.cpu_cores}
+             "cpu_cores": args.cpu_cores, "generation_config": getattr(args, "generation_config", None),
+             "override_generation_config": getattr(args, "override_generation_config", None)}
     tls = {"cert_file": args.tls_cert, "key_file": args.tls_key, "ca_file": args.tls_ca,
            "server_name": args.tls_server_name}
     return load_settings(args.config, overrides={"model": model, args.role: section, "tls": tls,
@@ -366,6 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the model name OpenAI clients send (default: the model's own, SmolLM2-135M-Instruct)")
     router.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                         help="a Jinja chat template (or a file holding one) instead of the tokenizer's")
+    router.add_argument("--generation-config", metavar="auto|none|FOLDER",
+                        help="default sampling for requests that leave it unset: auto (default), the model's own "
+                             "generation_config.json (the default model: temperature 0.2, top_p 0.9); none, each "
+                             "API's own (gRPC greedy, OpenAI temperature 1); or a folder holding one")
+    router.add_argument("--override-generation-config", metavar="JSON",
+                        help='wins over --generation-config key by key, e.g. \'{"temperature": 0.7, "top_p": 0.95}\' '
+                             "(max_tokens or max_new_tokens, temperature, top_k, top_p)")
     router.set_defaults(func=cmd_serve)
 
     prefill = sub.add_parser("prefill", help="run a prefill worker")

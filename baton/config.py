@@ -28,6 +28,22 @@ class ModelSettings:
     cuda_graphs: bool = True  # CUDA, Baton's executor: decode steps replay captured graphs (false: op by op)
     threads: int = 0  # torch intra-op threads; 0: one per core this process may use
     cpu_cores: str = ""  # bind the process to these cores, e.g. '0-3' (empty: no binding)
+    # The router's default sampling for requests that leave max_tokens, temperature, top_k or top_p
+    # unset (vLLM's --generation-config): 'auto', the model's generation_config.json (the default
+    # model: its card's temperature 0.2, top_p 0.9); 'none', each API's own (gRPC greedy, OpenAI
+    # temperature 1); or a folder holding a generation_config.json.
+    generation_config: str = "auto"
+    # Wins over it key by key (vLLM's --override-generation-config), e.g. {"temperature": 0.7};
+    # from the environment or a flag as JSON.
+    override_generation_config: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        from baton.sampling import sampling_defaults
+
+        if not self.generation_config.strip():
+            raise ValueError("model.generation_config is empty; use 'auto' (the model's own defaults), 'none', "
+                             "or a folder holding a generation_config.json")
+        sampling_defaults(self.override_generation_config, "model.override_generation_config")
 
 
 @dataclass
@@ -307,6 +323,7 @@ def load_settings(path: str | None = None, env: dict[str, str] | None = None,
             _apply(settings, section, {key: raw}, source=f"environment variable {name}")
     for section, values in (overrides or {}).items():
         _apply(settings, section, {k: v for k, v in values.items() if v is not None}, source="command line")
+    settings.model.validate()
     settings.tls.validate()
     settings.router.validate()
     settings.prefill.validate()
@@ -340,6 +357,14 @@ def _coerce(raw: Any, kind, where: str) -> Any:
             return int(raw)
         if kind is float:
             return float(raw)
+        if kind is dict:
+            if isinstance(raw, str):
+                import json
+
+                raw = json.loads(raw) if raw.strip() else {}
+            if not isinstance(raw, dict):
+                raise ValueError
+            return raw
         if kind == list[str]:
             if isinstance(raw, str):
                 return [item.strip() for item in raw.split(",") if item.strip()]

@@ -135,3 +135,45 @@ class TokenLogprob:
 
 
 SAMPLING_OPTION_NAMES = frozenset(f.name for f in fields(SamplingParams))
+
+
+# -- a model's default sampling ---------------------------------------------------------------------
+
+# What a model may default for requests that leave it unset, as vLLM applies a model's
+# generation_config: Hugging Face's names (generation_config.json) map onto Baton's.
+DEFAULTABLE = ("max_tokens", "temperature", "top_k", "top_p")
+_GENERATION_CONFIG_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k",
+                            "top_p": "top_p"}
+# Set in some generation configs, not (yet) applied by Baton: said once in the router's log.
+UNAPPLIED_GENERATION_KEYS = ("repetition_penalty", "min_p", "presence_penalty", "frequency_penalty")
+
+
+def sampling_defaults(values: dict[str, Any], source: str, *, strict: bool = True) -> dict[str, float | int]:
+    """Checked default sampling from a generation config (`max_new_tokens`, `temperature`, `top_k`,
+    `top_p`, or Baton's `max_tokens`); other keys are refused naming `source` when `strict` (an
+    operator's override), else skipped (a model's generation_config.json holds much else).
+    Values are checked as a request's would be; ValueError says which and where."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{source}: expected a JSON object such as {{\"temperature\": 0.7, \"top_p\": 0.9}} "
+                         f"(got {values!r})")
+    defaults: dict[str, float | int] = {}
+    for key, value in values.items():
+        name = _GENERATION_CONFIG_NAMES.get(key, key if key in DEFAULTABLE else None)
+        if name is None:
+            if strict:
+                raise ValueError(f"{source}: {key!r} is not a sampling default Baton applies; use "
+                                 f"{', '.join(sorted({*_GENERATION_CONFIG_NAMES, *DEFAULTABLE}))}")
+            continue
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+        defaults[name] = float(value) if name in ("temperature", "top_p") else value
+    return defaults
+
+
+def fill_unset(given: dict[str, Any], defaults: dict[str, float | int]) -> dict[str, Any]:
+    """A request's sampling keywords (None: left unset) with the unset ones the defaults have."""
+    return {**given, **{k: v for k, v in defaults.items() if given.get(k) is None}}

@@ -57,15 +57,14 @@ def build_request(prompt: str | None = None, *, messages: ChatMessages | None = 
 
 
 def sampling_to_proto(options: SamplingOptions, given: set[str] = frozenset()) -> common_pb2.SamplingParams:
-    """The wire form. max_tokens and top_p go only when the caller `given` them, so the server
-    applies its own defaults otherwise; no seed means a fresh one per request."""
-    proto = common_pb2.SamplingParams(temperature=options.temperature, top_k=options.top_k,
-                                      stop=list(options.stop), stop_token_ids=list(options.stop_token_ids),
+    """The wire form. max_tokens, temperature, top_k and top_p go only when the caller `given`
+    them, so the router applies the model's defaults otherwise (ModelInfo.sampling_defaults; with
+    none: 256 tokens, greedy); no seed means a fresh one per request."""
+    proto = common_pb2.SamplingParams(stop=list(options.stop), stop_token_ids=list(options.stop_token_ids),
                                       ignore_eos=options.ignore_eos, priority=options.priority)
-    if "max_tokens" in given:
-        proto.max_tokens = options.max_tokens
-    if "top_p" in given:
-        proto.top_p = options.top_p
+    for name in ("max_tokens", "temperature", "top_k", "top_p"):
+        if name in given:
+            setattr(proto, name, getattr(options, name))
     if options.seed is not None:
         proto.seed = options.seed
     if options.logprobs is not None:
@@ -131,7 +130,9 @@ def trace_from_proto(trace: common_pb2.Trace) -> Trace:
 
 def model_info_from_proto(info: router_pb2.ModelInfo) -> ModelInfo:
     return ModelInfo(name=info.name, max_context=info.max_context,
-                     model_fingerprint=info.model_fingerprint, vocab_size=info.vocab_size)
+                     model_fingerprint=info.model_fingerprint, vocab_size=info.vocab_size,
+                     sampling_defaults={k: int(v) if k in ("max_tokens", "top_k") else v
+                                        for k, v in sorted(info.sampling_defaults.items())})
 
 
 def cluster_status_from_proto(status: router_pb2.ClusterStatus) -> ClusterStatus:

@@ -67,6 +67,8 @@ class ModelInfo:
     max_context: int
     model_fingerprint: str  # architecture, weights hash and dtype; KV only moves between equals
     vocab_size: int
+    # What a request leaving max_tokens, temperature, top_k or top_p unset gets from this router
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import logging
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -106,6 +106,8 @@ class TokenizerView:
     tokenizer: object
     config: object
     name: str
+    # What requests leaving max_tokens, temperature, top_k or top_p unset get (model_sampling_defaults).
+    sampling_defaults: dict = field(default_factory=dict)
 
     @property
     def max_context(self) -> int:
@@ -160,15 +162,61 @@ def model_dir(name: str) -> Path:
                          "or a Hugging Face id in the local cache")
 
 
-def load_tokenizer_view(name: str = DEFAULT_MODEL) -> TokenizerView:
-    """The tokenizer and config of a model, without loading its weights."""
+def load_tokenizer_view(name: str = DEFAULT_MODEL, generation_config: str = "auto",
+                        override: dict | None = None) -> TokenizerView:
+    """The tokenizer and config of a model, without loading its weights, and its default sampling
+    (model_sampling_defaults)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    defaults = model_sampling_defaults(name, generation_config, override)
     if name == TINY_MODEL or name.startswith(TINY_MODEL + ":"):
-        return TokenizerView(default_tokenizer(), tiny_random_model().config, name)
+        return TokenizerView(default_tokenizer(), tiny_random_model().config, name, defaults)
     path = model_dir(name)
     with _quiet_progress():
-        return TokenizerView(AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path), name)
+        return TokenizerView(AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path), name, defaults)
+
+
+# The default model's card recommends these; the generation_config.json converted from its GGUF
+# carries no sampling defaults, so they are the default model's own.
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+
+def model_sampling_defaults(name: str, generation_config: str = "auto", override: dict | None = None) -> dict:
+    """What requests leaving max_tokens, temperature, top_k or top_p unset get, as vLLM applies a
+    model's generation_config: `generation_config` 'auto' reads the model's own
+    generation_config.json (the default model: its card's recommendation), 'none' applies none
+    (each API's own defaults), a directory reads the generation_config.json there; `override`
+    (model.override_generation_config) wins over either, key by key."""
+    from baton.sampling import UNAPPLIED_GENERATION_KEYS, sampling_defaults
+
+    if generation_config == "none":
+        found: dict = {}
+    elif generation_config == "auto" and (name == TINY_MODEL or name.startswith(TINY_MODEL + ":")):
+        found = {}
+    elif generation_config == "auto" and name == DEFAULT_MODEL:
+        found = dict(DEFAULT_MODEL_SAMPLING)
+    else:
+        folder = model_dir(name) if generation_config == "auto" else Path(generation_config).expanduser()
+        found = _read_generation_config(folder / "generation_config.json", must_exist=generation_config != "auto")
+        ignored = sorted(k for k in UNAPPLIED_GENERATION_KEYS if found.get(k) is not None)
+        if ignored:
+            log.warning("%s sets %s, which Baton does not apply", folder / "generation_config.json", ", ".join(ignored))
+        found = sampling_defaults(found, str(folder / "generation_config.json"), strict=False)
+    return {**found, **sampling_defaults(override or {}, "model.override_generation_config")}
+
+
+def _read_generation_config(path: Path, must_exist: bool) -> dict:
+    import json
+
+    if not path.is_file():
+        if must_exist:
+            raise ModelLoadError(f"model.generation_config: no generation_config.json in {path.parent}; point it at "
+                                 "a folder holding one, or use 'auto' (the model's own) or 'none'")
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from None
 
 
 def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:

@@ -55,6 +55,18 @@ class Front:
             raise RequestError(f"unknown chat role {bad[0]!r}; use system, user or assistant")
         return self.model.encode_chat(messages)
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model's default sampling (model.generation_config and its override)."""
+        return self.model.sampling_defaults
+
+    def apply_defaults(self, sampling) -> None:
+        """Give a wire SamplingParams the model's default for each of max_tokens, temperature,
+        top_k and top_p it leaves unset, in place: workers then see what the request will get."""
+        for name, value in self.sampling_defaults.items():
+            if not sampling.HasField(name):
+                setattr(sampling, name, value)
+
     def validate(self, prompt: list[int], sampling) -> None:
         """RequestError / ValueError with what to change; `sampling` is the wire message."""
         validate_prompt(prompt, sampling_from_proto(sampling), max_context=self.max_context(),

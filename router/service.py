@@ -53,6 +53,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def _validated(self, request) -> list[int]:
         prompt = self._prompt_ids(request)
+        self.front.apply_defaults(request.sampling)
         self.front.validate(prompt, request.sampling)
         return prompt
 
@@ -124,7 +125,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def GetModelInfo(self, request, context):
         fingerprints = {w.fingerprint for w in self.pool.all() if w.fingerprint}
         return router_pb2.ModelInfo(name=self.model.name, max_context=self.front.max_context(),
-                                    model_fingerprint=",".join(sorted(fingerprints)), vocab_size=self.model.vocab_size)
+                                    model_fingerprint=",".join(sorted(fingerprints)), vocab_size=self.model.vocab_size,
+                                    sampling_defaults=self.front.sampling_defaults)
 
     def GetClusterStatus(self, request, context):
         stats = self.dispatcher.stats
@@ -151,7 +153,7 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
     router_pb2_grpc.add_RouterServicer_to_server(api, server.server)
     server.add_service("baton.v1.Router")
     server.start()
-    view = load_tokenizer_view(model.name)
+    view = load_tokenizer_view(model.name, model.generation_config, model.override_generation_config)
     if settings.chat_template:
         from baton.router.openai_api.server import load_chat_template
 

@@ -478,7 +478,7 @@ def test_a_decode_worker_going_silent_while_its_kv_is_pushed_loses_no_request(de
 
             def run() -> None:
                 try:
-                    outcome["result"] = client.generate(prompt_text, max_tokens=16, ignore_eos=True)
+                    outcome["result"] = client.generate(prompt_text, max_tokens=16, ignore_eos=True, temperature=0)
                 except BatonError as exc:
                     outcome["error"] = exc
 

@@ -287,3 +287,25 @@ def test_a_draining_router_finishes_open_streams_and_answers_503(cluster, api):
     with pytest.raises(Unavailable):  # the router is gone
         with BatonClient(cluster.router_address, token=TOKEN, timeout=5) as client:
             client.model_info()
+
+
+def test_the_routers_default_sampling_reaches_both_apis(tiny_reference):
+    """model.override_generation_config on the router (vLLM's --override-generation-config): a
+    request that leaves max_tokens and temperature unset gets the defaults through the SDK and the
+    OpenAI API alike, here 5 greedy tokens; /v1/models and GetModelInfo say what they are."""
+    defaults = {"max_new_tokens": 5, "temperature": 0}
+    prompt = [31, 32, 33, 34]
+    with LocalCluster(prefill=1, decode=1, model=MODEL, max_rows=2, http_port=-1,
+                      router_args=("--override-generation-config", json.dumps(defaults))) as cluster:
+        with BatonClient(cluster.router_address, timeout=120) as client:
+            assert client.model_info().sampling_defaults == {"max_tokens": 5, "temperature": 0.0}
+            by_sdk = client.generate(token_ids=prompt, ignore_eos=True)
+            sampled = client.generate(token_ids=prompt, ignore_eos=True, temperature=1.5, seed=3, max_tokens=40)
+        api = openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0, timeout=120)
+        by_http = api.completions.create(model=MODEL, prompt=prompt, extra_body={"ignore_eos": True})
+        listed = http(cluster, "GET", "/v1/models", token=None)[2]["data"][0]
+    expected = tiny_reference.greedy(prompt, 5)
+    assert by_sdk.token_ids == expected and by_sdk.finish_reason == "length"
+    assert by_http.usage.completion_tokens == 5 and by_http.choices[0].text == by_sdk.text
+    assert listed["sampling_defaults"] == {"max_tokens": 5, "temperature": 0.0}
+    assert sampled.token_ids[:5] != expected  # what a request sets wins over the defaults

@@ -25,6 +25,16 @@ def test_chat_defaults_follow_openai():
     assert not request.max_tokens_given  # the server gives it the rest of the context
 
 
+def test_the_models_default_sampling_fills_what_the_body_leaves_unset():
+    defaults = {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "max_tokens": 64}
+    unset = parse(CHAT, chat=True, defaults=defaults).sampling
+    assert (unset.temperature, unset.top_p, unset.top_k) == (0.2, 0.9, 40)
+    chosen = parse({**CHAT, "temperature": 0.7, "top_k": -1}, chat=True, defaults=defaults).sampling
+    assert (chosen.temperature, chosen.top_p, chosen.top_k) == (0.7, 0.9, 0)  # per field; -1 is "off"
+    assert parse({**CHAT, "temperature": 0}, chat=True, defaults=defaults).sampling.is_greedy
+    assert parse(CHAT, chat=True, defaults={"top_p": 0.5}).sampling.temperature == 1.0  # then OpenAI's
+
+
 def test_chat_reads_text_parts_developer_role_and_max_completion_tokens():
     request = parse({"messages": [{"role": "developer", "content": [{"type": "text", "text": "be "},
                                                                       {"type": "text", "text": "brief"}]},

@@ -237,3 +237,45 @@ def test_sampling_and_logprobs_cross_the_wire_unchanged():
     assert sampling_from_proto(sampling_to_proto(SamplingParams(logprobs=0))).logprobs == 0
     entry = TokenLogprob(7, -0.5, ((7, -0.5), (3, -1.25)))
     assert logprob_from_proto(logprob_to_proto(entry)) == entry
+
+
+def test_default_sampling_from_a_generation_config_is_checked_and_fills_only_unset_fields():
+    from baton.sampling import fill_unset, sampling_defaults
+
+    hf = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 512,
+          "repetition_penalty": 1.1, "eos_token_id": 2}
+    assert sampling_defaults(hf, "gen.json", strict=False) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20,
+                                                               "max_tokens": 512}
+    with pytest.raises(ValueError, match="override: 'repetition_penalty' is not a sampling default"):
+        sampling_defaults({"repetition_penalty": 1.1}, "override")
+    with pytest.raises(ValueError, match="override: top_p must be in"):
+        sampling_defaults({"top_p": 0}, "override")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        sampling_defaults([0.5], "override")
+    assert fill_unset({"temperature": None, "top_p": 0.5}, {"temperature": 0.2, "top_p": 0.9}) == {
+        "temperature": 0.2, "top_p": 0.5}
+
+
+def test_each_model_says_its_default_sampling(tmp_path):
+    from baton.config import load_settings
+    from baton.engine.model import DEFAULT_MODEL_SAMPLING, ModelLoadError, model_sampling_defaults
+
+    assert model_sampling_defaults("default") == DEFAULT_MODEL_SAMPLING == {"temperature": 0.2, "top_p": 0.9}
+    assert model_sampling_defaults("default", "none") == {} == model_sampling_defaults("tiny-random")
+    assert model_sampling_defaults("default", override={"temperature": 0.7}) == {"temperature": 0.7, "top_p": 0.9}
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "do_sample": True}))
+    assert model_sampling_defaults(str(folder)) == {"temperature": 0.6, "top_p": 0.95}
+    assert model_sampling_defaults("tiny-random", str(folder), {"max_new_tokens": 9}) == {
+        "temperature": 0.6, "top_p": 0.95, "max_tokens": 9}
+    with pytest.raises(ModelLoadError, match="no generation_config.json"):
+        model_sampling_defaults("default", str(tmp_path))
+    # The settings: a flag or an environment variable carries the override as JSON, checked at start.
+    assert load_settings(env={"BATON_MODEL_OVERRIDE_GENERATION_CONFIG": '{"temperature": 0.5}'}).model \
+        .override_generation_config == {"temperature": 0.5}
+    with pytest.raises(ValueError, match="'seed' is not a sampling default"):
+        load_settings(env={"BATON_MODEL_OVERRIDE_GENERATION_CONFIG": '{"seed": 1}'})
+    with pytest.raises(ValueError, match="cannot read"):
+        load_settings(env={"BATON_MODEL_OVERRIDE_GENERATION_CONFIG": "temperature=0.5"})

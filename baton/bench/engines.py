@@ -239,7 +239,7 @@ def run_cluster(opts: BenchOptions, prompts: list[list[int]], caps: list[int], b
     with LocalCluster(prefill=1, decode=1, model=opts.model, max_rows=batch_size, extra_env=env) as cluster:
         with BatonClient(cluster.router_address, timeout=CLUSTER_TIMEOUT_S) as client:
             client.generate(token_ids=prompts[0][:8], max_tokens=2)  # warm-up
-            requests = [{"token_ids": p, "max_tokens": c} for p, c in zip(prompts, caps)]
+            requests = [{"token_ids": p, "max_tokens": c, "temperature": 0} for p, c in zip(prompts, caps)]
             pids = [proc.pid for _, proc in cluster.procs]
             cpu_before = _cpu_seconds(pids)
             clock = time.perf_counter()

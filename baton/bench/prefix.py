@@ -169,7 +169,7 @@ def cluster_figures(opts: BenchOptions, prompts: list[list[int]], max_tokens: in
     from baton.up import LocalCluster
     from baton.client import BatonClient, BatonError
 
-    requests = [{"token_ids": p, "max_tokens": max_tokens} for p in prompts]
+    requests = [{"token_ids": p, "max_tokens": max_tokens, "temperature": 0} for p in prompts]
     out: dict[str, Any] = {}
     try:
         with LocalCluster(prefill=1, decode=1, model=opts.model, max_rows=8, extra_env=opts.worker_env()) as cluster:

@@ -126,7 +126,8 @@ def run_cluster(opts: BenchOptions, model: str, prompts, router_config: dict, ro
 
             def one(i: int) -> None:
                 try:
-                    results[i] = client.generate(token_ids=prompts[i][1], max_tokens=MAX_TOKENS, ignore_eos=True)
+                    results[i] = client.generate(token_ids=prompts[i][1], max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                     temperature=0)
                 except Exception as exc:  # noqa: BLE001 - counted as failed
                     results[i] = exc
                 done.release()

@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from baton.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/router.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\x08messages\x18\x03 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParamsB\x08\n\x06prompt\"\xe8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\x1e\n\x05trace\x18\x06 \x01(\x0b\x32\x0f.baton.v1.Trace\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\x12(\n\x08logprobs\x18\x08 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"\\\n\x14GenerateBatchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.baton.v1.GenerateRequest\x12\x17\n\x0fmax_concurrency\x18\x02 \x01(\r\"\xb0\x02\n\x0c\x42\x61tchSummary\x12\x10\n\x08requests\x18\x01 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x1c\n\x14planned_saved_tokens\x18\x04 \x01(\x04\x12\x15\n\rcached_tokens\x18\x05 \x01(\x04\x12\x1c\n\x14planned_saving_ratio\x18\x06 \x01(\x01\x12\x1c\n\x14optimum_saving_ratio\x18\x07 \x01(\x01\x12\x1b\n\x13\x61\x63tual_saving_ratio\x18\x08 \x01(\x01\x12\x0e\n\x06groups\x18\t \x01(\r\x12\x0f\n\x07seconds\x18\n \x01(\x01\x12\x18\n\x10routing_accuracy\x18\x0b \x01(\x01\x12\x1e\n\x16pinned_computed_tokens\x18\x0c \x01(\x04\"\xbd\x01\n\x15GenerateBatchResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x1a.baton.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12\'\n\x07summary\x18\x05 \x01(\x0b\x32\x16.baton.v1.BatchSummary\x12\x15\n\rretry_after_s\x18\x06 \x01(\x01\"\x12\n\x10ModelInfoRequest\"]\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\"\x16\n\x14\x43lusterStatusRequest\"\x8c\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12$\n\x06\x64\x65\x63ode\x18\x04 \x01(\x0b\x32\x14.baton.v1.DecodeLoad\x12&\n\x07prefill\x18\x05 \x01(\x0b\x32\x15.baton.v1.PrefillLoad\"q\n\x0cRoutingStats\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x1f\n\x17predicted_cached_tokens\x18\x02 \x01(\x04\x12\x1c\n\x14\x61\x63tual_cached_tokens\x18\x03 \x01(\x04\x12\x10\n\x08\x61\x63\x63uracy\x18\x04 \x01(\x01\"a\n\rClusterStatus\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.baton.v1.WorkerStatus\x12\'\n\x07routing\x18\x02 \x01(\x0b\x32\x16.baton.v1.RoutingStats2\xaf\x02\n\x06Router\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12R\n\rGenerateBatch\x12\x1e.baton.v1.GenerateBatchRequest\x1a\x1f.baton.v1.GenerateBatchResponse0\x01\x12?\n\x0cGetModelInfo\x12\x1a.baton.v1.ModelInfoRequest\x1a\x13.baton.v1.ModelInfo\x12K\n\x10GetClusterStatus\x12\x1e.baton.v1.ClusterStatusRequest\x1a\x17.baton.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/router.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\x08messages\x18\x03 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParamsB\x08\n\x06prompt\"\xe8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\x1e\n\x05trace\x18\x06 \x01(\x0b\x32\x0f.baton.v1.Trace\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\x12(\n\x08logprobs\x18\x08 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"\\\n\x14GenerateBatchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.baton.v1.GenerateRequest\x12\x17\n\x0fmax_concurrency\x18\x02 \x01(\r\"\xb0\x02\n\x0c\x42\x61tchSummary\x12\x10\n\x08requests\x18\x01 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x1c\n\x14planned_saved_tokens\x18\x04 \x01(\x04\x12\x15\n\rcached_tokens\x18\x05 \x01(\x04\x12\x1c\n\x14planned_saving_ratio\x18\x06 \x01(\x01\x12\x1c\n\x14optimum_saving_ratio\x18\x07 \x01(\x01\x12\x1b\n\x13\x61\x63tual_saving_ratio\x18\x08 \x01(\x01\x12\x0e\n\x06groups\x18\t \x01(\r\x12\x0f\n\x07seconds\x18\n \x01(\x01\x12\x18\n\x10routing_accuracy\x18\x0b \x01(\x01\x12\x1e\n\x16pinned_computed_tokens\x18\x0c \x01(\x04\"\xbd\x01\n\x15GenerateBatchResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x1a.baton.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12\'\n\x07summary\x18\x05 \x01(\x0b\x32\x16.baton.v1.BatchSummary\x12\x15\n\rretry_after_s\x18\x06 \x01(\x01\"\x12\n\x10ModelInfoRequest\"\xdc\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x44\n\x11sampling_defaults\x18\x05 \x03(\x0b\x32).baton.v1.ModelInfo.SamplingDefaultsEntry\x1a\x37\n\x15SamplingDefaultsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x16\n\x14\x43lusterStatusRequest\"\x8c\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12$\n\x06\x64\x65\x63ode\x18\x04 \x01(\x0b\x32\x14.baton.v1.DecodeLoad\x12&\n\x07prefill\x18\x05 \x01(\x0b\x32\x15.baton.v1.PrefillLoad\"q\n\x0cRoutingStats\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x1f\n\x17predicted_cached_tokens\x18\x02 \x01(\x04\x12\x1c\n\x14\x61\x63tual_cached_tokens\x18\x03 \x01(\x04\x12\x10\n\x08\x61\x63\x63uracy\x18\x04 \x01(\x01\"a\n\rClusterStatus\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.baton.v1.WorkerStatus\x12\'\n\x07routing\x18\x02 \x01(\x0b\x32\x16.baton.v1.RoutingStats2\xaf\x02\n\x06Router\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12R\n\rGenerateBatch\x12\x1e.baton.v1.GenerateBatchRequest\x1a\x1f.baton.v1.GenerateBatchResponse0\x01\x12?\n\x0cGetModelInfo\x12\x1a.baton.v1.ModelInfoRequest\x1a\x13.baton.v1.ModelInfo\x12K\n\x10GetClusterStatus\x12\x1e.baton.v1.ClusterStatusRequest\x1a\x17.baton.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_MODELINFO_SAMPLINGDEFAULTSENTRY']._loaded_options = None
+  _globals['_MODELINFO_SAMPLINGDEFAULTSENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGES']._serialized_start=58
   _globals['_CHATMESSAGES']._serialized_end=113
   _globals['_TOKENIDS']._serialized_start=115
@@ -48,16 +50,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEBATCHRESPONSE']._serialized_end=1161
   _globals['_MODELINFOREQUEST']._serialized_start=1163
   _globals['_MODELINFOREQUEST']._serialized_end=1181
-  _globals['_MODELINFO']._serialized_start=1183
-  _globals['_MODELINFO']._serialized_end=1276
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1278
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1300
-  _globals['_WORKERSTATUS']._serialized_start=1303
-  _globals['_WORKERSTATUS']._serialized_end=1443
-  _globals['_ROUTINGSTATS']._serialized_start=1445
-  _globals['_ROUTINGSTATS']._serialized_end=1558
-  _globals['_CLUSTERSTATUS']._serialized_start=1560
-  _globals['_CLUSTERSTATUS']._serialized_end=1657
-  _globals['_ROUTER']._serialized_start=1660
-  _globals['_ROUTER']._serialized_end=1963
+  _globals['_MODELINFO']._serialized_start=1184
+  _globals['_MODELINFO']._serialized_end=1404
+  _globals['_MODELINFO_SAMPLINGDEFAULTSENTRY']._serialized_start=1349
+  _globals['_MODELINFO_SAMPLINGDEFAULTSENTRY']._serialized_end=1404
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1406
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1428
+  _globals['_WORKERSTATUS']._serialized_start=1431
+  _globals['_WORKERSTATUS']._serialized_end=1571
+  _globals['_ROUTINGSTATS']._serialized_start=1573
+  _globals['_ROUTINGSTATS']._serialized_end=1686
+  _globals['_CLUSTERSTATUS']._serialized_start=1688
+  _globals['_CLUSTERSTATUS']._serialized_end=1785
+  _globals['_ROUTER']._serialized_start=1788
+  _globals['_ROUTER']._serialized_end=2091
 # @@protoc_insertion_point(module_scope)

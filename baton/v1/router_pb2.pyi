@@ -110,16 +110,25 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "max_context", "model_fingerprint", "vocab_size")
+    __slots__ = ("name", "max_context", "model_fingerprint", "vocab_size", "sampling_defaults")
+    class SamplingDefaultsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     max_context: int
     model_fingerprint: str
     vocab_size: int
-    def __init__(self, name: _Optional[str] = ..., max_context: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    sampling_defaults: _containers.ScalarMap[str, float]
+    def __init__(self, name: _Optional[str] = ..., max_context: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., sampling_defaults: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ClusterStatusRequest(_message.Message):
     __slots__ = ()

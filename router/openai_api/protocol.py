@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from baton.sampling import INT32_MAX, INT32_MIN, MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob
+from baton.sampling import (INT32_MAX, INT32_MIN, MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob,
+                            fill_unset)
 
 # What the default model is called on the wire (its Hugging Face name), as vLLM would serve it.
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -175,8 +176,14 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
-def parse(body: Any, *, chat: bool) -> APIRequest:
-    """Read a /v1/chat/completions (`chat`) or /v1/completions body; raise APIError(400)."""
+# OpenAI's own default where neither the request nor the model's default sampling sets one.
+OPENAI_TEMPERATURE = 1.0
+
+
+def parse(body: Any, *, chat: bool, defaults: dict | None = None) -> APIRequest:
+    """Read a /v1/chat/completions (`chat`) or /v1/completions body; raise APIError(400).
+    `defaults` (the model's default sampling) fill what the body leaves unset, then OpenAI's
+    temperature 1; an unset max_tokens is set per prompt by the server."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -194,7 +201,7 @@ def parse(body: Any, *, chat: bool) -> APIRequest:
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is not None and not isinstance(stop_token_ids, list):
         raise bad("stop_token_ids", "must be a list of token ids")
-    top_k = _int(body, "top_k", -1, 2**31 - 1, 0)
+    top_k = _int(body, "top_k", -1, 2**31 - 1)
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
@@ -203,11 +210,15 @@ def parse(body: Any, *, chat: bool) -> APIRequest:
     if not isinstance(user, str):
         raise bad("user", "must be a string")
     try:
+        given = fill_unset({"temperature": _number(body, "temperature", 0.0, 2.0),
+                            "top_p": _number(body, "top_p", 0.0, 1.0),
+                            "top_k": None if top_k is None else max(top_k, 0)},
+                           {k: v for k, v in (defaults or {}).items() if k != "max_tokens"})
+        if given["temperature"] is None:
+            given["temperature"] = OPENAI_TEMPERATURE
         sampling = SamplingParams.from_kwargs({
-            "max_tokens": max_tokens,  # unset: up to the context, set per prompt by the server
-            # OpenAI's default temperature is 1 (sampling), not greedy
-            "temperature": _number(body, "temperature", 0.0, 2.0, 1.0),
-            "top_p": _number(body, "top_p", 0.0, 1.0), "top_k": max(top_k, 0),
+            "max_tokens": max_tokens,  # unset: up to the context (or the model's default), set per prompt
+            **given,
             "seed": _int(body, "seed", -(2**63), MAX_SEED),
             "stop": stop, "stop_token_ids": stop_token_ids, "ignore_eos": _bool(body, "ignore_eos"),
             "priority": _int(body, "priority", INT32_MIN, INT32_MAX, 0), "logprobs": _logprobs(body, chat)})

@@ -250,7 +250,9 @@ class OpenAIServer:
     async def models(self, request):
         return JSONResponse({"object": "list", "data": [{
             "id": self.served[0], "object": "model", "created": 0, "owned_by": "baton", "root": self.front.model.name,
-            "max_model_len": self.front.max_context()}]})
+            "max_model_len": self.front.max_context(),
+            # Baton's extension: what a request leaving these unset gets (then OpenAI's temperature 1)
+            "sampling_defaults": self.front.sampling_defaults}]})
 
     async def chat(self, request):
         return await self._complete(request, chat=True)
@@ -269,7 +271,7 @@ class OpenAIServer:
                 body = json.loads(await request.body())
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise APIError(400, f"the request body is not JSON: {exc}") from None
-            parsed = protocol.parse(body, chat=chat)
+            parsed = protocol.parse(body, chat=chat, defaults=self.front.sampling_defaults)
             if parsed.model is not None and parsed.model not in self.served:
                 raise APIError(404, f"the model {parsed.model!r} does not exist here; this server serves "
                                     f"{self.served[0]!r} (GET /v1/models)", param="model", code="model_not_found")
@@ -320,11 +322,12 @@ class OpenAIServer:
             except (RequestError, ValueError) as exc:
                 raise APIError(400, f"{where}: {exc}", param=where, code="invalid_value") from None
             sampling = parsed.sampling
-            if not parsed.max_tokens_given:  # up to the context, as OpenAI servers do
+            if not parsed.max_tokens_given:  # up to the context (as OpenAI servers do), or the model's default
                 if len(ids) >= limit:
                     raise APIError(400, f"{where}: the prompt is {len(ids)} tokens; this model's context is {limit}",
                                    param=where, code="context_length_exceeded")
-                sampling = replace(sampling, max_tokens=limit - len(ids))
+                default = self.front.sampling_defaults.get("max_tokens", limit)
+                sampling = replace(sampling, max_tokens=min(default, limit - len(ids)))
             for k in range(parsed.n):
                 seeded = sampling if sampling.seed is None or k == 0 else replace(sampling, seed=sampling.seed + k)
                 proto = sampling_to_proto(seeded)
