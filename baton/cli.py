@@ -221,6 +221,7 @@ def cmd_serve(args) -> int:
 
 
 BATCH_KEYS = {"prompt", "messages", "token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+              "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
               "priority", "stop_token_ids", "ignore_eos"}
 
 
@@ -373,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "API's own (gRPC greedy, OpenAI temperature 1); or a folder holding one")
     router.add_argument("--override-generation-config", metavar="JSON",
                         help='wins over --generation-config key by key, e.g. \'{"temperature": 0.7, "top_p": 0.95}\' '
-                             "(max_tokens or max_new_tokens, temperature, top_k, top_p)")
+                             "(max_tokens or max_new_tokens, temperature, top_k, top_p, repetition_penalty, min_p)")
     router.set_defaults(func=cmd_serve)
 
     prefill = sub.add_parser("prefill", help="run a prefill worker")

@@ -11,7 +11,9 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(
         max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
         stop=list(params.stop), stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-        priority=params.priority,
+        priority=params.priority, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
+        min_p=params.min_p, min_tokens=params.min_tokens, logit_bias=dict(params.logit_bias),
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -30,6 +32,9 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos, priority=msg.priority,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        min_p=msg.min_p, min_tokens=msg.min_tokens, logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 

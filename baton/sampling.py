@@ -16,6 +16,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit)
+MAX_REPETITION_PENALTY = 10.0
 # Below this a temperature only amplifies float noise, so it is treated as greedy (as vLLM does).
 GREEDY_TEMPERATURE_EPS = 1e-5
 
@@ -46,16 +48,34 @@ class SamplingParams:
     ignore_eos: bool = False
     priority: int = 0
     logprobs: int | None = None  # each token's log probability and this many alternatives; None = off
+    # Penalties on tokens already there (OpenAI's and vLLM's): presence and frequency subtract
+    # from the logits of tokens generated so far (once, and once per occurrence); repetition
+    # divides positive (multiplies negative) logits of tokens in the prompt or the output.
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest one; 0 = off
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings end the request only after this many
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100])
 
     def __post_init__(self) -> None:
         # Normalise JSON-ish input (lists, a single stop string, int temperatures) once here.
+        if isinstance(self.logit_bias, dict):  # JSON's keys are strings: "50256" is token 50256
+            pairs = [(int(k) if isinstance(k, str) and k.isdigit() else k, v) for k, v in self.logit_bias.items()]
+            try:
+                pairs.sort()
+            except TypeError:  # keys that are not token ids: validate() names one
+                pass
+            object.__setattr__(self, "logit_bias", tuple(pairs))
+        elif isinstance(self.logit_bias, list):
+            object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, (list, tuple)):
             object.__setattr__(self, "stop", tuple(self.stop))
         if isinstance(self.stop_token_ids, (list, tuple)):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             value = getattr(self, name)
             if isinstance(value, numbers.Real) and not isinstance(value, bool):
                 object.__setattr__(self, name, float(value))
@@ -64,6 +84,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before sampling: penalties, a logit bias or min_tokens."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field, its value and what to change."""
@@ -82,6 +108,7 @@ class SamplingParams:
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise ValueError(f"seed must be an integer in 0..2**63-1 or null (got {self.seed!r})")
         self._validate_stops()
+        self._validate_penalties()
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false (got {self.ignore_eos!r})")
         if not _int_in(self.priority, INT32_MIN, INT32_MAX):
@@ -89,6 +116,32 @@ class SamplingParams:
         if self.logprobs is not None and not _int_in(self.logprobs, 0, MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} or null (got {self.logprobs!r}): "
                              "how many most likely alternatives to return with each token's log probability")
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, float) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2] (got {value!r}); 0 turns it off")
+        r = self.repetition_penalty
+        if not isinstance(r, float) or not math.isfinite(r) or not 0.0 < r <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (got {r!r}); "
+                             "1 turns it off, above 1 discourages repeats")
+        if not isinstance(self.min_p, float) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (got {self.min_p!r}); 0 turns it off")
+        if not _int_in(self.min_tokens, 0, UINT32_MAX) or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}] "
+                             f"(got {self.min_tokens!r})")
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases (got {bias!r})")
+        for pair in bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and _int_in(pair[0], 0, UINT32_MAX)
+                    and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool)
+                    and -100.0 <= pair[1] <= 100.0):
+                raise ValueError(f"logit_bias maps token ids (integers >= 0) to biases in [-100, 100] "
+                                 f"(got {pair!r})")
+        if len({token for token, _ in bias}) != len(bias):
+            raise ValueError("logit_bias names a token id twice")
 
     def _validate_stops(self) -> None:
         if not isinstance(self.stop, tuple):
@@ -141,11 +194,11 @@ SAMPLING_OPTION_NAMES = frozenset(f.name for f in fields(SamplingParams))
 
 # What a model may default for requests that leave it unset, as vLLM applies a model's
 # generation_config: Hugging Face's names (generation_config.json) map onto Baton's.
-DEFAULTABLE = ("max_tokens", "temperature", "top_k", "top_p")
+DEFAULTABLE = ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "min_p")
 _GENERATION_CONFIG_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k",
-                            "top_p": "top_p"}
-# Set in some generation configs, not (yet) applied by Baton: said once in the router's log.
-UNAPPLIED_GENERATION_KEYS = ("repetition_penalty", "min_p", "presence_penalty", "frequency_penalty")
+                            "top_p": "top_p", "repetition_penalty": "repetition_penalty", "min_p": "min_p"}
+# Set in some generation configs, not applied by Baton: said once in the router's log.
+UNAPPLIED_GENERATION_KEYS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size")
 
 
 def sampling_defaults(values: dict[str, Any], source: str, *, strict: bool = True) -> dict[str, float | int]:
@@ -170,7 +223,7 @@ def sampling_defaults(values: dict[str, Any], source: str, *, strict: bool = Tru
             SamplingParams(**{name: value})
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
-        defaults[name] = float(value) if name in ("temperature", "top_p") else value
+        defaults[name] = float(value) if name not in ("max_tokens", "top_k") else value
     return defaults
 
 

@@ -57,12 +57,15 @@ def build_request(prompt: str | None = None, *, messages: ChatMessages | None = 
 
 
 def sampling_to_proto(options: SamplingOptions, given: set[str] = frozenset()) -> common_pb2.SamplingParams:
-    """The wire form. max_tokens, temperature, top_k and top_p go only when the caller `given`
-    them, so the router applies the model's defaults otherwise (ModelInfo.sampling_defaults; with
+    """The wire form. max_tokens, temperature, top_k, top_p, repetition_penalty and min_p go only
+    when the caller `given` them, so the router applies the model's defaults otherwise (ModelInfo.sampling_defaults; with
     none: 256 tokens, greedy); no seed means a fresh one per request."""
     proto = common_pb2.SamplingParams(stop=list(options.stop), stop_token_ids=list(options.stop_token_ids),
-                                      ignore_eos=options.ignore_eos, priority=options.priority)
-    for name in ("max_tokens", "temperature", "top_k", "top_p"):
+                                      ignore_eos=options.ignore_eos, priority=options.priority,
+                                      presence_penalty=options.presence_penalty,
+                                      frequency_penalty=options.frequency_penalty, min_tokens=options.min_tokens,
+                                      logit_bias=dict(options.logit_bias))
+    for name in ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "min_p"):
         if name in given:
             setattr(proto, name, getattr(options, name))
     if options.seed is not None:

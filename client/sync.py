@@ -127,9 +127,11 @@ class BatonClient:
 
         Exactly one of prompt (sent as one user chat message; raw=True sends it as plain text
         without the chat template), messages ([{"role": ..., "content": ...}]) or token_ids.
-        sampling: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
-        ignore_eos, priority, logprobs. max_tokens, temperature, top_p and top_k left unset get
-        the model's defaults (model_info().sampling_defaults), else 256 tokens, greedy."""
+        sampling: max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids,
+        ignore_eos, priority, logprobs, presence_penalty, frequency_penalty, repetition_penalty,
+        min_tokens, logit_bias ({token_id: bias}). max_tokens, temperature, top_p, top_k,
+        repetition_penalty and min_p left unset get the model's defaults
+        (model_info().sampling_defaults), else 256 tokens, greedy."""
         with self.stream(prompt, messages=messages, token_ids=token_ids, raw=raw, request_id=request_id,
                          timeout=timeout, **sampling) as chunks:
             return chunks.result()

@@ -5,7 +5,7 @@ through a queue drained by the loop that calls `step`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -15,7 +15,7 @@ from baton.engine.batch_kv import BatchKV, BatchKVFull, default_kv_budget
 from baton.engine.kv import SequenceKV, to_host
 from baton.engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput, effective_max_tokens
 from baton.engine.executors import Runner
-from baton.engine.sampling import INVALID_TOKEN, RequestSampler, SamplingParams, sample, token_logprobs
+from baton.engine.sampling import INVALID_TOKEN, RequestSampler, SamplingParams, ending_ids, sample, token_logprobs
 from baton.engine.stopping import FinishReason, StopChecker
 from baton.sampling import TokenLogprob
 
@@ -190,7 +190,9 @@ class DecodeCore:
         req.trace.mark("staged")
         seq.output_ids.append(prefilled.first_token)
         # Continue the random stream the prefill's first draw started.
-        live.sampler = RequestSampler(replace(req.params, seed=prefilled.seed), tokens_generated=req.resume_step + 1)
+        live.sampler = RequestSampler.for_request(req.params, req.prompt_token_ids, req.resume_step,
+                                                  ending_ids(req.params, loaded.eos_token_ids), seed=prefilled.seed,
+                                                  drawn=[prefilled.first_token])
         live.kv = prefilled.whole_kv()
         if prefilled.first_logprob is not None:
             live.logprobs.append(prefilled.first_logprob)

@@ -104,6 +104,9 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, *, max_
     if bad is not None:
         raise RequestError(f"token id {bad} is outside the model's vocabulary [0, {vocab_size})")
     params.validate()
+    bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"logit_bias names token id {bad}, outside the model's vocabulary [0, {vocab_size})")
 
 
 def effective_max_tokens(prompt_len: int, params: SamplingParams, max_context: int) -> int:

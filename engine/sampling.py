@@ -11,7 +11,9 @@ CUDA random streams differ).
 from __future__ import annotations
 
 import secrets
-from typing import Sequence
+from collections import Counter
+from dataclasses import replace
+from typing import Collection, Sequence
 
 import torch
 
@@ -30,19 +32,48 @@ def _step_seed(seed: int, step: int) -> int:
 
 
 class RequestSampler:
-    """One request's sampling state: its params, its seed and how many tokens it has drawn.
+    """One request's sampling state: its params, its seed, how many tokens it has drawn, and what
+    its penalties read (the tokens so far).
 
     `tokens_generated` is the step index of the next draw; a worker that takes over a request
     passes the number of tokens already generated so the random stream continues unchanged.
+    Penalties need no state carried between workers: `for_request` rebuilds it from the prompt a
+    worker is given, whose last `resume_step` tokens are the ones generated before it took over.
     """
 
-    def __init__(self, params: SamplingParams, tokens_generated: int = 0) -> None:
+    def __init__(self, params: SamplingParams, tokens_generated: int = 0, *, prompt_ids: Sequence[int] = (),
+                 output_ids: Sequence[int] = (), suppress_ids: Collection[int] = (), resume_step: int = 0) -> None:
         if tokens_generated < 0:
             raise ValueError(f"tokens_generated must be >= 0 (got {tokens_generated})")
         self.params = params
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.tokens_generated = tokens_generated
+        self.resume_step = resume_step  # min_tokens counts from here (the router lowers it by as much)
         self._generator: torch.Generator | None = None
+        # What the logit adjustments read; kept only when the request asks for one.
+        self.seen: set[int] = set()  # prompt and output tokens (repetition_penalty)
+        self._seen_ids: torch.Tensor | None = None  # the same, as a tensor, while no new token joins
+        self.output_counts: Counter[int] = Counter()  # output tokens (presence and frequency penalties)
+        self.suppress_ids = sorted(suppress_ids) if params.min_tokens else []  # EOS and stop ids, until min_tokens
+        if params.adjusts_logits:
+            if params.repetition_penalty != 1.0:
+                self.seen.update(prompt_ids)
+                self.seen.update(output_ids)
+            self.output_counts.update(output_ids)
+
+    @classmethod
+    def for_request(cls, params: SamplingParams, prompt_ids: Sequence[int], resume_step: int,
+                    suppress_ids: Collection[int] = (), seed: int | None = None, drawn: Sequence[int] = ()
+                    ) -> "RequestSampler":
+        """The sampler of a request given `prompt_ids` at `resume_step` (its last resume_step
+        tokens were generated before, elsewhere), after `drawn` more tokens (a decode worker
+        continuing the prefill's first token)."""
+        if seed is not None:
+            params = replace(params, seed=seed)
+        split = len(prompt_ids) - resume_step
+        outputs = [*prompt_ids[split:], *drawn]
+        return cls(params, resume_step + len(drawn), prompt_ids=prompt_ids[:split], output_ids=outputs,
+                   suppress_ids=suppress_ids, resume_step=resume_step)
 
     def generator_for_step(self, device: torch.device) -> torch.Generator:
         """This request's generator on `device`, seeded for the current step."""
@@ -51,25 +82,65 @@ class RequestSampler:
         self._generator.manual_seed(_step_seed(self.seed, self.tokens_generated))
         return self._generator
 
+    def record(self, token: int) -> None:
+        """One more token drawn (INVALID_TOKEN too: the step still advances)."""
+        self.tokens_generated += 1
+        if token != INVALID_TOKEN and self.params.adjusts_logits:
+            self.output_counts[token] += 1
+            if self.params.repetition_penalty != 1.0:
+                self.seen.add(token)
+
+    def adjust(self, row: torch.Tensor) -> None:
+        """Apply min_tokens, the logit bias and the penalties to this request's logits row, in
+        place (vLLM's order: logits processors, then repetition, frequency and presence)."""
+        p = self.params
+        device = row.device
+        if self.suppress_ids and self.tokens_generated - self.resume_step < p.min_tokens:
+            row[torch.tensor(self.suppress_ids, device=device)] = float("-inf")
+        if p.logit_bias:
+            ids, bias = zip(*p.logit_bias)
+            row[torch.tensor(ids, device=device)] += torch.tensor(bias, dtype=row.dtype, device=device)
+        if p.repetition_penalty != 1.0 and self.seen:
+            if self._seen_ids is None or len(self._seen_ids) != len(self.seen) or self._seen_ids.device != device:
+                self._seen_ids = torch.tensor(sorted(self.seen), device=device)  # a long prompt: built once
+            ids = self._seen_ids
+            values = row[ids]
+            row[ids] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and self.output_counts:
+            ids, counts = zip(*sorted(self.output_counts.items()))
+            counts = torch.tensor(counts, dtype=row.dtype, device=device)
+            row[torch.tensor(ids, device=device)] -= p.frequency_penalty * counts + p.presence_penalty
+
+
+def ending_ids(params: SamplingParams, eos_token_ids: Collection[int]) -> set[int]:
+    """The token ids that would end this request: what min_tokens holds back."""
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+
 
 def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> list[int]:
     """Next token for each row of `logits` ([n, vocab]), row i drawn with samplers[i].
 
-    Greedy rows take exactly torch.argmax (the first maximum on ties, as transformers does).
-    Other rows: logits / temperature, then top-k, then top-p (nucleus; the most likely token
-    always stays), then torch.multinomial with the row's own generator. Advances every
-    sampler's step counter by one.
+    A row whose request asks for it first gets its min_tokens, logit bias and penalties (on a
+    copy: `logits` stay raw for the log probabilities). Greedy rows take exactly torch.argmax
+    (the first maximum on ties, as transformers does). Other rows: logits / temperature, then
+    top-k, then top-p (nucleus; the most likely token always stays), then min-p, then
+    torch.multinomial with the row's own generator. Advances every sampler by one step.
     """
     if logits.dim() != 2 or logits.shape[0] != len(samplers):
         raise ValueError(f"logits must be [n, vocab] with one row per sampler; "
                          f"got shape {tuple(logits.shape)} for {len(samplers)} samplers")
     logits = logits.float()  # logits: [n, V]
+    adjusted = [i for i, s in enumerate(samplers) if s.params.adjusts_logits]
+    if adjusted:
+        logits = logits.clone()
+        for i in adjusted:  # each row by its own request's state only: batch-invariant
+            samplers[i].adjust(logits[i])
     if all(s.params.is_greedy for s in samplers):
         tokens = logits.argmax(dim=-1).tolist()
     else:
         tokens = _sample_mixed(logits, samplers)
-    for s in samplers:
-        s.tokens_generated += 1
+    for s, token in zip(samplers, tokens):
+        s.record(token)
     return tokens
 
 
@@ -103,7 +174,7 @@ def _sample_mixed(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> l
         p = s.params
         if p.is_greedy:
             greedy.append(i)
-        elif p.top_k == 0 and p.top_p >= 1.0:
+        elif p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0.0:
             plain.append(i)
         else:
             filtered.append(i)
@@ -129,7 +200,8 @@ def _temperatures(samplers: Sequence[RequestSampler], rows: list[int], device: t
 
 
 def _filtered_sorted_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probabilities after temperature, top-k and top-p, in descending-logit order.
+    """Probabilities after temperature, top-k, top-p and min-p (transformers' order), in
+    descending-logit order.
 
     logits: [m, V]. Returns (probs [m, V] with dropped tokens at 0, vocab ids [m, V]).
     A stable sort keeps equal logits in vocab order, so top_k=1 picks what argmax picks.
@@ -146,6 +218,9 @@ def _filtered_sorted_probs(logits: torch.Tensor, params: list[SamplingParams]) -
     top_p = torch.tensor([[p.top_p] for p in params], dtype=torch.float32, device=device)
     mass_before = torch.cumsum(probs, dim=-1) - probs
     drop = (mass_before >= top_p) & (top_p < 1.0) & (positions > 0)
+    # Min-p: below min_p times the likeliest token's probability (the ratio top-k and top-p keep).
+    min_p = torch.tensor([[p.min_p] for p in params], dtype=torch.float32, device=device)
+    drop |= probs < min_p * probs[:, :1]
     return probs.masked_fill(drop, 0.0), sorted_ids
 
 

@@ -138,7 +138,9 @@ class StopChecker:
             raise RuntimeError(f"request already finished ({self.finish_reason.value}); "
                                "stop feeding it tokens")
         self._token_ids.append(token_id)
-        ends_by_id = token_id in self._eos_ids or token_id in self._stop_ids
+        # Before min_tokens nothing ends the request but its length (the sampler holds these ids back).
+        early = len(self._token_ids) <= self.params.min_tokens
+        ends_by_id = not early and (token_id in self._eos_ids or token_id in self._stop_ids)
         if ends_by_id:
             new_text = self._detokenizer.flush()  # the ending token's own text is not output
         else:
@@ -165,7 +167,7 @@ class StopChecker:
 
     def _find_stop_string(self, old_len: int) -> int | None:
         """Start of the earliest stop string ending in the new text, or None."""
-        if not self.params.stop or len(self._text) == old_len:
+        if not self.params.stop or len(self._text) == old_len or len(self._token_ids) < self.params.min_tokens:
             return None
         # A match absent before this step must end in the new text, so search only near it.
         start = max(0, old_len - self._max_stop_chars + 1)

@@ -17,7 +17,7 @@ from baton.block_hash import BlockHasher
 from baton.engine.request import GenerationRequest, PrefilledRequest
 from baton.engine.executors import Runner
 from baton.engine.kv import PrefillOutput, SequenceKV, joined
-from baton.engine.sampling import RequestSampler, sample, token_logprobs
+from baton.engine.sampling import RequestSampler, ending_ids, sample, token_logprobs
 from baton.prefill_worker.prefix_cache import KVEvents, PrefixCache
 
 DEFAULT_BLOCK_SIZE = 16
@@ -124,7 +124,8 @@ class PrefillCore:
     def _finish(self, request: GenerationRequest, plan: Reuse, out: PrefillOutput) -> PrefilledRequest:
         """Cache the prompt's new blocks and sample its first token."""
         self._remember(plan.hashes, out)
-        sampler = RequestSampler(request.params, tokens_generated=request.resume_step)
+        sampler = RequestSampler.for_request(request.params, request.prompt_token_ids, request.resume_step,
+                                             ending_ids(request.params, self.runner.loaded.eos_token_ids))
         first_token = sample(out.logits[None], [sampler])[0]
         first_logprob = token_logprobs(out.logits[None], [first_token], [request.params])[0]
         request.trace.cached_tokens = plan.tokens

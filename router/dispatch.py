@@ -299,6 +299,7 @@ def _left(sampling, done: int):
     rest = common_pb2.SamplingParams.FromString(sampling.SerializeToString())
     if done:
         rest.max_tokens = (sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS) - done
+        rest.min_tokens = max(0, sampling.min_tokens - done)
     return rest
 
 

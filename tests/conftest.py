@@ -25,10 +25,11 @@ class Reference:
         self.loaded = load_model(name, dtype=TEST_DTYPE)
         self.loaded.model.set_attn_implementation("sdpa")
 
-    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
+        """generate_kwargs: transformers' own processors, e.g. repetition_penalty=1.3."""
         model = self.loaded.model
         out = model.generate(torch.tensor([prompt_ids], device=model.device), max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=model.generation_config.pad_token_id)
+                             pad_token_id=model.generation_config.pad_token_id, **generate_kwargs)
         return out[0, len(prompt_ids):].tolist()
 
     def logprobs(self, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:

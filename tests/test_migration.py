@@ -61,7 +61,8 @@ def resumed(ev: Evicted, params: SamplingParams) -> PrefilledRequest:
     """What the target worker makes of a handed-off KV (the router's DecodeRequest + KVMetadata)."""
     done = len(ev.token_ids) - 1
     request = GenerationRequest(ev.request_id, ev.prompt_token_ids + ev.token_ids[:-1],
-                                replace(params, max_tokens=params.max_tokens - done), resume_step=done)
+                                replace(params, max_tokens=params.max_tokens - done,
+                                        min_tokens=max(0, params.min_tokens - done)), resume_step=done)
     return PrefilledRequest(request, ev.kv, ev.token_ids[-1], ev.seed, first_logprob=ev.last_logprob)
 
 
@@ -118,6 +119,31 @@ def test_evicted_rows_go_on_token_identically_on_another_core(runner, tiny_refer
         assert core.batch.num_rows == 0 and not core.scheduler.requests and core.parked_bytes() == 0
     assert sorted(released.ids) == sorted(prompts) and target_released.ids == ["r1"]
     assert source.finished_total == 2 and target.finished_total == 1
+
+
+def test_penalties_go_on_unchanged_on_another_core(runner, tiny_reference):
+    """Penalties and min_tokens need no state carried: the target rebuilds what they read from the
+    prompt it is given (its last resume_step tokens were generated before), so the moved request
+    draws what it would have drawn staying put."""
+    from baton.local import LocalEngine
+
+    prompt = [322 + j for j in range(10)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3, presence_penalty=1.0,
+                            frequency_penalty=0.5, logit_bias={prompt[0]: 2.0}, stop_token_ids=(7,), min_tokens=16,
+                            temperature=0.9, seed=11)
+    stayed = LocalEngine(runner.loaded, DecodeConfig(max_rows=2), attention_backend="torch").generate([prompt], params)[0]
+    source = DecodeCore(runner, DecodeConfig(max_rows=2), on_kv_consumed=Released())
+    source.add(prefilled(runner, "p", prompt, params))
+    for _ in range(9):
+        source.step()
+    ev = source.evict("p")
+    source.scheduler.take_moving("p")
+    target = DecodeCore(runner, DecodeConfig(max_rows=2), on_kv_consumed=Released())
+    target.add(resumed(ev, params))
+    moved: dict[str, list[int]] = {}
+    run_to_end(target, moved)
+    assert ev.token_ids + moved["p"][1:] == stayed.token_ids
+    assert stayed.token_ids != tiny_reference.greedy(prompt, MAX_TOKENS)
 
 
 def test_evicting_a_staged_request_hands_over_its_prefill_kv(runner, tiny_reference):

@@ -80,6 +80,25 @@ def test_models_lists_the_served_model_with_its_context(api, sdk):
     assert models[0].max_model_len == sdk.model_info().max_context
 
 
+def test_penalties_and_biases_reach_both_workers_through_both_apis(api, sdk, tiny_reference):
+    """repetition_penalty applied by the prefill worker (first token) and the decode worker (the
+    rest) equals transformers' generate; the OpenAI API sends the same sampling as the SDK."""
+    prompt = [322 + j for j in range(10)]
+    penalised = sdk.generate(token_ids=prompt, max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.3)
+    assert penalised.token_ids == tiny_reference.greedy(prompt, 20, repetition_penalty=1.3)
+    assert penalised.token_ids != tiny_reference.greedy(prompt, 20)
+    asked = dict(presence_penalty=0.5, frequency_penalty=1.0, logit_bias={penalised.token_ids[3]: -100})
+    by_sdk = sdk.generate(token_ids=prompt, max_tokens=12, temperature=0, ignore_eos=True, min_tokens=4,
+                          repetition_penalty=1.3, **asked)
+    by_http = api.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                     presence_penalty=0.5, frequency_penalty=1.0,
+                                     logit_bias={str(penalised.token_ids[3]): -100},
+                                     extra_body={"ignore_eos": True, "min_tokens": 4, "repetition_penalty": 1.3})
+    assert by_http.choices[0].text == by_sdk.text and penalised.token_ids[3] not in by_sdk.token_ids
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        api.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logit_bias={"999999": 1})
+
+
 def test_greedy_chat_equals_the_grpc_sdk_token_for_token(api, sdk):
     expected = sdk.generate(messages=CHAT, max_tokens=24, temperature=0, ignore_eos=True)
     answer = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0,
@@ -208,7 +227,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_decode_row_and_kv(api, cluste
     ({"messages": CHAT, "temperature": -1}, "temperature"),
     ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": CHAT, "presence_penalty": 1.0}, "presence_penalty"),
+    ({"messages": CHAT, "presence_penalty": 3.0}, "presence_penalty"),
     ({"messages": CHAT, "n": 100}, "n"),
 ])
 def test_bad_fields_are_400_naming_the_field(cluster, body, param):
@@ -309,3 +328,4 @@ def test_the_routers_default_sampling_reaches_both_apis(tiny_reference):
     assert by_http.usage.completion_tokens == 5 and by_http.choices[0].text == by_sdk.text
     assert listed["sampling_defaults"] == {"max_tokens": 5, "temperature": 0.0}
     assert sampled.token_ids[:5] != expected  # what a request sets wins over the defaults
+

@@ -75,7 +75,15 @@ def test_completion_prompts_in_every_shape(prompt, expected):
     ({**CHAT, "logprobs": 3}, "logprobs"),
     ({**CHAT, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+    ({**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+    ({**CHAT, "frequency_penalty": "x"}, "frequency_penalty"),
+    ({**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+    ({**CHAT, "min_p": 1.5}, "min_p"),
+    ({**CHAT, "min_tokens": -1}, "min_tokens"),
+    ({**CHAT, "logit_bias": {"x": 1}}, "logit_bias"),
+    ({**CHAT, "logit_bias": {"5": 101}}, "logit_bias"),
+    ({**CHAT, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({**CHAT, "best_of": 2}, "best_of"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
     ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ({**CHAT, "model": 5}, "model"),
@@ -83,6 +91,14 @@ def test_completion_prompts_in_every_shape(prompt, expected):
 def test_bad_chat_fields_name_themselves(raw, param):
     error = refused(raw)
     assert error.param == param and error.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_penalties_biases_min_p_and_min_tokens_are_read():
+    sampling = parse({**CHAT, "presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.2,
+                      "min_p": 0.05, "min_tokens": 3, "logit_bias": {"50": -100, "7": 2.5}}, chat=True).sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -0.25, 1.2)
+    assert (sampling.min_p, sampling.min_tokens, sampling.logit_bias) == (0.05, 3, ((7, 2.5), (50, -100)))
+    assert parse(CHAT, chat=True, defaults={"repetition_penalty": 1.1}).sampling.repetition_penalty == 1.1
 
 
 def test_neutral_values_of_unsupported_fields_pass():

@@ -245,9 +245,9 @@ def test_default_sampling_from_a_generation_config_is_checked_and_fills_only_uns
     hf = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 512,
           "repetition_penalty": 1.1, "eos_token_id": 2}
     assert sampling_defaults(hf, "gen.json", strict=False) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20,
-                                                               "max_tokens": 512}
-    with pytest.raises(ValueError, match="override: 'repetition_penalty' is not a sampling default"):
-        sampling_defaults({"repetition_penalty": 1.1}, "override")
+                                                               "max_tokens": 512, "repetition_penalty": 1.1}
+    with pytest.raises(ValueError, match="override: 'typical_p' is not a sampling default"):
+        sampling_defaults({"typical_p": 0.9}, "override")
     with pytest.raises(ValueError, match="override: top_p must be in"):
         sampling_defaults({"top_p": 0}, "override")
     with pytest.raises(ValueError, match="expected a JSON object"):
@@ -279,3 +279,117 @@ def test_each_model_says_its_default_sampling(tmp_path):
         load_settings(env={"BATON_MODEL_OVERRIDE_GENERATION_CONFIG": '{"seed": 1}'})
     with pytest.raises(ValueError, match="cannot read"):
         load_settings(env={"BATON_MODEL_OVERRIDE_GENERATION_CONFIG": "temperature=0.5"})
+
+
+# -- penalties, biases, min-p, min_tokens ----------------------------------------------------------
+
+
+def test_logit_adjustments_follow_their_definitions():
+    """Repetition as transformers' RepetitionPenaltyLogitsProcessor (prompt and output); presence
+    and frequency as OpenAI defines them (output only); the bias added; min_tokens holds back the
+    ids that would end the request until that many tokens are out."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from baton.engine.sampling import RequestSampler
+
+    torch.manual_seed(0)
+    raw = torch.randn(50) * 3
+    prompt, outputs = [1, 2, 3, 3], [4, 4, 4, 9]
+    params = SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25,
+                            logit_bias={7: 5.0, 8: -100}, min_tokens=2, max_tokens=10)
+    # Taken over after 4 tokens, its min_tokens 6 came lowered by as much (the router's _left).
+    sampler = RequestSampler.for_request(params, prompt + outputs, resume_step=len(outputs), suppress_ids={2, 9})
+    row = raw.clone()
+    sampler.adjust(row)
+    expected = raw.clone()
+    expected[7] += 5.0
+    expected[8] -= 100
+    expected = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([prompt + outputs]), expected[None])[0]
+    expected[4] -= 0.25 * 3 + 0.5
+    expected[9] -= 0.25 * 1 + 0.5
+    expected[[2, 9]] = float("-inf")  # 0 of 2 tokens out here: EOS and stop ids held back
+    assert torch.equal(row, expected)
+    sampler.record(11)
+    sampler.record(12)  # 2 out now: they may end it
+    row = raw.clone()
+    sampler.adjust(row)
+    assert torch.isfinite(row[[2, 9]]).all() and row[11] == (raw[11] / 1.5 if raw[11] > 0 else raw[11] * 1.5) - 0.75
+
+
+def test_min_p_keeps_tokens_within_its_share_of_the_likeliest():
+    from transformers import MinPLogitsWarper
+
+    from baton.engine.sampling import RequestSampler, _filtered_sorted_probs
+
+    torch.manual_seed(1)
+    logits = torch.randn(2, 40) * 2
+    params = [SamplingParams(temperature=1.0, min_p=0.2), SamplingParams(temperature=0.7, min_p=0.05, top_k=10)]
+    probs, ids = _filtered_sorted_probs(logits, params)
+    for i, p in enumerate(params):
+        scores = logits[i:i + 1] / p.temperature
+        if p.top_k:
+            scores = scores.masked_fill(scores < scores.topk(p.top_k).values[:, -1:], float("-inf"))
+        kept = torch.isfinite(MinPLogitsWarper(p.min_p)(None, scores))[0]
+        assert set(ids[i][probs[i] > 0].tolist()) == set(kept.nonzero().flatten().tolist()), i
+    # A seeded draw never leaves the kept set, batched or alone.
+    samplers = [RequestSampler(replace_seed(p, 3)) for p in params]
+    tokens = sample(logits, samplers)
+    for i, token in enumerate(tokens):
+        assert probs[i][(ids[i] == token).nonzero()[0, 0]] > 0
+
+
+def replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return dataclasses.replace(params, seed=seed)
+
+
+def test_penalised_greedy_decoding_equals_transformers_in_any_batch(tiny_model, tiny_reference):
+    """fp32 exactness with penalties: repetition_penalty as transformers' generate applies it, and
+    presence, frequency and a logit bias against a plain decoding loop over the same model; each
+    row alone or beside other rows (plain and penalised) gives the same tokens."""
+    from baton.decode_worker.core import DecodeConfig
+    from baton.local import LocalEngine
+
+    prompts = [[300 + 11 * i + j for j in range(4 + 3 * i)] for i in range(4)]
+    steps = 20
+    repeat = SamplingParams(max_tokens=steps, ignore_eos=True, repetition_penalty=1.3)
+    openai_style = SamplingParams(max_tokens=steps, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.7,
+                                  logit_bias={prompts[1][0]: 3.0})
+    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=4), attention_backend="torch")
+    mixed = engine.generate(prompts, [SamplingParams(max_tokens=steps, ignore_eos=True), openai_style, repeat, repeat])
+    alone = engine.generate([prompts[1]], openai_style)[0]
+    assert mixed[0].token_ids == tiny_reference.greedy(prompts[0], steps)
+    assert mixed[2].token_ids == tiny_reference.greedy(prompts[2], steps, repetition_penalty=1.3)
+    assert mixed[3].token_ids == tiny_reference.greedy(prompts[3], steps, repetition_penalty=1.3)
+    assert mixed[1].token_ids == alone.token_ids == _penalised_greedy(tiny_reference, prompts[1], openai_style)
+    for i in (1, 2):  # the penalties did something
+        assert mixed[i].token_ids != tiny_reference.greedy(prompts[i], steps), i
+
+
+def _penalised_greedy(reference, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The definition, one token at a time over transformers' forward."""
+    model, ids, out = reference.loaded.model, list(prompt), []
+    for _ in range(params.max_tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+        for token, bias in params.logit_bias:
+            logits[token] += bias
+        for token in set(out):
+            logits[token] -= params.frequency_penalty * out.count(token) + params.presence_penalty
+        out.append(int(logits.argmax()))
+        ids.append(out[-1])
+    return out
+
+
+def test_min_tokens_holds_eos_and_stop_strings_back(tiny_model):
+    from baton.decode_worker.core import DecodeConfig
+    from baton.local import LocalEngine
+
+    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2), attention_backend="torch")
+    prompt = [500, 501, 502]
+    free = engine.generate([prompt], SamplingParams(max_tokens=12))[0]
+    first = free.token_ids[0]
+    # The first token made an EOS: without min_tokens it ends at once, with min_tokens=5 it cannot.
+    ended = engine.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=(first,)))[0]
+    held = engine.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=(first,), min_tokens=5))[0]
+    assert ended.token_ids == [first] and ended.finish_reason == "stop"
+    assert first not in held.token_ids[:5] and len(held.token_ids) >= 6

@@ -18,8 +18,7 @@ MAX_PROMPTS = 64  # /v1/completions: prompts in one request
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Fields the OpenAI API has that Baton does not implement: accepted only at their neutral value,
 # refused otherwise, so that a client never silently gets something other than what it asked.
-NEUTRAL = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-           "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+NEUTRAL = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
            "echo": (None, False), "suffix": (None, ""), "parallel_tool_calls": (None, True, False),
            "response_format": (None, {"type": "text"}), "best_of": (None, 1)}
 
@@ -164,6 +163,19 @@ def _check_neutral(body: dict) -> None:
             raise bad(name, f"{body[name]!r} is not supported by this server; leave it unset")
 
 
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids (as JSON object keys, so strings) to a bias in [-100, 100]."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise bad("logit_bias", f"must be an object mapping token ids to biases (got {raw!r})")
+    try:
+        return {int(token): bias for token, bias in raw.items()}
+    except ValueError:
+        raise bad("logit_bias", f"keys must be token ids such as \"50256\" (got {sorted(raw)!r})") from None
+
+
 def _logprobs(body: dict, chat: bool) -> int | None:
     """How many alternatives per token to return with its log probability; None = none. Chat says
     `logprobs: true` and `top_logprobs: N`; completions say `logprobs: N`."""
@@ -212,7 +224,9 @@ def parse(body: Any, *, chat: bool, defaults: dict | None = None) -> APIRequest:
     try:
         given = fill_unset({"temperature": _number(body, "temperature", 0.0, 2.0),
                             "top_p": _number(body, "top_p", 0.0, 1.0),
-                            "top_k": None if top_k is None else max(top_k, 0)},
+                            "top_k": None if top_k is None else max(top_k, 0),
+                            "repetition_penalty": _number(body, "repetition_penalty", 0.0, 10.0),
+                            "min_p": _number(body, "min_p", 0.0, 1.0)},
                            {k: v for k, v in (defaults or {}).items() if k != "max_tokens"})
         if given["temperature"] is None:
             given["temperature"] = OPENAI_TEMPERATURE
@@ -221,7 +235,10 @@ def parse(body: Any, *, chat: bool, defaults: dict | None = None) -> APIRequest:
             **given,
             "seed": _int(body, "seed", -(2**63), MAX_SEED),
             "stop": stop, "stop_token_ids": stop_token_ids, "ignore_eos": _bool(body, "ignore_eos"),
-            "priority": _int(body, "priority", INT32_MIN, INT32_MAX, 0), "logprobs": _logprobs(body, chat)})
+            "priority": _int(body, "priority", INT32_MIN, INT32_MAX, 0), "logprobs": _logprobs(body, chat),
+            "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0),
+            "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0),
+            "min_tokens": _int(body, "min_tokens", 0, 2**31 - 1), "logit_bias": _logit_bias(body)})
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), param=name, code="invalid_value") from None

@@ -326,8 +326,12 @@ class OpenAIServer:
                 if len(ids) >= limit:
                     raise APIError(400, f"{where}: the prompt is {len(ids)} tokens; this model's context is {limit}",
                                    param=where, code="context_length_exceeded")
-                default = self.front.sampling_defaults.get("max_tokens", limit)
-                sampling = replace(sampling, max_tokens=min(default, limit - len(ids)))
+                room = min(self.front.sampling_defaults.get("max_tokens", limit), limit - len(ids))
+                if sampling.min_tokens > room:
+                    raise APIError(400, f"{where}: min_tokens is {sampling.min_tokens} but only {room} new tokens fit "
+                                        f"after this {len(ids)}-token prompt", param="min_tokens",
+                                   code="context_length_exceeded")
+                sampling = replace(sampling, max_tokens=room)
             for k in range(parsed.n):
                 seeded = sampling if sampling.seed is None or k == 0 else replace(sampling, seed=sampling.seed + k)
                 proto = sampling_to_proto(seeded)
