@@ -228,6 +228,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_decode_row_and_kv(api, cluste
     ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": CHAT, "presence_penalty": 3.0}, "presence_penalty"),
+    ({"messages": CHAT, "use_beam_search": True}, "use_beam_search"),
+    ({"messages": CHAT, "temprature": 0.5}, "temprature"),
     ({"messages": CHAT, "n": 100}, "n"),
 ])
 def test_bad_fields_are_400_naming_the_field(cluster, body, param):

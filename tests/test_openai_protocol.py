@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from baton.router.openai_api.protocol import (APIError, DEFAULT_SERVED_NAME, MAX_PROMPTS, body, chunk, logprobs,
-                                              parse, served_names, usage, usage_chunk)
+from baton.router.openai_api.protocol import (APIError, DEFAULT_SERVED_NAME, IGNORED, MAX_PROMPTS, NEUTRAL, READ,
+                                              READ_CHAT, READ_COMPLETIONS, body, chunk, logprobs, parse, served_names,
+                                              usage, usage_chunk)
 from baton.sampling import TokenLogprob
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -171,3 +172,48 @@ def test_served_names():
     assert served_names("/models/qwen", "") == ["/models/qwen", "qwen"]
     assert served_names("org/name", "") == ["org/name", "name"]
     assert served_names("default", "chat") == ["chat", "default"]
+
+
+# The request fields OpenAI documents for each endpoint, and those vLLM's OpenAI server adds.
+OPENAI_CHAT_FIELDS = {
+    "messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+    "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls", "prediction",
+    "presence_penalty", "prompt_cache_key", "reasoning_effort", "response_format", "safety_identifier", "seed",
+    "service_tier", "stop", "store", "stream", "stream_options", "temperature", "tool_choice", "tools", "top_logprobs",
+    "top_p", "user", "verbosity", "web_search_options"}
+OPENAI_COMPLETION_FIELDS = {
+    "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
+    "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user"}
+VLLM_EXTRA_FIELDS = {
+    "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+    "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids", "bad_words", "echo", "add_generation_prompt",
+    "continue_final_message", "add_special_tokens", "documents", "chat_template", "chat_template_kwargs",
+    "mm_processor_kwargs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
+    "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "priority", "request_id",
+    "logits_processors", "return_tokens_as_token_ids", "return_token_ids", "cache_salt", "kv_transfer_params",
+    "vllm_xargs"}
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_every_documented_request_field_is_read_neutral_only_or_ignored_on_purpose(chat):
+    documented = (OPENAI_CHAT_FIELDS if chat else OPENAI_COMPLETION_FIELDS) | VLLM_EXTRA_FIELDS
+    handled = READ | (READ_CHAT if chat else READ_COMPLETIONS) | IGNORED | set(NEUTRAL)
+    assert documented - handled == set()
+    base = CHAT if chat else {"prompt": "hi"}
+    for name in sorted(IGNORED):  # accepted, and nothing changes
+        assert parse({**base, name: "x"}, chat=chat).sampling == parse(base, chat=chat).sampling
+    for name, neutral in NEUTRAL.items():
+        for value in neutral:
+            parse({**base, name: value}, chat=chat)
+        assert refused({**base, name: "something"}, chat=chat).param == name
+    unknown = refused({**base, "temprature": 0.5}, chat=chat)  # a typo is not silently ignored
+    assert unknown.param == "temprature" and "remove it" in unknown.message
+
+
+def test_the_readme_lists_the_fields_accepted_and_ignored():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for name in IGNORED:
+        assert f"`{name}`" in readme, name

@@ -16,11 +16,34 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 MAX_CHOICES = 16  # n: completions per prompt
 MAX_PROMPTS = 64  # /v1/completions: prompts in one request
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-# Fields the OpenAI API has that Baton does not implement: accepted only at their neutral value,
-# refused otherwise, so that a client never silently gets something other than what it asked.
+# Every request field is read, accepted at a neutral value only, or ignored on purpose; any other
+# is refused with a 400 naming it (as OpenAI does), so a client never silently gets something
+# other than what it asked for. tests/test_openai_protocol.py walks OpenAI's and vLLM's fields.
+READ = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "stop", "seed", "logprobs",
+        "presence_penalty", "frequency_penalty", "logit_bias", "user",
+        # vLLM's extensions
+        "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "priority"}
+READ_CHAT = {"messages", "max_completion_tokens", "top_logprobs"}
+READ_COMPLETIONS = {"prompt"}
+# Bookkeeping for the caller's side that changes nothing in the answer.
+IGNORED = {"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "request_id"}
+# Not implemented: accepted only at these values (the default, or its explicit "off").
 NEUTRAL = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
            "echo": (None, False), "suffix": (None, ""), "parallel_tool_calls": (None, True, False),
-           "response_format": (None, {"type": "text"}), "best_of": (None, 1)}
+           "response_format": (None, {"type": "text"}), "best_of": (None, 1), "modalities": (None, ["text"]),
+           "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
+           "web_search_options": (None,),
+           # vLLM's
+           "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "include_stop_str_in_output": (None, False),
+           "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+           "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+           "add_special_tokens": (None, False), "allowed_token_ids": (None,), "bad_words": (None, []),
+           "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "chat_template": (None,),
+           "chat_template_kwargs": (None, {}), "documents": (None,), "mm_processor_kwargs": (None,),
+           "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+           "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
+           "structural_tag": (None,), "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
+           "logits_processors": (None,), "cache_salt": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None,)}
 
 
 def served_names(model: str, configured: str) -> list[str]:
@@ -157,10 +180,19 @@ def _completion_prompts(body: dict) -> list[str | list[int]]:
     return prompts
 
 
-def _check_neutral(body: dict) -> None:
-    for name, allowed in NEUTRAL.items():
-        if name in body and body[name] not in allowed:
-            raise bad(name, f"{body[name]!r} is not supported by this server; leave it unset")
+def _check_fields(body: dict, chat: bool) -> None:
+    """Refuse a field this server would not honour: an unknown one, or one it does not implement
+    set to anything but its neutral value."""
+    endpoint = READ_CHAT if chat else READ_COMPLETIONS
+    for name, value in body.items():
+        if name in READ or name in endpoint or name in IGNORED:
+            continue
+        if name in NEUTRAL:
+            if value not in NEUTRAL[name]:
+                raise bad(name, f"{value!r} is not supported by this server; leave it unset")
+            continue
+        where = "/v1/chat/completions" if chat else "/v1/completions"
+        raise bad(name, f"is not a request field of {where} that this server knows; remove it (README: the OpenAI API)")
 
 
 def _logit_bias(body: dict) -> dict[int, float] | None:
@@ -201,7 +233,7 @@ def parse(body: Any, *, chat: bool, defaults: dict | None = None) -> APIRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", f"must be a string (got {model!r})")
-    _check_neutral(body)
+    _check_fields(body, chat)
     prompts = [_messages(body)] if chat else _completion_prompts(body)
     max_tokens = _int(body, "max_completion_tokens", 1, 2**31 - 1) if chat else None
     if max_tokens is None:
