@@ -6,7 +6,9 @@ whether the servers' packages are installed (the SDK-only install runs `baton ge
 from __future__ import annotations
 
 import os
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -57,7 +59,7 @@ def _exit_showing_threads(why: str, status: int) -> None:
 EXIT_JOIN_S = 15.0  # after an orderly stop, how long interpreter exit may wait for stray threads
 STOP_S = 40.0  # after a drain's own limit, how long the stops may take (gRPC's grace, the loops' joins)
 NATIVE_GRACE_S = 5.0  # how much later than a bound the native watchdog ends a process no Python thread can run in
-SIGNAL_POLL_S = 0.2  # how often a main thread waiting for a signal runs Python code (see wait_for_stop_signal)
+SIGNAL_POLL_S = 0.5  # a main thread waiting for a signal runs Python code at least this often (StopSignals)
 
 
 class StopSignals:
@@ -68,19 +70,25 @@ class StopSignals:
     The kernel hands a process-directed signal to any of its threads that does not block it, not
     always the main one; then the main thread is not interrupted, and one blocked in a lock wait
     without a timeout (`threading.Event().wait()`) never runs the handler (CPython issue 85300):
-    a SIGTERM'd worker went on serving, never drained, and armed no bound. So `wait()` wakes every
-    `poll_s` to let a pending handler run. The handler only records the signal: one that took a
-    lock (Event.set) could deadlock against the main thread interrupted while holding it."""
+    a SIGTERM'd worker went on serving, never drained, and armed no bound. So the main thread
+    waits on a socket that Python's C-level handler writes to from whichever thread took the
+    signal (signal.set_wakeup_fd, as asyncio does), and wakes at once; every `poll_s` as well,
+    should a wakeup byte be lost. The handler only records the signal: one that took a lock
+    (Event.set) could deadlock against the main thread interrupted while holding it."""
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
         self.received: list[int] = []
+        self._wakeup, self._writer = socket.socketpair()
+        self._writer.setblocking(False)
+        signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
         for sig in signals:
             signal.signal(sig, lambda signum, _frame: self.received.append(signum))
 
     def wait(self, poll_s: float = SIGNAL_POLL_S) -> int:
         """The first signal's number, once one has come."""
         while not self.received:
-            time.sleep(poll_s)
+            if select.select([self._wakeup], [], [], poll_s)[0]:
+                self._wakeup.recv(64)  # the handler itself runs as this thread goes on in Python
         return self.received[0]
 
 
