@@ -12,6 +12,7 @@ from baton.client.errors import BatonError, error_for_code
 from baton.client.types import (UINT32_MAX, ClusterStatus, GenerationResult, ModelInfo, SamplingOptions,
                           StreamChunk, TokenLogprob, Trace, Usage, WorkerStatus)
 from baton.messages import logprob_from_proto
+from baton.sampling import DEFAULTABLE
 
 # Keyword arguments of generate()/stream() that are not sampling options.
 REQUEST_ARG_NAMES = frozenset({"prompt", "messages", "token_ids", "raw", "request_id", "timeout"})
@@ -65,7 +66,7 @@ def sampling_to_proto(options: SamplingOptions, given: set[str] = frozenset()) -
                                       presence_penalty=options.presence_penalty,
                                       frequency_penalty=options.frequency_penalty, min_tokens=options.min_tokens,
                                       logit_bias=dict(options.logit_bias))
-    for name in ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "min_p"):
+    for name in DEFAULTABLE:  # the fields a model may default
         if name in given:
             setattr(proto, name, getattr(options, name))
     if options.seed is not None:

@@ -14,17 +14,26 @@ from baton.client.types import BatchOutcome, GenerationResult
 _BATCH_WIDE_FORBIDDEN = ("prompt", "messages", "token_ids", "request_id")
 
 
+def _check_list(requests) -> None:
+    if isinstance(requests, (str, bytes, Mapping)) or not isinstance(requests, Sequence):
+        raise ValueError("requests must be a list of prompt strings or dicts of generate() arguments")
+
+
+def _check_shared(defaults: Mapping[str, Any], forbidden: Sequence[str], hint: str) -> None:
+    """Keywords given for every entry that only make sense for one."""
+    shared = [name for name in forbidden if name in defaults]
+    if shared:
+        raise ValueError(f"{', '.join(shared)} cannot apply to a whole batch; set them per entry{hint}")
+
+
 def prepare_batch(requests: Sequence[str | Mapping[str, Any]], max_concurrency: int, timeout: float | None,
                   defaults: Mapping[str, Any]) -> list[dict[str, Any]]:
     """generate() keyword arguments for every entry, all checked before any is sent; a bad
     entry raises ValueError/TypeError naming its index."""
-    if isinstance(requests, (str, bytes, Mapping)) or not isinstance(requests, Sequence):
-        raise ValueError("requests must be a list of prompt strings or dicts of generate() arguments")
+    _check_list(requests)
     if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
         raise ValueError(f"max_concurrency must be an integer >= 1 (got {max_concurrency!r})")
-    shared = [name for name in _BATCH_WIDE_FORBIDDEN if name in defaults]
-    if shared:
-        raise ValueError(f"{', '.join(shared)} cannot apply to a whole batch; set them per entry")
+    _check_shared(defaults, _BATCH_WIDE_FORBIDDEN, "")
     check_timeout(timeout)
     calls = []
     for index, item in enumerate(requests):
@@ -54,15 +63,11 @@ def batch_request(requests: Sequence[str | Mapping[str, Any]], max_concurrency: 
     """The GenerateBatch request for generate_batch(), every entry checked before any is sent (a
     bad entry raises ValueError/TypeError naming its index). A per-entry timeout makes no sense
     in one call: the call's own timeout covers the whole batch."""
-    if isinstance(requests, (str, bytes, Mapping)) or not isinstance(requests, Sequence):
-        raise ValueError("requests must be a list of prompt strings or dicts of generate() arguments")
+    _check_list(requests)
     if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 0:
         raise ValueError(f"max_concurrency must be an integer >= 0 (got {max_concurrency!r}; 0 lets the router "
                          "choose)")
-    shared = [name for name in (*_BATCH_WIDE_FORBIDDEN, "timeout") if name in defaults]
-    if shared:
-        raise ValueError(f"{', '.join(shared)} cannot apply to every entry of a batch; set them per entry "
-                         "(the call's timeout= covers the whole batch)")
+    _check_shared(defaults, (*_BATCH_WIDE_FORBIDDEN, "timeout"), " (the call's timeout= covers the whole batch)")
     built = []
     for index, item in enumerate(requests):
         kwargs = split_request_args(index, item, defaults)

@@ -106,7 +106,7 @@ class TokenizerView:
     tokenizer: object
     config: object
     name: str
-    # What requests leaving max_tokens, temperature, top_k or top_p unset get (model_sampling_defaults).
+    # What a request leaving a field of baton.sampling.DEFAULTABLE unset gets (model_sampling_defaults).
     sampling_defaults: dict = field(default_factory=dict)
 
     @property
