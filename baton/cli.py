@@ -185,9 +185,9 @@ def load_role_settings(args):
     from baton.config import load_settings
 
     section = {k: getattr(args, k, None) for k in ("host", "port", "metrics_port")}
-    for key in ("max_rows", "kv_budget_bytes", "staging_bytes", "max_queue", "max_batch_tokens", "chunk_tokens", "prefix_cache_bytes",
+    for key in ("max_rows", "kv_budget_bytes", "page_size", "staging_bytes", "max_queue", "max_batch_tokens", "chunk_tokens", "prefix_cache_bytes",
                 "block_size", "prefill_workers", "decode_workers", "discovery", "prefix_index", "redis_url",
-                "index_namespace", "max_inflight", "auth_token_file", "require_client_cert", "drain_move_after_s",
+                "index_namespace", "max_inflight", "decode_queue_per_worker", "auth_token_file", "require_client_cert", "drain_move_after_s",
                 "http_port", "served_model_name", "chat_template", "kv_transport", "kv_memory_bytes"):
         if getattr(args, key, None) is not None:
             section[key] = getattr(args, key)
@@ -356,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="memory (default): this router's own; redis: shared by every router replica")
     router.add_argument("--redis-url", help="with --prefix-index redis (default redis://127.0.0.1:6379/0)")
     router.add_argument("--max-inflight", type=int, help="requests in flight before RESOURCE_EXHAUSTED (default 1024)")
+    router.add_argument("--decode-queue-per-worker", type=int,
+                        help="requests wait before their prefill while the decode workers hold their rows' worth plus "
+                             "this many each (default 2; -1: prefill every request at once)")
     router.add_argument("--index-namespace", help="Redis key prefix of this deployment's prefix index (default baton)")
     router.add_argument("--block-size", type=int, help="prefix block tokens, equal to the prefill workers' (default 16)")
     router.add_argument("--auth-token-file", metavar="FILE",
@@ -400,9 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_args(decode, "decode", 50071)
     decode.add_argument("--max-rows", type=int, help="decode batch rows at most (default 8)")
     decode.add_argument("--kv-budget-bytes", type=int,
-                        help="the batch KV never exceeds this: rows join while every row at its longest fits, "
-                             "and one row's longest bounds the context served (default 0: a share of the "
-                             "device's free memory)")
+                        help="the paged decode KV, allocated once: rows join while what they hold fits, and all "
+                             "of it bounds the context served (default 0: a share of the device's free memory)")
+    decode.add_argument("--page-size", type=int, help="tokens a KV page holds (default 16)")
     decode.add_argument("--staging-bytes", type=int,
                         help="the host KV pool: landed KV and parked rows (default 512 MiB)")
     decode.add_argument("--drain-move-after-s", type=float,

@@ -134,6 +134,10 @@ class RouterSettings:
     load_weight: float = 1.0  # routing cost per queued prompt token on a prefill worker
     cache_weight: float = 1.0  # routing credit per prompt token a worker already holds
     max_inflight: int = 1024  # requests in flight before RESOURCE_EXHAUSTED (also sizes the server's threads)
+    # Requests wait here, before their prefill, while the decode workers hold their rows' worth of
+    # requests plus this many each (router/admission.py): they queue before their first token
+    # instead of stalling after it. -1: every request is prefilled at once.
+    decode_queue_per_worker: int = 2
     load_poll_seconds: float = 0.2
     metrics_port: int = 0  # 0 = no metrics endpoint
     # A file holding the bearer token every public API call must send (`authorization: Bearer
@@ -154,6 +158,9 @@ class RouterSettings:
 
     def validate(self) -> None:
         check_labels(self.discovery_labels, "router.discovery_labels")
+        if self.decode_queue_per_worker < -1:
+            raise ValueError(f"router.decode_queue_per_worker must be >= 0, or -1 to prefill every request at once "
+                             f"(got {self.decode_queue_per_worker})")
         if self.pending_max_blocks < 1:
             raise ValueError(f"router.pending_max_blocks must be >= 1 (got {self.pending_max_blocks})")
         if not self.index_ttl_s >= 0:
@@ -235,17 +242,20 @@ class DecodeSettings:
     host: str = "0.0.0.0"
     port: int = 50071
     max_rows: int = 8  # decode batch rows
-    # The batch KV never exceeds this; rows join while every row at its longest (prompt +
-    # max_tokens) would fit, so max_rows is a cap. 0: a share of the device's free memory.
+    # The decode KV in pages, allocated once: rows join while what they hold (plus a growth
+    # reserve) fits, never by max_tokens, so max_rows is a cap; when pages run out the latest
+    # lowest-priority row is parked in the host pool. 0: a share of the device's free memory.
     kv_budget_bytes: int = 0
+    page_size: int = 16  # tokens a KV page holds
+    growth_reserve_tokens: int = 32  # free room a joining row must find beyond its own KV
     staging_bytes: int = 512 << 20  # the host KV pool: landed KV waiting for a row and parked rows' KV
     # Requests waiting for KV before RESOURCE_EXHAUSTED; with max_rows it also bounds every request
     # held here (waiting for KV or a row, or decoding), each holding a server thread.
     max_pending: int = 256
-    kv_high_watermark_bytes: int = 0  # batch KV above this parks rows on the host (0 = off)
-    kv_low_watermark_bytes: int = 0  # and rows are admitted only while it stays at or below this
-    # Rows whose prompts begin with at least this many equal tokens hold that prefix's KV once, in
-    # the batch (a system prompt, a batch group's document); 0 turns sharing off.
+    kv_high_watermark_bytes: int = 0  # KV pages in use above this park rows on the host (0 = off)
+    kv_low_watermark_bytes: int = 0  # and rows are admitted only while they stay at or below this
+    # Rows whose prompts begin with at least this many equal tokens share those full pages (a
+    # system prompt, a batch group's document); 0 turns sharing off.
     share_min_tokens: int = 64
     # On SIGTERM (drain): seconds to let running requests finish before their KV moves to another
     # decode worker that has room (the router re-prefills a request when none takes it). At or past
@@ -261,6 +271,10 @@ class DecodeSettings:
         check_kv_transport(self.kv_transport, "decode.kv_transport")
         if self.share_min_tokens < 0:
             raise ValueError(f"decode.share_min_tokens must be >= 0 (got {self.share_min_tokens}; 0 turns sharing off)")
+        if not 1 <= self.page_size <= 4096:
+            raise ValueError(f"decode.page_size must be 1..4096 tokens (got {self.page_size}; the default is 16)")
+        if self.growth_reserve_tokens < 0:
+            raise ValueError(f"decode.growth_reserve_tokens must be >= 0 (got {self.growth_reserve_tokens})")
         if not self.drain_move_after_s >= 0:
             raise ValueError(f"decode.drain_move_after_s must be >= 0 seconds (got {self.drain_move_after_s})")
         if not self.drain_timeout_s >= 0:

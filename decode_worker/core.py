@@ -11,8 +11,8 @@ from typing import Callable
 import torch
 
 from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
-from baton.engine.batch_kv import BatchKV, BatchKVFull, default_kv_budget
 from baton.engine.kv import SequenceKV, to_host
+from baton.engine.paged_kv import DecodeStep, PagedKV, default_kv_budget
 from baton.engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput, effective_max_tokens
 from baton.engine.executors import Runner
 from baton.engine.sampling import INVALID_TOKEN, RequestSampler, SamplingParams, ending_ids, sample, token_logprobs
@@ -22,20 +22,21 @@ from baton.sampling import TokenLogprob
 @dataclass(frozen=True)
 class DecodeConfig:
     max_rows: int = 8  # a cap: how many rows run is what kv_budget_bytes allows
-    # The batch KV never exceeds this (allocated bytes); 0: derived from the device's free memory
-    # (engine.batch_kv.default_kv_budget). Rows join while every row at its longest would fit it.
+    # The paged decode KV, allocated once (engine.paged_kv); 0: derived from the device's free
+    # memory. Rows join while what they hold (plus a growth reserve) fits; when pages run out,
+    # the latest lowest-priority row is parked in the host pool.
     kv_budget_bytes: int = 0
-    initial_columns: int = 64  # the buffer starts this wide and grows with the window
-    # Batch KV (rows x window) watermarks: above high, rows are parked on the host; new rows are
-    # admitted only while the batch stays at or below low. 0 turns them off.
+    page_size: int = 16  # tokens a KV page holds
+    growth_reserve_tokens: int = 32  # room a joining row must find beyond its KV
+    # Used-KV watermarks: above high, rows are parked on the host; new rows are admitted only
+    # while the used pages stay at or below low. 0 turns them off (pages running out still parks).
     high_watermark_bytes: int = 0
     low_watermark_bytes: int = 0
     # Requests registered whose KV has not landed (0: unbounded, as in-process engines want); a
     # worker also refuses beyond max_waiting + max_rows requests in all.
     max_waiting: int = 0
-    # Rows whose prompts begin with at least this many equal tokens hold that prefix's KV once
-    # (decode_worker.sharing); 0 turns sharing off. Executors that cannot decode shared rows
-    # (the transformers reference) never share.
+    # Rows whose prompts begin with at least this many equal tokens share those full pages; 0
+    # turns sharing off.
     share_min_tokens: int = 64
 
     def __post_init__(self):
@@ -44,6 +45,9 @@ class DecodeConfig:
         if self.kv_budget_bytes < 0:
             raise ValueError(f"kv_budget_bytes must be >= 0 (got {self.kv_budget_bytes}; 0 derives it from the "
                              "device's memory)")
+        if self.page_size < 1 or self.growth_reserve_tokens < 0:
+            raise ValueError(f"page_size must be >= 1 and growth_reserve_tokens >= 0 (got {self.page_size}, "
+                             f"{self.growth_reserve_tokens})")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 (got {self.max_waiting})")
         if self.share_min_tokens < 0:
@@ -60,6 +64,7 @@ class _Live:
     # Staged: the prefill's KV (staging bytes, released once embedded); parked: the row's KV in
     # host memory; moving: the KV to hand off. None while in a row.
     kv: SequenceKV | None = None
+    kv_start: int = 0  # the first token `kv` holds (the prefill sends none of the held shared pages)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked for
     evicted: "Evicted | None" = None  # while moving
 
@@ -100,22 +105,21 @@ class DecodeCore:
         self.release_parked: Callable[[str], None] = lambda request_id: None
         loaded = runner.loaded
         shape = loaded.kv_shape
-        per_slot = shape.bytes_per_token()
+        per_token = shape.bytes_per_token()
         self.kv_budget_bytes = config.kv_budget_bytes or default_kv_budget(loaded.device)
-        # One row may take the whole budget: a long request runs alone, short ones many at a time.
-        max_columns = min(loaded.max_context, self.kv_budget_bytes // per_slot)
-        if max_columns < 2:
-            raise ValueError(f"kv_budget_bytes={self.kv_budget_bytes} is too small: a row needs {per_slot} bytes "
-                             "per token, and at least two tokens")
-        self.batch = BatchKV(shape, config.max_rows, max_columns=max_columns, initial_columns=config.initial_columns,
-                             budget_bytes=self.kv_budget_bytes, device=loaded.device)
+        self.kv = PagedKV.within(shape, self.kv_budget_bytes, config.page_size, device=loaded.device)
+        page_bytes = self.kv.page_bytes
         self.scheduler = DecodeScheduler(SchedulerConfig(
-            config.max_rows, max_columns, high_watermark_slots=config.high_watermark_bytes // per_slot,
-            low_watermark_slots=config.low_watermark_bytes // per_slot, max_waiting=config.max_waiting,
+            config.max_rows, self.kv.num_pages, config.page_size,
+            # one row may take every page: a long request runs alone, short ones many at a time
+            max_row_tokens=min(loaded.max_context - 1, (self.kv.num_pages - 1) * config.page_size),
+            growth_reserve_tokens=config.growth_reserve_tokens,
+            high_watermark_pages=config.high_watermark_bytes // page_bytes,
+            low_watermark_pages=config.low_watermark_bytes // page_bytes, max_waiting=config.max_waiting,
             max_requests=config.max_waiting + config.max_rows if config.max_waiting else 0,
-            budget_slots=self.kv_budget_bytes // per_slot,
-            share_min_tokens=config.share_min_tokens if getattr(runner, "shares_prefixes", False) else 0),
-            can_park=lambda seq: self.hold_parked(seq.request_id, seq.num_kv_tokens * per_slot))
+            share_min_tokens=config.share_min_tokens),
+            can_park=lambda seq: self.hold_parked(seq.request_id, seq.num_kv_tokens * per_token))
+        self.recomputed_total = 0  # rows whose KV was computed again (dropped when the host pool was full)
 
     @property
     def finished_total(self) -> int:
@@ -128,15 +132,16 @@ class DecodeCore:
                    if seq.status is Status.PARKED and (kv := seq.engine.kv) is not None)
 
     @property
-    def max_columns(self) -> int:
-        return self.scheduler.config.max_columns
+    def max_row_tokens(self) -> int:
+        """KV tokens one request may hold here."""
+        return self.scheduler.max_row_tokens
 
     @property
     def max_context(self) -> int:
         """Prompt plus generated tokens one request may reach here: the model's context, or less when
-        the KV budget buys fewer columns (the last token's KV is never stored). max_tokens beyond it
+        the KV budget buys fewer tokens (the last token's KV is never stored). max_tokens beyond it
         is cut, as at the model's own context."""
-        return min(self.runner.loaded.max_context, self.max_columns + 1)
+        return min(self.runner.loaded.max_context, self.max_row_tokens + 1)
 
     def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
         """Refuse early a prompt that leaves no room here for even one new token."""
@@ -194,6 +199,7 @@ class DecodeCore:
                                                   ending_ids(req.params, loaded.eos_token_ids), seed=prefilled.seed,
                                                   drawn=[prefilled.first_token])
         live.kv = prefilled.whole_kv()
+        live.kv_start = seq.num_kv_tokens - live.kv.num_tokens  # the held shared pages' tokens
         if prefilled.first_logprob is not None:
             live.logprobs.append(prefilled.first_logprob)
         if step.finish_reason is not None:
@@ -230,10 +236,10 @@ class DecodeCore:
         if seq is None or seq.status not in (Status.STAGED, Status.PARKED, Status.RUNNING):
             return None
         live: _Live = seq.engine
-        row, was = seq.row, seq.status
-        kv = SequenceKV(to_host(self.batch.extract(row).data)) if row is not None else self._whole_kv(seq, live.kv)
+        was = seq.status
+        kv = self._whole_kv(seq)
         assert kv.num_tokens == seq.num_kv_tokens, f"{kv.num_tokens} KV tokens for {seq.num_kv_tokens}"
-        self._release_row(row, self.scheduler.move(seq))
+        self.scheduler.move(seq)
         self._drop_kv(seq, was)
         live.evicted = Evicted(request_id, list(live.request.prompt_token_ids), list(seq.output_ids), kv,
                                live.sampler.seed, live.logprobs[-1] if live.logprobs else None)
@@ -243,29 +249,35 @@ class DecodeCore:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """One BATON iteration: embed newly admitted KV, decode every row once, release finished rows."""
+        """One BATON iteration: park rows and write admitted rows' KV into their pages, decode every
+        row once, free finished rows' pages."""
         plan = self.scheduler.schedule()
-        for seq, row in plan.parked:
-            seq.engine.kv = SequenceKV(to_host(self.batch.extract(row).data))  # all but the newest token, exactly
-            assert seq.engine.kv.nbytes == seq.num_kv_tokens * self.batch.shape.bytes_per_token(), "held != parked"
-            self.batch.release(row)
-        self._forget_prefixes()
-        for seq in plan.admitted:
-            live: _Live = seq.engine
+        for parked in plan.parked:  # read before any write: their pages may be an admitted row's now
+            parked.seq.engine.kv = self.kv.read(parked.table, parked.tokens)
+            parked.seq.engine.kv_start = 0
+        for seq in plan.dropped:  # the host pool was full: computed again when it resumes
+            seq.engine.kv = None
+        for admitted in plan.admitted:
+            seq, live = admitted.seq, admitted.seq.engine
             first = seq not in plan.resumed
             if first:
                 live.request.trace.mark("admit_start")
-            row = self._embed(seq, live.kv)
-            assert row == seq.row, f"batch row {row} != scheduler row {seq.row}"
+            had_host_kv = not first and not seq.recompute  # a parked row's: its host bytes go back once written
+            if seq.recompute:
+                live.kv, live.kv_start, seq.recompute = self._recompute(seq), 0, False
+            skip = admitted.shared_tokens - live.kv_start  # tokens the shared pages hold already
+            if skip < live.kv.num_tokens:
+                own = live.kv if skip == 0 else SequenceKV(live.kv.data[:, :, :, skip:])
+                self.kv.write(admitted.table, own, start=admitted.shared_tokens)
             live.kv = None
             if first:  # the prefill's KV: its staging bytes go back
                 self.on_kv_consumed(seq.request_id)
                 live.request.trace.mark("admitted")
-            else:  # a parked row's KV: its host bytes go back
+            elif had_host_kv:
                 self.release_parked(seq.request_id)
         if not plan.running:
             return []
-        logits = self.runner.decode(self.batch, [s.next_input for s in plan.running])
+        logits = self.runner.decode(self.kv, DecodeStep(plan.tables, plan.lengths), [s.next_input for s in plan.running])
         lives: list[_Live] = [s.engine for s in plan.running]
         tokens = sample(logits, [live.sampler for live in lives])
         logprobs = token_logprobs(logits, tokens, [live.sampler.params for live in lives])
@@ -287,53 +299,36 @@ class DecodeCore:
             outputs.append(self._output(live, step.text_delta, reason.value if reason else None))
         return outputs
 
-    def held_prefix_tokens(self, request_id: str) -> int:
-        """Leading prompt tokens of a registered request whose KV this worker holds (a shared
-        prefix in its batch, kept for it): its prefill need push only the KV after them."""
+    def held_tokens(self, request_id: str) -> int:
+        """Leading prompt tokens of a registered request whose KV this worker holds (shared pages,
+        kept for it): its prefill need push only the KV after them."""
         return self.scheduler.held_tokens(request_id)
 
-    def _embed(self, seq: DecodeSequence, kv: SequenceKV) -> int:
-        """Into a new row: the whole KV, or, where the scheduler placed the row after a shared
-        prefix, only its own tokens (a new shared prefix is taken from this KV, and the partner
-        row drops its copy). A request that held the prefix since registration may have been
-        sent only its own tokens."""
-        placement = seq.placement
-        if placement is None:
-            return self.batch.embed(kv)
-        if placement.partner is not None:
-            try:
-                self.batch.add_prefix(placement.group, kv.prefix(placement.tokens))
-            except BatchKVFull:  # no room for the prefix beside the rows: this pair shares nothing
-                self.scheduler.unshare(seq, placement)
-                return self.batch.embed(kv)
-            self.batch.share(self.scheduler.find(placement.partner).row, placement.group)
-        own = kv if kv.num_tokens + placement.tokens == seq.num_kv_tokens else SequenceKV(
-            kv.data[:, :, :, placement.tokens:])
-        return self.batch.embed(own, prefix=placement.group)
+    def _whole_kv(self, seq: DecodeSequence) -> SequenceKV:
+        """A request's KV, all seq.num_kv_tokens tokens, in host memory: read from its pages while it
+        has a row; else its staged or parked KV, with the held shared pages' tokens read in front."""
+        live: _Live = seq.engine
+        table = self.scheduler.pages.page_table(seq.request_id)
+        if seq.row is not None:
+            return self.kv.read(table, seq.num_kv_tokens)
+        if live.kv is None:  # dropped for memory: computed again
+            return self._recompute(seq)
+        if live.kv_start == 0:
+            return live.kv
+        front = self.kv.read(table, live.kv_start)
+        return SequenceKV(torch.cat([front.data, to_host(live.kv.data)], dim=3))
 
-    def _whole_kv(self, seq: DecodeSequence, kv: SequenceKV) -> SequenceKV:
-        """A staged KV with the shared prefix in front, if it was sent without it."""
-        placement = seq.placement
-        if placement is None or kv.num_tokens == seq.num_kv_tokens:
-            return kv
-        return SequenceKV(torch.cat([to_host(self.batch.prefixes[placement.group]), kv.data], dim=3))
-
-    def _forget_prefixes(self) -> None:
-        """Drop the shared prefixes that no row and no waiting request needs any more (the loop's)."""
-        for group in [g for g in self.batch.prefixes if not self.scheduler.has_group(g)]:
-            self.batch.drop_prefix(group)
+    def _recompute(self, seq: DecodeSequence) -> SequenceKV:
+        """The KV of a row that dropped it, computed again from its tokens (the next input excluded)."""
+        self.recomputed_total += 1
+        tokens = list(seq.engine.request.prompt_token_ids) + seq.output_ids[:-1]
+        return SequenceKV(to_host(self.runner.prefill(tokens).kv.data))
 
     def _finish(self, seq: DecodeSequence, status: Status) -> None:
-        """End a request: free its row or KV and forget it. LookupError if it had already ended."""
-        row, was = seq.row, seq.status
-        self._release_row(row, self.scheduler.finish(seq, status))
+        """End a request: free its row, pages or KV and forget it. LookupError if it had already ended."""
+        was = seq.status
+        self.scheduler.finish(seq, status)
         self._drop_kv(seq, was)
-
-    def _release_row(self, row: int | None, moved: int | None) -> None:
-        if row is not None:  # only the loop releases rows, so only the loop touches the batch here
-            moved_in_batch = self.batch.release(row)
-            assert moved == moved_in_batch, "scheduler and batch disagree on row compaction"
-            self._forget_prefixes()
 
     def _drop_kv(self, seq: DecodeSequence, status: Status) -> None:
         live: _Live = seq.engine

@@ -281,7 +281,7 @@ class DecodeLoop:
                 meta.first_logprob.top_token_ids) != len(meta.first_logprob.top_logprobs) or len(
                 meta.first_logprob.top_token_ids) > MAX_LOGPROBS):
             raise RequestError("the KV's first-token log probability does not match its first token")
-        prompt_len, held = len(request.prompt_token_ids), self.core.held_prefix_tokens(request.request_id)
+        prompt_len, held = len(request.prompt_token_ids), self.core.held_tokens(request.request_id)
         if staged.kv.num_tokens not in (prompt_len, prompt_len - held):
             raise RequestError(f"the KV holds {staged.kv.num_tokens} tokens but the prompt has {prompt_len}"
                                + (f" ({held} of them held here already)" if held else ""))

@@ -8,16 +8,21 @@ until it ends:
                              +--- PARKED <--parked-+    (any state) --cancel--> FINISHED_ABORTED
     STAGED/PARKED/RUNNING --drain--> MOVING --handed off--> MOVED
 
-A request arrives with its KV already computed elsewhere. Each iteration the scheduler admits
-staged requests into free rows while a row and KV columns are free, the runner decodes one token
-for every running row, and finished rows are released so that the next staged request takes
-the row at the next iteration. Rows stay dense: releasing row r moves the last row into r,
-exactly as `engine.batch_kv.BatchKV.release` does.
+A request arrives with its KV already computed elsewhere. Its KV lives in pages
+(`decode_worker.kv_pages.PagePool`, owned here): each iteration every running row takes room for
+the token it decodes, staged requests are admitted while a row is free and their KV plus a small
+growth reserve fits in free pages (never by what `max_tokens` might reach), the runner decodes
+one token for every running row, and finished rows give their pages back at once.
 
-Two pressures park a running row (its KV goes to host memory, to be re-embedded later with
-nothing recomputed): a staged request of higher priority when no row is free, and batch KV
-above the high watermark. Below the low watermark the scheduler admits again. Host memory is
-bounded too: `can_park(seq)` (the decode worker's host pool) may refuse, and the row then stays.
+Rows leave their pages for host memory (PARKED, re-embedded later with nothing recomputed) when
+the pages run out mid-decode (the lowest-priority, latest row goes first), when a staged request
+of higher priority finds no row free, and above the high watermark. Host memory is bounded too:
+`can_park(seq)` (the decode worker's host pool) may refuse; the row then drops its KV and waits
+to have it computed again (`recompute`), so nothing is failed or lost.
+
+Rows whose prompts begin with the same tokens share those full pages (`share_min_tokens`): a
+request registered while such pages are held keeps them (`held_tokens`), and its prefill sends
+only the KV after them.
 
 Thread-safety: registration, lookups, counts and taking a moving request may come from any
 thread (RPC threads); the rest is the decode loop's. One lock keeps each call atomic, and no
@@ -30,7 +35,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Callable, Sequence
 
-from baton.decode_worker.sharing import Placement, PrefixSharing
+from baton.decode_worker.kv_pages import PagePool, PageUsage
 
 
 class Status(IntEnum):
@@ -65,7 +70,10 @@ class DecodeSequence:
     row: int | None = None
     engine: Any = field(default=None, repr=False)  # what the engine keeps for it; opaque here
     prompt_ids: Sequence[int] = field(default=(), repr=False)  # for prefix sharing (empty: it shares nothing)
-    placement: Placement | None = None  # set on admission when its row continues a shared prefix
+    # Leading prompt tokens whose KV this worker held at registration (shared pages): its KV as
+    # it lands covers only the tokens after them.
+    held_tokens: int = 0
+    recompute: bool = False  # its KV was dropped for memory (the host pool was full): compute it again
 
     @property
     def num_kv_tokens(self) -> int:
@@ -89,26 +97,33 @@ class DecodeSequence:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_rows: int  # decode batch rows
-    max_columns: int  # KV window columns the memory budget buys for max_rows rows
-    # Batch KV watermarks in token slots (rows x window columns); 0 turns them off.
-    high_watermark_slots: int = 0  # above: park rows on the host
-    low_watermark_slots: int = 0  # admit only while the batch would stay at or below this
+    num_pages: int  # KV pages, the null page included (kv_pages)
+    page_size: int = 16  # tokens a page holds
+    max_row_tokens: int = 0  # KV tokens one request may reach (0: every page)
+    # Pages a joining row must find free beyond its KV and its first token: growth room, so a row
+    # is not parked the moment it joins.
+    growth_reserve_tokens: int = 32
+    # Used-page watermarks; 0 turns them off: above high, rows are parked; new rows are admitted
+    # only while the used pages stay at or below low.
+    high_watermark_pages: int = 0
+    low_watermark_pages: int = 0
     # Registrations refused beyond these (0: unbounded): requests whose KV has not landed, and
     # requests here at all (each one holds a Decode call's server thread).
     max_waiting: int = 0
     max_requests: int = 0
-    # The KV budget in token slots (0: none beyond max_columns a row): a row joins only while
-    # every row, at its longest (prompt + max_tokens), would still fit it. So max_rows is a cap
-    # and memory sets the batch size: many short requests, or a few long ones.
-    budget_slots: int = 0
-    # Rows whose prompts begin with at least this many equal tokens share one copy of that
-    # prefix's KV (decode_worker.sharing); 0 turns sharing off.
+    # Rows whose prompts begin with at least this many equal tokens share those full pages; 0
+    # turns sharing off.
     share_min_tokens: int = 0
 
     def __post_init__(self):
-        if self.max_rows < 1 or self.max_columns < 1:
-            raise ValueError(f"max_rows and max_columns must be >= 1 (got {self.max_rows}, {self.max_columns})")
-        if self.low_watermark_slots > self.high_watermark_slots > 0:
+        if self.max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1 (got {self.max_rows})")
+        if self.num_pages < 2 or self.page_size < 1:
+            raise ValueError(f"the KV needs at least 2 pages of at least 1 token (got {self.num_pages} pages of "
+                             f"{self.page_size})")
+        if self.max_row_tokens < 0 or self.growth_reserve_tokens < 0:
+            raise ValueError("max_row_tokens and growth_reserve_tokens must be >= 0")
+        if self.low_watermark_pages > self.high_watermark_pages > 0:
             raise ValueError("the low KV watermark must not exceed the high one")
         if self.max_waiting < 0 or self.max_requests < 0:
             raise ValueError("max_waiting and max_requests must be >= 0 (0: unbounded)")
@@ -117,35 +132,61 @@ class SchedulerConfig:
 
 
 @dataclass
+class Parked:
+    """A row leaving for the host: read its KV, `tokens` tokens in `table`'s pages, before the
+    step writes (its pages may already be another row's)."""
+
+    seq: DecodeSequence
+    table: list[int]
+    tokens: int
+
+
+@dataclass
+class Admitted:
+    """A row joining: write its KV into `table`'s pages from token `shared_tokens` on (the pages
+    before it are shared, written already)."""
+
+    seq: DecodeSequence
+    table: list[int]
+    shared_tokens: int
+
+
+@dataclass
 class SchedulerOutput:
-    # Park these first, in order: (sequence, its row at that moment); each release compacts rows.
-    parked: list[tuple[DecodeSequence, int]] = field(default_factory=list)
-    admitted: list[DecodeSequence] = field(default_factory=list)  # embed these, in this order, into new rows
-    resumed: list[DecodeSequence] = field(default_factory=list)  # those of them that were parked
+    parked: list[Parked] = field(default_factory=list)  # read these first
+    dropped: list[DecodeSequence] = field(default_factory=list)  # left their row without their KV (recompute)
+    admitted: list[Admitted] = field(default_factory=list)  # then write these, in this order
+    resumed: list[DecodeSequence] = field(default_factory=list)  # the admitted that were parked or dropped
     running: list[DecodeSequence] = field(default_factory=list)  # row i decodes running[i].next_input
+    tables: list[list[int]] = field(default_factory=list)  # row i's pages and tokens, this step's included
+    lengths: list[int] = field(default_factory=list)
 
 
 class DecodeScheduler:
     def __init__(self, config: SchedulerConfig, can_park: Callable[[DecodeSequence], bool] = lambda seq: True):
         self.config = config
         self.can_park = can_park  # asked before a row is parked: host room for its KV, claimed if True
-        self.park_refused_total = 0
+        self.pages = PagePool(config.num_pages, config.page_size)
+        self.max_row_tokens = config.max_row_tokens or self.pages.total_pages * config.page_size
+        self.park_refused_total = 0  # rows whose KV was dropped instead (recomputed later)
         self.requests: dict[str, DecodeSequence] = {}  # every request here, whatever its status
         self.staged: list[DecodeSequence] = []  # STAGED and PARKED: highest priority first, arrival order within one
         self.rows: list[DecodeSequence] = []  # RUNNING, in row order
-        self.parked_total = 0
+        self.parked_total = 0  # rows that left their pages: for the host, or dropped
+        self.parked_for_memory_total = 0  # of them, because pages ran out or past the high watermark
+        self.resumed_total = 0
+        self.rows_sharing_total = 0  # rows admitted onto pages another request holds
         self.finished_total = 0  # ended here: stopped, length or aborted (not moved, not cancelled while waiting)
-        self.sharing = PrefixSharing(config.share_min_tokens) if config.share_min_tokens else None
         self._lock = threading.RLock()
 
     def fits_ever(self, seq: DecodeSequence) -> bool:
-        return seq.max_kv_tokens <= self.config.max_columns
+        return seq.max_kv_tokens <= self.max_row_tokens
 
     def _check_fits(self, seq: DecodeSequence) -> None:
         if not self.fits_ever(seq):
             raise ValueError(
-                f"request {seq.request_id} needs {seq.max_kv_tokens} KV columns but the decode batch allows "
-                f"{self.config.max_columns}; lower max_tokens or shorten the prompt"
+                f"request {seq.request_id} needs {seq.max_kv_tokens} KV tokens but this decode worker's KV holds "
+                f"{self.max_row_tokens} for one row; lower max_tokens or shorten the prompt"
             )
 
     # -- arrival ----------------------------------------------------------------------------------
@@ -166,29 +207,24 @@ class DecodeScheduler:
                                     "retry later")
             seq.status = Status.WAITING
             self.requests[seq.request_id] = seq
-            if self.sharing is not None and seq.prompt_ids:
-                # A shared prefix held now stays until this request's KV lands or it ends: its
-                # prefill need send only the rest (`held_tokens`).
-                seq.placement = self.sharing.continuing(seq.prompt_ids)
-                if seq.placement is not None:
-                    self.sharing.join(seq.request_id, seq.placement, seq.prompt_ids)
+            # Shared pages held now stay until this request's KV lands or it ends: its prefill
+            # need send only the rest (a prefill computes at least the prompt's last token).
+            shared = self._shared_pages(seq, len(seq.prompt_ids) - 1)
+            if shared:
+                self.pages.hold(seq.request_id, shared)
+                seq.held_tokens = len(shared) * self.config.page_size
 
-    def unshare(self, seq: DecodeSequence, placement: Placement) -> None:
-        """Undo a new pair's placement the batch found no room for: both rows keep their own KV."""
-        with self._lock:
-            self.sharing.leave(seq.request_id)
-            self.sharing.leave(placement.partner)
-            seq.placement = None
+    def _shared_pages(self, seq: DecodeSequence, max_tokens: int) -> list[int]:
+        if not self.config.share_min_tokens or not seq.prompt_ids:
+            return []
+        pages = self.pages.matching(seq.prompt_ids, max_tokens)
+        return pages if len(pages) * self.config.page_size >= self.config.share_min_tokens else []
 
     def held_tokens(self, request_id: str) -> int:
         """Leading prompt tokens of a waiting request whose KV this worker holds already (any thread)."""
         with self._lock:
             seq = self.requests.get(request_id)
-            return seq.placement.tokens if seq is not None and seq.placement is not None else 0
-
-    def has_group(self, group: int) -> bool:
-        with self._lock:
-            return self.sharing is not None and group in self.sharing.groups
+            return seq.held_tokens if seq is not None and seq.status is Status.WAITING else 0
 
     def add_staged(self, seq: DecodeSequence) -> None:
         """Its KV landed: queue it for a row (registering it first if nobody did). ValueError if it
@@ -211,92 +247,92 @@ class DecodeScheduler:
 
     # -- one iteration ----------------------------------------------------------------------------
 
-    def window_slots(self, extra: DecodeSequence | None = None, placement: Placement | None = None) -> int:
-        """Token slots of the batch KV: rows x the longest row's own tokens (leading columns are
-        released), plus each shared prefix once."""
-        return self._slots(lambda s: s.num_kv_tokens + 1, extra, placement)
-
-    def worst_case_slots(self, extra: DecodeSequence | None = None, placement: Placement | None = None) -> int:
-        """Token slots the batch (with `extra` joining at `placement`) would take if every row ran
-        to its max_tokens."""
-        return self._slots(lambda s: s.max_kv_tokens + 1, extra, placement)
-
-    def _slots(self, tokens: Callable[[DecodeSequence], int], extra: DecodeSequence | None,
-               placement: Placement | None) -> int:
-        rows = self.rows + ([extra] if extra else [])
-        shared = {s.request_id: self.sharing.shared_tokens(s.request_id) for s in rows} if self.sharing else {}
-        prefixes = self.sharing.prefix_tokens() if self.sharing else 0
-        if placement is not None:
-            shared[extra.request_id] = placement.tokens
-            if placement.partner is not None:
-                shared[placement.partner] = placement.tokens
-                prefixes += placement.tokens
-        return len(rows) * max((tokens(s) - shared.get(s.request_id, 0) for s in rows), default=0) + prefixes
-
-    def can_admit(self, seq: DecodeSequence, placement: Placement | None = None) -> bool:
-        # The KV budget buys max_columns for every row, and leading columns are released as rows
-        # finish, so the window never exceeds the longest row: a staged request (which fits_ever)
-        # needs a free row, and the batch must stay under the low watermark (an empty batch
-        # always admits, so one long request cannot wait forever).
+    def _admit(self, seq: DecodeSequence, out: SchedulerOutput) -> bool:
+        """Into a new row if one is free and its KV, this step's token and the growth reserve fit
+        in free pages (an empty batch needs no reserve: one long request must not wait forever)."""
         if len(self.rows) >= self.config.max_rows:
             return False
-        budget = self.config.budget_slots
-        if budget and self.rows and self.worst_case_slots(seq, placement) > budget:
+        rid, pool = seq.request_id, self.pages
+        shared = [] if pool.holds(rid) else self._shared_pages(seq, seq.num_kv_tokens)
+        held = len(pool.page_table(rid)) if pool.holds(rid) else len(shared)
+        needed = seq.num_kv_tokens + 1
+        reserve = self.config.growth_reserve_tokens if self.rows else 0
+        new_pages = pool.pages_for(needed + reserve) - held
+        if new_pages > pool.num_free_pages():
             return False
-        low = self.config.low_watermark_slots
-        return not (low and self.rows and self.window_slots(seq, placement) > low)
-
-    def _placement(self, seq: DecodeSequence) -> Placement | None:
-        if self.sharing is None or not seq.prompt_ids:
-            return None
-        if seq.placement is not None:  # held since registration
-            return seq.placement
-        running = {s.request_id: s.prompt_ids for s in self.rows if s.prompt_ids}
-        return self.sharing.place(seq.request_id, seq.prompt_ids, running)
+        # below the low watermark, or the high one when no low one is set (else a row parked above
+        # high would be admitted again at once)
+        low = self.config.low_watermark_pages or self.config.high_watermark_pages
+        if low and self.rows and pool.total_pages - pool.num_free_pages() + new_pages > low:
+            return False
+        if shared:
+            pool.hold(rid, shared)
+        shared_tokens = pool.tokens(rid)
+        self.rows_sharing_total += shared_tokens > 0
+        taken = pool.allocate_slots(rid, needed - shared_tokens)
+        assert taken is not None, "pages counted free were not"
+        self.staged.remove(seq)
+        if seq.status is Status.PARKED:
+            out.resumed.append(seq)
+            self.resumed_total += 1
+        seq.status = Status.RUNNING
+        seq.row = len(self.rows)
+        self.rows.append(seq)
+        out.admitted.append(Admitted(seq, pool.page_table(rid), shared_tokens))
+        if self.config.share_min_tokens and seq.prompt_ids:
+            # Shareable at once: the core writes every admitted row's KV before the step, in
+            # order, and a request matching them now is admitted at a later step.
+            pool.publish(rid, seq.prompt_ids)
+        return True
 
     def schedule(self) -> SchedulerOutput:
-        """Park for memory or priority, then admit in priority order while requests fit."""
+        """Park for priority and memory, give every running row room for this step's token, then
+        admit in priority order while requests fit."""
         with self._lock:
             out = SchedulerOutput()
-            high = self.config.high_watermark_slots
-            while high and len(self.rows) > 1 and self.window_slots() > high:
-                if not self._park(self._lowest_priority_row(), out):
-                    break
+            pool = self.pages
             while self.staged and len(self.rows) >= self.config.max_rows:
                 victim = self._lowest_priority_row()
                 if self.staged[0].priority <= victim.priority or not self._park(victim, out):
                     break
-            while self.staged:
-                seq = self.staged[0]
-                placement = self._placement(seq)
-                if not self.can_admit(seq, placement):
-                    break
-                self.staged.pop(0)
-                seq.placement = placement
-                if placement is not None:
-                    self.sharing.join(seq.request_id, placement, seq.prompt_ids)
-                if seq.status is Status.PARKED:
-                    out.resumed.append(seq)
-                seq.status = Status.RUNNING
-                seq.row = len(self.rows)
-                self.rows.append(seq)
-                out.admitted.append(seq)
+            high = self.config.high_watermark_pages
+            while high and len(self.rows) > 1 and pool.total_pages - pool.num_free_pages() > high:
+                self._park(self._lowest_priority_row(), out, for_memory=True)
+            for seq in list(self.rows):
+                while seq.status is Status.RUNNING and pool.allocate_slots(seq.request_id, 1) is None:
+                    self._park(self._lowest_priority_row(), out, for_memory=True)
+            while self.staged and self._admit(self.staged[0], out):
+                pass
+            if not self.rows:  # the head cannot join an empty batch: pages it needs are held by a
+                # request queued behind it (shared pages held since registration); that one goes first
+                next((s for s in self.staged[1:] if self._admit(s, out)), None)
+                while self.staged and self._admit(self.staged[0], out):
+                    pass
             out.running = list(self.rows)
+            out.tables = [pool.page_table(s.request_id) for s in self.rows]
+            out.lengths = [pool.tokens(s.request_id) for s in self.rows]
             return out
 
     def _lowest_priority_row(self) -> DecodeSequence:
         # Among the lowest priority, the latest admitted: it has the least work to lose in waiting.
         return min(reversed(self.rows), key=lambda s: s.priority)
 
-    def _park(self, seq: DecodeSequence, out: SchedulerOutput) -> bool:
-        """Park `seq` if the host has room for its KV; False (it keeps its row) if not."""
-        if not self.can_park(seq):
+    def _park(self, seq: DecodeSequence, out: SchedulerOutput, for_memory: bool = False) -> bool:
+        """Out of its row, back to the front of the queue, its KV to the host if the host has room
+        for it. If not: for memory, its KV is dropped, to be computed again when it resumes; for
+        priority, it keeps its row (False)."""
+        if self.can_park(seq):
+            out.parked.append(Parked(seq, self.pages.page_table(seq.request_id), seq.num_kv_tokens))
+        else:
             self.park_refused_total += 1
-            return False
-        out.parked.append((seq, seq.row))
+            if not for_memory:
+                return False
+            seq.recompute = True
+            out.dropped.append(seq)
         self._release(seq)
         self._queue(seq, Status.PARKED, front=True)
         self.parked_total += 1
+        self.parked_for_memory_total += for_memory
         return True
 
     def append_tokens(self, token_ids: list[int]) -> None:
@@ -309,31 +345,29 @@ class DecodeScheduler:
 
     # -- leaving ----------------------------------------------------------------------------------
 
-    def finish(self, seq: DecodeSequence, status: Status) -> int | None:
-        """End a request wherever it is (finished, aborted, or moved away); if it held a row, release
-        it. Returns the row that moved into its place, if any; LookupError if it had already ended
-        (a handoff and a cancel may race for a moving request)."""
+    def finish(self, seq: DecodeSequence, status: Status) -> None:
+        """End a request wherever it is (finished, aborted, or moved away); its row and pages are
+        free. LookupError if it had already ended (a handoff and a cancel may race for a moving
+        request)."""
         assert status.is_finished
         with self._lock:
             if self.requests.get(seq.request_id) is not seq:
                 raise LookupError(f"request {seq.request_id!r} already ended here ({seq.status.name.lower()})")
-            moved = self._leave(seq)
+            self._leave(seq)
             if status is not Status.MOVED and not (status is Status.FINISHED_ABORTED and seq.status is Status.WAITING):
                 self.finished_total += 1
             seq.status = status
             self.requests.pop(seq.request_id, None)
-            return moved
 
-    def move(self, seq: DecodeSequence) -> int | None:
+    def move(self, seq: DecodeSequence) -> None:
         """Take a request out of the batch (or the staged queue) to be handed to another decode
-        worker; it stays here as MOVING until `take_moving`. Returns the row that moved into its place."""
+        worker; it stays here as MOVING until `take_moving`. The caller has read its KV."""
         with self._lock:
             if seq.status not in (Status.STAGED, Status.PARKED, Status.RUNNING):
                 raise ValueError(f"request {seq.request_id} is {seq.status.name}; only staged, parked or "
                                  "running requests can move")
-            moved = self._leave(seq)
+            self._leave(seq)
             seq.status = Status.MOVING
-            return moved
 
     def take_moving(self, request_id: str) -> DecodeSequence:
         """The moving request, now MOVED (gone from here), for its KV to be handed off; once.
@@ -347,29 +381,21 @@ class DecodeScheduler:
             self.finish(seq, Status.MOVED)
             return seq
 
-    def _leave(self, seq: DecodeSequence) -> int | None:
+    def _leave(self, seq: DecodeSequence) -> None:
         if seq.row is not None:
-            return self._release(seq)
+            self._release(seq)
         if seq in self.staged:
             self.staged.remove(seq)
-        if self.sharing is not None:  # it may hold a shared prefix since registration
-            self.sharing.leave(seq.request_id)
-        return None
+        self.pages.free(seq.request_id)  # a waiting request may hold shared pages
 
-    def _release(self, seq: DecodeSequence) -> int | None:
-        row, last = seq.row, len(self.rows) - 1
+    def _release(self, seq: DecodeSequence) -> None:
+        """Out of its row, its pages given back; the rows after it move up one."""
+        row = seq.row
         seq.row = None
-        seq.placement = None
-        if self.sharing is not None:
-            self.sharing.leave(seq.request_id)
-        moved = None
-        if row != last:
-            mover = self.rows[last]
-            mover.row = row
-            self.rows[row] = mover
-            moved = last
-        self.rows.pop()
-        return moved
+        self.rows.pop(row)
+        for index in range(row, len(self.rows)):
+            self.rows[index].row = index
+        self.pages.free(seq.request_id)
 
     # -- observation (any thread) -----------------------------------------------------------------
 
@@ -383,6 +409,10 @@ class DecodeScheduler:
     def ids(self, *statuses: Status) -> list[str]:
         with self._lock:
             return [rid for rid, seq in self.requests.items() if seq.status in statuses]
+
+    def kv_usage(self) -> PageUsage:
+        with self._lock:
+            return self.pages.usage()
 
     @property
     def num_waiting(self) -> int:

@@ -70,7 +70,7 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
         request_id = request.request_id
         context.add_callback(lambda: self.loop.cancel(request_id, outputs))
         # Registered: the router may start the prefill now, pushing only the KV not held here.
-        yield workers_pb2.DecodeResponse(held_prefix_tokens=self.loop.core.held_prefix_tokens(request_id))
+        yield workers_pb2.DecodeResponse(held_prefix_tokens=self.loop.core.held_tokens(request_id))
         sent = 0
         while True:
             try:
@@ -144,10 +144,10 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
 
     def GetLoad(self, request, context):
         core, pool = self.loop.core, self.loop.pool
-        stats = pool.stats()
+        stats, kv = pool.stats(), core.scheduler.kv_usage()
         return common_pb2.DecodeLoad(
-            rows_in_use=core.batch.num_rows, max_rows=core.config.max_rows,
-            kv_bytes_allocated=core.batch.allocated_bytes(), kv_bytes_useful=core.batch.useful_bytes(),
+            rows_in_use=core.scheduler.num_running, max_rows=core.config.max_rows,
+            kv_bytes_allocated=kv.used * core.kv.page_bytes, kv_bytes_useful=kv.tokens * core.kv.shape.bytes_per_token(),
             staged_bytes=stats.used_bytes, staging_capacity_bytes=stats.capacity_bytes,
             waiting_for_kv=self.loop.num_waiting(), staged=core.scheduler.num_staged,
             prompt_tokens_forwarded=core.runner.prompt_tokens_forwarded,
@@ -157,7 +157,7 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             parked_bytes=core.parked_bytes(), migrations_out=self.loop.migrations["sent"],
             migrations_failed=self.loop.migrations["failed"], migrations_in=self.loop.migrations["received"],
             max_context=core.max_context, kv_budget_bytes=core.kv_budget_bytes,
-            kv_bytes_per_token=core.batch.row_bytes_per_column,
+            kv_bytes_per_token=core.kv.shape.bytes_per_token(),
         )
 
 
@@ -176,6 +176,8 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     runner = load_runner(model)
     loaded = runner.loaded
     core = DecodeCore(runner, DecodeConfig(max_rows=settings.max_rows, kv_budget_bytes=settings.kv_budget_bytes,
+                                           page_size=settings.page_size,
+                                           growth_reserve_tokens=settings.growth_reserve_tokens,
                                            high_watermark_bytes=settings.kv_high_watermark_bytes,
                                            low_watermark_bytes=settings.kv_low_watermark_bytes,
                                            max_waiting=settings.max_pending,
@@ -185,32 +187,44 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
                        on_landed=lambda request_id: loop.on_landed(request_id))
     metrics = Metrics("decode", model.name)
     loop = DecodeLoop(core, pool, metrics).start()
-    metrics.gauge("baton_decode_rows_in_use", "Decode batch rows occupied", lambda: core.batch.num_rows)
-    metrics.gauge("baton_decode_kv_allocated_bytes", "Batch KV bytes allocated", core.batch.allocated_bytes)
-    metrics.gauge("baton_decode_kv_useful_bytes", "Batch KV bytes holding real tokens", core.batch.useful_bytes)
-    metrics.gauge("baton_decode_kv_shared_prefix_bytes", "Batch KV bytes of prefixes held once for the rows that "
-                  "share them (within the allocated bytes)", core.batch.prefix_bytes)
-    metrics.counter("baton_decode_rows_sharing", "Rows placed after a shared prefix, holding only their own tokens",
-                    lambda: core.batch.rows_sharing)
+    kv_usage, page_bytes, token_bytes = core.scheduler.kv_usage, core.kv.page_bytes, core.kv.shape.bytes_per_token()
+    metrics.gauge("baton_decode_rows_in_use", "Decode batch rows occupied", lambda: core.scheduler.num_running)
+    metrics.gauge("baton_decode_kv_pages_total", "KV pages rows can hold (decode.kv_budget_bytes / page bytes)",
+                  lambda: kv_usage().total)
+    metrics.gauge("baton_decode_kv_pages_used", "KV pages held by a row or a waiting request", lambda: kv_usage().used)
+    metrics.gauge("baton_decode_kv_pages_shared", "KV pages of prompt prefixes held by more than one request",
+                  lambda: kv_usage().shared)
+    metrics.counter("baton_decode_rows_sharing", "Rows admitted onto prompt pages another request holds",
+                    lambda: core.scheduler.rows_sharing_total)
+    metrics.gauge("baton_decode_kv_allocated_bytes", "KV bytes of the pages in use", lambda: kv_usage().used * page_bytes)
+    metrics.gauge("baton_decode_kv_useful_bytes", "KV bytes holding real tokens (a shared page once)",
+                  lambda: kv_usage().tokens * token_bytes)
+    metrics.gauge("baton_decode_kv_allocated_over_useful", "Page slots in use per token they hold (1 = no waste)",
+                  lambda: kv_usage().allocated_over_useful)
     metrics.gauge("baton_decode_staged_bytes", "Host KV pool bytes in use: staged KV and parked rows, within "
                   "decode.staging_bytes", lambda: pool.stats().used_bytes)
     metrics.gauge("baton_decode_waiting_for_kv", "Requests whose KV has not landed", loop.num_waiting)
     metrics.gauge("baton_decode_queue_depth", "Landed requests waiting for a row", lambda: core.scheduler.num_staged)
-    metrics.counter("baton_decode_preemptions", "Rows parked on the host (priority or KV watermark)",
+    metrics.counter("baton_decode_preemptions", "Rows that left their pages (for priority or memory)",
                     lambda: core.scheduler.parked_total)
+    metrics.counter("baton_decode_parked_for_memory", "Rows that left their pages because pages ran out (or past "
+                    "the high watermark)", lambda: core.scheduler.parked_for_memory_total)
+    metrics.counter("baton_decode_resumes", "Parked rows back in a row", lambda: core.scheduler.resumed_total)
+    metrics.counter("baton_decode_recomputes", "Rows whose KV was computed again: dropped when the host pool was "
+                    "full", lambda: core.recomputed_total)
     # vLLM's names for the same state (what an endpoint picker or autoscaler reads).
-    metrics.gauge("vllm:num_requests_running", "Requests holding a decode row", lambda: core.batch.num_rows)
+    metrics.gauge("vllm:num_requests_running", "Requests holding a decode row", lambda: core.scheduler.num_running)
     metrics.gauge("vllm:num_requests_waiting", "Requests waiting for their KV or for a row",
                   lambda: loop.num_waiting() + core.scheduler.num_staged)
-    metrics.gauge("vllm:kv_cache_usage_perc", "Share of the KV budget holding tokens (1 = full)",
-                  lambda: core.batch.useful_bytes() / core.kv_budget_bytes)
+    metrics.gauge("vllm:kv_cache_usage_perc", "Share of the KV pages in use (1 = full)",
+                  lambda: kv_usage().used / kv_usage().total)
     metrics.counter("vllm:num_preemptions", "Rows parked on the host", lambda: core.scheduler.parked_total)
     metrics.gauge("baton_decode_parked_bytes", "KV of parked rows held in host memory (part of the host pool)",
                   core.parked_bytes)
-    metrics.counter("baton_decode_park_refused", "Rows not parked because the host KV pool was full",
+    metrics.counter("baton_decode_park_refused", "Rows not parked with their KV because the host KV pool was full",
                     lambda: core.scheduler.park_refused_total)
     metrics.serve(settings.metrics_port, settings.host)
-    receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape, max_tokens=core.max_columns,
+    receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape, max_tokens=core.max_row_tokens,
                                              pin_memory=loaded.device.type == "cuda"))
     decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}", tls, token,
                                              shared_memory=settings.kv_transport == "auto")

@@ -1,8 +1,10 @@
-"""Attention over the BATON layout, registered with transformers' attention interface.
+"""Attention for Baton's layouts, registered with transformers' attention interface.
 
-The model's own layers call `baton_attention`; what it must do comes in a context object
-passed through the forward call's keyword arguments: per-row start columns for a decode step,
-the cached prefix length for a prefill.
+Decode reads the paged KV (`engine.paged_kv`): Triton's paged kernel on CUDA, Baton's C kernel
+for fp32 on CPU, else each row's pages gathered side by side for SDPA. The model's own layers
+call `baton_attention` (the transformers runner); what it must do comes in a context object
+passed through the forward call's keyword arguments: each row's length for a decode step, the
+cached prefix length for a prefill.
 """
 from __future__ import annotations
 
@@ -19,30 +21,25 @@ BACKENDS = ("auto", "torch", "triton")
 
 @dataclass
 class DecodeAttention:
-    starts: torch.Tensor  # int32 [rows]: first valid window column per row
+    """One decode step's rows over paged KV (`engine.paged_kv`): row i attends its tokens
+    [0, lengths[i]), token t in page table[i, t // page_size]. Built once per step, read by every layer."""
+
+    table: torch.Tensor  # int64 [rows, width]: each row's pages, padded with the null page 0
+    lengths: torch.Tensor  # int64 [rows]
     backend: str
-    mask: torch.Tensor | None = None  # torch backend: bool [rows, 1, 1, window], built once per step
-    starts64: torch.Tensor | None = None  # torch backend on CPU: int64 starts for Baton's C kernel
-    group_of_row: torch.Tensor | None = None  # triton backend with shared prefixes: built once per step
+    table32: torch.Tensor | None = None  # triton: the same as int32
+    lengths32: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # torch path: bool [rows, 1, 1, width x page_size]
 
     @classmethod
-    def for_window(cls, starts: torch.Tensor, window: int, backend: str) -> "DecodeAttention":
-        mask = starts64 = None
-        if backend == "torch":  # every layer reads the same mask: build it once, not per layer
-            columns = torch.arange(window, device=starts.device)
-            mask = (columns[None, :] >= starts[:, None])[:, None, None, :]
-            if starts.device.type == "cpu":
-                starts64 = starts.to(torch.int64)
-        return cls(starts, backend, mask, starts64)
-
-
-@dataclass
-class SharedPrefix:
-    """Rows of a decode step that continue one shared prefix (`engine.batch_kv`): their queries
-    attend to its KV once, together, and the result merges into each row's own part."""
-
-    rows: torch.Tensor  # int64 [m]: batch rows continuing the prefix
-    kv: torch.Tensor  # [layers, 2, kv_heads, prefix tokens, head_dim]
+    def for_step(cls, table: torch.Tensor, lengths: torch.Tensor, page_size: int, backend: str) -> "DecodeAttention":
+        ctx = cls(table, lengths, backend)
+        if backend == "triton":
+            ctx.table32, ctx.lengths32 = table.to(torch.int32), lengths.to(torch.int32)
+        else:  # every layer reads the same mask: built once, not per layer
+            columns = torch.arange(table.shape[1] * page_size, device=table.device)
+            ctx.mask = (columns[None, :] < lengths[:, None])[:, None, None, :]
+        return ctx
 
 
 @dataclass
@@ -72,8 +69,9 @@ def _triton_ready() -> bool:
 
 def baton_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, baton=None, **_):
     # query: [B, Hq, Tq, D]; key, value: [B, Hkv, Tk, D] -> out [B, Tq, Hq, D]
-    if isinstance(baton, DecodeAttention):
-        out = decode(query, key, value, baton, scaling)
+    if isinstance(baton, DecodeAttention):  # the transformers runner hands each row's pages side by side
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=baton.mask, scale=scaling, enable_gqa=True)
+        out = out.transpose(1, 2)
     elif isinstance(baton, PrefillAttention):
         out = prefill(query, key, value, baton, scaling)
     else:
@@ -81,85 +79,28 @@ def baton_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out, None
 
 
-def decode(query, key, value, ctx: DecodeAttention, scale):
-    # query: [B, Hq, 1, D]; key, value: [B, Hkv, window, D] -> [B, 1, Hq, D]
+def decode(query, pages, layer: int, ctx: DecodeAttention, scale):
+    """One decode step's attention for one layer. query: [R, Hq, D]; pages: the paged KV
+    [layers, 2, pages, kv_heads, page_size, head_dim] -> [R, Hq, D]."""
+    keys, values = pages[layer, 0], pages[layer, 1]  # [pages, Hkv, P, D]
     if ctx.backend == "triton":
-        from baton.engine.kernels import decode_attention
+        from baton.engine.kernels import paged_decode_attention
 
-        out = decode_attention(query[:, :, 0], key, value, ctx.starts, scale)  # [B, Hq, D]
-        return out.unsqueeze(1)
-    if ctx.starts64 is not None and query.dtype == torch.float32 and cpu_kernels.available():
-        # Baton's C kernel skips each row's padding columns instead of masking them
-        return cpu_kernels.decode_attention(query[:, :, 0], key, value, ctx.starts64, scale).unsqueeze(1)
-    # ctx.mask: [B, 1, 1, window], built by for_window for the batch's whole window (the keys here)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=ctx.mask, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)
-
-
-def decode_ranges(query, key, value, starts, ends, backend: str, scale):
-    """Decode attention where row i attends columns [starts[i], ends[i]) of key and value, both
-    given as device tensors, so a captured CUDA graph replays it with each step's values.
-    query: [B, Hq, D]; key, value: [B, Hkv, columns, D]; starts, ends: int32 [B] -> [B, Hq, D]"""
-    if backend == "triton":
-        from baton.engine.kernels import decode_attention
-
-        return decode_attention(query, key, value, starts, scale, ends=ends)
-    columns = torch.arange(key.shape[2], device=key.device)
-    mask = ((columns >= starts[:, None]) & (columns < ends[:, None]))[:, None, None, :]
-    out = F.scaled_dot_product_attention(query[:, :, None], key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+        return paged_decode_attention(query, keys, values, ctx.table32, ctx.lengths32, scale)
+    if query.dtype == torch.float32 and query.device.type == "cpu" and cpu_kernels.available():
+        return cpu_kernels.decode_attention(query, keys, values, ctx.table, ctx.lengths, scale)
+    keys, values = gathered(keys, ctx.table), gathered(values, ctx.table)
+    out = F.scaled_dot_product_attention(query[:, :, None], keys, values, attn_mask=ctx.mask, scale=scale,
+                                         enable_gqa=True)
     return out[:, :, 0]
 
 
-def decode_shared(query, key, value, ctx: DecodeAttention, scale, prefixes: list[SharedPrefix], layer: int):
-    """Decode attention where some rows continue a shared prefix held once: each row's own window
-    part, then each prefix's part for all of its rows in one matmul, merged by log-sum-exp (the
-    same maths as one softmax over prefix and window together).
-    query: [B, Hq, 1, D]; key, value: [B, Hkv, window, D] -> [B, 1, Hq, D]"""
-    if ctx.backend == "triton":
-        return _decode_shared_triton(query, key, value, ctx, scale, prefixes, layer)
-    out, lse = _window_with_lse(query[:, :, 0], key, value, ctx, scale)  # [B, Hq, D], [B, Hq]
-    for prefix in prefixes:
-        rows = prefix.rows
-        shared_out, shared_lse = prefix_attention(query[rows, :, 0], prefix.kv[layer, 0], prefix.kv[layer, 1], scale)
-        out[rows] = merge(out[rows], lse[rows], shared_out, shared_lse)
-    return out.to(query.dtype).unsqueeze(1)
-
-
-def _decode_shared_triton(query, key, value, ctx: DecodeAttention, scale, prefixes: list[SharedPrefix], layer: int):
-    """The fused prefix-shared kernel: every prefix's rows and every row's window in one launch.
-    One prefix is passed as a view; several are padded to the longest into one tensor per layer."""
-    from baton.engine.kernels import prefix_shared_decode_attention
-
-    if ctx.group_of_row is None:
-        ctx.group_of_row = torch.full((query.shape[0],), -1, dtype=torch.int32, device=query.device)
-        for index, prefix in enumerate(prefixes):
-            ctx.group_of_row[prefix.rows] = index
-    lengths = [prefix.kv.shape[3] for prefix in prefixes]
-    if len(prefixes) == 1:
-        prefix_k, prefix_v = prefixes[0].kv[layer, 0][None], prefixes[0].kv[layer, 1][None]
-    else:
-        top = max(lengths)
-        prefix_k, prefix_v = (torch.stack([F.pad(p.kv[layer, kind], (0, 0, 0, top - n)) for p, n in zip(prefixes, lengths)])
-                              for kind in (0, 1))
-    out = prefix_shared_decode_attention(
-        query[:, :, 0], prefix_k, prefix_v, key, value, ctx.starts, ctx.group_of_row,
-        torch.tensor(lengths, dtype=torch.int32, device=query.device), scale,
-        max_group_rows=max(prefix.rows.numel() for prefix in prefixes))
-    return out.unsqueeze(1)
-
-
-def prefix_attention(query, key, value, scale):
-    """Queries of several rows against one sequence's KV, no mask: query [m, Hq, D]; key, value
-    [Hkv, P, D] -> out [m, Hq, D] and log-sum-exp [m, Hq], float32. The rows' queries of one KV
-    head form one matrix, so the prefix is read once for all of them."""
-    m, hq, d = query.shape
-    hkv = key.shape[0]
-    q = query.float().view(m, hkv, hq // hkv, d).transpose(0, 1).reshape(hkv, -1, d)  # [Hkv, m * group, D]
-    scores = torch.bmm(q, key.float().transpose(1, 2)) * scale  # [Hkv, m * group, P]
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.bmm(torch.exp(scores - lse[..., None]), value.float())  # [Hkv, m * group, D]
-    return (out.view(hkv, m, hq // hkv, d).transpose(0, 1).reshape(m, hq, d),
-            lse.view(hkv, m, hq // hkv).transpose(0, 1).reshape(m, hq))
+def gathered(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """One layer's keys or values [pages, Hkv, P, D] -> each row's pages side by side, a copy:
+    [rows, Hkv, width x P, D] (the torch path; columns past a row's length are to be masked)."""
+    rows, width = table.shape
+    out = pages[table.reshape(-1)]  # [rows * width, Hkv, P, D]
+    return out.view(rows, width, *pages.shape[1:]).transpose(1, 2).flatten(2, 3)
 
 
 def merge(out_a, lse_a, out_b, lse_b):
@@ -167,22 +108,6 @@ def merge(out_a, lse_a, out_b, lse_b):
     top = torch.maximum(lse_a, lse_b)
     weight_a, weight_b = torch.exp(lse_a - top)[..., None], torch.exp(lse_b - top)[..., None]
     return (out_a * weight_a + out_b * weight_b) / (weight_a + weight_b)
-
-
-def _window_with_lse(query, key, value, ctx: DecodeAttention, scale):
-    """The own-window part of decode attention with its log-sum-exp: query [B, Hq, D]; key, value
-    [B, Hkv, window, D] -> out [B, Hq, D], lse [B, Hq], float32."""
-    rows, hq, d = query.shape
-    if ctx.starts64 is not None and query.dtype == torch.float32 and cpu_kernels.available():
-        lse = torch.empty(rows, hq, dtype=torch.float32)
-        return cpu_kernels.decode_attention(query, key, value, ctx.starts64, scale, lse=lse), lse
-    hkv = key.shape[1]
-    q = query.float().view(rows, hkv, hq // hkv, d)
-    scores = torch.matmul(q, key.float().transpose(-1, -2)) * scale  # [B, Hkv, group, window]
-    scores = scores.masked_fill(~ctx.mask, float("-inf"))  # ctx.mask: [B, 1, 1, window], the torch backend's
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]), value.float())
-    return out.view(rows, hq, d), lse.view(rows, hq)
 
 
 def prefill(query, key, value, ctx: PrefillAttention, scale):

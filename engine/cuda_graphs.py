@@ -2,15 +2,13 @@
 whose launch cost dwarfs their work; a replay launches them all at once.
 
 A graph replays fixed kernels on fixed addresses, so what changes from step to step is read from
-device memory instead of passed as arguments: the rows' tokens, positions, window starts and
-ends (absolute buffer columns) and the column this step opens. Attention runs over the batch
-buffer's whole capacity, each row stopping at its window's end, so one graph serves every
-window length the buffer holds. Graphs are kept per row bucket (the occupied rows rounded up to
-a power of two, at most the buffer's row capacity; padding rows attend one column and are
-discarded) and dropped when the batch reallocates its buffer, since they hold its address.
+device memory instead of passed as arguments: the rows' tokens, lengths and page tables (padded
+to the most pages a row can hold). The paged KV is allocated once (`engine.paged_kv`), so its
+address never changes and a graph serves the worker's whole life. Graphs are kept per row bucket
+(the rows rounded up to a power of two; padding rows write and attend one slot of the null page
+and are discarded).
 
-Not captured: steps with shared prefixes (their attention merges per prefix group) and any step
-after a capture failed (one warning; the worker goes on eagerly).
+Not captured: any step after a capture failed (one warning; the worker goes on eagerly).
 """
 from __future__ import annotations
 
@@ -19,41 +17,35 @@ from typing import Callable
 
 import torch
 
-from baton.engine.batch_kv import BatchKV
+from baton.engine.paged_kv import DecodeStep, PagedKV
 
 log = logging.getLogger(__name__)
 
 WARMUP_RUNS = 2  # before capture, on a side stream: Triton compiles, cuBLAS picks its kernels
 
-# body(buffer, ids, positions, starts, ends, column) -> logits [rows, vocab] float32, with every
-# argument but the buffer a device tensor of the graph's
-StepBody = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                    torch.Tensor]
+# body(pages, ids, lengths, table) -> logits [rows, vocab] float32, with every argument but the
+# pages a device tensor of the graph's
+StepBody = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def step_inputs(batch: BatchKV, input_ids: list[int], positions: list[int], column: int, rows: int) -> list[int]:
-    """A step's inputs as one list (one copy to the device): ids, positions, window starts and ends
-    (absolute buffer columns) of `rows` rows, then the opened column. Padding rows past the batch's
-    feed token 0 at position 0 and attend column 0 only."""
-    pad = rows - batch.num_rows
-    starts = [batch.offset + s for s in batch.starts]
-    ends = [batch.offset + batch.length] * batch.num_rows
-    return ((input_ids + [0] * pad) + (positions + [0] * pad) + (starts + [0] * pad) + (ends + [1] * pad)
-            + [batch.offset + column])
+def step_inputs(step: DecodeStep, input_ids: list[int], rows: int, width: int) -> list[int]:
+    """A step's inputs as one list (one copy to the device): ids and lengths of `rows` rows, then
+    their page tables, `width` pages each. Padding rows feed token 0 at position 0 of the null page."""
+    pad = rows - step.num_rows
+    tables = [page for table in step.tables for page in table + [0] * (width - len(table))]
+    return (input_ids + [0] * pad) + (step.lengths + [1] * pad) + tables + [0] * (pad * width)
 
 
-def step_arguments(inputs: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
-    """The body's arguments from `step_inputs` as a device tensor: ids, positions, starts, ends, column."""
-    r = rows
-    return (inputs[:r], inputs[r:2 * r], inputs[2 * r:3 * r].to(torch.int32), inputs[3 * r:4 * r].to(torch.int32),
-            inputs[4 * r:])
+def step_arguments(inputs: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, ...]:
+    """The body's arguments from `step_inputs` as a device tensor: ids, lengths, table."""
+    return inputs[:rows], inputs[rows:2 * rows], inputs[2 * rows:].view(rows, width)
 
 
 class _Graph:
-    def __init__(self, rows: int, device: torch.device):
+    def __init__(self, rows: int, width: int, device: torch.device):
         self.rows = rows
-        self.host = torch.zeros(4 * rows + 1, dtype=torch.int64, pin_memory=True)
-        self.inputs = torch.zeros(4 * rows + 1, dtype=torch.int64, device=device)
+        self.host = torch.zeros(rows * (2 + width), dtype=torch.int64, pin_memory=True)
+        self.inputs = torch.zeros(rows * (2 + width), dtype=torch.int64, device=device)
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None
         self.copied: torch.cuda.Event | None = None
@@ -68,49 +60,53 @@ class _Graph:
 
 
 class StepGraphs:
-    def __init__(self, body: StepBody, device: torch.device):
+    def __init__(self, body: StepBody, device: torch.device, max_context: int):
         self.body = body
         self.device = device
+        self.max_context = max_context  # tokens a row can reach: its page table's width
         self.graphs: dict[int, _Graph] = {}
-        self.pool = None  # the memory pool the graphs of one buffer share
-        self.buffer_key: tuple | None = None
+        self.pool = None  # the memory pool the graphs of one KV share
+        self.pages_key: tuple | None = None
         self.captures = 0  # counted so tests and metrics can see the graphs at work
         self.replays = 0
 
-    def step(self, batch: BatchKV, input_ids: list[int], positions: list[int], column: int) -> torch.Tensor:
-        """One decode step of `batch` (its column already opened) by replaying a graph -> logits [rows, vocab]."""
-        rows = batch.num_rows
-        key = (batch.buffer.data_ptr(), tuple(batch.buffer.shape))
-        if key != self.buffer_key:  # reallocated: every graph holds the old address
+    def step(self, kv: PagedKV, step: DecodeStep, input_ids: list[int]) -> torch.Tensor:
+        """One decode step by replaying a graph -> logits [rows, vocab]."""
+        rows = step.num_rows
+        key = (kv.pages.data_ptr(), tuple(kv.pages.shape))
+        if key != self.pages_key:  # another paged KV: every graph holds the old address
             self.graphs.clear()  # a pool whose graphs are all gone cannot take another capture:
             self.pool = torch.cuda.graph_pool_handle()  # a new one (the old one's memory is freed with them)
-            self.buffer_key = key
-        bucket = min(1 << (rows - 1).bit_length(), batch.row_capacity)
+            self.pages_key = key
+        width = -(-self.max_context // kv.page_size)
+        if any(len(table) > width for table in step.tables):
+            raise ValueError(f"a page table is wider than the {width} pages a {self.max_context}-token row needs")
+        bucket = 1 << (rows - 1).bit_length()
         graph = self.graphs.get(bucket)
-        inputs = step_inputs(batch, input_ids, positions, column, bucket)
+        inputs = step_inputs(step, input_ids, bucket, width)
         if graph is None:
-            graph = self.graphs[bucket] = self._capture(batch.buffer, bucket, inputs)
+            graph = self.graphs[bucket] = self._capture(kv.pages, bucket, width, inputs)
         else:
             graph.load(inputs)
         graph.graph.replay()
         self.replays += 1
         return graph.logits[:rows].clone()
 
-    def _capture(self, buffer: torch.Tensor, rows: int, inputs: list[int]) -> _Graph:
-        graph = _Graph(rows, self.device)
+    def _capture(self, pages: torch.Tensor, rows: int, width: int, inputs: list[int]) -> _Graph:
+        graph = _Graph(rows, width, self.device)
         graph.load(inputs)
         # warm-up runs compute this very step (the same KV writes the replay then repeats)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):
-                self.body(buffer, *step_arguments(graph.inputs, rows))
+                self.body(pages, *step_arguments(graph.inputs, rows, width))
         torch.cuda.current_stream(self.device).wait_stream(side)
         # thread_local: other threads of this process (a prefill worker beside this decode worker,
         # the KV receivers) keep launching work while this thread captures; in the default
         # global mode their launches failed ("operation not permitted when stream is capturing")
         with torch.cuda.graph(graph.graph, pool=self.pool, capture_error_mode="thread_local"):
-            graph.logits = self.body(buffer, *step_arguments(graph.inputs, rows))
+            graph.logits = self.body(pages, *step_arguments(graph.inputs, rows, width))
         self.captures += 1
         log.debug("captured the decode step for %d rows", rows)
         return graph

@@ -6,8 +6,9 @@ the forward itself, with the same interface as the `transformers` reference runn
 - one fused QKV and one fused gate/up projection per layer, weights prepacked for the CPU GEMM
   (`engine.linear`); RMSNorm and SiLU as single fused calls; rotary applied to queries and keys
   together from a cos/sin table built once;
-- decode writes each step's keys and values straight into the BATON batch column and attends
-  over the padded window with the row mask built once per step (Triton kernel on CUDA);
+- decode writes each step's keys and values straight into each row's next page slot and attends
+  over the row's pages (`engine.paged_kv`; Triton's paged kernel on CUDA, on CPU every layer of
+  an fp32 step in one C call);
 - prefill writes the new tokens' KV into one preallocated tensor; a cached prefix (a BatchLLM
   group's, shared by every prompt of the forward) stays one tensor that all of them attend to,
   merged with their own part by log-sum-exp; the LM head runs on each prompt's last token only.
@@ -25,13 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from baton.engine import attention
-from baton.engine.attention import DecodeAttention, PrefillAttention, SharedPrefix
-from baton.engine.batch_kv import BatchKV
+from baton.engine.attention import DecodeAttention, PrefillAttention
 from baton.engine.cpu import kernels as cpu_kernels
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.kv import PrefillOutput, SequenceKV
 from baton.engine.linear import Linear, best_layout
 from baton.engine.model import LoadedModel
+from baton.engine.paged_kv import DecodeStep, PagedKV
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,6 @@ class LlamaRunner:
     """Prefill and BATON decode for a Llama-family model, without transformers on the hot path."""
 
     name = "baton"
-    shares_prefixes = True  # decodes rows that continue a shared prefix held once (engine.batch_kv)
 
     def __init__(self, loaded: LoadedModel, attention_backend: str = "auto", cuda_graphs: bool = True):
         reason = unsupported_reason(loaded)
@@ -114,7 +114,7 @@ class LlamaRunner:
         cos, sin = decoder.rotary_emb(probe, positions)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
         # CUDA: decode steps replay captured graphs (engine.cuda_graphs); None: launched op by op
-        self.graphs = StepGraphs(self._captured_step, loaded.device) if cuda_graphs and loaded.device.type == "cuda" \
+        self.graphs = StepGraphs(self._captured_step, loaded.device, loaded.max_context) if cuda_graphs and loaded.device.type == "cuda" \
             else None
         # Counted, so tests and metrics can prove where each kind of token was computed.
         self.prompt_tokens_forwarded = 0
@@ -184,100 +184,77 @@ class LlamaRunner:
     # -- decode -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def decode(self, batch: BatchKV, input_ids: list[int]) -> torch.Tensor:
-        """One step: feeds input_ids[i] to row i, returns next-token logits [rows, vocab] float32."""
-        rows = batch.num_rows
+    def decode(self, kv: PagedKV, step: DecodeStep, input_ids: list[int]) -> torch.Tensor:
+        """One step: feeds input_ids[i] to row i at position step.lengths[i] - 1, writes its keys and
+        values there, returns next-token logits [rows, vocab] float32."""
+        rows = step.num_rows
         if len(input_ids) != rows:
-            raise ValueError(f"decode needs one token per occupied row: {rows} rows, {len(input_ids)} tokens")
-        positions = [batch.sequence_tokens(r) for r in range(rows)]
-        column = batch.append_column()
-        groups = batch.shared_groups()
-        if self.graphs is not None and not groups:
-            logits = self._replay(batch, input_ids, positions, column)
+            raise ValueError(f"decode needs one token per row: {rows} rows, {len(input_ids)} tokens")
+        if self.graphs is not None:
+            logits = self._replay(kv, step, input_ids)
             if logits is not None:
                 self.decode_tokens_forwarded += rows
                 self.decode_steps += 1
                 return logits
-        positions = torch.tensor(positions, device=self.device)
-        starts = torch.tensor(batch.starts, dtype=torch.int32, device=self.device)
-        ctx = DecodeAttention.for_window(starts, batch.length, self.backend)
-        shared = [SharedPrefix(torch.tensor(members, device=self.device), batch.prefixes[group])
-                  for group, members in groups.items()]
-        rotary = self._rotary(positions)
+        lengths = torch.tensor(step.lengths, dtype=torch.int64, device=self.device)
+        table = step.table_tensor(device=self.device)
+        rotary = self._rotary(lengths - 1)
         h = self.embed[torch.tensor(input_ids, device=self.device)]  # [R, hidden]
-        one_call = (self.decode_layers is not None and ctx.starts64 is not None and not shared
-                    and rows <= cpu_kernels.max_rows())  # (starts64: the torch attention backend, on CPU)
-        if one_call:
+        if self.decode_layers is not None and self.device.type == "cpu" and rows <= cpu_kernels.max_rows():
             cos, signed_sin = rotary
-            self.decode_layers(h, cos, signed_sin, batch.buffer, batch.offset, batch.length, batch.offset + column,
-                               ctx.starts64)
+            self.decode_layers(h, cos, signed_sin, kv.pages, table, lengths)
         else:
-            h = self._decode_layer_by_layer(batch, column, h, rotary, ctx, shared)
+            ctx = DecodeAttention.for_step(table, lengths, kv.page_size, self.backend)
+            h = self._decode_layers(kv.pages, h, rotary, ctx)
         logits = self.lm_head(self._rms_norm(h, self.norm))
         self.decode_tokens_forwarded += rows
         self.decode_steps += 1
         return logits.float()
 
-    def _replay(self, batch: BatchKV, input_ids: list[int], positions: list[int], column: int) -> torch.Tensor | None:
+    def _replay(self, kv: PagedKV, step: DecodeStep, input_ids: list[int]) -> torch.Tensor | None:
         try:
-            return self.graphs.step(batch, input_ids, positions, column)
+            return self.graphs.step(kv, step, input_ids)
         except Exception as exc:  # a step that cannot be captured must not fail every request
             log.warning("capturing the decode step as a CUDA graph failed (%s); this worker decodes without graphs",
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             self.graphs = None
             return None
 
-    def _captured_step(self, buffer, ids, positions, starts, ends, column) -> torch.Tensor:
+    def _captured_step(self, pages, ids, lengths, table) -> torch.Tensor:
         """The decode step a CUDA graph records: every input a device tensor (engine.cuda_graphs).
-        buffer: the batch KV [layers, 2, rows, kv_heads, columns, head_dim]; ids, positions [R];
-        starts, ends int32 [R]: each row's window as absolute buffer columns; column [1]: the one
-        this step writes. Attention spans the buffer's whole capacity, each row within its window."""
-        rows = ids.shape[0]
-        rotary = self._rotary(positions)
-        h = self.embed[ids]
-        for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, self._rms_norm(h, layer.input_norm), rotary)
-            keys, values = buffer[index, 0, :rows], buffer[index, 1, :rows]  # [R, Hkv, columns, D]
-            keys.index_copy_(2, column, k[:, :, None])
-            values.index_copy_(2, column, v[:, :, None])
-            out = attention.decode_ranges(q, keys, values, starts, ends, self.backend, self.scale)  # [R, Hq, D]
-            h = h + layer.o(out.reshape(rows, -1))
-            h = self._mlp(layer, h)
+        pages: the paged KV; ids, lengths int64 [R]; table int64 [R, width]."""
+        ctx = DecodeAttention.for_step(table, lengths, pages.shape[4], self.backend)
+        h = self._decode_layers(pages, self.embed[ids], self._rotary(lengths - 1), ctx)
         return self.lm_head(self._rms_norm(h, self.norm)).float()
 
-    def _decode_layer_by_layer(self, batch: BatchKV, column: int, h, rotary, ctx: DecodeAttention,
-                               shared: list[SharedPrefix]):
-        """Layer by layer from Python: the reference for the one-call step, and the path for shared
-        prefixes, other dtypes and devices."""
-        rows = h.shape[0]
-        new_kv, window = batch.step_views(column)
+    def _decode_layers(self, pages: torch.Tensor, h, rotary, ctx: DecodeAttention):
+        """Layer by layer from Python: the reference for the one-call step, and the path for other
+        dtypes and devices. pages: [layers, 2, pages, kv_heads, page_size, head_dim]."""
+        rows, page_size = h.shape[0], pages.shape[4]
+        last = ctx.lengths - 1  # each row's new token: page and slot
+        page = ctx.table.gather(1, (last // page_size)[:, None])[:, 0]
+        slot = last % page_size
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._rms_norm(h, layer.input_norm), rotary)
-            new_kv[index, 0].copy_(k)
-            new_kv[index, 1].copy_(v)
-            keys, values = window[index]  # [R, Hkv, window, D] each
-            out = self._decode_attention(q[:, :, None], keys, values, ctx, shared, index)  # [R, 1, Hq, D]
+            pages[index, 0, page, :, slot] = k  # [R, Hkv, D]
+            pages[index, 1, page, :, slot] = v
+            out = self._decode_attention(q, pages, index, ctx)  # [R, Hq, D]
             h = h + layer.o(out.reshape(rows, -1))
             h = self._mlp(layer, h)
         return h
 
-    def _decode_attention(self, q, keys, values, ctx: DecodeAttention, shared: list[SharedPrefix], layer: int):
-        def run():
-            if shared:
-                return attention.decode_shared(q, keys, values, ctx, self.scale, shared, layer)
-            return attention.decode(q, keys, values, ctx, self.scale)
-
+    def _decode_attention(self, q, pages, layer: int, ctx: DecodeAttention):
         try:
-            return run()
+            return attention.decode(q, pages, layer, ctx, self.scale)
         except Exception as exc:  # a Triton kernel that cannot build here must not fail every request
             if ctx.backend != "triton":
                 raise
             log.warning("Triton decode attention failed (%s); falling back to the torch path for this worker",
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             self.backend = "torch"
-            torch_ctx = DecodeAttention.for_window(ctx.starts, keys.shape[2], "torch")
-            ctx.backend, ctx.mask, ctx.starts64 = torch_ctx.backend, torch_ctx.mask, torch_ctx.starts64
-            return run()
+            fallback = DecodeAttention.for_step(ctx.table, ctx.lengths, pages.shape[4], "torch")
+            ctx.backend, ctx.mask = fallback.backend, fallback.mask
+            return attention.decode(q, pages, layer, ctx, self.scale)
 
     # -- prefill ------------------------------------------------------------------------------
 

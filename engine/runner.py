@@ -1,7 +1,7 @@
 """Runs the stock `transformers` model over Baton's KV layouts.
 
 `prefill` runs one prompt (optionally continuing from a cached prefix KV) and returns its KV;
-`decode` runs one step for every occupied row of a BATON batch, one token per row.
+`decode` runs one step for every row of a decode batch over paged KV, one token per row.
 """
 from __future__ import annotations
 
@@ -12,26 +12,32 @@ from transformers.cache_utils import Cache
 
 from baton.engine import attention
 from baton.engine.attention import DecodeAttention, PrefillAttention
-from baton.engine.batch_kv import BatchKV
 from baton.engine.kv import PrefillOutput, SequenceKV
 from baton.engine.model import LoadedModel
+from baton.engine.paged_kv import DecodeStep, PagedKV
 
 
-class _BatchCache(Cache):
-    """Hands the model the batch KV window; the step's new keys land in the opened column."""
+class _PagedCache(Cache):
+    """Writes a step's new keys into each row's next page slot and hands the model each row's
+    pages side by side (the attention context masks the columns past a row's length)."""
 
-    def __init__(self, batch: BatchKV, column: int):
+    def __init__(self, pages: torch.Tensor, ctx: DecodeAttention):
         super().__init__(layers=[])
-        self.batch = batch
-        self.column = column
+        self.pages = pages
+        self.ctx = ctx
+        last = ctx.lengths - 1
+        self.page = ctx.table.gather(1, (last // pages.shape[4])[:, None])[:, 0]
+        self.slot = last % pages.shape[4]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states, value_states: [rows, kv_heads, 1, head_dim]
-        self.batch.write_column(layer_idx, self.column, key_states[:, :, 0], value_states[:, :, 0])
-        return self.batch.layer_view(layer_idx)
+        self.pages[layer_idx, 0, self.page, :, self.slot] = key_states[:, :, 0]
+        self.pages[layer_idx, 1, self.page, :, self.slot] = value_states[:, :, 0]
+        return (attention.gathered(self.pages[layer_idx, 0], self.ctx.table),
+                attention.gathered(self.pages[layer_idx, 1], self.ctx.table))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.batch.length
+        return int(self.ctx.lengths.max()) - 1
 
 
 class _PrefillCache(Cache):
@@ -68,7 +74,6 @@ class TransformersRunner:
     """The reference executor: the stock transformers forward, for any model it loads."""
 
     name = "transformers"
-    shares_prefixes = False  # the stock forward attends over the padded window alone
 
     def __init__(self, loaded: LoadedModel, attention_backend: str = "auto"):
         self.loaded = loaded
@@ -129,20 +134,17 @@ class TransformersRunner:
                 for i, (p, s) in enumerate(zip(prompts, suffixes))]
 
     @torch.no_grad()
-    def decode(self, batch: BatchKV, input_ids: list[int]) -> torch.Tensor:
-        """One step: feeds input_ids[i] to row i, returns next-token logits [rows, vocab] float32."""
-        rows = batch.num_rows
+    def decode(self, kv: PagedKV, step: DecodeStep, input_ids: list[int]) -> torch.Tensor:
+        """One step: feeds input_ids[i] to row i at position step.lengths[i] - 1, returns next-token
+        logits [rows, vocab] float32."""
+        rows = step.num_rows
         if len(input_ids) != rows:
-            raise ValueError(f"decode needs one token per occupied row: {rows} rows, {len(input_ids)} tokens")
-        if batch.prefixes:
-            raise ValueError("the transformers executor cannot decode rows that share a prefix KV")
-        positions = torch.tensor([[batch.row_tokens(r)] for r in range(rows)], device=self.device)
-        column = batch.append_column()
-        starts = torch.tensor(batch.starts, dtype=torch.int32, device=self.device)
+            raise ValueError(f"decode needs one token per row: {rows} rows, {len(input_ids)} tokens")
+        lengths = torch.tensor(step.lengths, dtype=torch.int64, device=self.device)
+        ctx = DecodeAttention.for_step(step.table_tensor(device=self.device), lengths, kv.page_size, "torch")
         out = self.model(
-            input_ids=torch.tensor(input_ids, device=self.device)[:, None], position_ids=positions,
-            past_key_values=_BatchCache(batch, column), use_cache=True,
-            baton=DecodeAttention.for_window(starts, batch.length, self.backend),
+            input_ids=torch.tensor(input_ids, device=self.device)[:, None], position_ids=(lengths - 1)[:, None],
+            past_key_values=_PagedCache(kv.pages, ctx), use_cache=True, baton=ctx,
         )
         self.decode_tokens_forwarded += rows
         self.decode_steps += 1

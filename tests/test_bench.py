@@ -138,7 +138,8 @@ def test_chunks_quick_times_a_long_prompt_whole_and_in_chunks(tmp_path, capsys):
 @pytest.mark.slow
 def test_shared_quick_decodes_rows_of_one_prefix_with_and_without_sharing(tmp_path, capsys):
     document, printed = run_suite("shared", tmp_path, capsys, "--rows", "4", "--prefix", "128")
-    assert document["tokens_agree"] and document["with"]["rows_sharing"] == 4 and not document["without"]["rows_sharing"]
+    # the first row holds the prefix's pages, the other three share them
+    assert document["tokens_agree"] and document["with"]["rows_sharing"] == 3 and not document["without"]["rows_sharing"]
     # the useful KV falls by nearly what the shape allows (rows joining at different steps cost a little)
     assert 0.9 * document["bound_kv_ratio"] <= document["kv_useful_ratio"] <= document["bound_kv_ratio"]
     assert "with sharing" in printed
@@ -208,3 +209,42 @@ def test_serve_compares_baton_with_vllm_at_the_rates_both_ran():
     rows = compare([point("baton", 0.5, 100.0, 0.5), point("vllm", 0.5, 200.0, 0.25), point("baton", 2.0, 1.0, 1.0)])
     assert rows == [{"workload": "chat", "rate": 0.5, "ttft_p50": 0.5, "ttft_p99": 0.5, "itl_p50": 1.0,
                      "itl_p99": 1.0, "output_tokens_per_s": 1.0, "goodput": 2.0}]
+
+
+@pytest.mark.slow
+def test_residency_quick_counts_the_streams_baton_decodes_at_once(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("BATON_VLLM_PYTHON", raising=False)
+    document, printed = run_suite("residency", tmp_path, capsys)
+    settings = document["settings"]
+    assert settings["servers"] == ["baton"] and document["problems"] == {}  # --quick: Baton alone
+    baton = document["servers"]["baton"]
+    assert len(baton["streams"]) == settings["streams"] == 4
+    assert all(st["error"] is None and st["chunk_s"] for st in baton["streams"])
+    assert baton["streams_with_a_token"] == 4 and baton["ttft_median_s"] > 0 and baton["tokens_per_s"] > 0
+    assert len(baton["decoding_per_window"]) == 3
+    assert 0 <= baton["decoding_at_sample"] <= baton["peak_decoding"] <= 4
+    assert any("rows_in_use" in sample for sample in baton["server_samples"])  # what the decode worker said
+    assert "decoding at 3 s" in printed and "Streams decoding in each second" in printed
+
+
+def test_residency_skips_vllm_without_its_python(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("BATON_VLLM_PYTHON", raising=False)
+    document, _ = run_suite("residency", tmp_path, capsys, "--servers", "vllm")
+    assert document["problems"]["vllm"].startswith("skipped: no vLLM python") and document["servers"] == {}
+
+
+def test_residency_counts_a_stream_decoding_by_its_tokens_after_the_first():
+    from baton.bench.residency import summarize, vllm_metrics
+
+    streams = [{"chunk_s": [0.5, 0.6, 1.5, 2.9], "finish_reason": None},  # decodes through the count
+               {"chunk_s": [0.7], "finish_reason": None},  # its first token only: waiting for a row
+               {"chunk_s": [2.5, 2.6], "finish_reason": None},  # admitted late
+               {"chunk_s": [], "finish_reason": None}]
+    got = summarize(streams, 3.0)
+    assert got["decoding_per_window"] == [1, 1, 2] and got["receiving_per_window"] == [2, 1, 2]
+    assert got["decoding_at_sample"] == 2 and got["peak_decoding"] == 2
+    assert got["first_token_s"] == [0.5, 0.7, 2.5, None] and got["streams_with_a_token"] == 3
+    assert got["chunks_per_stream"] == [4, 1, 2, 0] and got["tokens_per_s"] == pytest.approx(7 / 3)
+    text = ('# HELP vllm:num_requests_running x\nvllm:num_requests_running{model_name="m",engine="0"} 5.0\n'
+            'vllm:num_requests_waiting{model_name="m",engine="0"} 11.0\nvllm:kv_cache_usage_perc{engine="0"} 0.25\n')
+    assert vllm_metrics(text) == {"running": 5.0, "waiting": 11.0, "kv_cache_usage": 0.25}

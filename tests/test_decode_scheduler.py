@@ -1,130 +1,229 @@
-"""The decode scheduler's policy, without a model: admission, row reuse, release, limits."""
+"""The decode scheduler's policy, without a model: admission by pages, row reuse, parking, limits.
+
+No model runs here: after each `schedule()` the test appends one token per running row, as the
+decode core does after its decode step.
+"""
+import random
+import threading
+
 import pytest
 
-from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
+from baton.decode_worker.kv_pages import NULL_PAGE
+from baton.decode_worker.scheduler import (
+    Admitted, DecodeScheduler, DecodeSequence, Parked, SchedulerConfig, SchedulerOutput, Status,
+)
 
 
-def seq(rid: str, prompt: int = 4, max_new: int = 3) -> DecodeSequence:
-    return DecodeSequence(rid, prompt_len=prompt, max_new_tokens=max_new, output_ids=[7])
+def seq(rid: str, prompt: int = 4, max_new: int = 3, priority: int = 0) -> DecodeSequence:
+    return DecodeSequence(rid, prompt_len=prompt, max_new_tokens=max_new, output_ids=[7], priority=priority)
+
+
+def config(**kw) -> SchedulerConfig:
+    """Small pages (4 tokens) and no growth reserve unless a test asks: page counts stay easy to follow."""
+    return SchedulerConfig(**{"max_rows": 2, "num_pages": 65, "page_size": 4, "growth_reserve_tokens": 0, **kw})
+
+
+def ids(seqs) -> list[str]:
+    return [s.request_id for s in seqs]
+
+
+def used(sched: DecodeScheduler) -> int:
+    return sched.pages.total_pages - sched.pages.num_free_pages()
+
+
+def check(sched: DecodeScheduler, out: SchedulerOutput) -> None:
+    """What the core relies on: row i is running[i], with the pool's table and length for it, and
+    room for exactly its KV plus this step's token."""
+    pool = sched.pages
+    assert out.running == sched.rows
+    assert len(out.tables) == len(out.lengths) == len(out.running)
+    for i, (s, table, length) in enumerate(zip(out.running, out.tables, out.lengths)):
+        assert s.row == i and s.status is Status.RUNNING
+        assert table == pool.page_table(s.request_id) and NULL_PAGE not in table
+        assert length == pool.tokens(s.request_id) == s.num_kv_tokens + 1
+        assert len(table) == pool.pages_for(length)
+    for admitted in out.admitted:
+        assert isinstance(admitted, Admitted) and admitted.table == pool.page_table(admitted.seq.request_id)
+    assert set(out.resumed) <= {a.seq for a in out.admitted}
+    for s in out.dropped + [p.seq for p in out.parked]:
+        assert s.status is Status.PARKED or s in out.resumed
+
+
+def step(sched: DecodeScheduler, token: int = 9) -> SchedulerOutput:
+    out = sched.schedule()
+    check(sched, out)
+    sched.append_tokens([token] * len(out.running))
+    return out
+
+
+# -- rows ------------------------------------------------------------------------------------
 
 
 def test_admits_while_rows_free_and_reuses_released_rows():
-    sched = DecodeScheduler(SchedulerConfig(max_rows=2, max_columns=100))
+    sched = DecodeScheduler(config(max_rows=2))
     for i in range(3):
         sched.add_staged(seq(f"r{i}"))
     out = sched.schedule()
-    assert [s.request_id for s in out.admitted] == ["r0", "r1"]
+    check(sched, out)
+    assert ids(a.seq for a in out.admitted) == ["r0", "r1"] and [a.shared_tokens for a in out.admitted] == [0, 0]
     assert [s.row for s in out.running] == [0, 1]
     sched.append_tokens([8, 9])
-    assert sched.rows[0].output_ids == [7, 8]
-    moved = sched.finish(sched.rows[0], Status.FINISHED_STOPPED)
-    assert moved == 1 and sched.rows[0].request_id == "r1" and sched.rows[0].row == 0
-    out = sched.schedule()
-    assert [s.request_id for s in out.admitted] == ["r2"] and out.admitted[0].row == 1
+    assert sched.rows[0].output_ids == [7, 8] and sched.rows[1].output_ids == [7, 9]
+    assert sched.finish(sched.rows[0], Status.FINISHED_STOPPED) is None
+    assert sched.rows[0].request_id == "r1" and sched.rows[0].row == 0
+    assert not sched.pages.holds("r0")
+    out = step(sched)
+    assert ids(a.seq for a in out.admitted) == ["r2"] and out.admitted[0].seq.row == 1
+    assert sched.finished_total == 1
+
+
+def test_releasing_a_row_moves_the_rows_after_it_up_in_order():
+    sched = DecodeScheduler(config(max_rows=4))
+    for rid in "abcd":
+        sched.add_staged(seq(rid))
+    step(sched)
+    tables = {s.request_id: sched.pages.page_table(s.request_id) for s in sched.rows}
+    assert sched.finish(sched.find("b"), Status.FINISHED_LENGTH) is None
+    assert ids(sched.rows) == ["a", "c", "d"] and [s.row for s in sched.rows] == [0, 1, 2]
+    out = step(sched)  # the others keep their pages: only the row indices moved
+    assert all(out.tables[i][:len(tables[s.request_id])] == tables[s.request_id] for i, s in enumerate(out.running))
 
 
 def test_admission_is_first_come_first_served():
-    sched = DecodeScheduler(SchedulerConfig(max_rows=1, max_columns=20))
+    sched = DecodeScheduler(config(max_rows=1, num_pages=6))  # 5 pages: 20 tokens, one row
     for rid in ("a", "b", "c"):
-        sched.add_staged(seq(rid, prompt=15, max_new=5))  # 19 columns each: fits one row
+        sched.add_staged(seq(rid, prompt=15, max_new=5))  # 19 KV tokens at its longest: fits one row
     order = []
     while sched.has_work():
-        out = sched.schedule()
-        order += [s.request_id for s in out.admitted]
+        out = step(sched)
+        order += ids(a.seq for a in out.admitted)
         sched.finish(out.running[0], Status.FINISHED_LENGTH)
-    assert order == ["a", "b", "c"]
+    assert order == ["a", "b", "c"] and sched.pages.num_free_pages() == 5
 
 
 def test_request_that_can_never_fit_is_refused_with_advice():
-    sched = DecodeScheduler(SchedulerConfig(max_rows=1, max_columns=10))
+    sched = DecodeScheduler(config(max_rows=1, num_pages=3))  # 2 pages of 4: 8 KV tokens for one row
+    assert sched.max_row_tokens == 8
     with pytest.raises(ValueError, match="lower max_tokens"):
-        sched.add_staged(seq("x", prompt=9, max_new=5))
+        sched.add_staged(seq("x", prompt=5, max_new=5))  # 9 KV tokens at its longest
+    with pytest.raises(ValueError, match="lower max_tokens"):
+        sched.register(seq("x", prompt=5, max_new=5))
+    assert not sched.requests
+    sched.add_staged(seq("y", prompt=5, max_new=4))  # 8: fits, alone
+    capped = DecodeScheduler(config(max_row_tokens=10))
+    assert capped.max_row_tokens == 10 and capped.fits_ever(seq("z", prompt=9, max_new=2))
+    with pytest.raises(ValueError, match="lower max_tokens"):
+        capped.register(seq("z", prompt=9, max_new=3))
 
 
 def test_finishing_a_staged_request_removes_it():
-    sched = DecodeScheduler(SchedulerConfig(max_rows=1, max_columns=10))
+    sched = DecodeScheduler(config(max_rows=1))
     a = seq("a")
     sched.add_staged(a)
     assert sched.finish(a, Status.FINISHED_ABORTED) is None
-    assert not sched.has_work() and a.finish_reason == "abort"
+    assert not sched.has_work() and a.finish_reason == "abort" and sched.find("a") is None
+    with pytest.raises(ValueError, match="already ended"):
+        sched.add_staged(a)  # its KV landing after the cancel
+    assert used(sched) == 0
+
+
+def test_the_config_is_checked():
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_rows=0, num_pages=8)
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_rows=1, num_pages=1)
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_rows=1, num_pages=8, page_size=0)
+    with pytest.raises(ValueError, match="low KV watermark"):
+        SchedulerConfig(max_rows=1, num_pages=8, high_watermark_pages=3, low_watermark_pages=4)
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_rows=1, num_pages=8, growth_reserve_tokens=-1)
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_rows=1, num_pages=8, share_min_tokens=-1)
+
+
+# -- priority ----------------------------------------------------------------------------------
 
 
 def test_higher_priority_parks_the_lowest_priority_row():
-    sched = DecodeScheduler(SchedulerConfig(max_rows=2, max_columns=100))
-    a, b = seq("a"), seq("b")
-    a.priority, b.priority = 1, 0
+    sched = DecodeScheduler(config(max_rows=2))
+    a, b = seq("a", priority=1), seq("b", priority=0)
     sched.add_staged(a)
     sched.add_staged(b)
-    sched.schedule()
-    urgent = seq("urgent")
-    urgent.priority = 5
+    step(sched)
+    b_table = sched.pages.page_table("b")
+    urgent = seq("urgent", priority=5)
     sched.add_staged(urgent)
-    out = sched.schedule()
-    assert [(s.request_id, row) for s, row in out.parked] == [("b", 1)]
-    assert [s.request_id for s in out.admitted] == ["urgent"]
-    assert [s.request_id for s in sched.staged] == ["b"] and b.status is Status.PARKED
-    same = seq("same")  # equal priority never preempts
+    out = step(sched)
+    assert [(p.seq, p.table, p.tokens) for p in out.parked] == [(b, b_table, 5)]
+    assert isinstance(out.parked[0], Parked) and out.dropped == []
+    assert ids(a.seq for a in out.admitted) == ["urgent"] and ids(out.running) == ["a", "urgent"]
+    assert ids(sched.staged) == ["b"] and b.status is Status.PARKED and b.row is None
+    assert not sched.pages.holds("b") and sched.parked_total == 1 and sched.parked_for_memory_total == 0
+    same = seq("same", priority=1)  # equal priority never preempts
     sched.add_staged(same)
-    assert sched.schedule().parked == []
+    out = step(sched)
+    assert out.parked == [] and ids(sched.staged) == ["same", "b"]
 
 
-def test_a_row_the_host_has_no_room_for_stays_in_the_batch():
+def test_among_the_lowest_priority_the_latest_row_is_parked():
+    sched = DecodeScheduler(config(max_rows=3))
+    for rid in "abc":
+        sched.add_staged(seq(rid))
+    step(sched)
+    sched.add_staged(seq("urgent", priority=1))
+    out = step(sched)
+    assert ids(p.seq for p in out.parked) == ["c"] and ids(out.running) == ["a", "b", "urgent"]
+
+
+def test_a_priority_park_the_host_refuses_keeps_the_row():
     asked = []
-    sched = DecodeScheduler(SchedulerConfig(max_rows=1, max_columns=100, high_watermark_slots=4),
-                            can_park=lambda s: asked.append(s.request_id) or False)
+    sched = DecodeScheduler(config(max_rows=1), can_park=lambda s: asked.append(s.request_id) or False)
     a = seq("a", prompt=10)
     sched.add_staged(a)
-    sched.schedule()
-    urgent = seq("urgent")
-    urgent.priority = 5
+    step(sched)
+    urgent = seq("urgent", priority=5)
     sched.add_staged(urgent)
-    out = sched.schedule()  # neither the watermark nor the priority can park "a": the host is full
-    assert out.parked == [] and [s.request_id for s in out.running] == ["a"] and urgent.status is Status.STAGED
-    assert asked == ["a"] and sched.park_refused_total == 1
-
-
-def test_watermarks_park_above_high_and_admit_below_low():
-    # Each row holds 4 prompt tokens + 1 output; a step's window needs one more column per row.
-    sched = DecodeScheduler(SchedulerConfig(max_rows=4, max_columns=100, high_watermark_slots=12,
-                                            low_watermark_slots=10))
-    for rid in "abcd":
-        sched.add_staged(seq(rid))
-    out = sched.schedule()
-    assert len(out.admitted) == 2  # a third row would need 3 x 5 = 15 slots > low watermark 10
-    for _ in range(2):
-        sched.append_tokens([9] * len(sched.rows))
-    out = sched.schedule()  # 2 rows x 7 slots = 14 > high watermark 12: park one
-    assert len(out.parked) == 1 and len(sched.rows) == 1
+    out = step(sched)  # the host is full: "a" keeps its row and its KV
+    assert out.parked == [] and out.dropped == [] and ids(out.running) == ["a"]
+    assert urgent.status is Status.STAGED and not a.recompute and a.status is Status.RUNNING
+    assert asked == ["a"] and sched.park_refused_total == 1 and sched.parked_total == 0
 
 
 def test_a_request_lives_in_the_scheduler_from_registration_to_its_end():
-    sched = DecodeScheduler(SchedulerConfig(max_rows=1, max_columns=100))
+    sched = DecodeScheduler(config(max_rows=1))
     a = DecodeSequence("a", prompt_len=4, max_new_tokens=3, output_ids=[])
     sched.register(a)
     assert a.status is Status.WAITING and sched.find("a") is a and sched.num_waiting == 1
+    assert sched.held_tokens("a") == 0 and not sched.pages.holds("a")
     assert not sched.has_work()  # nothing to decode until its KV lands
     a.output_ids.append(7)
     sched.add_staged(a)
-    assert a.status is Status.STAGED and sched.num_waiting == 0
-    sched.schedule()
-    assert a.status is Status.RUNNING and a.row == 0
-    urgent = seq("urgent")
-    urgent.priority = 1
+    assert a.status is Status.STAGED and sched.num_waiting == 0 and sched.num_staged == 1
+    step(sched)
+    assert a.status is Status.RUNNING and a.row == 0 and sched.num_running == 1
+    urgent = seq("urgent", priority=1)
     sched.add_staged(urgent)
-    out = sched.schedule()
-    assert a.status is Status.PARKED and out.resumed == []
+    out = step(sched)
+    assert a.status is Status.PARKED and out.resumed == [] and ids(p.seq for p in out.parked) == ["a"]
+    assert sched.ids(Status.PARKED) == ["a"]
     sched.finish(urgent, Status.FINISHED_LENGTH)
-    out = sched.schedule()
-    assert out.resumed == [a] and a.status is Status.RUNNING
+    out = step(sched)
+    assert out.resumed == [a] and a.status is Status.RUNNING and sched.resumed_total == 1
+    assert out.admitted[0].seq is a and out.admitted[0].shared_tokens == 0
     assert sched.statuses() == {"a": Status.RUNNING}
     sched.finish(a, Status.FINISHED_STOPPED)
     assert sched.find("a") is None and not sched.requests and a.finish_reason == "stop"
+    assert used(sched) == 0
     with pytest.raises(LookupError, match="already ended"):
         sched.finish(a, Status.FINISHED_ABORTED)
 
 
+# -- limits and moving -------------------------------------------------------------------------
+
+
 def test_registration_is_bounded_and_ids_are_unique():
-    sched = DecodeScheduler(SchedulerConfig(max_rows=1, max_columns=100, max_waiting=2, max_requests=3))
+    sched = DecodeScheduler(config(max_rows=1, max_waiting=2, max_requests=3))
     sched.register(seq("a"))
     with pytest.raises(ValueError, match="already being decoded"):
         sched.register(seq("a"))
@@ -141,13 +240,13 @@ def test_registration_is_bounded_and_ids_are_unique():
 
 
 def test_a_moving_request_leaves_the_batch_and_is_taken_once():
-    sched = DecodeScheduler(SchedulerConfig(max_rows=2, max_columns=100))
+    sched = DecodeScheduler(config(max_rows=2))
     a, b = seq("a"), seq("b")
     sched.add_staged(a)
     sched.add_staged(b)
-    sched.schedule()
-    assert sched.move(a) == 1 and b.row == 0 and a.status is Status.MOVING  # b took its row
-    assert sched.rows == [b] and not sched.staged and sched.find("a") is a
+    step(sched)
+    assert sched.move(a) is None and b.row == 0 and a.status is Status.MOVING  # b took its row
+    assert sched.rows == [b] and not sched.staged and sched.find("a") is a and not sched.pages.holds("a")
     with pytest.raises(ValueError, match="running"):
         sched.move(a)
     with pytest.raises(ValueError, match="not moving"):
@@ -155,22 +254,208 @@ def test_a_moving_request_leaves_the_batch_and_is_taken_once():
     assert sched.take_moving("a") is a and a.status is Status.MOVED and sched.find("a") is None
     with pytest.raises(LookupError):
         sched.take_moving("a")
+    assert sched.finished_total == 0  # moved away, not finished here
+    c = seq("c")
+    sched.register(c)
+    with pytest.raises(ValueError, match="WAITING"):
+        sched.move(c)  # its KV has not landed: nothing to move
 
 
-def test_the_kv_budget_sets_the_batch_size_and_max_rows_caps_it():
-    """Rows join while every row at its longest fits the budget: many short requests, one long one."""
-    sched = DecodeScheduler(SchedulerConfig(max_rows=8, max_columns=100, budget_slots=120))
+def test_staged_and_parked_requests_can_move():
+    sched = DecodeScheduler(config(max_rows=1))
+    a, b = seq("a"), seq("b")
+    sched.add_staged(a)
+    sched.add_staged(b)
+    step(sched)
+    sched.move(b)  # staged
+    sched.add_staged(seq("urgent", priority=1))
+    step(sched)
+    assert a.status is Status.PARKED
+    sched.move(a)  # parked
+    assert ids(sched.staged) == [] and ids(sched.rows) == ["urgent"]
+    assert sched.take_moving("a") is a and sched.take_moving("b") is b
+
+
+# -- paged admission ---------------------------------------------------------------------------
+
+
+def test_rows_join_by_what_they_hold_never_by_max_tokens():
+    """Every row may grow to every page (max_new_tokens huge), yet eight join: each holds 2 pages
+    now, and the next needs its 2 + a 1-page growth reserve free. Memory, not max_rows, stops the ninth."""
+    sched = DecodeScheduler(config(max_rows=10, num_pages=18, growth_reserve_tokens=4))  # 17 pages
+    assert sched.max_row_tokens == 68
     for i in range(10):
-        sched.add_staged(seq(f"short{i}", prompt=10, max_new=5))  # 15 slots each at its longest
-    assert len(sched.schedule().running) == 8  # 8 x 15 = 120 fits: max_rows is the limit
-    for row in list(sched.rows):
-        sched.finish(row, Status.FINISHED_LENGTH)
-    sched.add_staged(seq("long", prompt=60, max_new=40))  # 100 slots at its longest
-    out = sched.schedule()
-    assert [s.request_id for s in out.admitted] == ["short8", "short9"]  # queued first
-    for row in list(sched.rows):
-        sched.finish(row, Status.FINISHED_LENGTH)
-    assert [s.request_id for s in sched.schedule().running] == ["long"]
-    sched.add_staged(seq("short10", prompt=10, max_new=5))
-    assert sched.schedule().admitted == []  # 2 rows x 100 > 120: it waits for the long one
-    assert sched.worst_case_slots() == 100
+        sched.add_staged(seq(f"r{i}", prompt=4, max_new=65))  # 68 KV tokens at its longest: the whole pool
+    out = step(sched)
+    assert ids(a.seq for a in out.admitted) == [f"r{i}" for i in range(8)]
+    assert used(sched) == 16 and sched.pages.num_free_pages() == 1  # the ninth needs 2 + 1 reserve
+    assert out.lengths == [5] * 8 and all(len(t) == 2 for t in out.tables)
+    assert sorted(p for t in out.tables for p in t) == list(range(1, 17))  # no page twice, never page 0
+
+
+def test_a_joining_row_needs_its_kv_plus_the_growth_reserve_and_an_empty_batch_needs_no_reserve():
+    sched = DecodeScheduler(config(max_rows=4, num_pages=5, growth_reserve_tokens=8))  # 4 pages of 4
+    big = seq("big", prompt=11, max_new=6)  # 12 tokens this step: 3 pages, and the reserve would make 5
+    sched.add_staged(big)
+    out = step(sched)
+    assert out.admitted[0].seq is big and used(sched) == 3  # alone: no reserve, or it would never run
+    small = seq("small", prompt=2, max_new=2)  # 3 tokens: 1 page, free; + 8 reserve: 3 pages, not free
+    sched.add_staged(small)
+    out = step(sched)
+    assert out.admitted == [] and small.status is Status.STAGED
+    sched.finish(big, Status.FINISHED_STOPPED)
+    assert step(sched).admitted[0].seq is small
+
+
+def test_pages_running_out_mid_decode_park_the_latest_row_until_pages_free():
+    sched = DecodeScheduler(config(max_rows=3, num_pages=5))  # 4 pages of 4 tokens
+    a, b, c = seq("a", prompt=3, max_new=9), seq("b", prompt=3, max_new=9), seq("c", prompt=3, max_new=9)
+    for s in (a, b, c):
+        sched.add_staged(s)
+    out = step(sched)  # 4 tokens each: one page each, one page free
+    assert ids(out.running) == ["a", "b", "c"] and used(sched) == 3
+    c_table = sched.pages.page_table("c")
+    out = step(sched)  # each needs a 5th token: a takes the last page, b needs one: c, the latest, goes
+    assert [(p.seq, p.table, p.tokens) for p in out.parked] == [(c, c_table, 4)]
+    assert out.dropped == [] and ids(out.running) == ["a", "b"] and out.lengths == [5, 5]
+    assert c.status is Status.PARKED and ids(sched.staged) == ["c"] and not sched.pages.holds("c")
+    assert sched.parked_total == sched.parked_for_memory_total == 1 and sched.pages.num_free_pages() == 0
+    out = step(sched)  # 6 tokens fit in the pages a and b hold: c still has none to come back to
+    assert out.parked == out.admitted == [] and c.status is Status.PARKED
+    sched.finish(a, Status.FINISHED_STOPPED)
+    out = step(sched)
+    assert out.resumed == [c] and ids(a.seq for a in out.admitted) == ["c"] and ids(out.running) == ["b", "c"]
+    assert out.admitted[0].shared_tokens == 0 and out.lengths == [7, 5]  # c: its 4 tokens' KV + this step's
+    assert c.output_ids == [7, 9, 9]  # nothing was appended while it was parked
+    assert sched.resumed_total == 1 and not c.recompute
+
+
+def test_pages_running_out_park_the_lowest_priority_row_before_a_later_one():
+    sched = DecodeScheduler(config(max_rows=2, num_pages=4))  # 3 pages of 4 tokens
+    low, high = seq("low", prompt=4, max_new=6), seq("high", prompt=3, max_new=6, priority=1)
+    sched.add_staged(low)
+    step(sched)  # low: 5 tokens, 2 pages
+    sched.add_staged(high)
+    out = step(sched)  # high: 4 tokens, 1 page
+    assert ids(out.running) == ["low", "high"] and used(sched) == 3
+    low_table = sched.pages.page_table("low")
+    out = step(sched)  # high needs a page and none is free: "low" goes though "high" came later
+    assert [(p.seq, p.table, p.tokens) for p in out.parked] == [(low, low_table, 6)]
+    assert ids(out.running) == ["high"] and out.lengths == [5] and high.row == 0
+
+
+def test_the_host_refusing_a_memory_park_drops_the_kv_for_recompute():
+    asked = []
+    sched = DecodeScheduler(config(max_rows=3, num_pages=5), can_park=lambda s: asked.append(s.request_id) or False)
+    a, b, c = seq("a", prompt=3, max_new=9), seq("b", prompt=3, max_new=9), seq("c", prompt=3, max_new=9)
+    for s in (a, b, c):
+        sched.add_staged(s)
+    step(sched)
+    out = step(sched)
+    assert out.parked == [] and out.dropped == [c] and c.recompute and c.status is Status.PARKED
+    assert asked == ["c"] and sched.park_refused_total == 1 and sched.parked_for_memory_total == 1
+    assert ids(out.running) == ["a", "b"] and not sched.pages.holds("c")
+    sched.finish(a, Status.FINISHED_STOPPED)
+    out = step(sched)
+    assert out.resumed == [c] and c.status is Status.RUNNING
+    assert c.recompute  # the core computes its KV again and clears the flag
+
+
+def test_watermarks_in_pages_park_above_high_and_admit_at_or_below_low():
+    # Rows of 4 prompt tokens + 1 output take 2 pages of 4 tokens to join.
+    sched = DecodeScheduler(config(max_rows=4, high_watermark_pages=7, low_watermark_pages=5))
+    for rid in "abcd":
+        sched.add_staged(seq(rid, max_new=30))
+    out = step(sched)
+    assert ids(out.running) == ["a", "b"]  # a third row would make 6 pages used > low 5
+    while used(sched) <= 7:
+        out = step(sched)
+        assert out.parked == [] and out.admitted == []
+    assert used(sched) == 8 and out.lengths == [13, 13]  # 4 pages each: above high, parked next step
+    out = step(sched)
+    assert ids(p.seq for p in out.parked) == ["b"] and ids(out.running) == ["a"] and out.admitted == []
+    assert sched.parked_for_memory_total == 1 and ids(sched.staged) == ["b", "c", "d"]
+    assert used(sched) == 4  # a, with this step's token: b (4 more pages) would go above low
+
+
+def test_the_high_watermark_never_parks_the_last_row():
+    sched = DecodeScheduler(config(max_rows=2, high_watermark_pages=1, low_watermark_pages=1))
+    a = seq("a", prompt=8, max_new=3)
+    sched.add_staged(a)
+    for _ in range(2):
+        out = step(sched)
+        assert out.parked == [] and ids(out.running) == ["a"]
+
+
+def test_tables_and_lengths_match_the_pool_through_a_busy_run():
+    """Many requests of random sizes and priorities, few pages: parking, dropping, resuming and
+    finishing in every order; each step the rows, their tables and lengths agree with the pool."""
+    rng = random.Random(1)
+    refuse = {"n": 0}
+
+    def can_park(s):
+        refuse["n"] += 1
+        return refuse["n"] % 3 != 0  # the host refuses one park in three
+
+    sched = DecodeScheduler(config(max_rows=6, num_pages=21, growth_reserve_tokens=4), can_park)
+    pending = [seq(f"r{i}", prompt=rng.randint(1, 20), max_new=rng.randint(1, 40), priority=rng.randint(0, 2))
+               for i in range(40)]
+    finished = 0
+    for _ in range(2000):
+        if pending and rng.random() < 0.3:
+            sched.add_staged(pending.pop())
+        out = step(sched, token=rng.randint(0, 100))
+        pages = [p for t in out.tables for p in t]
+        assert len(pages) == len(set(pages))  # nothing shared without prompt ids
+        assert used(sched) == len(pages)  # every used page is a running row's
+        for s in list(sched.rows):
+            if len(s.output_ids) >= s.max_new_tokens or rng.random() < 0.02:
+                sched.finish(s, Status.FINISHED_LENGTH)
+                finished += 1
+        if not pending and not sched.has_work():
+            break
+    assert finished == 40 and used(sched) == 0 and not sched.requests
+    assert sched.parked_total > 0 and sched.park_refused_total > 0 and sched.resumed_total > 0
+
+
+# -- threads -----------------------------------------------------------------------------------
+
+
+def test_registration_from_many_threads_while_the_loop_schedules():
+    sched = DecodeScheduler(config(max_rows=8, num_pages=200))
+    errors = []
+
+    def register(t: int):
+        try:
+            for i in range(50):
+                s = seq(f"t{t}-{i}", max_new=2)
+                sched.register(s)
+                sched.add_staged(s)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=register, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    ended = 0
+    while ended < 200 and not errors:
+        out = step(sched)
+        for s in out.running:
+            if len(s.output_ids) >= s.max_new_tokens:
+                sched.finish(s, Status.FINISHED_STOPPED)
+                ended += 1
+    for t in threads:
+        t.join()
+    assert not errors and ended == 200 and not sched.requests and used(sched) == 0
+
+
+def test_a_high_watermark_alone_also_bounds_admission():
+    """With no low watermark, admission stops at the high one: a row admitted past it would be
+    parked and admitted again step after step."""
+    sched = DecodeScheduler(config(max_rows=4, num_pages=20, high_watermark_pages=3))  # low: 0, off
+    for rid in "ab":
+        sched.add_staged(seq(rid, max_new=50))
+    for _ in range(4):
+        out = step(sched)  # a holds 2 pages; b's 2 more would be 4 > 3
+        assert ids(out.running) == ["a"] and out.parked == [] and out.resumed == []
+    assert ids(sched.staged) == ["b"]

@@ -67,8 +67,7 @@ def check_engine_matches_generate(model, reference, count: int, max_tokens: int,
                                   executor: str = "auto"):
     prompts = mixed_prompts(model, count, seed=7)
     assert min(map(len, prompts)) <= 8 and max(map(len, prompts)) > 500
-    engine = LocalEngine(model, DecodeConfig(max_rows=max_rows, initial_columns=64), executor=executor)
-    start_bytes = engine.decode.batch.allocated_bytes()
+    engine = LocalEngine(model, DecodeConfig(max_rows=max_rows), executor=executor)
     finals = run_with_random_arrivals(engine, prompts, SamplingParams(max_tokens=max_tokens), seed=11)
     mismatches = []
     for index, prompt in enumerate(prompts):
@@ -77,13 +76,10 @@ def check_engine_matches_generate(model, reference, count: int, max_tokens: int,
             mismatches.append((index, len(prompt), finals[index], expected))
     assert not mismatches, f"{len(mismatches)} prompts differ from generate: {mismatches[:3]}"
 
-    batch, runner = engine.decode.batch, engine.runner
-    assert batch.left_growths > 0, "no embedded KV was longer than the batch KV"
-    assert batch.released_columns > 0, "leading padding columns were never released"
-    assert batch.embeds == count and count >= 3 * max_rows, "rows were not reused many times"
+    runner, scheduler = engine.runner, engine.decode.scheduler
     # One token per occupied row per step: every generated token but the prefill's first was fed once.
     assert runner.decode_tokens_forwarded == sum(len(t) - 1 for t in finals.values())
-    assert batch.allocated_bytes() == start_bytes and batch.num_rows == 0
+    assert scheduler.num_running == 0 and scheduler.kv_usage().used == 0, "pages were not all given back"
 
 
 @pytest.mark.parametrize("executor", ["baton", "transformers"])
@@ -153,13 +149,13 @@ def test_preempted_and_resumed_requests_are_token_identical(tiny_model, tiny_ref
     for rid, prompt in ids.items():
         max_tokens = 8 if prompt is urgent else 30
         assert finals[rid].token_ids == tiny_reference.greedy(prompt, max_tokens)
-    assert engine.decode.parked_bytes() == 0 and engine.decode.batch.num_rows == 0
+    assert engine.decode.parked_bytes() == 0 and engine.decode.scheduler.kv_usage().used == 0
 
 
 def test_a_priority_storm_parks_rows_only_while_the_host_pool_has_room(tiny_model, tiny_reference):
     """Parked rows live in the worker's one host pool (kvtransfer.staging): its bound holds under
-    wave after wave of higher-priority arrivals, refused parks keep their rows, and every request
-    is exact."""
+    wave after wave of higher-priority arrivals, rows the host has no room for keep their rows
+    (a priority park never drops KV), and every request is exact."""
     from baton.kvtransfer.staging import StagingConfig, StagingPool
 
     per_token = tiny_model.kv_shape.bytes_per_token()
@@ -188,7 +184,9 @@ def test_a_priority_storm_parks_rows_only_while_the_host_pool_has_room(tiny_mode
 
 def test_kv_high_watermark_parks_rows_and_low_watermark_readmits(tiny_model, tiny_reference):
     per_token = tiny_model.kv_shape.bytes_per_token()
-    config = DecodeConfig(max_rows=4, high_watermark_bytes=3 * 60 * per_token, low_watermark_bytes=2 * 60 * per_token)
+    # pages of 16 tokens: at most 11 in use before parking, 7 to admit; rows reach 5 pages each
+    config = DecodeConfig(max_rows=4, high_watermark_bytes=3 * 60 * per_token, low_watermark_bytes=2 * 60 * per_token,
+                          growth_reserve_tokens=0)
     engine = LocalEngine(tiny_model, config)
     prompts = [list(range(100 + 50 * i, 130 + 50 * i)) for i in range(4)]
     outs = engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
@@ -215,7 +213,7 @@ def test_rows_sharing_a_prefix_decode_exactly_as_without_sharing(tiny_model, tin
             for out in engine.step():
                 if out.finished:
                     finals[ids[out.request_id]] = out.token_ids
-            peak = max(peak, engine.decode.batch.useful_bytes())
+            peak = max(peak, engine.decode.scheduler.kv_usage().used)
             if not engine.has_work():
                 return engine, finals, peak
 
@@ -225,19 +223,17 @@ def test_rows_sharing_a_prefix_decode_exactly_as_without_sharing(tiny_model, tin
     for index, prompt in enumerate(prompts):
         assert shared[index] == tiny_reference.greedy(prompt, 16 + index)
     assert shared[-1] == tiny_reference.greedy(urgent, 6)
-    batch = shared_engine.decode.batch
-    assert batch.prefixes_added >= 1 and batch.rows_sharing >= 8 and plain_engine.decode.batch.rows_sharing == 0
     assert shared_engine.decode.scheduler.parked_total >= 1, "no row was parked"
-    assert not batch.prefixes and not shared_engine.decode.scheduler.sharing.groups
-    # Eight rows of the same 300 tokens: the shared run held several times less KV at its peak.
+    assert shared_engine.decode.scheduler.kv_usage().used == 0, "shared pages outlived their rows"
+    # Eight rows of the same 300 tokens: the shared run held several times fewer pages at its peak.
     assert plain_peak > 4 * shared_peak
 
 
 def test_a_request_registered_after_its_shared_prefix_takes_only_its_own_kv(tiny_model, tiny_reference):
-    """The decode worker tells a request's registration how much of its prompt it holds as a shared
-    prefix; the prefill then sends only the rest. The prefix stays while any such request waits
-    (even once every row using it has gone), a whole KV is taken as well, and it goes once no one
-    needs it."""
+    """The decode worker tells a request's registration how much of its prompt it holds in shared
+    pages; the prefill then sends only the rest. The pages stay while any such request waits (even
+    once every row using them has gone), a whole KV is taken as well, and they go once no one
+    needs them."""
     import dataclasses
 
     from baton.decode_worker.core import DecodeCore
@@ -256,9 +252,9 @@ def test_a_request_registered_after_its_shared_prefix_takes_only_its_own_kv(tiny
 
     def send(name: str, own_only: bool) -> None:
         done = prefill.prefill([requests[name]])[0]
-        held = decode.held_prefix_tokens(name)
+        held = decode.held_tokens(name)
         if own_only:
-            assert held == 100
+            assert held == 96  # the document's full 16-token pages
             done = dataclasses.replace(done, kv=SequenceKV(done.kv.data[:, :, :, held:].contiguous()))
         decode.add(done)
 
@@ -270,36 +266,59 @@ def test_a_request_registered_after_its_shared_prefix_takes_only_its_own_kv(tiny
 
     for name in "AB":
         decode.register(requests[name])
-        assert decode.held_prefix_tokens(name) == 0  # nothing shared yet: whole KVs
+        assert decode.held_tokens(name) == 0  # nothing shared yet: whole KVs
         send(name, own_only=False)
-    decode.step()  # B pairs with A: the document's KV is held once
-    assert decode.batch.rows_sharing == 2 and len(decode.batch.prefixes) == 1
+    decode.step()  # B shares A's pages of the document
+    assert decode.scheduler.kv_usage().shared == 6
     for name in "CDEF":
         decode.register(requests[name])
     send("C", own_only=True)
     send("D", own_only=False)  # a whole KV for a held prefix is fine too
     run_until("ABCD")
-    assert decode.batch.num_rows == 0 and len(decode.batch.prefixes) == 1, "E and F still hold the prefix"
+    assert decode.scheduler.num_running == 0 and decode.scheduler.kv_usage().used == 6, "E and F hold the pages"
     send("E", own_only=True)
     decode.abort("F")
     run_until("E")
-    assert not decode.batch.prefixes and not decode.scheduler.sharing.groups
+    assert decode.scheduler.kv_usage().used == 0
     for name in "ABCDE":
         assert finals[name] == tiny_reference.greedy(prompts[name], 10), name
 
 
-def test_a_pair_the_batch_has_no_room_to_share_for_keeps_its_own_kv(tiny_model, tiny_reference, monkeypatch):
-    """When a new shared prefix does not fit beside the rows, the pair shares nothing and both
-    rows decode exactly; nothing is left in the policy."""
-    from baton.engine.batch_kv import BatchKV, BatchKVFull
+def test_rows_outgrowing_the_kv_pages_park_and_resume_exactly(tiny_model, tiny_reference):
+    """Admission counts what rows hold, not max_tokens: eight rows join a KV that cannot hold them
+    all at their longest. When pages run out mid-decode the latest row leaves for the host pool and
+    comes back; with the host pool too small, its KV is dropped and computed again. Every token
+    equals generate's and every page is given back."""
+    from baton.kvtransfer.staging import StagingConfig, StagingPool
 
-    def full(self, group, kv):
-        raise BatchKVFull("no room (injected)")
+    per_token = tiny_model.kv_shape.bytes_per_token()
+    rng = random.Random(29)
+    prompts = [[rng.randrange(50, 40000) for _ in range(rng.randint(10, 40))] for _ in range(8)]
 
-    monkeypatch.setattr(BatchKV, "add_prefix", full)
-    document = list(range(3000, 3090))
-    prompts = [document + [7, 8], document + [9]]
-    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2))
-    outs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [tiny_reference.greedy(p, 8) for p in prompts]
-    assert engine.decode.batch.rows_sharing == 0 and not engine.decode.scheduler.sharing.groups
+    def serve(host_tokens: int):
+        # 39 pages of 16 tokens (and the null page): the eight rows join with at most 3 each and reach
+        # up to 6 each
+        engine = LocalEngine(tiny_model, DecodeConfig(max_rows=8, kv_budget_bytes=40 * 16 * per_token,
+                                                      growth_reserve_tokens=8))
+        pool = StagingPool(StagingConfig(capacity_bytes=host_tokens * per_token))
+        engine.decode.hold_parked, engine.decode.release_parked = pool.hold, pool.release
+        ids = {engine.submit(p, SamplingParams(max_tokens=48, ignore_eos=True)): p for p in prompts}
+        finals, most_running = {}, 0
+        while engine.has_work():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out.token_ids
+            most_running = max(most_running, engine.decode.scheduler.num_running)
+            assert pool.stats().used_bytes <= pool.config.capacity_bytes
+        for rid, prompt in ids.items():
+            assert finals[rid] == tiny_reference.greedy(prompt, 48)
+        scheduler = engine.decode.scheduler
+        assert scheduler.kv_usage().used == 0 and pool.stats().used_bytes == 0
+        return engine, most_running
+
+    roomy, most_running = serve(host_tokens=4000)
+    assert most_running == 8, "admission reserved max_tokens instead of what rows hold"
+    assert roomy.decode.scheduler.parked_for_memory_total >= 1 and roomy.decode.scheduler.resumed_total >= 1
+    assert roomy.decode.recomputed_total == 0
+    tight, _ = serve(host_tokens=1)  # no parked row fits
+    assert tight.decode.scheduler.park_refused_total >= 1 and tight.decode.recomputed_total >= 1

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from baton.local import LocalEngine
 from baton.decode_worker.core import DecodeConfig
+from baton.decode_worker.paged_rows import PagedRows
 from baton.engine import attention, threads
-from baton.engine.batch_kv import BatchKV
 from baton.engine.cpu import kernels as cpu_kernels
 from baton.engine.executors import make_runner
 from baton.engine.linear import Linear, best_layout, onednn_packs
@@ -102,15 +102,15 @@ def test_the_one_call_decode_step_equals_the_layer_by_layer_step(architecture, o
 
     def steps(one_call: bool):
         saved, runner.decode_layers = runner.decode_layers, runner.decode_layers if one_call else None
-        batch = BatchKV(runner.loaded.kv_shape, 4, max_columns=400, initial_columns=200)
-        for prompt in PROMPTS:  # different lengths: rows start at different window columns
-            batch.embed(runner.prefill(prompt).kv)
+        rows = PagedRows(runner.loaded.kv_shape, page_size=8)
+        for prompt in PROMPTS:  # different lengths: rows end at different slots of their last pages
+            rows.add(runner.prefill(prompt).kv)
         tokens, logits = [3, 5, 7, 11], []
         for _ in range(6):
-            logits.append(runner.decode(batch, tokens))
+            logits.append(runner.decode(rows.kv, rows.step(), tokens))
             tokens = logits[-1].argmax(-1).tolist()
         runner.decode_layers = saved
-        return torch.stack(logits), batch.buffer[:, :, :4, :, batch.offset:batch.offset + batch.length]
+        return torch.stack(logits), torch.cat([rows.read(r).data for r in range(4)], dim=3)
 
     (logits, kv), (reference_logits, reference_kv) = steps(True), steps(False)
     torch.testing.assert_close(logits, reference_logits, rtol=1e-5, atol=1e-5)  # SiLU's exp rounds differently
@@ -120,29 +120,26 @@ def test_the_one_call_decode_step_equals_the_layer_by_layer_step(architecture, o
 
 def test_the_step_a_cuda_graph_captures_equals_the_eager_step_with_a_padding_row(tiny_model):
     """engine.cuda_graphs replays `_captured_step` on a GPU (test_cuda.py); its maths runs here on
-    CPU: inputs read from one tensor, attention over the buffer's whole capacity within each row's
-    window, the KV write at a column given as a tensor, a fourth row padding a 3-row batch."""
+    CPU: inputs read from one tensor, page tables padded to the widest a row can need, a fourth
+    row padding a 3-row batch (writing and reading the null page only)."""
     from baton.engine.cuda_graphs import step_arguments, step_inputs
 
     runner = LlamaRunner(tiny_model, "torch")
-    batch = BatchKV(tiny_model.kv_shape, 4, max_columns=256, initial_columns=160, initial_rows=4)
+    eager, captured = PagedRows(tiny_model.kv_shape), PagedRows(tiny_model.kv_shape)
     for prompt in PROMPTS[:3]:
-        batch.embed(runner.prefill(prompt).kv)
-    captured, tokens = copy.deepcopy(batch), [3, 5, 7]
+        kv = runner.prefill(prompt).kv
+        eager.add(kv)
+        captured.add(kv)
+    tokens, width = [3, 5, 7], 40
     for _ in range(4):
-        expected = runner.decode(batch, tokens)
-        positions = [captured.sequence_tokens(r) for r in range(3)]
-        column = captured.append_column()
-        inputs = torch.tensor(step_inputs(captured, tokens, positions, column, rows=4))
-        got = runner._captured_step(captured.buffer, *step_arguments(inputs, 4))
+        expected = runner.decode(eager.kv, eager.step(), tokens)
+        inputs = torch.tensor(step_inputs(captured.step(), tokens, rows=4, width=width))
+        got = runner._captured_step(captured.kv.pages, *step_arguments(inputs, 4, width))
         assert got.shape == (4, expected.shape[1]) and torch.isfinite(got).all()
         torch.testing.assert_close(got[:3], expected, rtol=1e-4, atol=1e-4)
         tokens = expected.argmax(-1).tolist()
-
-    def window(b):
-        return b.buffer[:, :, :3, :, b.offset:b.offset + b.length]
-
-    torch.testing.assert_close(window(captured), window(batch), rtol=1e-5, atol=1e-5)
+    for row in range(3):
+        torch.testing.assert_close(captured.read(row).data, eager.read(row).data, rtol=1e-5, atol=1e-5)
 
 
 def test_executors_agree_on_prefill_kv_and_logits_with_a_cached_prefix(tiny_model):
@@ -178,14 +175,16 @@ def test_a_triton_kernel_that_cannot_run_falls_back_to_torch_with_a_warning(tiny
         raise RuntimeError("0 active drivers ([]). There should only be one.")  # what Triton says without a GPU
 
     runner = LlamaRunner(tiny_model, "torch")
+    runner.decode_layers = None  # the layer-by-layer step, where the attention backend is chosen
     first = runner.prefill([5, 6, 7, 8])
-    batch = BatchKV(tiny_model.kv_shape, 2, max_columns=64, device=tiny_model.device)
-    batch.embed(first.kv)
-    expected = runner.decode(copy.deepcopy(batch), [9])
+    rows = PagedRows(tiny_model.kv_shape)
+    rows.add(first.kv)
+    step = rows.step()
+    expected = runner.decode(rows.kv, step, [9])
     runner.backend = "triton"
-    monkeypatch.setattr(kernels, "decode_attention", cannot_build, raising=False)
+    monkeypatch.setattr(kernels, "paged_decode_attention", cannot_build, raising=False)
     with caplog.at_level(logging.WARNING, logger="baton.engine.llama"):
-        got = runner.decode(batch, [9])
+        got = runner.decode(rows.kv, step, [9])
     assert runner.backend == "torch" and any("falling back" in r.message for r in caplog.records)
     torch.testing.assert_close(got, expected)
 
@@ -204,19 +203,38 @@ def test_small_row_gemm_equals_f_linear(rows):
                                rtol=1e-5, atol=1e-4)
 
 
+def paged(keys: torch.Tensor, values: torch.Tensor, lengths: list[int], page_size: int):
+    """Rows' keys and values [rows, Hkv, T, D] scattered into shuffled pages of one layer of a paged
+    KV: (k_pages, v_pages [pages, Hkv, P, D], table int64 [rows, width]); page 0 and every slot
+    past a row's length hold NaN, which attention must never read."""
+    rows, kv_heads, _, dim = keys.shape
+    width = max(-(-n // page_size) for n in lengths) + 1  # one spare column of null pages
+    pool = torch.full((2, 1 + rows * width, kv_heads, page_size, dim), float("nan"))
+    order = torch.randperm(rows * width, generator=torch.Generator().manual_seed(1)) + 1
+    table = torch.zeros(rows, width, dtype=torch.int64)
+    for r, n in enumerate(lengths):
+        for i in range(-(-n // page_size)):
+            page, count = int(order[r * width + i]), min(page_size, n - i * page_size)
+            table[r, i] = page
+            pool[0, page, :, :count] = keys[r, :, i * page_size:i * page_size + count]
+            pool[1, page, :, :count] = values[r, :, i * page_size:i * page_size + count]
+    return pool[0], pool[1], table
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for Baton's CPU kernels")
-def test_cpu_decode_attention_equals_masked_sdpa_over_the_batch_window():
-    torch.manual_seed(0)
-    rows, heads, kv_heads, dim, window = 4, 9, 3, 64, 300
-    buffer = torch.randn(2, 2, 6, kv_heads, 512, dim)  # a BATON buffer: the window is a strided view
-    keys, values = buffer[1, 0, :rows, :, 100:100 + window], buffer[1, 1, :rows, :, 100:100 + window]
+@pytest.mark.parametrize("page_size", [16, 7])
+def test_cpu_decode_attention_over_pages_equals_sdpa_over_each_rows_tokens(page_size):
+    torch.manual_seed(page_size)
+    rows, heads, kv_heads, dim, longest = 4, 9, 3, 64, 300
+    keys, values = torch.randn(rows, kv_heads, longest, dim), torch.randn(rows, kv_heads, longest, dim)
     query = torch.randn(rows, heads, dim)
-    starts = torch.tensor([0, 50, window - 1, 10])  # ragged rows, one with a single valid column
-    mask = (torch.arange(window)[None, :] >= starts[:, None])[:, None, None, :]
-    expected = F.scaled_dot_product_attention(query[:, :, None], keys, values, attn_mask=mask, scale=0.125,
-                                              enable_gqa=True)[:, :, 0]
-    got = cpu_kernels.decode_attention(query, keys, values, starts, 0.125)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    lengths = [300, 250, 1, 16]  # ragged rows, one of a single token, one of exactly a page (at 16)
+    k_pages, v_pages, table = paged(keys, values, lengths, page_size)
+    got = cpu_kernels.decode_attention(query, k_pages, v_pages, table, torch.tensor(lengths), 0.125)
+    for r, n in enumerate(lengths):
+        expected = F.scaled_dot_product_attention(query[r:r + 1, :, None], keys[r:r + 1, :, :n], values[r:r + 1, :, :n],
+                                                  scale=0.125, enable_gqa=True)[0, :, 0]
+        torch.testing.assert_close(got[r], expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for Baton's CPU kernels")
@@ -225,18 +243,18 @@ def test_cpu_decode_attention_and_its_lse_for_every_head_layout(heads, kv_heads,
     """head_dim 64 and 128 run in registers (groups of up to 4 query heads at a time), any other
     head_dim in plain loops; each gives SDPA's result and the log-sum-exp of the scaled scores."""
     torch.manual_seed(heads * dim)
-    rows, window = 3, 203  # a window that is not a multiple of 16: the softmax's last lanes
-    buffer = torch.randn(2, 2, 4, kv_heads, 256, dim) * 2
-    keys, values = buffer[1, 0, :rows, :, 20:20 + window], buffer[1, 1, :rows, :, 20:20 + window]
+    rows, longest = 3, 203  # not a multiple of 16: the softmax's last lanes, a part-filled last page
+    keys, values = torch.randn(rows, kv_heads, longest, dim) * 2, torch.randn(rows, kv_heads, longest, dim) * 2
     query = torch.randn(rows, heads, dim)
-    starts = torch.tensor([0, 37, window])  # the last row has nothing to attend to
+    lengths = [203, 166, 0]  # the last row has nothing to attend to
+    k_pages, v_pages, table = paged(keys, values, [max(n, 1) for n in lengths], 16)
     lse = torch.empty(rows, heads)
-    got = cpu_kernels.decode_attention(query, keys, values, starts, dim ** -0.5, lse=lse)
+    got = cpu_kernels.decode_attention(query, k_pages, v_pages, table, torch.tensor(lengths), dim ** -0.5, lse=lse)
     group = heads // kv_heads
-    for r, start in enumerate(starts.tolist()):
-        k = keys[r, :, start:].repeat_interleave(group, dim=0)  # [H, n, D]
-        v = values[r, :, start:].repeat_interleave(group, dim=0)
-        if start == window:
+    for r, n in enumerate(lengths):
+        k = keys[r, :, :n].repeat_interleave(group, dim=0)  # [H, n, D]
+        v = values[r, :, :n].repeat_interleave(group, dim=0)
+        if n == 0:
             assert torch.all(got[r] == 0) and torch.all(lse[r] == float("-inf"))
             continue
         scores = torch.einsum("hd,hnd->hn", query[r], k) * dim ** -0.5

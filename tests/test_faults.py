@@ -200,7 +200,9 @@ def test_every_process_serves_prometheus_metrics():
     assert router["baton_requests_total", (("reason", "length"),)] == 1.0
     assert prefill["baton_kv_transfers_total", (("outcome", "ok"),)] == 1.0
     assert prefill["baton_kv_transfer_transports_total", (("transport", "shm"),)] == 1.0  # one host: shared memory
-    for name in ("baton_decode_rows_in_use", "baton_decode_kv_allocated_bytes", "baton_decode_kv_shared_prefix_bytes",
+    for name in ("baton_decode_rows_in_use", "baton_decode_kv_allocated_bytes", "baton_decode_kv_pages_total",
+                 "baton_decode_kv_pages_used", "baton_decode_kv_pages_shared", "baton_decode_kv_allocated_over_useful",
+                 "baton_decode_parked_for_memory_total", "baton_decode_resumes_total", "baton_decode_recomputes_total",
                  "baton_decode_staged_bytes", "baton_decode_preemptions_total", "baton_decode_rows_sharing_total",
                  "baton_time_between_tokens_seconds_count"):
         assert (name, ()) in decode, name

@@ -33,9 +33,10 @@ if not CUDA:
 
 pytest.importorskip("triton")
 
-from baton.engine.kernels import (decode_attention, decode_attention_ref, prefill_attention,  # noqa: E402
-                            prefill_attention_ref, prefill_attention_varlen, prefill_attention_varlen_ref,
-                            prefix_shared_decode_attention, prefix_shared_decode_attention_ref, triton_available)
+from baton.engine.kernels import (decode_attention, decode_attention_ref, paged_decode_attention,  # noqa: E402
+                            paged_decode_attention_ref, prefill_attention, prefill_attention_ref,
+                            prefill_attention_varlen, prefill_attention_varlen_ref, prefix_shared_decode_attention,
+                            prefix_shared_decode_attention_ref, triton_available)
 
 in_process = pytest.mark.skipif(RERUN, reason="triton was imported before TRITON_INTERPRET=1; "
                                               "these run in test_in_fresh_process instead")
@@ -213,6 +214,148 @@ def test_references_agree_with_sdpa_per_row():
     expect = F.scaled_dot_product_attention(qp.transpose(0, 1), kp.repeat_interleave(3, 0),
                                             vp.repeat_interleave(3, 0), attn_mask=mask, scale=0.3)
     torch.testing.assert_close(ref, expect.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+# -- paged decode ---------------------------------------------------------------------------
+
+def paged_kv(lengths: list[int], page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+             gen: torch.Generator, spare: int = 3):
+    """(k_pages, v_pages, page_table, dense) for rows of the given lengths.
+
+    k_pages, v_pages: [num_pages, Hkv, P, D], layer 1 of a [2, 2, num_pages, Hkv, P, D] pool stored
+    page-major ([layers, num_pages, 2, ...] transposed), so the page stride is not Hkv * P * D.
+    Each row's pages sit at shuffled ids >= 1; NaN in the null page 0, in spare pages and in the
+    slots past each row's length, wherever attention must not look. page_table: int32
+    [R, max pages + 1], 0 past each row's pages. dense: per row, its keys and values [2, Hkv, len, D].
+    """
+    need = [-(-n // page_size) for n in lengths]
+    num_pages = 1 + sum(need) + spare
+    ids = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    storage = torch.full((2, num_pages, 2, kv_heads, page_size, head_dim), NAN, dtype=dtype)
+    table = torch.zeros(len(lengths), max(need, default=0) + 1, dtype=torch.int32)
+    dense = []
+    for r, n in enumerate(lengths):
+        kv = torch.randn(2, kv_heads, n, head_dim, generator=gen).to(dtype)
+        dense.append(kv.to(DEVICE))
+        for j in range(need[r]):
+            table[r, j] = page = ids.pop()
+            part = kv[:, :, j * page_size: (j + 1) * page_size]
+            storage[1, page, :, :, :part.shape[2]] = part
+    pool = storage.to(DEVICE).transpose(1, 2)  # [layers, 2, num_pages, Hkv, P, D]
+    return pool[1, 0], pool[1, 1], table.to(DEVICE), dense
+
+
+PAGED_CASES = [  # page size, kv_heads, group, head_dim, row lengths, split counts
+    (16, 2, 3, 64, [0, 1, 16, 45, 130], (1, 3)),  # GQA 3: empty, one token, exactly a page, across pages
+    (32, 1, 1, 32, [33, 0, 64, 200], (1, 2)),     # MHA, page 32
+    (5, 1, 4, 64, [5, 1, 23, 71, 0], (1, 4)),     # page size not a power of two: blocks span 13 pages
+    (16, 1, 8, 80, [150, 17], (None,)),           # GQA 8, head_dim not a power of two, default splits
+]
+
+
+@in_process
+@pytest.mark.parametrize("page_size,kv_heads,group,head_dim,lengths,splits", PAGED_CASES)
+def test_paged_decode_matches_reference_fp32(page_size, kv_heads, group, head_dim, lengths, splits):
+    gen = torch.Generator().manual_seed(page_size * 100 + len(lengths))
+    k, v, table, _ = paged_kv(lengths, page_size, kv_heads, head_dim, torch.float32, gen)
+    q = make_q(len(lengths), kv_heads * group, head_dim, torch.float32, gen)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    ref = paged_decode_attention_ref(q, k, v, table, lens, None)
+    for s in splits:
+        out = paged_decode_attention(q, k, v, table, lens, None, num_splits=s)
+        assert_matches(out, ref, torch.float32)
+        for r, n in enumerate(lengths):
+            if n == 0:
+                assert torch.all(out[r] == 0), "a row of length 0 must give zeros"
+
+
+@in_process
+def test_paged_decode_bf16_kv():
+    gen = torch.Generator().manual_seed(8)
+    lengths = [40, 1, 16]
+    k, v, table, _ = paged_kv(lengths, 16, 2, 64, torch.bfloat16, gen)
+    q = make_q(3, 6, 64, torch.bfloat16, gen)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(q, k, v, table, lens, 0.125, num_splits=2)
+    assert_matches(out, paged_decode_attention_ref(q, k, v, table, lens, 0.125), torch.bfloat16)
+
+
+@in_process
+def test_paged_decode_no_rows_and_all_rows_empty():
+    gen = torch.Generator().manual_seed(4)
+    k, v, table, _ = paged_kv([20, 7], 16, 2, 64, torch.float32, gen)
+    q = make_q(2, 4, 64, torch.float32, gen)
+    zeros = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    for splits in (1, 3):
+        out = paged_decode_attention(q, k, v, table, zeros, 0.125, num_splits=splits)
+        assert torch.equal(out, torch.zeros_like(out))
+    empty = paged_decode_attention(q[:0], k, v, table[:0], zeros[:0], 0.125)
+    assert empty.shape == (0, 4, 64)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_paged_decode_graph_replays_with_new_table_and_lengths():
+    """What a captured decode step does: the same launch replayed after the page table and the
+    lengths changed in place (rows grew into new pages, pages were reassigned)."""
+    gen = torch.Generator().manual_seed(12)
+    k, v, table, _ = paged_kv([70, 30, 33, 5], 16, 2, 64, torch.float32, gen)
+    q = make_q(4, 6, 64, torch.float32, gen)
+    lens = torch.tensor([10, 30, 1, 0], dtype=torch.int32, device=DEVICE)
+
+    def run():
+        return paged_decode_attention(q, k, v, table, lens, 0.125, num_splits=2)
+
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    table.copy_(table[[1, 0, 2, 3]])  # rows 0 and 1 swap their pages (row 0 now has 30 tokens, row 1 70)
+    lens.copy_(torch.tensor([25, 70, 33, 5], dtype=torch.int32))  # rows 2 and 3 grow across pages
+    graph.replay()
+    assert_matches(out, paged_decode_attention_ref(q, k, v, table, lens, 0.125), torch.float32)
+
+
+@in_process
+def test_paged_decode_rejects_bad_inputs():
+    q = torch.zeros(2, 6, 64, device=DEVICE)
+    pages = torch.zeros(4, 2, 16, 64, device=DEVICE)
+    table = torch.ones(2, 3, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_decode_attention(q[:, :5], pages, pages, table, lens, None)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        paged_decode_attention(q, pages, pages[:, :, :8], table, lens, None)
+    with pytest.raises(ValueError, match="page_table must be int32"):
+        paged_decode_attention(q, pages, pages, table.long(), lens, None)
+    with pytest.raises(ValueError, match="page_table must be int32"):
+        paged_decode_attention(q, pages, pages, table[:1], lens, None)
+    with pytest.raises(ValueError, match="lengths must be int32"):
+        paged_decode_attention(q, pages, pages, table, lens[:1], None)
+    with pytest.raises(ValueError, match="float32/float16/bfloat16"):
+        paged_decode_attention(q, pages, pages.half(), table, lens, None)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_decode_attention(q, pages, pages, table, lens, None, num_splits=0)
+    with pytest.raises(ValueError, match="stride"):
+        strided = torch.zeros(4, 2, 64, 16, device=DEVICE).transpose(2, 3)  # [4, 2, 16, 64], stride(-1) 16
+        paged_decode_attention(q, strided, strided, table, lens, None)
+
+
+def test_paged_reference_agrees_with_sdpa_per_row():
+    """The oracle itself, against torch SDPA over each row's own keys, never paged."""
+    gen = torch.Generator().manual_seed(13)
+    lengths, group = [0, 1, 7, 14, 30], 3
+    k, v, table, dense = paged_kv(lengths, 7, 2, 16, torch.float32, gen)
+    q = torch.randn(len(lengths), 6, 16, generator=gen).to(DEVICE)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    ref = paged_decode_attention_ref(q, k, v, table, lens, 0.3)
+    assert torch.all(ref[0] == 0)
+    for i, (kk, vv) in enumerate(dense[1:], 1):
+        expect = F.scaled_dot_product_attention(q[i, :, None], kk.repeat_interleave(group, 0),
+                                                vv.repeat_interleave(group, 0), scale=0.3)[:, 0]
+        torch.testing.assert_close(ref[i], expect, atol=1e-5, rtol=1e-5)
+    # None: the usual head_dim ** -0.5
+    torch.testing.assert_close(paged_decode_attention_ref(q, k, v, table, lens, None),
+                               paged_decode_attention_ref(q, k, v, table, lens, 0.25))
 
 
 # -- prefill --------------------------------------------------------------------------------

@@ -185,11 +185,11 @@ def test_a_cancelled_batch_stops_its_members_on_every_worker():
 
 
 def test_the_advertised_context_is_the_one_served_and_max_tokens_is_cut_to_it(tiny_model, tiny_reference):
-    """A decode worker whose KV budget buys 64 columns serves 65 tokens of context (the last
-    token's KV is never stored): GetModelInfo says so, max_tokens past it is cut, and a prompt
-    that leaves no room is refused naming the real limit."""
+    """A decode worker whose KV budget buys 64 tokens of pages serves 65 tokens of context (the
+    last token's KV is never stored): GetModelInfo says so, max_tokens past it is cut, and a
+    prompt that leaves no room is refused naming the real limit."""
     rows, columns = 2, 64
-    budget = columns * tiny_model.kv_shape.bytes_per_token()  # one row at its longest
+    budget = (columns + 16) * tiny_model.kv_shape.bytes_per_token()  # 4 pages of 16 tokens and the null page
     with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=rows,
                       extra_env={"BATON_DECODE_KV_BUDGET_BYTES": str(budget)}) as cluster:
         with BatonClient(cluster.router_address, timeout=60) as client:

@@ -13,25 +13,24 @@ from baton.engine.request import RequestError
 from baton.sampling import SamplingParams
 
 
-def test_thousand_requests_leave_kv_allocation_where_it_started(tiny_model):
-    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=6, initial_columns=32))
-    start = engine.decode.batch.allocated_bytes()
+def test_thousand_requests_give_every_kv_page_back(tiny_model):
+    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=6))
     prompts = [[(7 * i + j) % 4000 + 10 for j in range(1 + i % 40)] for i in range(1000)]
     params = [SamplingParams(max_tokens=1 + i % 5, ignore_eos=True) for i in range(1000)]
     outs = engine.generate(prompts, params)
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
-    assert engine.decode.batch.allocated_bytes() == start
-    assert engine.decode.batch.num_rows == 0 and not engine.decode.scheduler.requests
+    assert engine.decode.scheduler.kv_usage().used == 0
+    assert engine.decode.scheduler.num_running == 0 and not engine.decode.scheduler.requests
 
 
 @pytest.mark.parametrize("prompt, params, message", [
     ([], SamplingParams(), "prompt is empty"),
-    (list(range(3000)), SamplingParams(), "context served is 101"),  # one row's KV budget, not the model's 2048
-    (list(range(101)), SamplingParams(), "shorten it to at most 100 tokens"),
+    (list(range(3000)), SamplingParams(), "context served is 113"),  # one row's KV pages, not the model's 2048
+    (list(range(113)), SamplingParams(), "shorten it to at most 112 tokens"),
     ([10**6], SamplingParams(), "outside the model's vocabulary"),
 ])
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny_model, prompt, params, message):
-    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2, kv_budget_bytes=512 * 100))
+    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2, kv_budget_bytes=512 * 16 * 8))  # 7 pages and the null page
     good = engine.submit([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
     with pytest.raises(RequestError, match=message):
         engine.submit(prompt, params)
@@ -42,11 +41,11 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny_model, promp
 
 
 def test_max_tokens_past_the_served_context_is_cut_to_it(tiny_model, tiny_reference):
-    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2, kv_budget_bytes=512 * 100))
+    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2, kv_budget_bytes=512 * 16 * 8))  # 7 pages and the null page
     (out,) = engine.generate([[5, 6]], SamplingParams(max_tokens=500, ignore_eos=True))
-    assert engine.decode.max_context == 101
-    assert len(out.token_ids) == 99 and out.finish_reason == "length"
-    assert out.token_ids == tiny_reference.greedy([5, 6], 99)
+    assert engine.decode.max_context == 113
+    assert len(out.token_ids) == 111 and out.finish_reason == "length"
+    assert out.token_ids == tiny_reference.greedy([5, 6], 111)
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -72,9 +71,9 @@ def test_abort_frees_the_row(tiny_model):
     rid = engine.submit([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
-    assert engine.decode.batch.num_rows == 1
+    assert engine.decode.scheduler.num_running == 1
     assert engine.abort(rid).finish_reason == "abort"
-    assert engine.decode.batch.num_rows == 0 and not engine.has_work()
+    assert engine.decode.scheduler.num_running == 0 and not engine.has_work()
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -87,11 +87,11 @@ def test_evicted_rows_go_on_token_identically_on_another_core(runner, tiny_refer
         source.add(prefilled(runner, rid, prompt, params))
     for _ in range(7):
         source.step()
-    assert source.batch.rows_sharing == (3 if shared else 0)
+    assert source.scheduler.kv_usage().shared == (5 if shared else 0)  # the document's full pages
     ev = source.evict("r1")  # the middle row: the last row moves into its place
     assert ev.token_ids[:8] == tiny_reference.greedy(prompts["r1"], 8)
     assert ev.kv.num_tokens == len(prompts["r1"]) + len(ev.token_ids) - 1 and ev.kv.data.device.type == "cpu"
-    assert source.batch.num_rows == 2 and source.finished_total == 0
+    assert source.scheduler.num_running == 2 and source.finished_total == 0
     assert source.scheduler.find("r1").status is Status.MOVING and source.evict("r1") is None
     assert source.scheduler.take_moving("r1").engine.evicted is ev  # handed off: gone from here
 
@@ -116,7 +116,7 @@ def test_evicted_rows_go_on_token_identically_on_another_core(runner, tiny_refer
         assert stayed[rid] == tiny_reference.greedy(prompts[rid], MAX_TOKENS), rid
     # Nothing left behind: rows, parked KV, staging bytes (each KV consumed exactly once).
     for core in (source, target):
-        assert core.batch.num_rows == 0 and not core.scheduler.requests and core.parked_bytes() == 0
+        assert core.scheduler.num_running == 0 and not core.scheduler.requests and core.parked_bytes() == 0
     assert sorted(released.ids) == sorted(prompts) and target_released.ids == ["r1"]
     assert source.finished_total == 2 and target.finished_total == 1
 
@@ -185,7 +185,7 @@ def test_evicting_a_parked_row_frees_its_host_kv(runner, tiny_reference):
     run_to_end(source, tokens)
     assert ev.token_ids + tokens["low"][1:] == tiny_reference.greedy(low, MAX_TOKENS)
     assert tokens["urgent"] == tiny_reference.greedy(urgent, 4)
-    assert released.ids == ["low", "urgent"] and source.batch.num_rows == 0
+    assert released.ids == ["low", "urgent"] and source.scheduler.num_running == 0
 
 
 def test_a_seeded_request_keeps_its_random_stream_across_the_move(runner):
@@ -291,7 +291,7 @@ def test_a_cancel_racing_with_a_landing_leaks_nothing(runner):
         deadline = time.monotonic() + 10
         while (loop.core.scheduler.requests or pool.stats().used_bytes) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not loop.core.scheduler.requests and pool.stats().used_bytes == 0 and loop.core.batch.num_rows == 0
+        assert not loop.core.scheduler.requests and pool.stats().used_bytes == 0 and loop.core.scheduler.num_running == 0
 
 
 class PacedRunner:
@@ -337,7 +337,7 @@ def test_drain_past_its_grace_moves_every_request_and_frees_everything(runner):
         drainer.join(timeout=10)
         assert drained == [True]
         assert loop.migrations == {"sent": 2, "failed": 1}
-        assert pool.stats().used_bytes == 0 and loop.core.batch.num_rows == 0 and not loop.core.scheduler.requests
+        assert pool.stats().used_bytes == 0 and loop.core.scheduler.num_running == 0 and not loop.core.scheduler.requests
         assert loop.core.finished_total == 0
 
 

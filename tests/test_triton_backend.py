@@ -13,7 +13,7 @@ SCRIPT = textwrap.dedent("""
     from baton.sampling import SamplingParams
 
     model = load_model("tiny-random", dtype="float32")
-    # rows continuing it share its KV (the fused prefix-shared decode kernel), and prefill over its
+    # rows continuing it share its KV pages (the paged decode kernel), and prefill over its
     # cached blocks (the prefill kernel with a shared prefix)
     document = list(range(1000, 1080))
     prompts = [[5, 6, 7], list(range(100, 140)), [9], list(range(300, 317)), document + [7, 8], document + [9],
@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
         engine.generate([document + [3]], params)  # caches the document's blocks
         result[backend] = [o.token_ids for o in engine.generate(prompts, params)]
         result[backend + "_backend"] = engine.runner.backend
-        result[backend + "_sharing"] = engine.decode.batch.rows_sharing
+        result[backend + "_sharing"] = engine.decode.scheduler.rows_sharing_total
         result[backend + "_cached"] = engine.prefill.cached_tokens_total  # prefills continuing a prefix
     print(json.dumps(result))
 """)
@@ -38,5 +38,5 @@ def test_triton_backend_matches_torch_backend():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["torch_backend"] == "torch" and result["triton_backend"] == "triton"
     assert result["triton"] == result["torch"]
-    assert result["triton_sharing"] >= 2 and result["torch_sharing"] >= 2
+    assert result["triton_sharing"] >= 1 and result["torch_sharing"] >= 1
     assert result["triton_cached"] >= 64 and result["torch_cached"] >= 64  # the shared-prefix prefill kernel ran

@@ -54,6 +54,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
                     "bytes and step time side by side", "baton.bench.shared"),
     Suite("fairness", "interactive TTFT p50/p99 idle vs during an 84-request batch (low priority) vs the same load "
                       "at equal priority", "baton.bench.fairness"),
+    Suite("residency", "issue 31: 16 streams x 4096 tokens (ignore_eos) under 1 GiB of KV: how many decode at once "
+                       "after 20 s, Baton vs vLLM's CPU build; streams decoding over time, TTFT, tokens/s",
+          "baton.bench.residency"),
 ]}
 
 

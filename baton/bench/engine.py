@@ -85,7 +85,7 @@ def wall_plot(opts: BenchOptions, result: dict[str, Any], sizes: list[int]):
 def step_table(opts: BenchOptions, rows: tuple[int, ...]) -> dict[str, Any]:
     import torch
 
-    from baton.engine.batch_kv import BatchKV
+    from baton.decode_worker.paged_rows import PagedRows
     from baton.engine.executors import make_runner
     from baton.engine.model import load_model
 
@@ -98,16 +98,16 @@ def step_table(opts: BenchOptions, rows: tuple[int, ...]) -> dict[str, Any]:
         prompt = [1 + (i * 7919) % 40000 for i in range(STEP_WINDOW)]
         kv = runner.prefill(prompt).kv
         for n in rows:
-            batch = BatchKV(loaded.kv_shape, n, max_columns=STEP_WINDOW + 64, initial_columns=STEP_WINDOW + 64)
+            steps = 4 if opts.quick else 12
+            batch = PagedRows(loaded.kv_shape, num_pages=1 + n * ((STEP_WINDOW + steps + 3) // 16 + 1))
             for _ in range(n):
-                batch.embed(kv)
+                batch.add(kv)
             tokens = [7] * n
             for _ in range(3):  # warm-up
-                runner.decode(batch, tokens)
-            steps = 4 if opts.quick else 12
+                runner.decode(batch.kv, batch.step(), tokens)
             clock = time.perf_counter()
             for _ in range(steps):
-                runner.decode(batch, tokens)
+                runner.decode(batch.kv, batch.step(), tokens)
             ms = 1e3 * (time.perf_counter() - clock) / steps
             floor_ms = 1e3 * weight_bytes / (floor_gbps * 1e9)
             measured.append({"executor": executor, "rows": n, "ms_per_step": ms, "floor_ms": floor_ms,

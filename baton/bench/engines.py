@@ -209,7 +209,8 @@ def run_local(loaded, prompts: list[list[int]], caps: list[int], batch_size: int
 
     engine = LocalEngine(loaded, DecodeConfig(max_rows=batch_size), executor=executor)
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
-    batch = engine.decode.batch
+    scheduler, page_bytes = engine.decode.scheduler, engine.decode.kv.page_bytes
+    token_bytes = loaded.kv_shape.bytes_per_token()
     steps_before = engine.runner.decode_steps
     cpu, clock = time.process_time(), time.perf_counter()
     ids = {engine.submit(p, SamplingParams(max_tokens=c)): i for i, (p, c) in enumerate(zip(prompts, caps))}
@@ -221,12 +222,12 @@ def run_local(loaded, prompts: list[list[int]], caps: list[int], batch_size: int
         for out in outputs:
             if out.finished:
                 completions[ids[out.request_id]] = Completion(list(out.token_ids), now)
-        samples.append({"t": now, "rows": batch.num_rows, "allocated": batch.allocated_bytes(),
-                        "window": batch.window_bytes(), "useful": batch.useful_bytes()})
+        usage = scheduler.kv_usage()  # attention reads each row's own tokens: its window is what it holds
+        samples.append({"t": now, "rows": scheduler.num_running, "allocated": usage.used * page_bytes,
+                        "window": usage.tokens * token_bytes, "useful": usage.tokens * token_bytes})
     wall, cpu = time.perf_counter() - clock, time.process_time() - cpu
     config = {"max_rows": batch_size, "attention_backend": engine.runner.backend, "executor": engine.runner.name,
-              "left_growths": batch.left_growths, "released_columns": batch.released_columns,
-              "decode_steps": engine.runner.decode_steps - steps_before}
+              "page_size": engine.decode.kv.page_size, "decode_steps": engine.runner.decode_steps - steps_before}
     name = "local" if executor == "auto" else f"local-{executor}"
     return EngineRun(name, batch_size, wall, completions, samples, config, cpu)  # type: ignore[arg-type]
 

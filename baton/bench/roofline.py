@@ -36,7 +36,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
 
     from baton.local import LocalEngine
     from baton.decode_worker.core import DecodeConfig
-    from baton.engine.batch_kv import BatchKV
+    from baton.decode_worker.paged_rows import PagedRows
     from baton.engine.model import load_model
     from baton.engine.executors import make_runner
     from baton.sampling import SamplingParams
@@ -65,12 +65,12 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     # Baton: the executor's decode on a one-row BATON batch holding the prompt's KV.
     runner = make_runner(loaded)
     prefilled = runner.prefill(prompt)
-    batch = BatchKV(loaded.kv_shape, 1, max_columns=len(prompt) + steps + 8, device=loaded.device)
-    batch.embed(prefilled.kv)
+    rows = PagedRows(loaded.kv_shape, num_pages=2 + (len(prompt) + steps) // 16, device=loaded.device)
+    rows.add(prefilled.kv)
     token, runner_times = int(prefilled.logits.argmax()), []
     for _ in range(steps):
         clock = Stopwatch()
-        token = int(runner.decode(batch, [token])[0].argmax())
+        token = int(runner.decode(rows.kv, rows.step(), [token])[0].argmax())
         runner_times.append(clock())
 
     # And a whole LocalEngine.step (decode + sampling + stop checks + scheduling), one row.
@@ -84,7 +84,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         step_times.append(clock())
 
     rows = []
-    for name, times in (("transformers forward (own cache)", hf_times), ("the executor's decode (BATON batch)",
+    for name, times in (("transformers forward (own cache)", hf_times), ("the executor's decode (paged KV)",
                         runner_times), ("LocalEngine.step (decode+sample)", step_times)):
         m = median(times)
         rows.append([name, 1e3 * m, 1e3 * min(times), m / floor_s, 100 * floor_s / m])

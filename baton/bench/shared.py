@@ -44,7 +44,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         engine = LocalEngine(loaded, DecodeConfig(max_rows=rows, share_min_tokens=share_min_tokens))
         ids = [engine.submit(p, params) for p in prompts]
         tokens: dict[str, list[int]] = {}
-        times, kv = [], None
+        times, kv, sharing = [], None, 0
         while engine.has_work():
             joined = engine.decode.scheduler.num_running == rows
             clock = Stopwatch()
@@ -52,13 +52,15 @@ def run(opts: BenchOptions) -> dict[str, Any]:
             if joined:  # a step of the full batch, no prefill or embedding in it
                 times.append(clock())
             if kv is None and engine.decode.scheduler.num_running == rows:
-                batch = engine.decode.batch
-                kv = {"allocated": batch.allocated_bytes(), "useful": batch.useful_bytes()}
+                usage = engine.decode.scheduler.kv_usage()
+                kv = {"allocated": usage.used * engine.decode.kv.page_bytes, "useful": usage.tokens * per_token,
+                      "pages_shared": usage.shared}
+                sharing = engine.decode.scheduler.rows_sharing_total
             for out in outs:
                 if out.finished:
                     tokens[out.request_id] = out.token_ids
         return {"tokens": [tokens[i] for i in ids], "step_s": statistics.median(times), "steps": len(times), **kv,
-                "rows_sharing": engine.decode.batch.rows_sharing}
+                "rows_sharing": sharing}
 
     serve(0)  # warm-up: first-call allocations, the CPU kernels' build
     plain, shared = serve(0), serve(64)
@@ -75,11 +77,11 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     }
     opts.say(f"shared: {loaded.name}, {loaded.dtype}, {torch.get_num_threads()} torch thread(s); {rows} rows of a "
              f"{prefix_len}-token prefix + {OWN} own tokens, {steps} decode steps; KV per token {per_token} bytes")
-    opts.say(table(["", "KV allocated MiB", "KV useful MiB", "median step ms", "rows sharing"], [
+    opts.say(table(["", "KV allocated MiB", "KV useful MiB", "median step ms", "pages shared"], [
         ["without sharing", plain["allocated"] / 2**20, plain["useful"] / 2**20, 1e3 * plain["step_s"],
-         plain["rows_sharing"]],
+         plain["pages_shared"]],
         ["with sharing", shared["allocated"] / 2**20, shared["useful"] / 2**20, 1e3 * shared["step_s"],
-         shared["rows_sharing"]],
+         shared["pages_shared"]],
     ], digits=2))
     opts.say(f"shared: useful KV {result['kv_useful_ratio']:.2f}x less (the shape allows {bound:.2f}x), allocated "
              f"{result['kv_allocated_ratio']:.2f}x less; step {result['step_speedup']:.2f}x as fast; "

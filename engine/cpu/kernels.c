@@ -88,13 +88,12 @@ int baton_small_gemm(const float *x, const float *packed, float *out, int64_t M,
   return 0;
 }
 
-/* Decode attention over the BATON window: one query token per row, keys and values of the
- * window [start_r, W) of each row (columns before start_r are padding and are skipped, not
- * masked), grouped-query heads. q: [R, Hq, D] contiguous; keys/values: strided views of the
- * batch buffer (row, head and token strides in floats); out: [R, Hq, D]; lse (optional, [R, Hq]):
- * the log-sum-exp of the scaled scores, for merging with a shared prefix's part. Softmax in fp32
- * with the running maximum subtracted, as SDPA does, its exponentials 16 lanes at a time (a
- * scalar expf per score was a third of the kernel's time). */
+/* Decode attention over paged KV: one query token per row, keys and values of the row's tokens
+ * [0, lengths[r]), token t in page table[r][t / P] at slot t % P (a page holds, per KV head, P
+ * tokens of D floats), grouped-query heads. q: [R, Hq, D] rows q_row_stride apart; out: [R, Hq,
+ * D]; lse (optional, [R, Hq]): the log-sum-exp of the scaled scores. Softmax in fp32 with the
+ * running maximum subtracted, as SDPA does, its exponentials 16 lanes at a time (a scalar expf
+ * per score was a third of the kernel's time). */
 /* q . k over D floats: eight lanes of partial sums where D allows (no -ffast-math needed) */
 static inline float dot(const float *a, const float *b, int64_t D) {
   float s = 0.f;
@@ -179,31 +178,34 @@ static float softmax(float *s, int64_t n) {
   return top + __builtin_logf(total);
 }
 
-/* Hardware prefetchers stop at page boundaries: every cache line of the window's keys and values
- * is asked for this many tokens (8 KiB at head_dim 64) ahead. Past the window's end a prefetch
- * may fetch lines that go unused; it never faults. */
-#define PREFETCH_TOKENS 32
-
 /* One (row, KV head) whose head_dim is NV x 16 floats: the group's queries and each key, and
- * each head's output, live in vector registers; every key and value is read once for the group. */
+ * each head's output, live in vector registers; every key and value is read once for the group.
+ * kp, vp: the row's pages for this head (P tokens of D floats each), n tokens in all. While a
+ * page is read, the same line of the next page is prefetched: hardware prefetchers stop at page
+ * boundaries, and the next page may be anywhere. */
 #define GROUP_ATTENTION(NV)                                                                       \
-  static void group_attention_##NV(const float *qg, const float *kb, const float *vb, int64_t n,  \
-                                   int64_t ts, int64_t group, float scale, float *scores,         \
+  static void group_attention_##NV(const float *qg, const float *const *kp, const float *const *vp, \
+                                   int64_t n, int64_t P, int64_t group, float scale, float *scores, \
                                    float *og, float *lse) {                                       \
+    const int64_t pages = (n + P - 1) / P, D = NV * 16;                                           \
     for (int64_t g0 = 0; g0 < group; g0 += 4) { /* four heads at a time keep q in registers */  \
       const int64_t heads = group - g0 < 4 ? group - g0 : 4;                                      \
       v16 qv[4][NV];                                                                              \
       for (int64_t g = 0; g < heads; ++g)                                                         \
-        for (int j = 0; j < NV; ++j) memcpy(&qv[g][j], qg + (g0 + g) * NV * 16 + 16 * j, 64);    \
-      for (int64_t t = 0; t < n; ++t) {                                                           \
-        const float *k = kb + t * ts;                                                             \
-        for (int j = 0; j < NV; ++j) __builtin_prefetch(k + PREFETCH_TOKENS * ts + 16 * j);    \
-        v16 kv[NV];                                                                               \
-        for (int j = 0; j < NV; ++j) memcpy(&kv[j], k + 16 * j, 64);                              \
-        for (int64_t g = 0; g < heads; ++g) {                                                     \
-          v16 acc = qv[g][0] * kv[0];                                                             \
-          for (int j = 1; j < NV; ++j) acc += qv[g][j] * kv[j];                                   \
-          scores[(g0 + g) * n + t] = hsum16(acc) * scale;                                         \
+        for (int j = 0; j < NV; ++j) memcpy(&qv[g][j], qg + (g0 + g) * D + 16 * j, 64);          \
+      for (int64_t i = 0; i < pages; ++i) {                                                       \
+        const float *kb = kp[i], *next = kp[i + 1 < pages ? i + 1 : i];                           \
+        const int64_t count = n - i * P < P ? n - i * P : P;                                      \
+        for (int64_t t = 0; t < count; ++t) {                                                     \
+          const float *k = kb + t * D;                                                            \
+          for (int j = 0; j < NV; ++j) __builtin_prefetch(next + t * D + 16 * j);                \
+          v16 kv[NV];                                                                             \
+          for (int j = 0; j < NV; ++j) memcpy(&kv[j], k + 16 * j, 64);                            \
+          for (int64_t g = 0; g < heads; ++g) {                                                   \
+            v16 acc = qv[g][0] * kv[0];                                                           \
+            for (int j = 1; j < NV; ++j) acc += qv[g][j] * kv[j];                                 \
+            scores[(g0 + g) * n + i * P + t] = hsum16(acc) * scale;                               \
+          }                                                                                       \
         }                                                                                         \
       }                                                                                           \
     }                                                                                             \
@@ -217,15 +219,19 @@ static float softmax(float *s, int64_t n) {
       v16 o[4][NV];                                                                               \
       for (int64_t g = 0; g < heads; ++g)                                                         \
         for (int j = 0; j < NV; ++j) o[g][j] = (v16){0};                                          \
-      for (int64_t t = 0; t < n; ++t) {                                                           \
-        const float *v = vb + t * ts;                                                             \
-        for (int j = 0; j < NV; ++j) __builtin_prefetch(v + PREFETCH_TOKENS * ts + 16 * j);    \
-        v16 vv[NV];                                                                               \
-        for (int j = 0; j < NV; ++j) memcpy(&vv[j], v + 16 * j, 64);                              \
-        for (int64_t g = 0; g < heads; ++g)                                                       \
-          for (int j = 0; j < NV; ++j) o[g][j] += p[g * n + t] * vv[j];                           \
+      for (int64_t i = 0; i < pages; ++i) {                                                       \
+        const float *vb = vp[i], *next = vp[i + 1 < pages ? i + 1 : i];                           \
+        const int64_t count = n - i * P < P ? n - i * P : P;                                      \
+        for (int64_t t = 0; t < count; ++t) {                                                     \
+          const float *v = vb + t * D;                                                            \
+          for (int j = 0; j < NV; ++j) __builtin_prefetch(next + t * D + 16 * j);                \
+          v16 vv[NV];                                                                             \
+          for (int j = 0; j < NV; ++j) memcpy(&vv[j], v + 16 * j, 64);                            \
+          for (int64_t g = 0; g < heads; ++g)                                                     \
+            for (int j = 0; j < NV; ++j) o[g][j] += p[g * n + i * P + t] * vv[j];                 \
+        }                                                                                         \
       }                                                                                           \
-      for (int64_t g = 0; g < heads; ++g) memcpy(og + (g0 + g) * NV * 16, o[g], sizeof(o[g]));    \
+      for (int64_t g = 0; g < heads; ++g) memcpy(og + (g0 + g) * D, o[g], sizeof(o[g]));          \
     }                                                                                             \
   }
 
@@ -233,63 +239,73 @@ GROUP_ATTENTION(4)
 GROUP_ATTENTION(8)
 
 /* Any head_dim: the same maths with plain loops. */
-static void group_attention_any(const float *qg, const float *kb, const float *vb, int64_t n, int64_t ts,
-                                int64_t group, int64_t D, float scale, float *scores, float *og, float *lse) {
+static void group_attention_any(const float *qg, const float *const *kp, const float *const *vp, int64_t n,
+                                int64_t P, int64_t group, int64_t D, float scale, float *scores, float *og,
+                                float *lse) {
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot(qg + g * D, kb + t * ts, D) * scale;
+    for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot(qg + g * D, kp[t / P] + (t % P) * D, D) * scale;
   for (int64_t g = 0; g < group; ++g) {
     float *p = scores + g * n, *o = og + g * D;
     const float l = softmax(p, n);
     if (lse) lse[g] = l;
     for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t d = 0; d < D; ++d) o[d] += p[t] * vb[t * ts + d];
+    for (int64_t t = 0; t < n; ++t) {
+      const float *v = vp[t / P] + (t % P) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += p[t] * v[d];
+    }
   }
 }
 
-/* q_row_stride: floats from one row's query heads to the next's (Hq * D when contiguous, more when
- * the queries are read in place from a fused QKV projection). */
+/* keys, values: one layer's pages, page p's head h at p * page_stride + h * head_stride floats,
+ * its tokens D floats apart; table: [R] rows table_stride apart; q_row_stride: floats from one
+ * row's query heads to the next's (Hq * D when contiguous, more when the queries are read in
+ * place from a fused QKV projection). */
 static int attention(const float *q, int64_t q_row_stride, const float *keys, const float *values,
-                     const int64_t *starts, float *out, float *lse, int64_t R, int64_t Hq, int64_t Hkv, int64_t W,
-                     int64_t D, int64_t row_stride, int64_t head_stride, int64_t token_stride, float scale,
-                     int threads) {
+                     const int64_t *table, int64_t table_stride, const int64_t *lengths, float *out, float *lse,
+                     int64_t R, int64_t Hq, int64_t Hkv, int64_t D, int64_t P, int64_t page_stride,
+                     int64_t head_stride, float scale, int threads) {
   const int64_t group = Hq / Hkv;
   int failed = 0;
   /* One program per (row, KV head): its `group` query heads take each key and value as it is
-   * read, so the window is streamed once, not once per query head. */
+   * read, so the row's tokens are streamed once, not once per query head. */
 #pragma omp parallel for schedule(static) reduction(| : failed) num_threads(threads)
   for (int64_t rk = 0; rk < R * Hkv; ++rk) {
     const int64_t r = rk / Hkv, kvh = rk % Hkv;
-    const int64_t start = starts[r], n = W - start;
+    const int64_t n = lengths[r], pages = (n + P - 1) / P;
     const float *qg = q + r * q_row_stride + kvh * group * D; /* the group's heads, [group, D] */
-    const float *kb = keys + r * row_stride + kvh * head_stride + start * token_stride;
-    const float *vb = values + r * row_stride + kvh * head_stride + start * token_stride;
     float *og = out + (r * Hq + kvh * group) * D;
     float *lg = lse ? lse + r * Hq + kvh * group : 0;
-    if (n <= 0) { /* an empty window: zeros, and a log-sum-exp of -inf */
+    if (n <= 0) { /* nothing to attend: zeros, and a log-sum-exp of -inf */
       for (int64_t i = 0; i < group * D; ++i) og[i] = 0.f;
       if (lg) for (int64_t g = 0; g < group; ++g) lg[g] = -__builtin_inff();
       continue;
     }
-    float *scores = malloc(sizeof(float) * group * n);
+    /* scores [group, n], then the row's page addresses for keys and values */
+    float *scores = malloc(sizeof(float) * group * n + sizeof(float *) * 2 * pages);
     if (!scores) { failed = 1; continue; }
+    const float **kp = (const float **)(scores + group * n), **vp = kp + pages;
+    for (int64_t i = 0; i < pages; ++i) {
+      const int64_t at = table[r * table_stride + i] * page_stride + kvh * head_stride;
+      kp[i] = keys + at;
+      vp[i] = values + at;
+    }
     if (D == 64)
-      group_attention_4(qg, kb, vb, n, token_stride, group, scale, scores, og, lg);
+      group_attention_4(qg, kp, vp, n, P, group, scale, scores, og, lg);
     else if (D == 128)
-      group_attention_8(qg, kb, vb, n, token_stride, group, scale, scores, og, lg);
+      group_attention_8(qg, kp, vp, n, P, group, scale, scores, og, lg);
     else
-      group_attention_any(qg, kb, vb, n, token_stride, group, D, scale, scores, og, lg);
+      group_attention_any(qg, kp, vp, n, P, group, D, scale, scores, og, lg);
     free(scores);
   }
   return failed ? -1 : 0;
 }
 
-int baton_decode_attention(const float *q, const float *keys, const float *values, const int64_t *starts,
-                           float *out, float *lse, int64_t R, int64_t Hq, int64_t Hkv, int64_t W, int64_t D,
-                           int64_t row_stride, int64_t head_stride, int64_t token_stride, float scale,
-                           int threads) {
-  return attention(q, Hq * D, keys, values, starts, out, lse, R, Hq, Hkv, W, D, row_stride, head_stride,
-                   token_stride, scale, threads);
+int baton_decode_attention(const float *q, const float *keys, const float *values, const int64_t *table,
+                           int64_t table_stride, const int64_t *lengths, float *out, float *lse, int64_t R,
+                           int64_t Hq, int64_t Hkv, int64_t D, int64_t P, int64_t page_stride, int64_t head_stride,
+                           float scale, int threads) {
+  return attention(q, Hq * D, keys, values, table, table_stride, lengths, out, lse, R, Hq, Hkv, D, P, page_stride,
+                   head_stride, scale, threads);
 }
 
 /* RMSNorm of each row, as transformers computes it in fp32: y = w * (x / sqrt(mean(x^2) + eps)).
@@ -362,21 +378,21 @@ static inline int64_t max3(int64_t a, int64_t b, int64_t c) {
 
 /* One decode step through every decoder layer of a Llama-family model, in one call: for each
  * layer, RMSNorm, fused QKV (+ bias), rotary on queries and keys, the new keys and values written
- * into the batch's opened column, attention over each row's window, the output projection added
+ * into each row's next slot, attention over each row's tokens, the output projection added
  * to the residual, RMSNorm, fused gate/up, SiLU-and-multiply, down projection added to the
  * residual. The same operations, in the same order and with the same kernels, as the per-layer
  * Python path; what it saves is ~35 Python-level calls a layer.
  *
  * h: [R, H] the residual stream, updated in place. weights: per layer 7 addresses (input norm,
  * packed QKV, QKV bias or 0, packed O, post norm, packed gate/up, packed down). cos, signed_sin:
- * [R, D]. kv: the batch buffer [layers, 2, rows, Hkv, columns, D] given by its strides in floats,
- * with `window` the window's first buffer column, W its width and `column` (absolute) the one
- * opened for this step. Returns 0, or -1 when out of memory. */
+ * [R, D]. kv: the paged KV [layers, 2, pages, Hkv, P, D] given by its strides in floats; table:
+ * each row's pages (table_stride apart); lengths: each row's tokens, this step's included, which
+ * is written at position lengths[r] - 1. Returns 0, or -1 when out of memory. */
 int baton_decode_layers(float *h, const int64_t *weights, int64_t L, int64_t R, int64_t H, int64_t Hq,
                         int64_t Hkv, int64_t D, int64_t I, float eps, float scale, const float *cos,
                         const float *signed_sin, float *kv, int64_t layer_stride, int64_t kind_stride,
-                        int64_t row_stride, int64_t head_stride, int64_t window, int64_t W, int64_t column,
-                        const int64_t *starts, int threads) {
+                        int64_t page_stride, int64_t head_stride, int64_t P, const int64_t *table,
+                        int64_t table_stride, const int64_t *lengths, int threads) {
   /* scratch for the widest input (the GEMMs' K: H, I, or Hq * D for the output projection, which
    * need not equal H) and the widest output (N: QKV, 2 * I or H) */
   const int64_t QKV = (Hq + 2 * Hkv) * D, K_MAX = max3(H, I, Hq * D), N_MAX = max3(QKV, 2 * I, H);
@@ -397,12 +413,13 @@ int baton_decode_layers(float *h, const int64_t *weights, int64_t L, int64_t R, 
     baton_rotary(y, R, Hq + Hkv, D, QKV, cos, signed_sin, threads);
     for (int64_t r = 0; r < R; ++r)
       for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-        const int64_t at = r * row_stride + kvh * head_stride + column * D;
+        const int64_t pos = lengths[r] - 1;
+        const int64_t at = table[r * table_stride + pos / P] * page_stride + kvh * head_stride + (pos % P) * D;
         memcpy(keys + at, y + r * QKV + (Hq + kvh) * D, sizeof(float) * D);
         memcpy(values + at, y + r * QKV + (Hq + Hkv + kvh) * D, sizeof(float) * D);
       }
-    failed = attention(y, QKV, keys + window * D, values + window * D, starts, attn, 0, R, Hq, Hkv, W, D,
-                       row_stride, head_stride, D, scale, threads);
+    failed = attention(y, QKV, keys, values, table, table_stride, lengths, attn, 0, R, Hq, Hkv, D, P, page_stride,
+                       head_stride, scale, threads);
     gemm(attn, o, y, R, Hq * D, H, threads, xt);
     for (int64_t i = 0; i < R * H; ++i) h[i] += y[i];
 

@@ -1,5 +1,5 @@
 """Baton's CPU kernels for the decode step (kernels.c), built once per machine, called via ctypes:
-the few-row GEMM over panel-packed weights, attention over the BATON window, RMSNorm, rotary embedding, and
+the few-row GEMM over panel-packed weights, attention over paged KV, RMSNorm, rotary embedding, and
 all of a decode step's layers in one call.
 
 Built on first use with the machine's C compiler (`cc`, or $CC) for this very CPU
@@ -69,21 +69,27 @@ def small_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
     return out
 
 
-def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor,
-                     scale: float, lse: torch.Tensor | None = None) -> torch.Tensor:
-    """query [R, Hq, D]; keys, values [R, Hkv, W, D] (views of the batch buffer, last dim contiguous);
-    starts int64 [R]: each row's first valid column -> [R, Hq, D], float32. With `lse` (float32
-    [R, Hq], contiguous), each row and head's log-sum-exp of scaled scores is written there too."""
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
+                     lengths: torch.Tensor, scale: float, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """query [R, Hq, D]; keys, values: one layer's pages [pages, Hkv, P, D] (views of the paged KV,
+    each head's page contiguous); table int64 [R, width]: each row's pages; lengths int64 [R]: row r
+    attends its tokens [0, lengths[r]) -> [R, Hq, D], float32. With `lse` (float32 [R, Hq],
+    contiguous), each row and head's log-sum-exp of scaled scores is written there too."""
     rows, heads, dim = query.shape
-    kv_heads, window = keys.shape[1], keys.shape[2]
-    if keys.stride() != values.stride() or keys.stride(3) != 1:
-        raise ValueError("keys and values must be same-strided views with contiguous head_dim")
+    _, kv_heads, page_size, _ = keys.shape
+    if keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != dim:
+        raise ValueError("keys and values must be same-strided page views with contiguous tokens")
+    if (table.dtype != torch.int64 or lengths.dtype != torch.int64 or not table.is_contiguous()
+            or table.shape[0] != rows or lengths.numel() != rows):
+        raise ValueError(f"decode_attention needs an int64 page table [{rows}, width] and int64 lengths [{rows}]")
     query = query.contiguous()
     out = torch.empty_like(query)
     scale = dim ** -0.5 if scale is None else scale
-    if _library().baton_decode_attention(query.data_ptr(), keys.data_ptr(), values.data_ptr(), starts.data_ptr(),
-                                         out.data_ptr(), None if lse is None else lse.data_ptr(), rows, heads,
-                                         kv_heads, window, dim, keys.stride(0), keys.stride(1), keys.stride(2), ctypes.c_float(scale), torch.get_num_threads()):
+    if _library().baton_decode_attention(query.data_ptr(), keys.data_ptr(), values.data_ptr(), table.data_ptr(),
+                                         table.shape[1], lengths.data_ptr(), out.data_ptr(),
+                                         None if lse is None else lse.data_ptr(), rows, heads, kv_heads, dim,
+                                         page_size, keys.stride(0), keys.stride(1), ctypes.c_float(scale),
+                                         torch.get_num_threads()):
         raise MemoryError("decode_attention could not allocate its scores")
     return out
 
@@ -131,25 +137,27 @@ class DecodeLayers:
         self.addresses = torch.tensor([[0 if t is None else t.data_ptr() for t in row] for row in tensors],
                                       dtype=torch.int64)
 
-    def __call__(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, buffer: torch.Tensor,
-                 window: int, width: int, column: int, starts: torch.Tensor) -> None:
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pages: torch.Tensor,
+                 table: torch.Tensor, lengths: torch.Tensor) -> None:
         """h: [R, hidden] float32 contiguous, updated in place; cos, signed_sin: [R, head_dim];
-        buffer: the batch KV [layers, 2, rows, kv_heads, columns, head_dim]; the window is buffer
-        columns [window, window + width), the step writes column `column`; starts: int64 [R]."""
+        pages: the paged KV [layers, 2, pages, kv_heads, page_size, head_dim]; table int64 [R,
+        width]: each row's pages; lengths int64 [R]: each row's tokens, this step's (written at
+        lengths[r] - 1) included."""
         rows = h.shape[0]
         cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
         if (h.dtype != torch.float32 or not h.is_contiguous() or h.shape[1] != self.hidden
-                or buffer.dtype != torch.float32 or buffer.stride(5) != 1 or buffer.stride(4) != self.head_dim
-                or buffer.shape[0] != self.num_layers or starts.dtype != torch.int64 or starts.numel() != rows
-                or cos.numel() != rows * self.head_dim or signed_sin.numel() != rows * self.head_dim
-                or not window <= column < window + width <= buffer.shape[4]):
-            raise ValueError("decode_layers: tensors do not match the model or the window")
+                or pages.dtype != torch.float32 or not pages.is_contiguous() or pages.shape[0] != self.num_layers
+                or pages.shape[3] != self.kv_heads or pages.shape[5] != self.head_dim
+                or table.dtype != torch.int64 or not table.is_contiguous() or table.shape[0] != rows
+                or lengths.dtype != torch.int64 or lengths.numel() != rows
+                or cos.numel() != rows * self.head_dim or signed_sin.numel() != rows * self.head_dim):
+            raise ValueError("decode_layers: tensors do not match the model or the page table")
         if _library().baton_decode_layers(
                 h.data_ptr(), self.addresses.data_ptr(), self.num_layers, rows, self.hidden, self.heads,
                 self.kv_heads, self.head_dim, self.intermediate, ctypes.c_float(self.eps),
-                ctypes.c_float(self.scale), cos.data_ptr(), signed_sin.data_ptr(), buffer.data_ptr(),
-                buffer.stride(0), buffer.stride(1), buffer.stride(2), buffer.stride(3), window, width, column,
-                starts.data_ptr(), torch.get_num_threads()):
+                ctypes.c_float(self.scale), cos.data_ptr(), signed_sin.data_ptr(), pages.data_ptr(),
+                pages.stride(0), pages.stride(1), pages.stride(2), pages.stride(3), pages.shape[4],
+                table.data_ptr(), table.shape[1], lengths.data_ptr(), torch.get_num_threads()):
             raise MemoryError("decode_layers could not allocate its scratch")
 
 
@@ -173,14 +181,15 @@ def _library() -> ctypes.CDLL | None:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.baton_small_gemm.argtypes = [pointer] * 3 + [size] * 3 + [ctypes.c_int]
     lib.baton_small_gemm.restype = ctypes.c_int
-    lib.baton_decode_attention.argtypes = [pointer] * 6 + [size] * 8 + [ctypes.c_float, ctypes.c_int]
+    lib.baton_decode_attention.argtypes = ([pointer] * 4 + [size] + [pointer] * 3 + [size] * 7
+                                           + [ctypes.c_float, ctypes.c_int])
     lib.baton_decode_attention.restype = ctypes.c_int
     lib.baton_rms_norm.argtypes = [pointer] * 3 + [size] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.baton_rms_norm.restype = None
     lib.baton_rotary.argtypes = [pointer] + [size] * 4 + [pointer] * 2 + [ctypes.c_int]
     lib.baton_rotary.restype = None
     lib.baton_decode_layers.argtypes = ([pointer, pointer] + [size] * 7 + [ctypes.c_float] * 2 + [pointer] * 3
-                                        + [size] * 7 + [pointer, ctypes.c_int])
+                                        + [size] * 5 + [pointer, size, pointer, ctypes.c_int])
     lib.baton_decode_layers.restype = ctypes.c_int
     return lib
 

@@ -3,6 +3,8 @@
 - `decode_attention`: split-K grouped-query decode over ragged, left-padded rows.
 - `prefill_attention` / `prefill_attention_varlen`: causal attention of new tokens over a
   cached prefix plus themselves (chunked prefill, prefix reuse).
+- `paged_decode_attention`: the same split-K decode over a paged KV pool, each row's tokens
+  found through its page table (read on the device, so captured graphs replay).
 - `prefix_shared_decode_attention`: BatchLLM-style decode where rows of a group share one
   prefix KV, read once per group, merged with each row's own KV by log-sum-exp.
 - `reference`: the same contracts in plain torch (CPU path and test oracle).
@@ -17,17 +19,18 @@ from __future__ import annotations
 import importlib
 import os
 
-from baton.engine.kernels.reference import (decode_attention_ref, prefill_attention_ref, prefill_attention_varlen_ref,
-                                      prefix_shared_decode_attention_ref)
+from baton.engine.kernels.reference import (decode_attention_ref, paged_decode_attention_ref, prefill_attention_ref,
+                                      prefill_attention_varlen_ref, prefix_shared_decode_attention_ref)
 
 _LAZY = {
     "decode_attention": "baton.engine.kernels.decode",
+    "paged_decode_attention": "baton.engine.kernels.paged",
     "prefill_attention": "baton.engine.kernels.prefill",
     "prefill_attention_varlen": "baton.engine.kernels.prefill",
     "prefix_shared_decode_attention": "baton.engine.kernels.prefix_shared",
 }
 
-__all__ = [*_LAZY, "triton_available", "decode_attention_ref", "prefill_attention_ref",
+__all__ = [*_LAZY, "triton_available", "decode_attention_ref", "paged_decode_attention_ref", "prefill_attention_ref",
            "prefill_attention_varlen_ref", "prefix_shared_decode_attention_ref"]
 
 

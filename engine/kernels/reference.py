@@ -31,6 +31,29 @@ def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, star
     return out[:, :, 0].to(q.dtype)
 
 
+def paged_decode_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                               page_table: torch.Tensor, lengths: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """q: [R, H, D]; k_pages, v_pages: [num_pages, Hkv, P, D]; page_table: int [R, max_pages];
+    row r sees tokens [0, min(lengths[r], max_pages * P)), token t at page page_table[r, t // P],
+    slot t % P -> [R, H, D]."""
+    rows, _, head_dim = q.shape
+    _, kv_heads, page_size, _ = k_pages.shape
+    scale = head_dim ** -0.5 if scale is None else scale
+    lengths = lengths.to(q.device).long().clamp(0, page_table.shape[1] * page_size)
+    used = -(-int(lengths.max()) // page_size) if rows else 0  # only the pages the longest row uses
+    pages = page_table[:, :used].to(k_pages.device).long()  # [R, used]
+    visible = torch.arange(used * page_size, device=q.device)[None, :] < lengths[:, None]  # [R, used * P]
+
+    def gather(pool: torch.Tensor) -> torch.Tensor:
+        # [R, used, Hkv, P, D] -> [R, Hkv, used * P, D]; columns past a row's length (the null
+        # page, stale slots) are zeroed so whatever they hold cannot leak in as NaN * 0
+        kv = pool[pages].transpose(1, 2).reshape(rows, kv_heads, used * page_size, head_dim).float()
+        return kv.masked_fill(~visible[:, None, :, None], 0.0)
+
+    out = _attend(q[:, :, None, :], gather(k_pages), gather(v_pages), visible[:, None, None, :], scale)
+    return out[:, :, 0].to(q.dtype)
+
+
 def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
                           scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [Hkv, prefix_len + T, D]; token j sees columns [0, prefix_len + j]."""

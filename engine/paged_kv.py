@@ -1,0 +1,133 @@
+"""The decode batch's KV memory: fixed-size pages in one tensor, allocated once.
+
+    pages: [layers, 2 (keys, values), num_pages, kv_heads, page_size, head_dim]
+
+Which page holds which token is decided elsewhere (`decode_worker.kv_pages.PagePool`); a decode
+step gets, per row, its page table and its length (`DecodeStep`) and writes the row's new token
+at position length - 1. Within a page each KV head's tokens are one contiguous run of
+page_size x head_dim values, so attention streams a head's keys page by page.
+
+Nothing is ever moved: a row that joins is written into its pages, a row that leaves gives them
+back, and the step reads only what rows hold. Being allocated once, the tensor's address never
+changes: a captured CUDA graph stays valid for the worker's life.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from dataclasses import dataclass
+
+import torch
+
+from baton.engine.kv import KVShape, SequenceKV, to_host
+
+CPU_KV_SHARE = 0.25  # of the host's available memory, for a CPU decode worker's default KV budget
+# of the device memory free once the model is loaded: allocated at once, so some is left for a
+# prefill worker that may share the device (kv_budget_bytes takes more)
+CUDA_KV_SHARE = 0.5
+
+
+def default_kv_budget(device: torch.device | str) -> int:
+    """The batch KV budget when none is configured: a share of what the device has free now."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(CUDA_KV_SHARE * free)
+    try:
+        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo", encoding="ascii"))
+        available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(CPU_KV_SHARE * available)
+
+
+@dataclass
+class DecodeStep:
+    """One decode step's rows: row i feeds one token at position lengths[i] - 1, which it writes
+    into page tables[i][(lengths[i] - 1) // page_size], and attends tokens [0, lengths[i])."""
+
+    tables: list[list[int]]
+    lengths: list[int]
+
+    def __post_init__(self):
+        if len(self.tables) != len(self.lengths):
+            raise ValueError(f"{len(self.tables)} page tables for {len(self.lengths)} rows")
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    def table_tensor(self, width: int | None = None, dtype=torch.int64, device="cpu") -> torch.Tensor:
+        """[rows, width] page ids, padded with the null page 0."""
+        width = max(map(len, self.tables), default=1) if width is None else width
+        out = torch.zeros(len(self.tables), max(width, 1), dtype=dtype)
+        for row, table in enumerate(self.tables):
+            out[row, :len(table)] = torch.tensor(table, dtype=dtype)
+        return out.to(device)
+
+
+class PagedKV:
+    def __init__(self, shape: KVShape, num_pages: int, page_size: int, device: torch.device | str = "cpu"):
+        if page_size < 1 or num_pages < 2:
+            raise ValueError(f"paged KV needs page_size >= 1 and num_pages >= 2 (got {page_size}, {num_pages})")
+        self.shape = shape
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.device = torch.device(device)
+        dims = (shape.num_layers, 2, num_pages, shape.num_kv_heads, page_size, shape.head_dim)
+        # Zeroed, not empty: the null page and a page's unwritten slots are read (and masked), and
+        # 0 * NaN would poison a row. On the host, anonymous memory the kernel zeroes as it is first
+        # touched: a worker's resident memory follows the pages used, not the budget.
+        if self.device.type == "cpu":
+            count = math.prod(dims)
+            self._memory = mmap.mmap(-1, max(1, count * shape.dtype.itemsize))
+            self.pages = torch.frombuffer(self._memory, dtype=shape.dtype, count=count).view(dims)
+        else:
+            self.pages = torch.zeros(dims, dtype=shape.dtype, device=self.device)
+
+    @classmethod
+    def within(cls, shape: KVShape, budget_bytes: int, page_size: int, device: torch.device | str = "cpu") -> "PagedKV":
+        """As many pages as `budget_bytes` buys (the null page among them)."""
+        num_pages = budget_bytes // (page_size * shape.bytes_per_token())
+        if num_pages < 2:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes buys {num_pages} page(s) of {page_size} tokens "
+                             f"({page_size * shape.bytes_per_token()} bytes each); at least 2 are needed")
+        return cls(shape, num_pages, page_size, device)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.shape.bytes_per_token()
+
+    def allocated_bytes(self) -> int:
+        return self.pages.numel() * self.pages.element_size()
+
+    def _slots(self, table: list[int], start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page ids and in-page slots of tokens [start, start + count)."""
+        if start < 0 or start + count > len(table) * self.page_size:
+            raise ValueError(f"tokens [{start}, {start + count}) do not fit {len(table)} pages of {self.page_size}")
+        positions = torch.arange(start, start + count)
+        pages = torch.tensor(table, dtype=torch.int64)[positions // self.page_size]
+        return pages.to(self.device), (positions % self.page_size).to(self.device)
+
+    def write(self, table: list[int], kv: SequenceKV, start: int = 0) -> None:
+        """Put `kv`'s tokens at positions [start, start + tokens) of the row whose pages are `table`."""
+        if kv.shape != self.shape:
+            raise ValueError(f"KV shape {kv.shape} does not match the batch {self.shape}")
+        pages, slots = self._slots(table, start, kv.num_tokens)
+        # indexing [:, :, pages, :, slots] puts the token axis first: [tokens, layers, 2, kv_heads, head_dim]
+        self.pages[:, :, pages, :, slots] = kv.data.to(self.device, non_blocking=True).permute(3, 0, 1, 2, 4)
+
+    def read(self, table: list[int], num_tokens: int, start: int = 0) -> SequenceKV:
+        """A host copy of tokens [start, num_tokens) of the row whose pages are `table`."""
+        pages, slots = self._slots(table, start, num_tokens - start)
+        data = self.pages[:, :, pages, :, slots].permute(1, 2, 3, 0, 4).contiguous()
+        return SequenceKV(to_host(data))
+
+    def layer_window(self, layer: int, kind: int, table: torch.Tensor) -> torch.Tensor:
+        """[rows, kv_heads, width x page_size, head_dim]: a copy of each row's pages side by side
+        (the torch path's attention input; columns past a row's length are other pages' data)."""
+        rows, width = table.shape
+        gathered = self.pages[layer, kind][table.reshape(-1)]  # [rows * width, kv_heads, page_size, head_dim]
+        gathered = gathered.view(rows, width, *gathered.shape[1:]).transpose(1, 2)
+        return gathered.reshape(rows, self.shape.num_kv_heads, width * self.page_size, self.shape.head_dim)
