@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--kv-budget-bytes", type=int,
                         help="the paged decode KV, allocated once: rows join while what they hold fits, and all "
                              "of it bounds the context served (default 0: a share of the device's free memory)")
-    decode.add_argument("--page-size", type=int, help="tokens a KV page holds (default 16)")
+    decode.add_argument("--page-size", type=int, help="tokens a KV page holds (default 8)")
     decode.add_argument("--staging-bytes", type=int,
                         help="the host KV pool: landed KV and parked rows (default 512 MiB)")
     decode.add_argument("--drain-move-after-s", type=float,

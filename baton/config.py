@@ -246,7 +246,7 @@ class DecodeSettings:
     # reserve) fits, never by max_tokens, so max_rows is a cap; when pages run out the latest
     # lowest-priority row is parked in the host pool. 0: a share of the device's free memory.
     kv_budget_bytes: int = 0
-    page_size: int = 16  # tokens a KV page holds
+    page_size: int = 8  # tokens a KV page holds
     growth_reserve_tokens: int = 32  # free room a joining row must find beyond its own KV
     staging_bytes: int = 512 << 20  # the host KV pool: landed KV waiting for a row and parked rows' KV
     # Requests waiting for KV before RESOURCE_EXHAUSTED; with max_rows it also bounds every request
@@ -272,7 +272,7 @@ class DecodeSettings:
         if self.share_min_tokens < 0:
             raise ValueError(f"decode.share_min_tokens must be >= 0 (got {self.share_min_tokens}; 0 turns sharing off)")
         if not 1 <= self.page_size <= 4096:
-            raise ValueError(f"decode.page_size must be 1..4096 tokens (got {self.page_size}; the default is 16)")
+            raise ValueError(f"decode.page_size must be 1..4096 tokens (got {self.page_size}; the default is 8)")
         if self.growth_reserve_tokens < 0:
             raise ValueError(f"decode.growth_reserve_tokens must be >= 0 (got {self.growth_reserve_tokens})")
         if not self.drain_move_after_s >= 0:

@@ -26,7 +26,7 @@ class DecodeConfig:
     # memory. Rows join while what they hold (plus a growth reserve) fits; when pages run out,
     # the latest lowest-priority row is parked in the host pool.
     kv_budget_bytes: int = 0
-    page_size: int = 16  # tokens a KV page holds
+    page_size: int = 8  # tokens a KV page holds (docs/bench.md: 8 wastes half of 16, at the same step time)
     growth_reserve_tokens: int = 32  # room a joining row must find beyond its KV
     # Used-KV watermarks: above high, rows are parked on the host; new rows are admitted only
     # while the used pages stay at or below low. 0 turns them off (pages running out still parks).

@@ -10,7 +10,7 @@ from baton.engine.paged_kv import DecodeStep, PagedKV
 
 
 class PagedRows:
-    def __init__(self, shape: KVShape, num_pages: int = 256, page_size: int = 16, device="cpu"):
+    def __init__(self, shape: KVShape, num_pages: int = 256, page_size: int = 8, device="cpu"):
         self.kv = PagedKV(shape, num_pages, page_size, device)
         self.pool = PagePool(num_pages, page_size)
         self.pool.reverse_order()

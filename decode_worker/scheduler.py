@@ -98,7 +98,7 @@ class DecodeSequence:
 class SchedulerConfig:
     max_rows: int  # decode batch rows
     num_pages: int  # KV pages, the null page included (kv_pages)
-    page_size: int = 16  # tokens a page holds
+    page_size: int = 8  # tokens a page holds
     max_row_tokens: int = 0  # KV tokens one request may reach (0: every page)
     # Pages a joining row must find free beyond its KV and its first token: growth room, so a row
     # is not parked the moment it joins.

@@ -22,6 +22,7 @@ import grpc
 from baton import tracing
 from baton.block_hash import BlockHasher
 from baton.v1 import common_pb2, router_pb2, workers_pb2
+from baton.router.admission import AdmissionCancelled, AdmissionTimeout, DecodeAdmission
 from baton.router.errors import DecodeLost, DispatchError, cause
 from baton.router.kv_sources import Handoff, KVSource, PrefillChain
 from baton.router.policy import NoWorkers, PendingPrefixes, Picker
@@ -64,8 +65,12 @@ class Route:
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, index: PrefixIndex, block_size: int, picker: Picker | None = None,
-                 on_route: Callable[[float], None] = lambda seconds: None, pending_max_blocks: int = 65_536):
+                 on_route: Callable[[float], None] = lambda seconds: None, pending_max_blocks: int = 65_536,
+                 admission: DecodeAdmission | None = None):
         self.pool = pool
+        # Requests wait here, before their prefill, while the decode workers' rows are taken
+        # (router.admission); None: every request is prefilled at once.
+        self.admission = admission or DecodeAdmission(-1)
         self.on_route = on_route  # told how long each routing decision took
         self.index = index
         self.block_size = block_size
@@ -146,6 +151,24 @@ class Dispatcher:
         avoid: set[str] = set()
         sampling = common_pb2.SamplingParams.FromString(sampling.SerializeToString())  # our own copy
         yield router_pb2.GenerateResponse(request_id=request_id, prompt_token_ids=prompt)
+        cancelled = threading.Event()
+        on_done(cancelled.set)
+        waiting = time.monotonic()
+        try:
+            self.admission.enter(lambda: self.pool.views("decode"), sampling.priority, deadline, cancelled)
+        except AdmissionTimeout as exc:
+            raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
+        except AdmissionCancelled as exc:
+            raise DispatchError(grpc.StatusCode.CANCELLED, str(exc)) from None
+        span.stage("admission", waiting, time.monotonic())
+        try:
+            yield from self._attempts(request_id, key, prompt, sent, avoid, sampling, deadline, on_done, arrived,
+                                      prefill_address, pinned_tokens, span)
+        finally:
+            self.admission.leave()
+
+    def _attempts(self, request_id, key, prompt, sent, avoid, sampling, deadline, on_done, arrived, prefill_address,
+                  pinned_tokens, span):
         for attempt in range(MAX_ATTEMPTS):
             routing = time.monotonic()
             route = self.route(prompt + sent, prefill_address if attempt == 0 else None, avoid)

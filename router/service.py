@@ -16,6 +16,7 @@ from baton.server import GrpcServer, NotReady, cluster_token
 from baton.v1 import router_pb2, router_pb2_grpc
 from baton.engine.model import load_tokenizer_view
 from baton.engine.request import RequestError
+from baton.router.admission import DecodeAdmission
 from baton.router.batch import BatchRunner
 from baton.router.cache_sync import CacheSync
 from baton.router.dispatch import DispatchError, Dispatcher
@@ -175,11 +176,14 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
     pool.start()
     picker = Picker(RoutingWeights(load=settings.load_weight, cached_tokens=settings.cache_weight))
     dispatcher = Dispatcher(pool, index, settings.block_size, picker, on_route=metrics.route_seconds.observe,
-                            pending_max_blocks=settings.pending_max_blocks)
+                            pending_max_blocks=settings.pending_max_blocks,
+                            admission=DecodeAdmission(settings.decode_queue_per_worker))
     sync.on_lost = dispatcher.pending.forget  # what we sent a worker that died is not being computed
     front = Front(view, dispatcher, settings, metrics)
     api.target = RouterServicer(front)
     metrics.gauge("baton_router_inflight", "Requests in flight through this router", lambda: front.inflight)
+    metrics.gauge("baton_router_waiting_for_decode", "Requests waiting, before their prefill, for a decode row "
+                  "(router.decode_queue_per_worker)", lambda: dispatcher.admission.waiting)
     metrics.gauge("baton_router_routing_accuracy", "Predicted vs actual cached prompt tokens",
                   lambda: front.dispatcher.stats.accuracy)
     metrics.serve(settings.metrics_port, settings.host)

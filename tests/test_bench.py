@@ -248,3 +248,29 @@ def test_residency_counts_a_stream_decoding_by_its_tokens_after_the_first():
     text = ('# HELP vllm:num_requests_running x\nvllm:num_requests_running{model_name="m",engine="0"} 5.0\n'
             'vllm:num_requests_waiting{model_name="m",engine="0"} 11.0\nvllm:kv_cache_usage_perc{engine="0"} 0.25\n')
     assert vllm_metrics(text) == {"running": 5.0, "waiting": 11.0, "kv_cache_usage": 0.25}
+
+
+@pytest.mark.slow
+def test_goodput_quick_runs_each_admission_rule(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("BATON_VLLM_PYTHON", raising=False)
+    document, printed = run_suite("goodput", tmp_path, capsys)
+    runs = document["runs"]
+    assert [r["rule"] for r in runs] == [-1, 2] and all("unavailable" not in r for r in runs)
+    for r in runs:
+        assert r["requests"] > 0 and r["errors"] == 0 and 0 <= r["good"] <= r["requests"]
+        assert r["ttft_p50"] > 0 and r["goodput_rps"] == pytest.approx(r["good"] / document["settings"]["seconds"])
+    assert "baton, queue 2" in printed
+
+
+def test_goodput_counts_a_request_good_only_within_both_objectives():
+    from baton.bench.goodput import summarize
+
+    s = {"ttft": 1.0, "itl": 0.1, "seconds": 10.0}
+    requests = [{"sent": 0.0, "chunks": [0.5, 0.6, 0.7], "error": None},  # good
+                {"sent": 0.0, "chunks": [1.5, 1.6], "error": None},  # TTFT too long
+                {"sent": 0.0, "chunks": [0.2, 0.3, 2.3], "error": None},  # a first token, then a stall: ITL 1.05 s
+                {"sent": 0.0, "chunks": [], "error": "HTTP 500"}]
+    got = summarize(requests, s)
+    assert (got["requests"], got["errors"], got["good"]) == (4, 1, 1)
+    assert got["goodput_rps"] == pytest.approx(0.1) and got["throughput_rps"] == pytest.approx(0.3)
+    assert got["longest_gap_p99"] == pytest.approx(2.0, abs=0.05)

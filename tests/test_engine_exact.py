@@ -186,7 +186,7 @@ def test_kv_high_watermark_parks_rows_and_low_watermark_readmits(tiny_model, tin
     per_token = tiny_model.kv_shape.bytes_per_token()
     # pages of 16 tokens: at most 11 in use before parking, 7 to admit; rows reach 5 pages each
     config = DecodeConfig(max_rows=4, high_watermark_bytes=3 * 60 * per_token, low_watermark_bytes=2 * 60 * per_token,
-                          growth_reserve_tokens=0)
+                          growth_reserve_tokens=0, page_size=16)
     engine = LocalEngine(tiny_model, config)
     prompts = [list(range(100 + 50 * i, 130 + 50 * i)) for i in range(4)]
     outs = engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
@@ -246,7 +246,7 @@ def test_a_request_registered_after_its_shared_prefix_takes_only_its_own_kv(tiny
     document = [rng.randrange(50, 40000) for _ in range(100)]
     prompts = {name: document + [rng.randrange(50, 40000) for _ in range(rng.randint(2, 9))] for name in "ABCDEF"}
     runner = make_runner(tiny_model)
-    decode, prefill = DecodeCore(runner, DecodeConfig(max_rows=4)), PrefillCore(runner, prefix_cache_bytes=0)
+    decode, prefill = DecodeCore(runner, DecodeConfig(max_rows=4, page_size=16)), PrefillCore(runner, prefix_cache_bytes=0)
     requests = {n: GenerationRequest(n, p, SamplingParams(max_tokens=10, ignore_eos=True)) for n, p in prompts.items()}
     finals: dict[str, list[int]] = {}
 
@@ -298,7 +298,7 @@ def test_rows_outgrowing_the_kv_pages_park_and_resume_exactly(tiny_model, tiny_r
     def serve(host_tokens: int):
         # 39 pages of 16 tokens (and the null page): the eight rows join with at most 3 each and reach
         # up to 6 each
-        engine = LocalEngine(tiny_model, DecodeConfig(max_rows=8, kv_budget_bytes=40 * 16 * per_token,
+        engine = LocalEngine(tiny_model, DecodeConfig(max_rows=8, kv_budget_bytes=40 * 16 * per_token, page_size=16,
                                                       growth_reserve_tokens=8))
         pool = StagingPool(StagingConfig(capacity_bytes=host_tokens * per_token))
         engine.decode.hold_parked, engine.decode.release_parked = pool.hold, pool.release

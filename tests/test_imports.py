@@ -13,7 +13,8 @@ BOTTOM = {"baton", "baton.auth", "baton.block_hash", "baton.config", "baton.heal
 # The commands and benchmarks: nothing below them imports them.
 TOP = ("baton.cli", "baton.up", "baton.local", "baton.bench", "baton.bench_kernels")
 # Policy: plain Python over ints and lists (DESIGN.md).
-POLICY = ["baton.decode_worker.scheduler", "baton.prefill_worker.batching", "baton.prefill_worker.prefix_cache",
+POLICY = ["baton.decode_worker.scheduler", "baton.decode_worker.kv_pages", "baton.router.admission",
+          "baton.prefill_worker.batching", "baton.prefill_worker.prefix_cache",
           "baton.router.policy", "baton.router.openai_api.protocol",
           "baton.router.batch_planner", "baton.router.prefix_index.base", "baton.router.prefix_index.memory"]
 HEAVY = ("torch", "grpc", "redis", "kubernetes", "numpy", "transformers")

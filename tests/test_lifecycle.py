@@ -191,7 +191,7 @@ def test_the_advertised_context_is_the_one_served_and_max_tokens_is_cut_to_it(ti
     rows, columns = 2, 64
     budget = (columns + 16) * tiny_model.kv_shape.bytes_per_token()  # 4 pages of 16 tokens and the null page
     with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=rows,
-                      extra_env={"BATON_DECODE_KV_BUDGET_BYTES": str(budget)}) as cluster:
+                      extra_env={"BATON_DECODE_KV_BUDGET_BYTES": str(budget), "BATON_DECODE_PAGE_SIZE": "16"}) as cluster:
         with BatonClient(cluster.router_address, timeout=60) as client:
             context = client.model_info().max_context
             assert context == columns + 1 < tiny_model.max_context

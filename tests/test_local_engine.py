@@ -30,7 +30,7 @@ def test_thousand_requests_give_every_kv_page_back(tiny_model):
     ([10**6], SamplingParams(), "outside the model's vocabulary"),
 ])
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny_model, prompt, params, message):
-    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2, kv_budget_bytes=512 * 16 * 8))  # 7 pages and the null page
+    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2, kv_budget_bytes=512 * 16 * 8, page_size=16))  # 7 pages and the null page
     good = engine.submit([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
     with pytest.raises(RequestError, match=message):
         engine.submit(prompt, params)
@@ -41,7 +41,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny_model, promp
 
 
 def test_max_tokens_past_the_served_context_is_cut_to_it(tiny_model, tiny_reference):
-    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2, kv_budget_bytes=512 * 16 * 8))  # 7 pages and the null page
+    engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2, kv_budget_bytes=512 * 16 * 8, page_size=16))  # 7 pages and the null page
     (out,) = engine.generate([[5, 6]], SamplingParams(max_tokens=500, ignore_eos=True))
     assert engine.decode.max_context == 113
     assert len(out.token_ids) == 111 and out.finish_reason == "length"

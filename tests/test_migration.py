@@ -82,7 +82,7 @@ def test_evicted_rows_go_on_token_identically_on_another_core(runner, tiny_refer
     document = [900 + 7 * j for j in range(80)] if shared else []
     prompts = {f"r{i}": document + [40 + 13 * i + j for j in range(6 + 5 * i)] for i in range(3)}
     released = Released()
-    source = DecodeCore(runner, DecodeConfig(max_rows=3), on_kv_consumed=released)
+    source = DecodeCore(runner, DecodeConfig(max_rows=3, page_size=16), on_kv_consumed=released)
     for rid, prompt in prompts.items():
         source.add(prefilled(runner, rid, prompt, params))
     for _ in range(7):

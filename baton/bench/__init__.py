@@ -57,6 +57,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("residency", "issue 31: 16 streams x 4096 tokens (ignore_eos) under 1 GiB of KV: how many decode at once "
                        "after 20 s, Baton vs vLLM's CPU build; streams decoding over time, TTFT, tokens/s",
           "baton.bench.residency"),
+    Suite("goodput", "issue 31: relay chat queries from 3 clients per decode row (overload): requests within TTFT "
+                     "and ITL objectives per second for each router admission rule, Baton vs vLLM's CPU build",
+          "baton.bench.goodput"),
 ]}
 
 

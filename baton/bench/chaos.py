@@ -65,6 +65,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--clients", type=int, default=None, help="client threads (default 4; --quick: 3)")
     parser.add_argument("--fault-every", type=float, default=None,
                         help="mean seconds between the end of one fault and the next (default 12; --quick: 5)")
+    parser.add_argument("--decode-kv-tokens", type=int, default=None,
+                        help="each decode worker's KV in tokens (default: the worker's own default); a few pages "
+                             "keep rows parking into the host pool and resuming all through the run")
 
 
 def rss_bytes(pid: int) -> int | None:
@@ -130,6 +133,7 @@ class Chaos:
         self.tally = Tally()
         self.faults: list[Fault] = []
         self.problems: list[str] = []
+        self.preemptions: dict[str, int] = {}  # decode worker -> rows that left their pages, at the idle check
         self.memory: list[tuple[float, str, str, int, int]] = []  # (t, role, address, pid, rss bytes)
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -417,6 +421,8 @@ class Chaos:
                         continue
                 fields = DECODE_IDLE if role == "decode" else PREFILL_IDLE
                 left = {f: int(getattr(load, f)) for f in fields if getattr(load, f)}
+                if role == "decode":
+                    self.preemptions[address] = int(load.preemptions)
                 if left:
                     held[address] = left
             if not held or time.monotonic() > deadline:
@@ -487,6 +493,9 @@ def run(opts: BenchOptions) -> dict[str, Any]:
 
     opts.progress(f"chaos: starting 2 prefill + 2 decode workers and a router ({model})")
     env = opts.worker_env()
+    kv_tokens = opts.extra.get("decode_kv_tokens")
+    if kv_tokens:
+        env["BATON_DECODE_KV_BUDGET_BYTES"] = str(int(kv_tokens) * loaded.kv_shape.bytes_per_token())
     with LocalCluster(prefill=2, decode=2, model=model, max_rows=4, extra_env=env) as cluster:
         chaos = Chaos(opts, cluster, prompts, expected, seed)
         chaos.kv_shape = loaded.kv_shape
@@ -515,7 +524,8 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         left_behind = chaos.idle_check()
         elapsed = chaos.now()
     return report(opts, chaos, duration=load_ended, elapsed=elapsed, seed=seed, model=model, clients=clients,
-                  every=every, left_behind=left_behind)
+                  every=every, left_behind=left_behind, decode_kv_tokens=kv_tokens,
+                  decode_preemptions=dict(chaos.preemptions))
 
 
 def report(opts: BenchOptions, chaos: Chaos, **run_facts: Any) -> dict[str, Any]:
@@ -526,6 +536,9 @@ def report(opts: BenchOptions, chaos: Chaos, **run_facts: Any) -> dict[str, Any]
     opts.say(f"\nchaos: {run_facts['duration']:.0f} s of load, {run_facts['clients']} clients, seed "
              f"{run_facts['seed']}, model {run_facts['model']}; {total} requests, faults "
              + ", ".join(f"{applied[k]} {k}" for k in FAULTS))
+    if run_facts.get("decode_kv_tokens"):
+        opts.say(f"decode KV: {run_facts['decode_kv_tokens']} tokens a worker; rows that left their pages (priority "
+                 f"or memory) since each decode worker's last start: {run_facts['decode_preemptions']}")
     kinds = [k for k in KINDS if k in tally.by_kind]
     rows = [[o, *[tally.by_kind[k].get(o, 0) for k in kinds], totals.get(o, 0),
              f"{100 * totals.get(o, 0) / max(total, 1):.1f}%"] for o in OUTCOMES]

@@ -99,7 +99,7 @@ def step_table(opts: BenchOptions, rows: tuple[int, ...]) -> dict[str, Any]:
         kv = runner.prefill(prompt).kv
         for n in rows:
             steps = 4 if opts.quick else 12
-            batch = PagedRows(loaded.kv_shape, num_pages=1 + n * ((STEP_WINDOW + steps + 3) // 16 + 1))
+            batch = PagedRows(loaded.kv_shape, num_pages=1 + n * ((STEP_WINDOW + steps + 3) // 8 + 1))
             for _ in range(n):
                 batch.add(kv)
             tokens = [7] * n

@@ -65,7 +65,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     # Baton: the executor's decode on a one-row BATON batch holding the prompt's KV.
     runner = make_runner(loaded)
     prefilled = runner.prefill(prompt)
-    rows = PagedRows(loaded.kv_shape, num_pages=2 + (len(prompt) + steps) // 16, device=loaded.device)
+    rows = PagedRows(loaded.kv_shape, num_pages=2 + (len(prompt) + steps) // 8, device=loaded.device)
     rows.add(prefilled.kv)
     token, runner_times = int(prefilled.logits.argmax()), []
     for _ in range(steps):
