@@ -1,12 +1,11 @@
-"""Attention kernels for the BATON batch KV layout, with torch references.
+"""Attention kernels for Baton's KV layouts, with torch references.
 
-- `decode_attention`: split-K grouped-query decode over ragged, left-padded rows.
+- `paged_decode_attention`: split-K grouped-query decode over a paged KV pool, each row's
+  tokens found through its page table (read on the device, so captured graphs replay). Rows
+  continuing one prefix share its pages: a shared page is just in several page tables.
 - `prefill_attention` / `prefill_attention_varlen`: causal attention of new tokens over a
-  cached prefix plus themselves (chunked prefill, prefix reuse).
-- `paged_decode_attention`: the same split-K decode over a paged KV pool, each row's tokens
-  found through its page table (read on the device, so captured graphs replay).
-- `prefix_shared_decode_attention`: BatchLLM-style decode where rows of a group share one
-  prefix KV, read once per group, merged with each row's own KV by log-sum-exp.
+  cached prefix plus themselves (chunked prefill, prefix reuse), optionally after a prefix that
+  a batch group's prompts all continue, passed once.
 - `reference`: the same contracts in plain torch (CPU path and test oracle).
 
 The Triton modules are imported lazily, on first use of a kernel name, because
@@ -19,19 +18,17 @@ from __future__ import annotations
 import importlib
 import os
 
-from baton.engine.kernels.reference import (decode_attention_ref, paged_decode_attention_ref, prefill_attention_ref,
-                                      prefill_attention_varlen_ref, prefix_shared_decode_attention_ref)
+from baton.engine.kernels.reference import (paged_decode_attention_ref, prefill_attention_ref,
+                                            prefill_attention_varlen_ref)
 
 _LAZY = {
-    "decode_attention": "baton.engine.kernels.decode",
     "paged_decode_attention": "baton.engine.kernels.paged",
     "prefill_attention": "baton.engine.kernels.prefill",
     "prefill_attention_varlen": "baton.engine.kernels.prefill",
-    "prefix_shared_decode_attention": "baton.engine.kernels.prefix_shared",
 }
 
-__all__ = [*_LAZY, "triton_available", "decode_attention_ref", "paged_decode_attention_ref", "prefill_attention_ref",
-           "prefill_attention_varlen_ref", "prefix_shared_decode_attention_ref"]
+__all__ = [*_LAZY, "triton_available", "paged_decode_attention_ref", "prefill_attention_ref",
+           "prefill_attention_varlen_ref"]
 
 
 def triton_available() -> bool:

@@ -22,15 +22,38 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, UPCAST: tl.constexpr):
+    """One step of the online softmax: fold the key/value block k, v: [BLOCK_N, BLOCK_D] into
+    the running (acc [M, BLOCK_D], m_i [M], l_i [M], all fp32) of the queries q: [M, BLOCK_D]
+    (already fp32 under UPCAST). visible: bool, broadcastable to [M, BLOCK_N]; the hidden
+    columns' values must be finite (masked loads give 0), since p = 0 does not cancel a NaN.
+    Each row needs a visible column in its first block (m_i == -inf there, and -inf - -inf
+    would make the rescale NaN); the callers' loops guarantee it.
+    """
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    # qk: [M, BLOCK_N] fp32; scale applied after the dot so q is never rounded pre-scaled
+    qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee") * qk_scale
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc, m_new, l_i
+
+
+@triton.jit
 def attend_range(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, lo, hi, q_pos, offs_d, d_mask,
                  qk_scale, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
-    """Online softmax of the query block `q` over key/value columns [lo, hi).
+    """Online softmax of the query block `q` over key/value columns [lo, hi) of a dense run.
 
     q: [M, BLOCK_D] (native dtype); acc: [M, BLOCK_D] fp32; m_i, l_i: [M] fp32.
     k_base/v_base point at column 0 of one KV head; column c is at `base + c * stride`.
     CAUSAL: column c is visible to query row r only if c <= q_pos[r]. The first block must
-    leave every row at least one visible column (true for decode and for causal prefill, whose
-    loops start at column 0 or at a row's first valid column), so m_i never stays -inf.
+    leave every row at least one visible column (true for causal prefill, whose loop starts at
+    column 0, and for a shared prefix, seen in full), so m_i never stays -inf.
     """
     offs_n = tl.arange(0, BLOCK_N)
     if UPCAST:
@@ -42,21 +65,10 @@ def attend_range(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, lo, hi,
         # k, v: [BLOCK_N, BLOCK_D]
         k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        # qk: [M, BLOCK_N] fp32; scale applied after the dot so q is never rounded pre-scaled
-        qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee") * qk_scale
         visible = n_mask[None, :]
         if CAUSAL:
             visible = visible & (cols[None, :] <= q_pos[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, UPCAST=UPCAST)
     return acc, m_i, l_i
 
 
@@ -93,7 +105,7 @@ def _merge_kernel(MidO, MidLse, Out, num_slots, stride_mn, stride_mh, stride_ms,
     m = tl.where(m == float("-inf"), 0.0, m)  # every partial empty: weights all exp2(-inf) = 0
     w = tl.exp2(lse - m)
     denom = tl.sum(w, 0)
-    # where, not w * o: a slot no program wrote (row without a prefix group) may hold NaN
+    # where, not w * o: a slot of weight 0 must add nothing, whatever it holds (even NaN)
     o = tl.where(w[:, None] > 0.0, o, 0.0)
     res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0.0, denom, 1.0)
     tl.store(Out + row * stride_on + head * stride_oh + offs_d, res.to(Out.dtype.element_ty), mask=d_mask)

@@ -13,7 +13,7 @@ import sys
 import triton
 from triton.compiler import ASTSource
 
-from baton.engine.kernels import _common, decode, paged, prefill, prefix_shared
+from baton.engine.kernels import _common, paged, prefill
 
 SCALARS = {"qk_scale": "fp32"}
 
@@ -25,25 +25,22 @@ def _signature(kernel, pointers: dict[str, str], constexprs: dict[str, object]) 
 
 
 def _specs(dtype: str, upcast: bool):
-    kv = {name: f"*{dtype}" for name in ("Q", "K", "V", "PK", "PV", "SK", "SV")}
-    idx = {name: "*i32" for name in ("Starts", "Ends", "CuQ", "CuK", "PrefixLens", "RowPtr", "GroupRows", "Table",
-                                     "Lengths")}
+    kv = {name: f"*{dtype}" for name in ("Q", "K", "V", "SK", "SV")}
+    idx = {name: "*i32" for name in ("CuQ", "CuK", "Table", "Lengths")}
     mid = {"Out": "*fp32", "Lse": "*fp32"}
-    for row_ends in (False, True):  # the window's end as an argument, and read per row (a captured step)
-        yield "decode" + " row-ends" * row_ends, decode._decode_split_kernel, {**kv, **idx, **mid}, dict(
-            GROUP=3, HEAD_DIM=64, BLOCK_G=16, BLOCK_D=64, BLOCK_N=decode.BLOCK_N, WRITE_LSE=True,
-            UPCAST=upcast, ROW_ENDS=row_ends)
     for page_size in (16, 5):  # a power-of-two page, and one whose // and % are not shifts
         yield f"paged P={page_size}", paged._paged_decode_kernel, {**kv, **idx, **mid}, dict(
             GROUP=3, HEAD_DIM=64, BLOCK_G=16, BLOCK_D=64, BLOCK_N=paged.BLOCK_N, PAGE_SIZE=page_size,
             WRITE_LSE=True, UPCAST=upcast)
+    # one split: the output, in q's dtype, written directly, no lse
+    direct = {**kv, **idx, "Out": f"*{dtype}", "Lse": f"*{dtype}"}
+    yield "paged one split", paged._paged_decode_kernel, direct, dict(
+        GROUP=8, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=paged.BLOCK_N, PAGE_SIZE=16, WRITE_LSE=False,
+        UPCAST=upcast)
     for shared in (False, True):  # with a BatchLLM group's shared prefix, and without
         yield "prefill" + " shared" * shared, prefill._prefill_kernel, {**kv, **idx, "Out": f"*{dtype}"}, dict(
             GROUP=8, HEAD_DIM=128, BLOCK_M=prefill.BLOCK_M, BLOCK_N=prefill.BLOCK_N, BLOCK_D=128, UPCAST=upcast,
             SHARED=shared)
-    yield "prefix_shared", prefix_shared._prefix_shared_kernel, {**kv, **idx, **mid}, dict(
-        NUM_KV_HEADS=3, GROUP=3, HEAD_DIM=64, BLOCK_M=64, BLOCK_G=16, BLOCK_D=64,
-        BLOCK_N=decode.BLOCK_N, UPCAST=upcast)
     yield "merge", _common._merge_kernel, {"MidO": "*fp32", "MidLse": "*fp32", "Out": f"*{dtype}"}, dict(
         HEAD_DIM=64, BLOCK_S=8, BLOCK_D=64)
 

@@ -3,16 +3,20 @@
 The decode KV pool is [layers, 2, num_pages, Hkv, P, D]; one layer's keys are the view
 k_pages = pool[layer, 0]: [num_pages, Hkv, P, D]. Row r's token t lives in page
 page_table[r, t // P] at slot t % P, so a row's KV needs no contiguous window and rows can
-share, grow and free pages without copying. Page 0 is the null page: table entries past a
-row's pages hold 0 and are never read, since row r only attends tokens [0, lengths[r]).
+share, grow and free pages without copying (rows continuing one prefix list the same pages).
+Page 0 is the null page: table entries past a row's pages hold 0 and are never read, since
+row r only attends tokens [0, lengths[r]).
 
-Same program shape as decode.py: grid (row, kv_head, split), one [BLOCK_G, D] block of the
-GQA group's queries per program so each KV token is read once per KV head, columns
-[0, lengths[r]) cut into BLOCK_N-aligned splits, normalised partials merged by
-`merge_partials`. The only difference is the column -> address mapping: each column loads its
-page id from the table (a BLOCK_N block spans several pages, and P need not be a power of two).
-page_table and lengths are read by the kernel from device memory and the grid depends only on
-shapes, so a captured CUDA graph replays with new tables and lengths.
+Grid: (row, kv_head, split), flash-decoding style. One program loads the queries of every head
+that shares its KV head (a [BLOCK_G, D] block, the GQA group padded to a power of two >= 16
+for tl.dot) so each KV token is read once per KV head, not once per query head. Columns
+[0, lengths[r]) are cut into `num_splits` BLOCK_N-aligned chunks, so short rows simply leave
+their late splits empty; each split stores a normalised partial output and its log-sum-exp,
+which `merge_partials` (a second, tiny launch) combines. With one split the kernel writes the
+output directly. Each column loads its page id from the table (a BLOCK_N block spans several
+pages, and P need not be a power of two). page_table and lengths are read by the kernel from
+device memory and the grid depends only on shapes, so a captured CUDA graph replays with new
+tables and lengths.
 """
 from __future__ import annotations
 
@@ -20,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from baton.engine.kernels._common import (LOG2E, block_d, block_g, check_launchable, default_splits,
-                                    merge_partials, needs_upcast, store_result)
+from baton.engine.kernels._common import (LOG2E, attend_block, block_d, block_g, check_launchable,
+                                          default_splits, merge_partials, needs_upcast, store_result)
 
 BLOCK_N = 64
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -52,18 +56,7 @@ def attend_pages(acc, m_i, l_i, q, k_base, v_base, table, stride_tc, stride_kp, 
                     other=0.0)
         v = tl.load(v_base + (page * stride_vp + slot * stride_vt)[:, None] + offs_d[None, :], mask=kv_mask,
                     other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        # qk: [BLOCK_G, BLOCK_N] fp32; scale applied after the dot so q is never rounded pre-scaled
-        qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee") * qk_scale
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, n_mask[None, :], qk_scale, UPCAST=UPCAST)
     return acc, m_i, l_i
 
 

@@ -22,15 +22,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
     return probs @ v
 
 
-def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-    """q: [n, H, D]; k, v: [n, Hkv, L, D]; row i sees columns [starts[i], L) -> [n, H, D]."""
-    columns = torch.arange(k.shape[2], device=k.device)
-    visible = columns[None, :] >= starts.to(k.device).long()[:, None]  # [n, L]
-    out = _attend(q[:, :, None, :], k, v, visible[:, None, None, :], scale)  # [n, H, 1, D]
-    return out[:, :, 0].to(q.dtype)
-
-
 def paged_decode_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                                page_table: torch.Tensor, lengths: torch.Tensor, scale: float | None) -> torch.Tensor:
     """q: [R, H, D]; k_pages, v_pages: [num_pages, Hkv, P, D]; page_table: int [R, max_pages];
@@ -80,25 +71,3 @@ def prefill_attention_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         out[q0:q1] = prefill_attention_ref(q[q0:q1], keys, values, prefix_len, scale)
     return out
 
-
-def prefix_shared_decode_attention_ref(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
-                                       k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
-                                       group_of_row: torch.Tensor, prefix_lens: torch.Tensor,
-                                       scale: float) -> torch.Tensor:
-    """Row i attends to its group's prefix columns [0, prefix_lens[g]) then its own [starts[i], L).
-
-    prefix_k, prefix_v: [G, Hkv, P_max, D]; group_of_row[i] == -1: the row has no shared prefix.
-    """
-    out = torch.zeros_like(q)
-    for i in range(q.shape[0]):
-        g, start = int(group_of_row[i]), int(starts[i])
-        keys, values = [k[i, :, start:]], [v[i, :, start:]]
-        if g >= 0:
-            plen = int(prefix_lens[g])
-            keys.insert(0, prefix_k[g, :, :plen])
-            values.insert(0, prefix_v[g, :, :plen])
-        kk = torch.cat([t.float() for t in keys], dim=1)  # [Hkv, P + own, D]
-        vv = torch.cat([t.float() for t in values], dim=1)
-        visible = torch.ones(kk.shape[1], dtype=torch.bool, device=q.device)
-        out[i] = _attend(q[i, :, None, :], kk, vv, visible, scale)[:, 0].to(q.dtype)
-    return out
