@@ -274,3 +274,11 @@ def test_goodput_counts_a_request_good_only_within_both_objectives():
     assert (got["requests"], got["errors"], got["good"]) == (4, 1, 1)
     assert got["goodput_rps"] == pytest.approx(0.1) and got["throughput_rps"] == pytest.approx(0.3)
     assert got["longest_gap_p99"] == pytest.approx(2.0, abs=0.05)
+
+
+def test_goodput_mixed_workload_is_batons_table_1_shapes():
+    from baton.bench.goodput import queries_for
+
+    kinds = [q.kind for q in queries_for({"workload": "mixed", "max_tokens": 200})]
+    assert len(kinds) == 24 and kinds.count("short-short") == 12 and kinds.count("long-short") == 6
+    assert {q.kind for q in queries_for({"workload": "relay", "max_tokens": 200})} == {"short"}

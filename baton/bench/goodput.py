@@ -32,6 +32,7 @@ ROWS = 8
 SECONDS = 60.0
 MAX_TOKENS = 200
 TTFT_S, ITL_S = 2.0, 0.150
+WORKLOADS = ("relay", "mixed")
 QUICK = {"rows": 2, "clients": 4, "seconds": 8.0, "max_tokens": 24, "rules": (-1, 2)}
 
 
@@ -42,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, help=f"max_tokens of each query (default {MAX_TOKENS})")
     parser.add_argument("--rules", help="comma-separated router.decode_queue_per_worker values to run (default "
                                         f"{','.join(map(str, RULES))})")
+    parser.add_argument("--workload", choices=WORKLOADS, default="relay",
+                        help="relay: the 30 relay chat queries; mixed: BATON Table 1's shapes (long documents with "
+                             "short answers, short prompts with long answers, short chats; 1:1:2), the mixed suite's")
     parser.add_argument("--ttft", type=float, help=f"TTFT objective in seconds (default {TTFT_S:g})")
     parser.add_argument("--itl", type=float, help=f"ITL objective in seconds (default {ITL_S:g})")
     parser.add_argument("--servers", help="comma-separated subset of baton,vllm (default both; quick baton)")
@@ -60,7 +64,7 @@ def _settings(opts: BenchOptions) -> dict[str, Any]:
     rules = extra.get("rules")
     s = {"rows": rows, "clients": int(pick("clients", CLIENTS_PER_ROW * rows)), "seconds": float(pick("seconds", SECONDS)),
          "max_tokens": int(pick("max_tokens", MAX_TOKENS)), "ttft": float(extra.get("ttft") or TTFT_S),
-         "itl": float(extra.get("itl") or ITL_S), "kv_gib": 1.0,
+         "itl": float(extra.get("itl") or ITL_S), "kv_gib": 1.0, "workload": extra.get("workload") or "relay",
          "rules": [int(r) for r in rules.split(",")] if rules else list(QUICK["rules"] if opts.quick else RULES)}
     servers = extra.get("servers")
     s["servers"] = [v.strip() for v in servers.split(",") if v.strip()] if servers else (
@@ -100,12 +104,18 @@ def one_request(base: str, body: dict) -> dict[str, Any]:
     return {"sent": sent, "chunks": chunks, "error": error}
 
 
-def drive(base: str, served: str, s: dict[str, Any]) -> list[dict[str, Any]]:
-    """`clients` closed-loop clients over the relay queries for `seconds`; the requests that ended
-    within that time."""
-    from baton.bench.workloads import relay_queries
+def queries_for(s: dict[str, Any]):
+    from baton.bench.workloads import mixed_queries, relay_queries
 
-    queries = relay_queries(30, s["max_tokens"])
+    if s["workload"] == "mixed":  # the mixed suite's full shapes: ~1,000-token documents, answers up to 256
+        return mixed_queries(24, 64, 32, 256)
+    return relay_queries(30, s["max_tokens"])
+
+
+def drive(base: str, served: str, s: dict[str, Any]) -> list[dict[str, Any]]:
+    """`clients` closed-loop clients over the workload's queries for `seconds`; the requests that
+    ended within that time."""
+    queries = queries_for(s)
     started = time.monotonic()
     stop = started + s["seconds"]
     done: list[dict[str, Any]] = []
@@ -172,7 +182,9 @@ def run(opts: BenchOptions) -> dict[str, Any]:
                 runs.append({"system": label, "rule": rule, **summarize(drive(base, served, s), s)})
         except Unavailable as exc:
             runs.append({"system": label, "rule": rule, "unavailable": str(exc)})
-    opts.say(f"goodput: {s['clients']} closed-loop clients over the 30 relay queries (max_tokens {s['max_tokens']}), "
+    shape = ("the 30 relay queries (max_tokens " + str(s["max_tokens"]) + ")" if s["workload"] == "relay"
+             else "BATON Table 1's mixed shapes (24 queries)")
+    opts.say(f"goodput: {s['clients']} closed-loop clients over {shape}, "
              f"{s['rows']} decode rows, {s['seconds']:g} s each; good = TTFT <= {s['ttft']:g} s and ITL <= "
              f"{1e3 * s['itl']:g} ms")
     measured = [r for r in runs if "unavailable" not in r]
