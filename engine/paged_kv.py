@@ -99,9 +99,6 @@ class PagedKV:
     def page_bytes(self) -> int:
         return self.page_size * self.shape.bytes_per_token()
 
-    def allocated_bytes(self) -> int:
-        return self.pages.numel() * self.pages.element_size()
-
     def _slots(self, table: list[int], start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Page ids and in-page slots of tokens [start, start + count)."""
         if start < 0 or start + count > len(table) * self.page_size:
@@ -123,11 +120,3 @@ class PagedKV:
         pages, slots = self._slots(table, start, num_tokens - start)
         data = self.pages[:, :, pages, :, slots].permute(1, 2, 3, 0, 4).contiguous()
         return SequenceKV(to_host(data))
-
-    def layer_window(self, layer: int, kind: int, table: torch.Tensor) -> torch.Tensor:
-        """[rows, kv_heads, width x page_size, head_dim]: a copy of each row's pages side by side
-        (the torch path's attention input; columns past a row's length are other pages' data)."""
-        rows, width = table.shape
-        gathered = self.pages[layer, kind][table.reshape(-1)]  # [rows * width, kv_heads, page_size, head_dim]
-        gathered = gathered.view(rows, width, *gathered.shape[1:]).transpose(1, 2)
-        return gathered.reshape(rows, self.shape.num_kv_heads, width * self.page_size, self.shape.head_dim)

@@ -1,10 +1,13 @@
 """What every suite shares: its options, progress and table printing, thread settings, JSON output."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import platform
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -136,3 +139,15 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator == 0:
         return None
     return numerator / denominator
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM a peer server started in its own session, and its children; SIGKILL after `grace_s`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -31,7 +31,6 @@ import http.client
 import json
 import math
 import os
-import signal
 import socket
 import subprocess
 import threading
@@ -42,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from baton.bench.common import BenchOptions, median, table
+from baton.bench.common import BenchOptions, median, stop_process_group, table
 
 SERVERS = ("baton", "vllm")
 STREAMS, MAX_TOKENS, KV_GIB, SECONDS, ROWS = 16, 4096, 1.0, 20.0, 16
@@ -274,14 +273,7 @@ def _serving(server: str, opts: BenchOptions, model: str, served: str,
 
             yield base, poll
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_process_group(proc)
 
 
 def vllm_metrics(text: str) -> dict[str, float]:

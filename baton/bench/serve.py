@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 import urllib.request
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from baton.bench.common import BenchOptions, fmt, ratio, table
+from baton.bench.common import BenchOptions, fmt, ratio, stop_process_group, table
 
 SYSTEMS = ("baton", "vllm")
 # (ISL, OSL) shapes: short chat turns, and the same with a quarter of long-prompt requests.
@@ -167,13 +166,7 @@ def _serving(system: str, opts: BenchOptions, model_dir: Path, served: str, thre
         _wait_health(base, proc, START_TIMEOUT_S)
         yield base
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc)
         log.close()
 
 
