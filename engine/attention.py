@@ -1,7 +1,7 @@
 """Attention for Baton's layouts, registered with transformers' attention interface.
 
 Decode reads the paged KV (`engine.paged_kv`): Triton's paged kernel on CUDA, Baton's C kernel
-for fp32 on CPU, else each row's pages gathered side by side for SDPA. The model's own layers
+on CPU (fp32 queries over KV stored in fp32, bf16 or fp16), else each row's pages gathered side by side for SDPA. The model's own layers
 call `baton_attention` (the transformers runner); what it must do comes in a context object
 passed through the forward call's keyword arguments: each row's length for a decode step, the
 cached prefix length for a prefill.
@@ -87,7 +87,7 @@ def decode(query, pages, layer: int, ctx: DecodeAttention, scale):
         from baton.engine.kernels import paged_decode_attention
 
         return paged_decode_attention(query, keys, values, ctx.table32, ctx.lengths32, scale)
-    if query.dtype == torch.float32 and query.device.type == "cpu" and cpu_kernels.available():
+    if query.dtype == torch.float32 and query.device.type == "cpu" and cpu_kernels.stores(keys.dtype):
         return cpu_kernels.decode_attention(query, keys, values, ctx.table, ctx.lengths, scale)
     keys, values = gathered(keys, ctx.table), gathered(values, ctx.table)
     out = F.scaled_dot_product_attention(query[:, :, None], keys, values, attn_mask=ctx.mask, scale=scale,

@@ -1,12 +1,13 @@
 """A linear layer with its weight stored the way this device's GEMM reads it fastest.
 
 Small-batch decode reads every weight once per step, so the weight layout decides the step
-time. On CPU, fp32, a decode step's few rows go to Baton's own kernel over weights packed in
-k-major panels (`engine.cpu.kernels`), and so do prompts' rows where that kernel stays ahead
-(`max_rows`: to 2048 rows with AVX-512, else 16); more rows go to `F.linear` (MKL) over the
-plain weight. Without a C compiler, oneDNN's prepacked layout serves the few rows instead. Both
-read weights faster than `F.linear` does at 1-16 rows (docs/bench.md, `baton bench engine`).
-On CUDA, and for dtypes neither packs, the plain weight and `F.linear`.
+time. On CPU a decode step's few rows go to Baton's own kernel over weights packed in k-major
+panels in the model's dtype (`engine.cpu.kernels`: fp32, bf16 or fp16 weights, fp32 activations
+and sums), and so do prompts' rows; fp32 weights hand forwards of more than `max_rows` rows (2048
+with AVX-512, else 16) to `F.linear` (MKL) over the plain weight. Without a C compiler, oneDNN's
+prepacked layout serves the few rows instead. Both read weights faster than `F.linear` does at
+1-16 rows (docs/bench.md, `baton bench engine`). On CUDA, and for dtypes neither packs, the
+plain weight and `F.linear`.
 """
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
         flat = x.reshape(-1, self.in_features)
-        if self.layout == "panels" and flat.shape[0] <= cpu_kernels.max_rows():
-            out = cpu_kernels.small_gemm(flat, self.packed, self.out_features)
+        if self.layout == "panels" and (self.packed.dtype != torch.float32 or flat.shape[0] <= cpu_kernels.max_rows()):
+            out = cpu_kernels.small_gemm(flat.float(), self.packed, self.out_features)
             if self.bias is not None:
                 out += self.bias
         elif self.layout == "onednn":
@@ -54,11 +55,12 @@ class Linear:
 
 
 def best_layout(device: torch.device, dtype: torch.dtype) -> str:
-    """'panels' (Baton's kernel, CPU fp32), 'onednn' (prepacked, where oneDNN packs this dtype here:
-    fp32, or bf16 with AVX-512 or AVX-NE-CONVERT), else 'plain'."""
+    """'panels' (Baton's kernel, CPU, fp32 activations over fp32, bf16 or fp16 weights), 'onednn'
+    (prepacked, where oneDNN packs this dtype here: fp32, or bf16 with AVX-512 or AVX-NE-CONVERT),
+    else 'plain'."""
     if device.type != "cpu":
         return "plain"
-    if dtype == torch.float32 and cpu_kernels.available():
+    if cpu_kernels.stores(dtype):
         return "panels"
     return "onednn" if onednn_packs(dtype) else "plain"
 

@@ -8,13 +8,18 @@ the forward itself, with the same interface as the `transformers` reference runn
   together from a cos/sin table built once;
 - decode writes each step's keys and values straight into each row's next page slot and attends
   over the row's pages (`engine.paged_kv`; Triton's paged kernel on CUDA, on CPU every layer of
-  an fp32 step in one C call);
+  a step in one C call);
 - prefill writes the new tokens' KV into one preallocated tensor; a cached prefix (a BatchLLM
-  group's, shared by every prompt of the forward) stays one tensor that all of them attend to,
-  merged with their own part by log-sum-exp; the LM head runs on each prompt's last token only.
+  group's, shared by every prompt of the forward) stays one tensor that all of them attend to;
+  the LM head runs on each prompt's last token only.
 
-Numerics follow transformers' Llama forward operation for operation (norms in fp32, the same
-rotary tables), so greedy tokens equal `generate`'s in the same dtype.
+On CPU with Baton's kernels, weights and KV stay in the model's dtype while activations and sums
+are fp32, and every kernel reduces each row alone in a fixed order: a request's tokens are the
+same whatever rows share its step, however its prompt was chunked or cached, and whether its KV
+was computed by prefill or by decode (batch invariance; prefill attention runs decode's kernel).
+In fp32, numerics follow transformers' Llama forward operation for operation (norms in fp32, the
+same rotary tables), so greedy tokens equal `generate`'s. On CUDA the model's dtype throughout;
+prefill attention there merges a cached prefix with the prompt's own part by log-sum-exp.
 """
 from __future__ import annotations
 
@@ -93,24 +98,26 @@ class LlamaRunner:
         self.num_kv_heads = shape.num_kv_heads
         self.head_dim = shape.head_dim
         self.eps = float(cfg.rms_norm_eps)
-        self.dtype = loaded.dtype
+        self.dtype = loaded.dtype  # weights and KV as stored
         self.layout = best_layout(loaded.device, loaded.dtype)
+        # Baton's CPU kernels compute in fp32 whatever the stored dtype; elsewhere the model's dtype
+        self.compute_dtype = torch.float32 if self.layout == "panels" else self.dtype
         decoder = model.get_decoder()
         self.scale = decoder.layers[0].self_attn.scaling
         self.embed = decoder.embed_tokens.weight  # [vocab, hidden]
-        self.layers = [self._fuse(layer, self.layout) for layer in decoder.layers]
-        self.norm = decoder.norm.weight
+        self.layers = [self._fuse(layer, self.layout, self.compute_dtype) for layer in decoder.layers]
+        self.norm = decoder.norm.weight.to(self.compute_dtype)
         head = model.get_output_embeddings()
         self.lm_head = Linear(head.weight, head.bias, layout=self.layout)
-        # CPU fp32 with Baton's kernels: a decode step's layers run as one C call (None: layer by layer)
+        # CPU with Baton's kernels: a decode step's layers run as one C call (None: layer by layer)
         self.decode_layers = None
-        if self.layout == "panels" and self.dtype == torch.float32:
+        if self.layout == "panels":
             self.decode_layers = cpu_kernels.DecodeLayers(
-                self.layers, hidden=cfg.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
+                self.layers, dtype=self.dtype, hidden=cfg.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
                 head_dim=self.head_dim, intermediate=cfg.intermediate_size, eps=self.eps, scale=self.scale)
         # cos, sin: [max_context, head_dim], from the model's own rotary module (any RoPE scaling)
         positions = torch.arange(loaded.max_context, device=loaded.device)[None]
-        probe = torch.zeros(1, dtype=loaded.dtype, device=loaded.device)
+        probe = torch.zeros(1, dtype=self.compute_dtype, device=loaded.device)
         cos, sin = decoder.rotary_emb(probe, positions)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
         # CUDA: decode steps replay captured graphs (engine.cuda_graphs); None: launched op by op
@@ -126,7 +133,7 @@ class LlamaRunner:
         self.between_layers: Callable[[], None] | None = None
 
     @staticmethod
-    def _fuse(layer, layout: str) -> _Layer:
+    def _fuse(layer, layout: str, compute_dtype: torch.dtype) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         qkv_bias = None
@@ -134,11 +141,13 @@ class LlamaRunner:
             qkv_bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=p.weight.dtype,
                                                                                  device=p.weight.device)
                                   for p in projections])
-        return _Layer(
-            input_norm=layer.input_layernorm.weight,
+        if qkv_bias is not None:
+            qkv_bias = qkv_bias.to(compute_dtype)
+        return _Layer(  # norms (and the bias) in the dtype activations are computed in
+            input_norm=layer.input_layernorm.weight.to(compute_dtype),
             qkv=Linear(_fused(projections), qkv_bias, layout=layout),
             o=Linear(attn.o_proj.weight, attn.o_proj.bias, layout=layout),
-            post_norm=layer.post_attention_layernorm.weight,
+            post_norm=layer.post_attention_layernorm.weight.to(compute_dtype),
             gate_up=Linear(_fused((mlp.gate_proj, mlp.up_proj)), layout=layout),
             down=Linear(mlp.down_proj.weight, layout=layout),
         )
@@ -177,8 +186,14 @@ class LlamaRunner:
         qk = qk * cos + qk.roll(d // 2, dims=-1) * signed_sin
         return qk[:, :hq], qk[:, hq:], v
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[ids].to(self.compute_dtype)
+
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
-        gate, up = layer.gate_up(self._rms_norm(h, layer.post_norm)).chunk(2, dim=-1)
+        gate_up = layer.gate_up(self._rms_norm(h, layer.post_norm))
+        if self.layout == "panels":  # the decode step's own SiLU, so prefill computes as decode does
+            return h + layer.down(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return h + layer.down(F.silu(gate) * up)
 
     # -- decode -------------------------------------------------------------------------------
@@ -199,8 +214,8 @@ class LlamaRunner:
         lengths = torch.tensor(step.lengths, dtype=torch.int64, device=self.device)
         table = step.table_tensor(device=self.device)
         rotary = self._rotary(lengths - 1)
-        h = self.embed[torch.tensor(input_ids, device=self.device)]  # [R, hidden]
-        if self.decode_layers is not None and self.device.type == "cpu" and rows <= cpu_kernels.max_rows():
+        h = self._embed(torch.tensor(input_ids, device=self.device))  # [R, hidden]
+        if self.decode_layers is not None:
             cos, signed_sin = rotary
             self.decode_layers(h, cos, signed_sin, kv.pages, table, lengths)
         else:
@@ -224,7 +239,7 @@ class LlamaRunner:
         """The decode step a CUDA graph records: every input a device tensor (engine.cuda_graphs).
         pages: the paged KV; ids, lengths int64 [R]; table int64 [R, width]."""
         ctx = DecodeAttention.for_step(table, lengths, pages.shape[4], self.backend)
-        h = self._decode_layers(pages, self.embed[ids], self._rotary(lengths - 1), ctx)
+        h = self._decode_layers(pages, self._embed(ids), self._rotary(lengths - 1), ctx)
         return self.lm_head(self._rms_norm(h, self.norm)).float()
 
     def _decode_layers(self, pages: torch.Tensor, h, rotary, ctx: DecodeAttention):
@@ -288,20 +303,14 @@ class LlamaRunner:
         kv = torch.empty(len(self.layers), 2, b, self.num_kv_heads, t, self.head_dim,
                          dtype=self.dtype, device=self.device)
         shared = prefix.data.to(kv) if cached else None
-        ctx = PrefillAttention(0, self.backend)
         rotary = self._rotary(positions)
-        h = self.embed[ids.view(-1)]  # [B * T, hidden]
+        h = self._embed(ids.view(-1))  # [B * T, hidden]
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._rms_norm(h, layer.input_norm), rotary)
             kv[index, 0] = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
             kv[index, 1] = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, D]
-            if shared is None:
-                out = attention.prefill(q, kv[index, 0], kv[index, 1], ctx, self.scale)  # [B, T, Hq, D]
-            else:
-                out = attention.prefill_continued(q, kv[index, 0], kv[index, 1], shared[index, 0], shared[index, 1],
-                                                  self.backend, self.scale)
-            h = h + layer.o(out.reshape(b * t, -1))
+            out = self._prefill_attention(q, kv[index], None if shared is None else shared[index], b, t)
+            h = h + layer.o(out)
             h = self._mlp(layer, h)
             if self.between_layers is not None:
                 self.between_layers()
@@ -312,3 +321,17 @@ class LlamaRunner:
         reference = SequenceKV(shared) if shared is not None else None
         return [PrefillOutput(logits[i], SequenceKV(data.contiguous()), len(s), reference)
                 for i, (data, s) in enumerate(zip(own, suffixes))]
+
+    def _prefill_attention(self, q, kv, shared, b: int, t: int) -> torch.Tensor:
+        """q [B * T, Hq, D]; kv: this layer's new KV [2, B, Hkv, T, D]; shared: the cached prefix's
+        [2, Hkv, C, D] or None -> [B * T, Hq * D]."""
+        if self.layout == "panels":  # decode's kernel over the stored KV: each token as decode computes it
+            out = cpu_kernels.prefill_attention(q, kv[0], kv[1], None if shared is None else shared[0],
+                                                None if shared is None else shared[1], self.scale)
+            return out.view(b * t, -1)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, D]
+        if shared is None:
+            out = attention.prefill(q, kv[0], kv[1], PrefillAttention(0, self.backend), self.scale)  # [B, T, Hq, D]
+        else:
+            out = attention.prefill_continued(q, kv[0], kv[1], shared[0], shared[1], self.backend, self.scale)
+        return out.reshape(b * t, -1)

@@ -220,8 +220,10 @@ def _read_generation_config(path: Path, must_exist: bool) -> dict:
 
 
 def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
-    """`auto`: bfloat16 where the device computes it fast (CUDA with bf16, a CPU whose oneDNN packs
-    bf16 weights: AVX-512 or AVX-NE-CONVERT), else float32."""
+    """`auto`: bfloat16 where the device computes it fast (CUDA with bf16; a CPU where Baton's
+    kernels read bf16 weights, or else oneDNN packs them: AVX-512 or AVX-NE-CONVERT), else float32.
+    On CPU with Baton's kernels bf16 halves the bytes a step reads and keeps fp32 arithmetic, and
+    its tokens are batch-invariant (README, "dtypes")."""
     if name == "auto":
         return torch.bfloat16 if fast_bf16(device or resolve_device()) else torch.float32
     if name not in DTYPES:
@@ -232,9 +234,10 @@ def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
 def fast_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
+    from baton.engine.cpu import kernels as cpu_kernels
     from baton.engine.linear import onednn_packs
 
-    return device.type == "cpu" and onednn_packs(torch.bfloat16)
+    return device.type == "cpu" and (cpu_kernels.stores(torch.bfloat16) or onednn_packs(torch.bfloat16))
 
 
 def resolve_device(name: str = "auto") -> torch.device:

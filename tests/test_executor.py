@@ -81,11 +81,22 @@ def test_baton_executor_matches_generate_per_architecture(architecture):
     assert got == [reference.greedy(p, 16) for p in PROMPTS]
 
 
-def test_bf16_is_exact_against_generate_in_bf16():
-    """The contract per dtype: greedy tokens equal generate run in the same dtype."""
-    loaded = tiny("llama", torch.bfloat16)
-    reference = Greedy(loaded.model)
-    assert LlamaRunner(loaded).dtype == torch.bfloat16
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_computes_in_fp32_over_half_precision_weights(dtype):
+    """With Baton's CPU kernels, bf16 and fp16 store weights and KV in that dtype and compute in
+    fp32: greedy tokens equal fp32 generate over the same rounded weights (the KV's rounding aside,
+    which the tiny model's peaked logits absorb). Without the kernels, bf16 runs oneDNN in bf16
+    and equals generate run in bf16."""
+    loaded = tiny("llama", dtype)
+    runner = LlamaRunner(loaded)
+    assert runner.dtype == dtype
+    if runner.layout == "panels":
+        assert runner.compute_dtype == torch.float32
+        reference = Greedy(copy.deepcopy(loaded.model).float())
+    elif dtype == torch.bfloat16:
+        reference = Greedy(loaded.model)
+    else:
+        pytest.skip("fp16 without Baton's kernels has no contract beyond running")
     assert engine_tokens(loaded, "baton", max_tokens=12) == [reference.greedy(p, 12) for p in PROMPTS]
 
 

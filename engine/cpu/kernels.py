@@ -1,9 +1,14 @@
-"""Baton's CPU kernels for the decode step (kernels.c), built once per machine, called via ctypes:
-the few-row GEMM over panel-packed weights, attention over paged KV, RMSNorm, rotary embedding, and
-all of a decode step's layers in one call.
+"""Baton's CPU kernels (kernels.c, with kernels_typed.h once per storage type), built once per
+machine, called via ctypes: the few-row GEMM over panel-packed weights, attention over paged KV
+(and prefill attention computing each token as decode does), RMSNorm, rotary embedding,
+SiLU-and-multiply, and all of a decode step's layers in one call.
+
+Weights and KV are stored in the model's dtype (fp32, bf16, or fp16 where the compiler has
+_Float16); activations and every sum are fp32. Each row is reduced on its own in a fixed order, so
+a request's results do not depend on the rows beside it (batch invariance, kernels.c).
 
 Built on first use with the machine's C compiler (`cc`, or $CC) for this very CPU
-(-march=native) into Baton's cache directory, keyed by the source, the flags and the CPU, so
+(-march=native) into Baton's cache directory, keyed by the sources, the flags and the CPU, so
 workers on one machine build it once. Where no compiler is found or the build fails,
 `available()` is False, with one log line, and linear layers use oneDNN instead.
 """
@@ -27,12 +32,14 @@ from baton.paths import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
+SOURCES = (SOURCE, Path(__file__).with_name("kernels_typed.h"))  # kernels.c includes the header
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
 @functools.cache
 def max_rows() -> int:
-    """The most rows the panel GEMM takes; past them MKL's blocked GEMM is faster. With AVX-512 (a
+    """The most rows the panel GEMM takes for fp32 weights; past them MKL's blocked GEMM is faster
+    (weights stored in bf16 or fp16 always take the panels: MKL has no fp32-by-bf16 GEMM). With AVX-512 (a
     panel row is one register) the panels stay ahead far into prefill sizes: measured on an EPYC
     (2026-11-26), one thread, SmolLM2's layer shapes, 104-112 GFLOP/s against MKL's 49-100 at
     16-1024 rows, 106 against 95 at 2048, 83 against 91 at 4096. Without it, MKL won past 16 rows."""
@@ -46,24 +53,43 @@ def available() -> bool:
     return _library() is not None
 
 
+# the storage types the kernels read, by their functions' suffix in kernels.c
+SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def stores(dtype: torch.dtype) -> bool:
+    """Whether the kernels read weights and KV stored in `dtype` here (fp16 needs _Float16)."""
+    lib = _library()
+    return lib is not None and dtype in SUFFIXES and hasattr(lib, f"baton_small_gemm_{SUFFIXES[dtype]}")
+
+
+def _typed(name: str, dtype: torch.dtype):
+    if not stores(dtype):
+        raise ValueError(f"Baton's CPU kernels do not read {dtype} here")
+    return getattr(_library(), f"{name}_{SUFFIXES[dtype]}")
+
+
 PANEL = 16  # output features per panel: kernels.c's PANEL
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> panels [ceil(N / PANEL), K, PANEL] of PANEL output features, k-major, zero-padded."""
+    """[N, K] -> panels [ceil(N / PANEL), K, PANEL] of PANEL output features, k-major, zero-padded,
+    in the weight's own dtype."""
     n, k = weight.shape
     panels = (n + PANEL - 1) // PANEL
-    padded = torch.zeros(panels * PANEL, k, dtype=torch.float32)
+    padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
     padded[:n] = weight
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
 def small_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x: [M, K] float32 -> x @ W^T: [M, out_features], with W packed by `pack`."""
+    """x: [M, K] float32 -> x @ W^T: [M, out_features] float32, with W packed by `pack` (any stored dtype)."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"small_gemm takes float32 activations, not {x.dtype}")
     x = x.contiguous()
     rows, k = x.shape
     out = torch.empty(rows, out_features, dtype=torch.float32)
-    if _library().baton_small_gemm(x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, k, out_features,
+    if _typed("baton_small_gemm", packed.dtype)(x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, k, out_features,
                                    torch.get_num_threads()):
         raise MemoryError("small_gemm could not allocate its transposed input")
     return out
@@ -71,21 +97,24 @@ def small_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
                      lengths: torch.Tensor, scale: float, lse: torch.Tensor | None = None) -> torch.Tensor:
-    """query [R, Hq, D]; keys, values: one layer's pages [pages, Hkv, P, D] (views of the paged KV,
-    each head's page contiguous); table int64 [R, width]: each row's pages; lengths int64 [R]: row r
+    """query [R, Hq, D] float32; keys, values: one layer's pages [pages, Hkv, P, D] in the stored
+    dtype (views of the paged KV, each head's page contiguous); table int64 [R, width]: each row's pages; lengths int64 [R]: row r
     attends its tokens [0, lengths[r]) -> [R, Hq, D], float32. With `lse` (float32 [R, Hq],
     contiguous), each row and head's log-sum-exp of scaled scores is written there too."""
     rows, heads, dim = query.shape
     _, kv_heads, page_size, _ = keys.shape
     if keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != dim:
         raise ValueError("keys and values must be same-strided page views with contiguous tokens")
+    if query.dtype != torch.float32 or values.dtype != keys.dtype:
+        raise ValueError(f"decode_attention takes a float32 query and keys and values alike; got "
+                         f"{query.dtype}, {keys.dtype}, {values.dtype}")
     if (table.dtype != torch.int64 or lengths.dtype != torch.int64 or not table.is_contiguous()
             or table.shape[0] != rows or lengths.numel() != rows):
         raise ValueError(f"decode_attention needs an int64 page table [{rows}, width] and int64 lengths [{rows}]")
     query = query.contiguous()
     out = torch.empty_like(query)
     scale = dim ** -0.5 if scale is None else scale
-    if _library().baton_decode_attention(query.data_ptr(), keys.data_ptr(), values.data_ptr(), table.data_ptr(),
+    if _typed("baton_decode_attention", keys.dtype)(query.data_ptr(), keys.data_ptr(), values.data_ptr(), table.data_ptr(),
                                          table.shape[1], lengths.data_ptr(), out.data_ptr(),
                                          None if lse is None else lse.data_ptr(), rows, heads, kv_heads, dim,
                                          page_size, keys.stride(0), keys.stride(1), ctypes.c_float(scale),
@@ -94,8 +123,51 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return out
 
 
+def prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      prefix_keys: torch.Tensor | None, prefix_values: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of B prompts' new tokens, each token computed exactly as a decode step
+    computes it (the same kernel over the same tokens in the same order). query: [B * T, Hq, D]
+    float32 (rows may be strided, heads contiguous); keys, values: [B, Hkv, T, D] the prompts' own
+    tokens; prefix_keys, prefix_values: [Hkv, C, D], a cached prefix every prompt continues (or
+    None) -> [B * T, Hq, D] float32."""
+    b, kv_heads, t, dim = keys.shape
+    rows, heads, _ = query.shape
+    if (query.dtype != torch.float32 or rows != b * t or query.stride(2) != 1 or query.stride(1) != dim
+            or keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != dim
+            or values.dtype != keys.dtype):
+        raise ValueError("prefill_attention: query [B * T, Hq, D] float32 and same-strided keys and values "
+                         "[B, Hkv, T, D] with contiguous tokens")
+    cached, prefix_stride = 0, 0
+    if prefix_keys is not None and prefix_keys.shape[1]:
+        prefix_keys, prefix_values = prefix_keys.contiguous(), prefix_values.contiguous()
+        if prefix_keys.dtype != keys.dtype or prefix_keys.shape != prefix_values.shape \
+                or prefix_keys.shape[0] != kv_heads or prefix_keys.shape[2] != dim:
+            raise ValueError("prefill_attention: the prefix must be [Hkv, C, D] in the keys' dtype")
+        cached, prefix_stride = prefix_keys.shape[1], prefix_keys.stride(0)
+    out = torch.empty(rows, heads, dim, dtype=torch.float32)
+    if _typed("baton_prefill_attention", keys.dtype)(
+            query.data_ptr(), query.stride(0), b, t, keys.data_ptr(), values.data_ptr(), keys.stride(0),
+            keys.stride(1), prefix_keys.data_ptr() if cached else None, prefix_values.data_ptr() if cached else None,
+            cached, prefix_stride, out.data_ptr(), heads, kv_heads, dim, ctypes.c_float(scale),
+            torch.get_num_threads()):
+        raise MemoryError("prefill_attention could not allocate its scores")
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [R, 2 * I] float32 (gate, then up) -> silu(gate) * up: [R, I], as decode computes it."""
+    gate_up = gate_up.contiguous()
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=torch.float32)
+    _library().baton_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., N] float32 -> RMSNorm(x) * weight, as transformers computes it in fp32."""
+    """x: [..., N] float32 -> RMSNorm(x) * weight (float32), as transformers computes it in fp32."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        raise ValueError("rms_norm takes float32 activations and weights")
     x = x.contiguous()
     out = torch.empty_like(x)
     n = x.shape[-1]
@@ -117,19 +189,24 @@ def rotary(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Ten
 
 class DecodeLayers:
     """Every decoder layer of a decode step in one C call (`baton_decode_layers`), for a Llama-family
-    model whose linear layers are panel-packed. Built once per runner from its layers' tensors."""
+    model whose linear layers are panel-packed in `dtype` (norms and biases float32). Built once
+    per runner from its layers' tensors."""
 
-    def __init__(self, layers, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+    def __init__(self, layers, *, dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                  eps: float, scale: float):
         self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
         self.intermediate, self.eps, self.scale = intermediate, eps, scale
         self.num_layers = len(layers)
+        self.dtype = dtype
+        self._step = _typed("baton_decode_layers", dtype)
         tensors = []
         for layer in layers:
             row = (layer.input_norm, layer.qkv.packed, layer.qkv.bias, layer.o.packed, layer.post_norm,
                    layer.gate_up.packed, layer.down.packed)
-            if any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous()) for t in row):
-                raise ValueError("the fused decode step needs contiguous float32 weights")
+            want = (torch.float32, dtype, torch.float32, dtype, torch.float32, dtype, dtype)
+            if any(t is not None and (t.dtype != d or not t.is_contiguous()) for t, d in zip(row, want)):
+                raise ValueError(f"the fused decode step needs contiguous {dtype} packed weights and float32 "
+                                 "norms and biases")
             if layer.o.bias is not None or layer.gate_up.bias is not None or layer.down.bias is not None:
                 raise ValueError("the fused decode step has no bias for the O, gate/up and down projections")
             tensors.append(row)
@@ -146,13 +223,13 @@ class DecodeLayers:
         rows = h.shape[0]
         cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
         if (h.dtype != torch.float32 or not h.is_contiguous() or h.shape[1] != self.hidden
-                or pages.dtype != torch.float32 or not pages.is_contiguous() or pages.shape[0] != self.num_layers
+                or pages.dtype != self.dtype or not pages.is_contiguous() or pages.shape[0] != self.num_layers
                 or pages.shape[3] != self.kv_heads or pages.shape[5] != self.head_dim
                 or table.dtype != torch.int64 or not table.is_contiguous() or table.shape[0] != rows
                 or lengths.dtype != torch.int64 or lengths.numel() != rows
                 or cos.numel() != rows * self.head_dim or signed_sin.numel() != rows * self.head_dim):
             raise ValueError("decode_layers: tensors do not match the model or the page table")
-        if _library().baton_decode_layers(
+        if self._step(
                 h.data_ptr(), self.addresses.data_ptr(), self.num_layers, rows, self.hidden, self.heads,
                 self.kv_heads, self.head_dim, self.intermediate, ctypes.c_float(self.eps),
                 ctypes.c_float(self.scale), cos.data_ptr(), signed_sin.data_ptr(), pages.data_ptr(),
@@ -178,25 +255,33 @@ def _library() -> ctypes.CDLL | None:
         log.warning("building Baton's CPU kernels failed (%s); decode uses oneDNN and SDPA instead",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    lib.baton_small_gemm.argtypes = [pointer] * 3 + [size] * 3 + [ctypes.c_int]
-    lib.baton_small_gemm.restype = ctypes.c_int
-    lib.baton_decode_attention.argtypes = ([pointer] * 4 + [size] + [pointer] * 3 + [size] * 7
-                                           + [ctypes.c_float, ctypes.c_int])
-    lib.baton_decode_attention.restype = ctypes.c_int
-    lib.baton_rms_norm.argtypes = [pointer] * 3 + [size] * 2 + [ctypes.c_float, ctypes.c_int]
+    pointer, size, threads = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.baton_rms_norm.argtypes = [pointer] * 3 + [size] * 2 + [ctypes.c_float, threads]
     lib.baton_rms_norm.restype = None
-    lib.baton_rotary.argtypes = [pointer] + [size] * 4 + [pointer] * 2 + [ctypes.c_int]
+    lib.baton_rotary.argtypes = [pointer] + [size] * 4 + [pointer] * 2 + [threads]
     lib.baton_rotary.restype = None
-    lib.baton_decode_layers.argtypes = ([pointer, pointer] + [size] * 7 + [ctypes.c_float] * 2 + [pointer] * 3
-                                        + [size] * 5 + [pointer, size, pointer, ctypes.c_int])
-    lib.baton_decode_layers.restype = ctypes.c_int
+    lib.baton_silu_mul.argtypes = [pointer] * 2 + [size] * 2 + [threads]
+    lib.baton_silu_mul.restype = None
+    for suffix in SUFFIXES.values():
+        if not hasattr(lib, f"baton_small_gemm_{suffix}"):
+            continue  # fp16 where the compiler has no _Float16
+        typed = {
+            "baton_small_gemm": [pointer] * 3 + [size] * 3 + [threads],
+            "baton_decode_attention": [pointer] * 4 + [size] + [pointer] * 3 + [size] * 7 + [ctypes.c_float, threads],
+            "baton_prefill_attention": ([pointer, size, size, size, pointer, pointer, size, size, pointer, pointer]
+                                        + [size] * 2 + [pointer] + [size] * 3 + [ctypes.c_float, threads]),
+            "baton_decode_layers": ([pointer, pointer] + [size] * 7 + [ctypes.c_float] * 2 + [pointer] * 3
+                                    + [size] * 5 + [pointer, size, pointer, threads]),
+        }
+        for name, argtypes in typed.items():
+            function = getattr(lib, f"{name}_{suffix}")
+            function.argtypes, function.restype = argtypes, ctypes.c_int
     return lib
 
 
 def _build(compiler: str) -> Path:
 
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES))
     digest.update(" ".join((compiler, *FLAGS, platform.machine(), _cpu_identity())).encode())
     target = cache_root() / "kernels" / f"cpu-kernels-{digest.hexdigest()[:16]}.so"
     if target.is_file():
