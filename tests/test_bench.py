@@ -251,6 +251,64 @@ def test_residency_counts_a_stream_decoding_by_its_tokens_after_the_first():
 
 
 @pytest.mark.slow
+def test_served_quick_streams_the_relay_set_at_each_concurrency(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("BATON_VLLM_PYTHON", raising=False)
+    document, printed = run_suite("served", tmp_path, capsys)
+    settings = document["settings"]
+    assert (settings["concurrency"], settings["queries"], settings["max_tokens"]) == ([1, 4], 6, 24)
+    assert document["problems"]["vllm"].startswith("skipped: no vLLM python") and set(document["servers"]) == {"baton"}
+    # `baton up`'s default dtype, read back from the decode worker's model fingerprint
+    dtype = document["dtype"]
+    assert dtype["requested"] == "auto" and dtype["baton"] == dtype["resolved_here"] in ("bfloat16", "float32")
+    baton = document["servers"]["baton"]
+    assert [r["concurrency"] for r in baton["runs"]] == [1, 4] and document["rows"]["baton"] == 8
+    for r in baton["runs"]:
+        assert (r["requests"], r["errors"], r["tokens_counted_as"]) == (6, 0, "usage")
+        assert r["wall_s"] > 0 and r["ttft_p50_s"] > 0 and r["tpot_p50_s"] > 0 and r["output_tokens_per_s"] > 0
+        assert all(x["text"] and 1 <= x["tokens"] <= 24 for x in r["per_request"])
+    from baton.engine.cpu import kernels as cpu_kernels
+
+    # batch invariance (README, "dtypes"): the same answers at 1 and 4 streams
+    assert len(baton["identical_per_request"]) == 6
+    assert baton["identical"] == 6 or not cpu_kernels.available()
+    assert f"baton: identical at every concurrency: {baton['identical']} of 6" in printed
+    assert "vLLM did not run" in printed and (tmp_path / "served_wall.png").is_file()
+
+
+def test_served_rejects_a_bad_concurrency_list(tmp_path, capsys):
+    for bad in ("1,x", "0,8", "8,8", ","):
+        with pytest.raises(SystemExit) as exc:
+            main(["served", "--quick", "--concurrency", bad, "--out", str(tmp_path)])
+        assert exc.value.code == 2
+        assert "argument --concurrency" in capsys.readouterr().err
+
+
+def test_served_counts_identical_answers_and_time_per_output_token():
+    from baton.bench.served import (dtype_of_fingerprint, first_difference, identical_at_every_concurrency,
+                                    summarize, tpot_s)
+
+    # a chunk may carry several tokens: TPOT divides by the usage event's tokens, not the chunks
+    several = {"sent": 0.0, "chunks": [0.5, 0.7, 1.3], "usage": {"completion_tokens": 5}, "error": None}
+    assert tpot_s(several) == pytest.approx(0.2)
+    by_chunks = {"sent": 0.5, "chunks": [1.0, 1.1, 1.2], "usage": None, "error": None}  # no usage: one per chunk
+    assert tpot_s(by_chunks) == pytest.approx(0.1)
+    one = {"sent": 0.0, "chunks": [0.3], "usage": {"completion_tokens": 1}, "error": None}
+    assert tpot_s(one) is None
+    failed = {"sent": 0.0, "chunks": [], "usage": None, "error": "HTTP 500"}
+    got = summarize([several, by_chunks, one, failed], wall_s=2.0)
+    assert (got["requests"], got["errors"], got["output_tokens"]) == (4, 1, 9)
+    assert got["ttft_p50_s"] == pytest.approx(0.5) and got["tpot_p50_s"] == pytest.approx(0.15)
+    assert got["output_tokens_per_s"] == pytest.approx(4.5) and got["tokens_counted_as"] == "chunks"
+    # texts[k][i]: request i at the k-th concurrency; a failed request is never identical
+    assert identical_at_every_concurrency([["a", "b", "c", "d"], ["a", "B", "c", "d"], ["a", "b", None, "d"]]) == [
+        True, False, False, True]
+    assert identical_at_every_concurrency([["x", None]]) == [True, False]
+    assert first_difference("hello", "help") == 3 and first_difference("ab", "abc") == 2
+    assert first_difference("same", "same") is None
+    assert dtype_of_fingerprint("LlamaForCausalLM/bfloat16/0a1b") == "bfloat16" and dtype_of_fingerprint(None) is None
+
+
+@pytest.mark.slow
 def test_goodput_quick_runs_each_admission_rule(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("BATON_VLLM_PYTHON", raising=False)
     document, printed = run_suite("goodput", tmp_path, capsys)

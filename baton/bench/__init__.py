@@ -60,6 +60,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("goodput", "issue 31: relay chat queries from 3 clients per decode row (overload): requests within TTFT "
                      "and ITL objectives per second for each router admission rule, Baton vs vLLM's CPU build",
           "baton.bench.goodput"),
+    Suite("served", "issue 32: `baton up` as a new user gets it (dtype auto) vs vLLM's CPU build at its dtype and "
+                    "rows: the 30 relay chat queries at 1, 8 and 30 concurrent streams; wall, TTFT, TPOT, tokens/s, "
+                    "answers identical at every concurrency", "baton.bench.served"),
 ]}
 
 
@@ -75,8 +78,8 @@ def suite_parser(suite: Suite) -> argparse.ArgumentParser:
                              "on a small shared machine; 0 = torch's default)")
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a model directory")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
-                        help="model dtype here and in every worker (default float32: the only one whose tokens "
-                             "can be checked exactly against transformers on every CPU)")
+                        help="model dtype here and in every worker (default %(default)s; float32 is the only one "
+                             "whose tokens can be checked exactly against transformers on every CPU)")
     add = getattr(suite.load(), "add_arguments", None)
     if add:
         add(parser)

@@ -77,16 +77,17 @@ def _settings(opts: BenchOptions) -> dict[str, Any]:
 
 
 def one_request(base: str, body: dict) -> dict[str, Any]:
-    """One streaming chat completion: when it was sent, when each content chunk came, any error."""
+    """One streaming chat completion: when it was sent, when each content chunk came, any error;
+    also the text it received and the usage event (with stream_options.include_usage; else None)."""
     url = urllib.parse.urlsplit(base)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
-    sent, chunks, error = time.monotonic(), [], None
+    sent, chunks, text, usage, error = time.monotonic(), [], [], None, None
     try:
         conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
                      headers={"content-type": "application/json", "accept": "text/event-stream"})
         response = conn.getresponse()
         if response.status != 200:
-            return {"sent": sent, "chunks": [], "error": f"HTTP {response.status}"}
+            return {"sent": sent, "chunks": [], "text": "", "usage": None, "error": f"HTTP {response.status}"}
         for line in iter(response.readline, b""):
             line = line.strip()
             if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
@@ -95,13 +96,17 @@ def one_request(base: str, body: dict) -> dict[str, Any]:
             if "error" in event:
                 error = json.dumps(event["error"])[:500]
                 break
-            if any((c.get("delta") or {}).get("content") for c in event.get("choices") or []):
+            content = "".join((c.get("delta") or {}).get("content") or "" for c in event.get("choices") or [])
+            if content:
                 chunks.append(time.monotonic())
+                text.append(content)
+            if event.get("usage"):
+                usage = event["usage"]
     except (OSError, http.client.HTTPException, ValueError) as exc:
         error = repr(exc)
     finally:
         conn.close()
-    return {"sent": sent, "chunks": chunks, "error": error}
+    return {"sent": sent, "chunks": chunks, "text": "".join(text), "usage": usage, "error": error}
 
 
 def queries_for(s: dict[str, Any]):

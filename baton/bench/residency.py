@@ -198,8 +198,8 @@ def _serving(server: str, opts: BenchOptions, model: str, served: str,
         from baton.up import free_port
 
         metrics_port = free_port()  # the decode worker's /metrics: its KV pages, parked rows, resumes
-        opts.progress(f"residency: starting baton (router, 1 prefill, 1 decode: kv_budget_bytes {kv_bytes}, "
-                      f"max_rows {s['rows']})")
+        opts.progress(f"{s.get('suite', 'residency')}: starting baton (router, 1 prefill, 1 decode: kv_budget_bytes "
+                      f"{kv_bytes}, max_rows {s['rows']})")
         try:
             cluster = LocalCluster(prefill=1, decode=1, model=model, max_rows=s["rows"], http_port=-1,
                                    share_cores=True, extra_env={**opts.worker_env(), **s.get("env", {})},
@@ -218,7 +218,8 @@ def _serving(server: str, opts: BenchOptions, model: str, served: str,
                 load = (workers[0].decode or {}) if workers else {}
                 out = {k: load.get(k) for k in ("rows_in_use", "waiting_for_kv", "staged", "max_rows",
                                                 "kv_bytes_allocated", "kv_bytes_useful", "kv_budget_bytes",
-                                                "kv_bytes_per_token", "max_context", "preemptions", "parked_bytes")}
+                                                "kv_bytes_per_token", "max_context", "preemptions", "parked_bytes",
+                                                "model_fingerprint")}
                 with contextlib.suppress(OSError):  # a worker without these series still gives its load
                     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
                         out.update(baton_decode_metrics(response.read().decode()))
@@ -254,9 +255,9 @@ def _serving(server: str, opts: BenchOptions, model: str, served: str,
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
            served, "--dtype", opts.dtype, "--port", str(port), "--host", "127.0.0.1",
            "--max-num-seqs", str(s["rows"]), "--seed", "0"]
-    opts.progress(f"residency: starting vLLM on port {port} (cores {cores}, VLLM_CPU_KVCACHE_SPACE "
-                  f"{int(s['kv_gib'])}, --max-num-seqs {s['rows']}; a minute or more)")
-    log_path = opts.out_dir / "residency-vllm.log"
+    opts.progress(f"{s.get('suite', 'residency')}: starting vLLM on port {port} (cores {cores}, --dtype {opts.dtype}, "
+                  f"VLLM_CPU_KVCACHE_SPACE {int(s['kv_gib'])}, --max-num-seqs {s['rows']}; a minute or more)")
+    log_path = opts.out_dir / f"{s.get('suite', 'residency')}-vllm.log"
     with open(log_path, "w") as log:
         log.write(f"# {' '.join(cmd)}\n# LD_PRELOAD={env.get('LD_PRELOAD', '')} OMP_NUM_THREADS={threads} "
                   f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}\n")
