@@ -70,6 +70,29 @@ static inline float hsum16(v16 x) {
 #endif
 }
 
+#ifdef __AVX512F__
+/* hsum16 of 16 vectors at once, with the very same additions per vector, into out[0..count) times
+ * scale: x[SLOT16(i)] holds vector i. Pairs of vectors share each add (halves, then quarters, then
+ * the last two steps within 128-bit lanes), a quarter of the shuffles and adds of 16 hsum16s. */
+#define SLOT16(i) ((((i) & 3) << 2) | ((i) >> 2)) /* the transpose that leaves the sums in order */
+static inline void hsum16x16(const v16 *x, float scale, float *out, int64_t count) {
+  __m512 y[8], z[4];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = (__m512)x[2 * i], b = (__m512)x[2 * i + 1];
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee)); /* lanes i + i+8 */
+  }
+  for (int i = 0; i < 4; ++i) /* lanes i + i+4 of each vector's eight */
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xdd));
+  const __m512 t0 = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x44), _mm512_shuffle_ps(z[0], z[1], 0xee));
+  const __m512 t1 = _mm512_add_ps(_mm512_shuffle_ps(z[2], z[3], 0x44), _mm512_shuffle_ps(z[2], z[3], 0xee));
+  /* (s4[0] + s4[2]) + (s4[1] + s4[3]) */
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, 0x88), _mm512_shuffle_ps(t0, t1, 0xdd));
+  const v16 scaled = (v16)r * scale;
+  memcpy(out, &scaled, sizeof(float) * count);
+}
+#endif
+
 /* e^x for 16 lanes, x <= 88 (scores minus their maximum, SiLU's capped arguments): 2^n e^r with
  * |r| <= ln2 / 2 and Cephes' degree-6 polynomial for e^r, within 2 ulp of expf; below -87.3 it
  * gives ~1e-38, not 0. */

@@ -132,6 +132,16 @@ int NAME(baton_small_gemm)(const float *x, const ELEMENT *packed, float *out, in
  * output, live in vector registers; every key and value is read once for four heads. While a
  * segment is read, the same line of the next one is prefetched: hardware prefetchers stop at
  * page boundaries, and the next page may be anywhere. scores: group * n floats of scratch. */
+#ifdef __AVX512F__ /* a key's products per head wait in `products` until 16 are summed together */
+#define SCORE_BLOCK 16
+#define SCORE(g, acc) products[g][SLOT16(filled)] = (acc)
+#define SCORES_DONE(count)                                                                          \
+  for (int64_t g = 0; g < heads; ++g) hsum16x16(products[g], scale, scores + (g0 + g) * n + block, count)
+#else
+#define SCORE_BLOCK 1
+#define SCORE(g, acc) scores[(g0 + (g)) * n + block] = hsum16(acc) * scale
+#define SCORES_DONE(count) (void)products
+#endif
 #define GROUP_ATTENTION(NV)                                                                         \
   static NOIPA void NAME(group_attention_##NV)(const float *qg, const ELEMENT *const *kp,           \
                                                const ELEMENT *const *vp, const int64_t *counts,     \
@@ -140,10 +150,11 @@ int NAME(baton_small_gemm)(const float *x, const ELEMENT *packed, float *out, in
     const int64_t D = NV * 16, lines = (D * (int64_t)sizeof(ELEMENT) + 63) / 64;                    \
     for (int64_t g0 = 0; g0 < group; g0 += 4) { /* four heads at a time keep q in registers */    \
       const int64_t heads = group - g0 < 4 ? group - g0 : 4;                                        \
-      v16 qv[4][NV];                                                                                \
+      v16 qv[4][NV], products[4][SCORE_BLOCK];                                                      \
       for (int64_t g = 0; g < heads; ++g)                                                           \
         for (int j = 0; j < NV; ++j) memcpy(&qv[g][j], qg + (g0 + g) * D + 16 * j, 64);            \
-      for (int64_t i = 0, at = 0; i < segs; at += counts[i], ++i) {                                 \
+      int64_t filled = 0, block = 0; /* products waiting to be summed, 16 tokens at a time */      \
+      for (int64_t i = 0; i < segs; ++i) {                                                          \
         const ELEMENT *kb = kp[i], *next = kp[i + 1 < segs ? i + 1 : i];                            \
         for (int64_t t = 0; t < counts[i]; ++t) {                                                   \
           const ELEMENT *k = kb + t * D;                                                            \
@@ -153,10 +164,15 @@ int NAME(baton_small_gemm)(const float *x, const ELEMENT *packed, float *out, in
           for (int64_t g = 0; g < heads; ++g) {                                                     \
             v16 acc = qv[g][0] * kv[0];                                                             \
             for (int j = 1; j < NV; ++j) acc += qv[g][j] * kv[j];                                   \
-            scores[(g0 + g) * n + at + t] = hsum16(acc) * scale;                                    \
+            SCORE(g, acc);                                                                          \
+          }                                                                                         \
+          if (++filled == SCORE_BLOCK) {                                                            \
+            SCORES_DONE(SCORE_BLOCK);                                                               \
+            block += SCORE_BLOCK, filled = 0;                                                       \
           }                                                                                         \
         }                                                                                           \
       }                                                                                             \
+      if (filled) SCORES_DONE(filled);                                                              \
     }                                                                                               \
     for (int64_t g = 0; g < group; ++g) {                                                           \
       const float l = softmax(scores + g * n, n);                                                   \
@@ -186,6 +202,9 @@ int NAME(baton_small_gemm)(const float *x, const ELEMENT *packed, float *out, in
 GROUP_ATTENTION(4)
 GROUP_ATTENTION(8)
 #undef GROUP_ATTENTION
+#undef SCORE_BLOCK
+#undef SCORE
+#undef SCORES_DONE
 
 /* Any head_dim: the same maths with plain loops. */
 static NOIPA void NAME(group_attention_any)(const float *qg, const ELEMENT *const *kp, const ELEMENT *const *vp,
