@@ -109,9 +109,11 @@ class LlamaRunner:
         self.norm = decoder.norm.weight.to(self.compute_dtype)
         head = model.get_output_embeddings()
         self.lm_head = Linear(head.weight, head.bias, layout=self.layout)
-        # CPU with Baton's kernels: a decode step's layers run as one C call (None: layer by layer)
-        self.decode_layers = None
-        if self.layout == "panels":
+        # Baton's C attention (and a decode step's layers as one C call) unless the Triton kernels
+        # were asked for by name: tests run those on CPU in Triton's interpreter
+        self.c_attention = self.layout == "panels" and self.backend != "triton"
+        self.decode_layers = None  # None: layer by layer
+        if self.c_attention:
             self.decode_layers = cpu_kernels.DecodeLayers(
                 self.layers, dtype=self.dtype, hidden=cfg.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
                 head_dim=self.head_dim, intermediate=cfg.intermediate_size, eps=self.eps, scale=self.scale)
@@ -325,7 +327,7 @@ class LlamaRunner:
     def _prefill_attention(self, q, kv, shared, b: int, t: int) -> torch.Tensor:
         """q [B * T, Hq, D]; kv: this layer's new KV [2, B, Hkv, T, D]; shared: the cached prefix's
         [2, Hkv, C, D] or None -> [B * T, Hq * D]."""
-        if self.layout == "panels":  # decode's kernel over the stored KV: each token as decode computes it
+        if self.c_attention:  # decode's kernel over the stored KV: each token as decode computes it
             out = cpu_kernels.prefill_attention(q, kv[0], kv[1], None if shared is None else shared[0],
                                                 None if shared is None else shared[1], self.scale)
             return out.view(b * t, -1)
