@@ -160,7 +160,7 @@ class Dispatcher:
             raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
         except AdmissionCancelled as exc:
             raise DispatchError(grpc.StatusCode.CANCELLED, str(exc)) from None
-        span.stage("admission", waiting, time.monotonic())
+        span.stage("wait_for_decode", waiting, time.monotonic())  # the decode worker has its own "admission"
         try:
             yield from self._attempts(request_id, key, prompt, sent, avoid, sampling, deadline, on_done, arrived,
                                       prefill_address, pinned_tokens, span)

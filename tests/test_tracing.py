@@ -124,13 +124,14 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode():
                     TracerProvider().get_tracer("app").start_as_current_span("caller") as caller:
                 result = client.generate(token_ids=[11, 12, 13, 14], max_tokens=5, ignore_eos=True)
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and len(collector.spans) < 8:
+            while time.monotonic() < deadline and len(collector.spans) < 9:
                 time.sleep(0.1)
     finally:
         server.stop(0)
     assert len(result.token_ids) == 5
     services = {span.name: service for service, span in collector.spans}
-    assert services == {"baton.request": "baton-router", "route": "baton-router", "queue": "baton-prefill",
+    assert services == {"baton.request": "baton-router", "wait_for_decode": "baton-router", "route": "baton-router",
+                        "queue": "baton-prefill",
                         "prefill": "baton-prefill", "transfer": "baton-prefill", "staging": "baton-decode",
                         "admission": "baton-decode", "decode": "baton-decode"}, services
     root = next(span for _, span in collector.spans if span.name == "baton.request")

@@ -55,24 +55,18 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _query_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 1 <= value <= QUERIES:
-        raise argparse.ArgumentTypeError(f"the relay set has {QUERIES} queries; ask for 1..{QUERIES} (got {value})")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
-    return value
+def _int_between(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high] (no upper bound without `high`)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {low}..{high} (got {value})" if high is not None
+                                             else f"must be >= {low} (got {value})")
+        return value
+    return parse
 
 
 def _servers(text: str) -> list[str]:
@@ -90,9 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=_ints,
                         help=f"comma-separated concurrent streams (default {','.join(map(str, CONCURRENCY))}; "
                              f"quick {','.join(map(str, QUICK['concurrency']))})")
-    parser.add_argument("--queries", type=_query_count,
+    parser.add_argument("--queries", type=_int_between(1, QUERIES),
                         help=f"how many of the {QUERIES} relay queries (default {QUERIES}; quick {QUICK['queries']})")
-    parser.add_argument("--max-tokens", type=_positive,
+    parser.add_argument("--max-tokens", type=_int_between(1),
                         help=f"max_tokens of each query (default {MAX_TOKENS}; quick {QUICK['max_tokens']})")
     parser.add_argument("--servers", type=_servers, help=f"comma-separated subset of {','.join(SERVERS)} "
                                                          "(default both)")
