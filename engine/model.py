@@ -223,7 +223,7 @@ def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
     """`auto`: bfloat16 where the device computes it fast (CUDA with bf16; a CPU where Baton's
     kernels read bf16 weights, or else oneDNN packs them: AVX-512 or AVX-NE-CONVERT), else float32.
     On CPU with Baton's kernels bf16 halves the bytes a step reads and keeps fp32 arithmetic, and
-    its tokens are batch-invariant (README, "dtypes")."""
+    its tokens are batch-invariant (README: "what each dtype promises")."""
     if name == "auto":
         return torch.bfloat16 if fast_bf16(device or resolve_device()) else torch.float32
     if name not in DTYPES:

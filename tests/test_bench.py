@@ -268,7 +268,7 @@ def test_served_quick_streams_the_relay_set_at_each_concurrency(tmp_path, capsys
         assert all(x["text"] and 1 <= x["tokens"] <= 24 for x in r["per_request"])
     from baton.engine.cpu import kernels as cpu_kernels
 
-    # batch invariance (README, "dtypes"): the same answers at 1 and 4 streams
+    # batch invariance (README: "what each dtype promises"): the same answers at 1 and 4 streams
     assert len(baton["identical_per_request"]) == 6
     assert baton["identical"] == 6 or not cpu_kernels.available()
     assert f"baton: identical at every concurrency: {baton['identical']} of 6" in printed
