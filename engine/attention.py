@@ -1,10 +1,10 @@
 """Attention for Baton's layouts, registered with transformers' attention interface.
 
 Decode reads the paged KV (`engine.paged_kv`): Triton's paged kernel on CUDA, Baton's C kernel
-on CPU (fp32 queries over KV stored in fp32, bf16 or fp16), else each row's pages gathered side by side for SDPA. The model's own layers
-call `baton_attention` (the transformers runner); what it must do comes in a context object
-passed through the forward call's keyword arguments: each row's length for a decode step, the
-cached prefix length for a prefill.
+on CPU (fp32 queries over KV stored in fp32, bf16 or fp16), else each row's pages gathered side
+by side for SDPA. The model's own layers call `baton_attention` (the transformers runner); what
+it must do comes in a context object passed through the forward call's keyword arguments: each
+row's length for a decode step, the cached prefix length for a prefill.
 """
 from __future__ import annotations
 

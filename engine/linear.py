@@ -43,7 +43,9 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
         flat = x.reshape(-1, self.in_features)
-        if self.layout == "panels" and (self.packed.dtype != torch.float32 or flat.shape[0] <= cpu_kernels.max_rows()):
+        # fp32 weights hand many rows to MKL; bf16/fp16 ones have no other fp32-activation GEMM
+        if self.layout == "panels" and (self.packed.dtype != torch.float32
+                                        or flat.shape[0] <= cpu_kernels.max_rows()):
             out = cpu_kernels.small_gemm(flat.float(), self.packed, self.out_features)
             if self.bias is not None:
                 out += self.bias

@@ -115,8 +115,9 @@ class LlamaRunner:
         self.decode_layers = None  # None: layer by layer
         if self.c_attention:
             self.decode_layers = cpu_kernels.DecodeLayers(
-                self.layers, dtype=self.dtype, hidden=cfg.hidden_size, heads=self.num_heads, kv_heads=self.num_kv_heads,
-                head_dim=self.head_dim, intermediate=cfg.intermediate_size, eps=self.eps, scale=self.scale)
+                self.layers, dtype=self.dtype, hidden=cfg.hidden_size, heads=self.num_heads,
+                kv_heads=self.num_kv_heads, head_dim=self.head_dim, intermediate=cfg.intermediate_size, eps=self.eps,
+                scale=self.scale)
         # cos, sin: [max_context, head_dim], from the model's own rotary module (any RoPE scaling)
         positions = torch.arange(loaded.max_context, device=loaded.device)[None]
         probe = torch.zeros(1, dtype=self.compute_dtype, device=loaded.device)

@@ -54,7 +54,8 @@ def test_tokens_do_not_depend_on_the_rows_beside_them(model, rows):
     expected = {i: alone(model, prompt, params) for i, (prompt, params) in wanted.items()}
     rng = random.Random(rows)
     others = [([rng.randrange(50, 40000) for _ in range(rng.randint(1, 200))],
-               SamplingParams(max_tokens=rng.randint(1, 30), temperature=rng.choice([0.0, 1.0]), seed=rng.randrange(99)))
+               SamplingParams(max_tokens=rng.randint(1, 30), temperature=rng.choice([0.0, 1.0]),
+                              seed=rng.randrange(99)))
               for _ in range(2 * rows)]
     engine = LocalEngine(model, DecodeConfig(max_rows=rows))
     pending = [(f"target-{i}", p, sp) for i, (p, sp) in wanted.items()] + \

@@ -98,9 +98,10 @@ def small_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
                      lengths: torch.Tensor, scale: float, lse: torch.Tensor | None = None) -> torch.Tensor:
     """query [R, Hq, D] float32; keys, values: one layer's pages [pages, Hkv, P, D] in the stored
-    dtype (views of the paged KV, each head's page contiguous); table int64 [R, width]: each row's pages; lengths int64 [R]: row r
-    attends its tokens [0, lengths[r]) -> [R, Hq, D], float32. With `lse` (float32 [R, Hq],
-    contiguous), each row and head's log-sum-exp of scaled scores is written there too."""
+    dtype (views of the paged KV, each head's page contiguous); table int64 [R, width]: each row's
+    pages; lengths int64 [R]: row r attends its tokens [0, lengths[r]) -> [R, Hq, D], float32.
+    With `lse` (float32 [R, Hq], contiguous), each row and head's log-sum-exp of scaled scores is
+    written there too."""
     rows, heads, dim = query.shape
     _, kv_heads, page_size, _ = keys.shape
     if keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != dim:
@@ -114,11 +115,10 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     query = query.contiguous()
     out = torch.empty_like(query)
     scale = dim ** -0.5 if scale is None else scale
-    if _typed("baton_decode_attention", keys.dtype)(query.data_ptr(), keys.data_ptr(), values.data_ptr(), table.data_ptr(),
-                                         table.shape[1], lengths.data_ptr(), out.data_ptr(),
-                                         None if lse is None else lse.data_ptr(), rows, heads, kv_heads, dim,
-                                         page_size, keys.stride(0), keys.stride(1), ctypes.c_float(scale),
-                                         torch.get_num_threads()):
+    attend = _typed("baton_decode_attention", keys.dtype)
+    if attend(query.data_ptr(), keys.data_ptr(), values.data_ptr(), table.data_ptr(), table.shape[1],
+              lengths.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(), rows, heads, kv_heads, dim,
+              page_size, keys.stride(0), keys.stride(1), ctypes.c_float(scale), torch.get_num_threads()):
         raise MemoryError("decode_attention could not allocate its scores")
     return out
 
@@ -192,8 +192,8 @@ class DecodeLayers:
     model whose linear layers are panel-packed in `dtype` (norms and biases float32). Built once
     per runner from its layers' tensors."""
 
-    def __init__(self, layers, *, dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
-                 eps: float, scale: float):
+    def __init__(self, layers, *, dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float, scale: float):
         self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
         self.intermediate, self.eps, self.scale = intermediate, eps, scale
         self.num_layers = len(layers)
