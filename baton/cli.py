@@ -52,6 +52,8 @@ EXECUTOR_HELP = ("auto (default): Baton's own executor for Llama-family models, 
                  "baton; transformers (the reference)")
 CUDA_GRAPHS_HELP = "on CUDA, replay each decode step of Baton's executor as a captured graph (default: on)"
 THREADS_HELP = "torch threads (default 0: one per core this process may use, or OMP_NUM_THREADS)"
+BATCH_INVARIANT_HELP = ("a request's tokens independent of its batch, chunking and cache hits (default on; "
+                        "on CPU always; off: cuBLAS and flash prefill on CUDA in bf16/fp16)")
 CORES_HELP = "bind the process to these CPU cores, e.g. 0-3 or 0,2 (default: no binding)"
 
 
@@ -65,6 +67,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="auto (default): Triton kernels on CUDA, torch (and Baton's C kernel) on CPU")
     parser.add_argument("--executor", default="auto", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help=CUDA_GRAPHS_HELP)
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                        help=BATCH_INVARIANT_HELP)
     parser.add_argument("--threads", type=int, default=0, help=THREADS_HELP)
     parser.add_argument("--cpu-cores", default="", metavar="LIST", help=CORES_HELP)
 
@@ -109,7 +113,8 @@ def cmd_generate(args) -> int:
         raise UsageError(str(exc)) from None
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     engine = LocalEngine(loaded, DecodeConfig(max_rows=args.max_rows), attention_backend=args.attention_backend,
-                         executor=args.executor, cuda_graphs=args.cuda_graphs)
+                         executor=args.executor, cuda_graphs=args.cuda_graphs,
+                         batch_invariant=args.batch_invariant)
     prompt_ids = [loaded.encode_text(p) if args.raw else loaded.encode_chat([{"role": "user", "content": p}])
                   for p in args.prompts]
     print_results(args.prompts, engine.generate(prompt_ids, params), args.json)
@@ -128,6 +133,7 @@ def _serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> None:
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], help="auto (default), torch or triton")
     parser.add_argument("--executor", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, help=CUDA_GRAPHS_HELP)
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, help=BATCH_INVARIANT_HELP)
     parser.add_argument("--threads", type=int, help=THREADS_HELP)
     parser.add_argument("--cpu-cores", metavar="LIST", help=CORES_HELP)
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default 0: off)")
@@ -193,7 +199,7 @@ def load_role_settings(args):
             section[key] = getattr(args, key)
     model = {"name": args.model_name, "dtype": args.dtype, "device": args.device,
              "attention_backend": args.attention_backend, "executor": args.executor,
-             "cuda_graphs": args.cuda_graphs, "threads": args.threads,
+             "cuda_graphs": args.cuda_graphs, "batch_invariant": args.batch_invariant, "threads": args.threads,
              "cpu_cores": args.cpu_cores, "generation_config": getattr(args, "generation_config", None),
              "override_generation_config": getattr(args, "override_generation_config", None)}
     tls = {"cert_file": args.tls_cert, "key_file": args.tls_key, "ca_file": args.tls_ca,

@@ -26,6 +26,10 @@ class ModelSettings:
     attention_backend: str = "auto"
     executor: str = "auto"  # 'baton' (Llama family), 'transformers' (any model); auto: baton where it applies
     cuda_graphs: bool = True  # CUDA, Baton's executor: decode steps replay captured graphs (false: op by op)
+    # A request's tokens independent of the rows sharing its step, of chunking and of prefix-cache
+    # hits. CPU: always (Baton's C kernels). CUDA, bf16/fp16: Baton's fixed-order Triton GEMM, norm
+    # and attention instead of cuBLAS and flash prefill (false: those; docs/bench.md has the cost)
+    batch_invariant: bool = True
     threads: int = 0  # torch intra-op threads; 0: one per core this process may use
     cpu_cores: str = ""  # bind the process to these cores, e.g. '0-3' (empty: no binding)
     # The router's default sampling for requests that leave max_tokens, temperature, top_k or top_p

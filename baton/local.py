@@ -12,7 +12,7 @@ from collections import deque
 from baton.decode_worker.core import DecodeConfig, DecodeCore
 from baton.engine.model import LoadedModel
 from baton.engine.request import GenerationRequest, RequestError, RequestOutput, validate_prompt
-from baton.engine.executors import make_runner
+from baton.engine.executors import Runner, make_runner
 from baton.sampling import SamplingParams
 from baton.prefill_worker.batching import pick_batch
 from baton.prefill_worker.core import PrefillCore
@@ -21,9 +21,12 @@ from baton.prefill_worker.core import PrefillCore
 class LocalEngine:
     def __init__(self, loaded: LoadedModel, decode_config: DecodeConfig = DecodeConfig(),
                  attention_backend: str = "auto", max_waiting: int = 100_000, prefix_cache_bytes: int = 0,
-                 executor: str = "auto", cuda_graphs: bool = True):
+                 executor: str = "auto", cuda_graphs: bool = True, batch_invariant: bool = True,
+                 runner: Runner | None = None):
+        """runner: an executor already made for `loaded` (else made from the other arguments)."""
         self.loaded = loaded
-        self.runner = make_runner(loaded, executor, attention_backend, cuda_graphs)  # one model serves both phases
+        # one model serves both phases
+        self.runner = runner or make_runner(loaded, executor, attention_backend, cuda_graphs, batch_invariant)
         self.prefill = PrefillCore(self.runner, prefix_cache_bytes=prefix_cache_bytes)
         self.decode = DecodeCore(self.runner, decode_config)
         self.max_waiting = max_waiting

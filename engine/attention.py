@@ -30,10 +30,12 @@ class DecodeAttention:
     table32: torch.Tensor | None = None  # triton: the same as int32
     lengths32: torch.Tensor | None = None
     mask: torch.Tensor | None = None  # torch path: bool [rows, 1, 1, width x page_size]
+    splits: int | None = None  # triton: KV splits per row (None: the kernel's choice; 1: batch-invariant)
 
     @classmethod
-    def for_step(cls, table: torch.Tensor, lengths: torch.Tensor, page_size: int, backend: str) -> "DecodeAttention":
-        ctx = cls(table, lengths, backend)
+    def for_step(cls, table: torch.Tensor, lengths: torch.Tensor, page_size: int, backend: str,
+                 splits: int | None = None) -> "DecodeAttention":
+        ctx = cls(table, lengths, backend, splits=splits)
         if backend == "triton":
             ctx.table32, ctx.lengths32 = table.to(torch.int32), lengths.to(torch.int32)
         else:  # every layer reads the same mask: built once, not per layer
@@ -86,7 +88,7 @@ def decode(query, pages, layer: int, ctx: DecodeAttention, scale):
     if ctx.backend == "triton":
         from baton.engine.kernels import paged_decode_attention
 
-        return paged_decode_attention(query, keys, values, ctx.table32, ctx.lengths32, scale)
+        return paged_decode_attention(query, keys, values, ctx.table32, ctx.lengths32, scale, num_splits=ctx.splits)
     if query.dtype == torch.float32 and query.device.type == "cpu" and cpu_kernels.stores(keys.dtype):
         return cpu_kernels.decode_attention(query, keys, values, ctx.table, ctx.lengths, scale)
     keys, values = gathered(keys, ctx.table), gathered(values, ctx.table)

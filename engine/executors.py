@@ -16,16 +16,17 @@ Runner = LlamaRunner | TransformersRunner
 
 
 def make_runner(loaded: LoadedModel, executor: str = "auto", attention_backend: str = "auto",
-                cuda_graphs: bool = True) -> Runner:
+                cuda_graphs: bool = True, batch_invariant: bool = True) -> Runner:
     """`auto`: the Baton executor where it can run the model, else the reference with one log line.
-    cuda_graphs: on CUDA, the Baton executor's decode steps replay captured graphs."""
+    cuda_graphs: on CUDA, the Baton executor's decode steps replay captured graphs.
+    batch_invariant: on CUDA in bf16/fp16, the Baton executor's fixed-order kernels (`engine.llama`)."""
     if executor not in EXECUTORS:
         raise ValueError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
     if executor == "transformers":
         return TransformersRunner(loaded, attention_backend)
     reason = unsupported_reason(loaded)
     if reason is None:
-        return LlamaRunner(loaded, attention_backend, cuda_graphs)
+        return LlamaRunner(loaded, attention_backend, cuda_graphs, batch_invariant)
     if executor == "baton":
         raise ValueError(f"the Baton executor cannot run {loaded.name}: {reason}; use --executor transformers")
     log.warning("the Baton executor cannot run %s (%s); serving it with the transformers executor", loaded.name, reason)
@@ -39,4 +40,5 @@ def load_runner(settings) -> Runner:
 
     threads.configure(settings.threads, settings.cpu_cores)
     loaded = load_model(settings.name, dtype=settings.dtype, device=settings.device)
-    return make_runner(loaded, settings.executor, settings.attention_backend, settings.cuda_graphs)
+    return make_runner(loaded, settings.executor, settings.attention_backend, settings.cuda_graphs,
+                       settings.batch_invariant)

@@ -6,8 +6,9 @@ panels in the model's dtype (`engine.cpu.kernels`: fp32, bf16 or fp16 weights, f
 and sums), and so do prompts' rows; fp32 weights hand forwards of more than `max_rows` rows (2048
 with AVX-512, else 16) to `F.linear` (MKL) over the plain weight. Without a C compiler, oneDNN's
 prepacked layout serves the few rows instead. Both read weights faster than `F.linear` does at
-1-16 rows (docs/bench.md, `baton bench engine`). On CUDA, and for dtypes neither packs, the
-plain weight and `F.linear`.
+1-16 rows (docs/bench.md, `baton bench engine`). On CUDA in bf16/fp16 with batch invariance,
+the plain weight through Baton's fixed-order Triton GEMM (`engine.kernels.invariant`; cuBLAS
+rounds a row differently with the row count). Elsewhere the plain weight and `F.linear`.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 from baton.engine.cpu import kernels as cpu_kernels
 
 log = logging.getLogger(__name__)
+
+HALF = (torch.bfloat16, torch.float16)
 
 # oneDNN chooses its blocked layout for an expected row count; decode batches are a few rows.
 ONEDNN_PACK_ROWS = 8
@@ -37,6 +40,8 @@ class Linear:
             self.packed = cpu_kernels.pack(weight)
         elif layout == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_PACK_ROWS)
+        elif layout == "triton":
+            self.weight = weight.contiguous()
         elif layout != "plain":
             raise ValueError(f"unknown weight layout {layout!r}")
 
@@ -51,17 +56,21 @@ class Linear:
                 out += self.bias
         elif self.layout == "onednn":
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        elif self.layout == "triton":
+            from baton.engine.kernels import invariant_linear
+
+            out = invariant_linear(flat if flat.stride(-1) == 1 else flat.contiguous(), self.weight, self.bias)
         else:
             out = F.linear(flat, self.weight, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def best_layout(device: torch.device, dtype: torch.dtype) -> str:
+def best_layout(device: torch.device, dtype: torch.dtype, batch_invariant: bool = True) -> str:
     """'panels' (Baton's kernel, CPU, fp32 activations over fp32, bf16 or fp16 weights), 'onednn'
     (prepacked, where oneDNN packs this dtype here: fp32, or bf16 with AVX-512 or AVX-NE-CONVERT),
-    else 'plain'."""
+    'triton' (CUDA, bf16/fp16, batch-invariant), else 'plain'."""
     if device.type != "cpu":
-        return "plain"
+        return "triton" if batch_invariant and device.type == "cuda" and dtype in HALF else "plain"
     if cpu_kernels.stores(dtype):
         return "panels"
     return "onednn" if onednn_packs(dtype) else "plain"

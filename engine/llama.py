@@ -18,8 +18,12 @@ are fp32, and every kernel reduces each row alone in a fixed order: a request's 
 same whatever rows share its step, however its prompt was chunked or cached, and whether its KV
 was computed by prefill or by decode (batch invariance; prefill attention runs decode's kernel).
 In fp32, numerics follow transformers' Llama forward operation for operation (norms in fp32, the
-same rotary tables), so greedy tokens equal `generate`'s. On CUDA the model's dtype throughout;
-prefill attention there merges a cached prefix with the prompt's own part by log-sum-exp.
+same rotary tables), so greedy tokens equal `generate`'s. On CUDA the model's dtype throughout.
+In bf16/fp16 there, batch invariance (`batch_invariant`, on by default) runs Baton's Triton
+kernels in the same spirit: a fixed-order GEMM and RMSNorm (`engine.kernels.invariant`), decode
+attention in one split, and prefill attention through the decode kernel (`prefill_over_pages`);
+without it cuBLAS and FlashAttention-style prefill, whose rounding depends on the batch. fp32 on
+CUDA keeps cuBLAS: its contract is equality with `generate`, which uses cuBLAS too.
 """
 from __future__ import annotations
 
@@ -86,7 +90,11 @@ class LlamaRunner:
 
     name = "baton"
 
-    def __init__(self, loaded: LoadedModel, attention_backend: str = "auto", cuda_graphs: bool = True):
+    def __init__(self, loaded: LoadedModel, attention_backend: str = "auto", cuda_graphs: bool = True,
+                 batch_invariant: bool = True, layout: str | None = None):
+        """batch_invariant: on CUDA in bf16/fp16, Baton's fixed-order Triton kernels (on CPU Baton's C
+        kernels are invariant anyway). layout: the weights' layout (None: `best_layout`'s choice;
+        tests name 'triton' to run CUDA's invariant kernels in Triton's interpreter)."""
         reason = unsupported_reason(loaded)
         if reason:
             raise ValueError(f"the Baton executor cannot run {loaded.name}: {reason}")
@@ -99,7 +107,11 @@ class LlamaRunner:
         self.head_dim = shape.head_dim
         self.eps = float(cfg.rms_norm_eps)
         self.dtype = loaded.dtype  # weights and KV as stored
-        self.layout = best_layout(loaded.device, loaded.dtype)
+        self.layout = layout or best_layout(loaded.device, loaded.dtype, batch_invariant and self.backend == "triton")
+        if self.layout == "triton" and self.backend != "triton":
+            raise ValueError("the triton weight layout needs the triton attention backend")
+        # decode attention in one KV split where the kernels must be batch-invariant
+        self.splits = 1 if self.layout == "triton" else None
         # Baton's CPU kernels compute in fp32 whatever the stored dtype; elsewhere the model's dtype
         self.compute_dtype = torch.float32 if self.layout == "panels" else self.dtype
         decoder = model.get_decoder()
@@ -165,6 +177,11 @@ class LlamaRunner:
         if x.dtype == torch.float32:
             if self.layout == "panels":  # Baton's C kernels are built here: one call, not torch's six
                 return cpu_kernels.rms_norm(x, weight, self.eps)
+        if self.layout == "triton":  # one program a row: the same bits in any batch
+            from baton.engine.kernels import invariant_rms_norm
+
+            return invariant_rms_norm(x, weight, self.eps)
+        if x.dtype == torch.float32:
             return F.rms_norm(x, weight.shape, weight, self.eps)
         # transformers normalises in fp32 and casts back before the weight multiplies
         return weight * F.rms_norm(x.float(), weight.shape, None, self.eps).to(x.dtype)
@@ -222,7 +239,7 @@ class LlamaRunner:
             cos, signed_sin = rotary
             self.decode_layers(h, cos, signed_sin, kv.pages, table, lengths)
         else:
-            ctx = DecodeAttention.for_step(table, lengths, kv.page_size, self.backend)
+            ctx = DecodeAttention.for_step(table, lengths, kv.page_size, self.backend, self.splits)
             h = self._decode_layers(kv.pages, h, rotary, ctx)
         logits = self.lm_head(self._rms_norm(h, self.norm))
         self.decode_tokens_forwarded += rows
@@ -241,7 +258,7 @@ class LlamaRunner:
     def _captured_step(self, pages, ids, lengths, table) -> torch.Tensor:
         """The decode step a CUDA graph records: every input a device tensor (engine.cuda_graphs).
         pages: the paged KV; ids, lengths int64 [R]; table int64 [R, width]."""
-        ctx = DecodeAttention.for_step(table, lengths, pages.shape[4], self.backend)
+        ctx = DecodeAttention.for_step(table, lengths, pages.shape[4], self.backend, self.splits)
         h = self._decode_layers(pages, self._embed(ids), self._rotary(lengths - 1), ctx)
         return self.lm_head(self._rms_norm(h, self.norm)).float()
 
@@ -331,6 +348,12 @@ class LlamaRunner:
         if self.c_attention:  # decode's kernel over the stored KV: each token as decode computes it
             out = cpu_kernels.prefill_attention(q, kv[0], kv[1], None if shared is None else shared[0],
                                                 None if shared is None else shared[1], self.scale)
+            return out.view(b * t, -1)
+        if self.layout == "triton":  # decode's kernel too: each token as a decode step would compute it
+            from baton.engine.kernels import prefill_over_pages
+
+            out = prefill_over_pages(q, kv[0], kv[1], None if shared is None else shared[0],
+                                     None if shared is None else shared[1], self.scale)
             return out.view(b * t, -1)
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, D]
         if shared is None:

@@ -280,12 +280,13 @@ def weights_hash(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def tiny_random_model(seed: int = 0):
-    """A two-layer Llama with GQA and random weights, sharing the default tokenizer's vocabulary."""
+def tiny_random_model(seed: int = 0, vocab_size: int = 49152):
+    """A two-layer Llama with GQA and random weights, sharing the default tokenizer's vocabulary
+    (or its first `vocab_size` ids: a smaller LM head for Triton's slow interpreter)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
         # A wide init keeps logits peaked, so greedy ties between near-equal tokens stay rare.

@@ -56,6 +56,14 @@ def test_kernels_suite_runs_or_says_why_not(tmp_path, capsys):
         assert document["plots"] and "geomean speedup" in printed
 
 
+def test_invariance_suite_runs_or_says_why_not(tmp_path, capsys):
+    document, printed = run_suite("invariance", tmp_path, capsys)
+    if document.get("skipped"):
+        assert "needs a CUDA GPU" in printed
+    else:
+        assert document["modes"]["invariant"]["row_bits_equal"] and "prefill, 128 tokens" in printed
+
+
 def test_prefix_planner_figures_without_the_model(tmp_path, capsys):
     document, printed = run_suite("prefix", tmp_path, capsys, "--no-model")
     planner = document["planner"]

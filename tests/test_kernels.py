@@ -315,6 +315,92 @@ def test_prefill_reference_agrees_with_sdpa():
     torch.testing.assert_close(ref, expect.transpose(0, 1), atol=1e-5, rtol=1e-5)
 
 
+# -- batch invariance (engine.kernels.invariant, prefill_over_pages) --------------------------
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_invariant_linear_gives_a_row_the_same_bits_in_any_batch(dtype, bias):
+    from baton.engine.kernels import invariant_linear
+
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(200, 150, generator=gen).to(dtype).to(DEVICE)  # N, K: neither a tile multiple
+    b = torch.randn(200, generator=gen).to(dtype).to(DEVICE) if bias else None
+    rows = torch.randn(70, 150, generator=gen).to(dtype).to(DEVICE)
+    alone = torch.cat([invariant_linear(rows[i:i + 1], weight, b) for i in range(0, 70, 9)])
+    expected = F.linear(rows.float(), weight.float(), None if b is None else b.float())
+    assert_matches(invariant_linear(rows, weight, b), expected.to(dtype), dtype)
+    # the same rows among other rows, at other positions and tile offsets: the same bits
+    for count, at in ((2, 1), (16, 7), (70, 0), (67, 64)):
+        others = torch.randn(count, 150, generator=gen).to(dtype).to(DEVICE)
+        mixed = torch.cat([others[:at], rows[::9], others[at:]])
+        out = invariant_linear(mixed, weight, b)
+        assert torch.equal(out[at:at + alone.shape[0]], alone), (count, at)
+
+
+@in_process
+def test_invariant_linear_and_norm_refuse_bad_inputs():
+    from baton.engine.kernels import invariant_linear, invariant_rms_norm
+
+    x, w = torch.zeros(3, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="linear needs"):
+        invariant_linear(x, torch.zeros(4, 9, device=DEVICE))
+    with pytest.raises(ValueError, match="share a float dtype"):
+        invariant_linear(x, w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="bias"):
+        invariant_linear(x, w, torch.zeros(5, device=DEVICE))
+    with pytest.raises(ValueError, match="rms_norm needs"):
+        invariant_rms_norm(x, torch.zeros(9, device=DEVICE), 1e-5)
+    assert invariant_linear(x[:0], w).shape == (0, 4)
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_rms_norm_matches_transformers_order_per_row(dtype):
+    from baton.engine.kernels import invariant_rms_norm
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(9, 576, generator=gen).to(dtype).to(DEVICE)
+    weight = torch.randn(576, generator=gen).to(dtype).to(DEVICE)
+    out = invariant_rms_norm(x, weight, 1e-5)
+    expected = weight.float() * F.rms_norm(x.float(), (576,), None, 1e-5).to(dtype).float()
+    assert_matches(out, expected.to(dtype), dtype)
+    assert torch.equal(invariant_rms_norm(x[4:5], weight, 1e-5), out[4:5])
+
+
+@in_process
+def test_prefill_over_pages_gives_each_token_its_decode_bits(dtype=torch.bfloat16):
+    """A prompt's token attends exactly as a decode step at its position would, whether its prefix
+    was computed in the same forward, passed as a cached prefix, or padded beside a longer prompt."""
+    from baton.engine.kernels import prefill_over_pages
+
+    gen = torch.Generator().manual_seed(7)
+    kv_heads, group, head_dim, length = 2, 3, 64, 90
+    q = torch.randn(length, kv_heads * group, head_dim, generator=gen).to(dtype).to(DEVICE)
+    k = torch.randn(1, kv_heads, length, head_dim, generator=gen).to(dtype).to(DEVICE)
+    v = torch.randn(1, kv_heads, length, head_dim, generator=gen).to(dtype).to(DEVICE)
+    # decode: each position as the next token of a row over 16-token pages
+    k_pages, v_pages, table, _ = paged_kv([length], 16, kv_heads, head_dim, dtype, gen)
+    for t in range(length):  # this test's keys and values into the row's shuffled pages
+        page, slot = table[0, t // 16].long(), t % 16
+        k_pages[page, :, slot], v_pages[page, :, slot] = k[0, :, t], v[0, :, t]
+    positions = torch.arange(1, length + 1, dtype=torch.int32, device=DEVICE)  # one decode row per position
+    decoded = paged_decode_attention(q, k_pages, v_pages, table[:1].expand(length, -1).contiguous(), positions,
+                                     None, num_splits=1)
+    whole = prefill_over_pages(q, k, v)
+    assert torch.equal(whole, decoded)
+    for cut in (1, 64):  # a cached prefix of `cut` tokens, the rest computed now
+        rest = prefill_over_pages(q[cut:], k[:, :, cut:], v[:, :, cut:], k[0, :, :cut], v[0, :, :cut])
+        assert torch.equal(rest, decoded[cut:]), cut
+    # beside a longer prompt (this one right-padded with noise it never sees)
+    longer_k = torch.randn(1, kv_heads, length + 8, head_dim, generator=gen).to(dtype).to(DEVICE)
+    pad = torch.randn(1, kv_heads, 8, head_dim, generator=gen).to(dtype).to(DEVICE)
+    ks, vs = torch.cat([torch.cat([k, pad], 2), longer_k]), torch.cat([torch.cat([v, pad], 2), longer_k])
+    qs = torch.cat([q, q[:8], q, q[:8]])
+    both = prefill_over_pages(qs, ks, vs)
+    assert torch.equal(both[:length], decoded)
+
+
 # -- environment ----------------------------------------------------------------------------
 
 def test_triton_available_follows_interpreter_flag(monkeypatch):

@@ -40,3 +40,58 @@ def test_triton_backend_matches_torch_backend():
     assert result["triton"] == result["torch"]
     assert result["triton_sharing"] >= 1 and result["torch_sharing"] >= 1
     assert result["triton_cached"] >= 64 and result["torch_cached"] >= 64  # the shared-prefix prefill kernel ran
+
+
+INVARIANT_SCRIPT = textwrap.dedent("""
+    import json
+    import torch
+    from baton.decode_worker.core import DecodeConfig, DecodeCore
+    from baton.engine.llama import LlamaRunner
+    from baton.engine.model import _finish, load_model, tiny_random_model
+    from baton.engine.request import GenerationRequest
+    from baton.local import LocalEngine
+    from baton.prefill_worker.core import PrefillCore
+    from baton.sampling import SamplingParams
+
+    # CUDA's batch-invariant kernels (Triton GEMM, RMSNorm, one-split decode, prefill through the
+    # decode kernel), interpreted; bf16 storage and activations as on a GPU. A 512-token vocabulary
+    # (ids the default tokenizer decodes): the interpreter takes seconds for a 49152-row LM head
+    model = _finish(tiny_random_model(vocab_size=512), load_model("tiny-random").tokenizer, "tiny-512",
+                    torch.bfloat16, "cpu")
+    runner = LlamaRunner(model, "triton", cuda_graphs=False, layout="triton")
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    target = list(range(300, 340))
+    others = [[7, 8, 9], list(range(100, 190)), [11], list(range(400, 417))]
+    alone = LocalEngine(model, DecodeConfig(max_rows=1), runner=runner).generate([target], params)[0].token_ids
+    mixed = LocalEngine(model, DecodeConfig(max_rows=5), runner=runner).generate(
+        others[:2] + [target] + others[2:], params)[2].token_ids
+    whole = runner.prefill(target)
+    kv = None
+    for end in (7, 23, 40):  # chunked prefill, each chunk continuing the last one's KV
+        out = runner.prefill_batch([target[:end]], kv)[0]
+        kv = out.kv
+    chunked = torch.equal(out.kv.data, whole.kv.data) and torch.equal(out.logits, whole.logits)
+    core = DecodeCore(runner, DecodeConfig(max_rows=3, page_size=8))
+    prefill = PrefillCore(runner, prefix_cache_bytes=0)
+    for rid, p in (("a", target), ("b", others[1]), ("c", others[3])):
+        core.add(prefill.prefill([GenerationRequest(rid, p, params)])[0])
+    for _ in range(3):
+        core.step()
+    ev = core.evict("a")
+    reprefilled = torch.equal(ev.kv.data, runner.prefill(target + ev.token_ids[:-1]).kv.data)
+    print(json.dumps({"alone": alone, "mixed": mixed, "chunked": chunked, "reprefilled": reprefilled,
+                      "layout": runner.layout, "splits": runner.splits}))
+""")
+
+
+def test_cuda_batch_invariant_kernels_in_the_interpreter():
+    """The path CUDA takes in bf16/fp16: a request's tokens are the same beside other rows, chunked
+    prefill gives one whole prefill's KV bits, and decode writes the KV a re-prefill computes."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", INVARIANT_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["layout"] == "triton" and result["splits"] == 1
+    assert len(result["alone"]) == 5 and result["mixed"] == result["alone"]
+    assert result["chunked"] and result["reprefilled"]

@@ -6,6 +6,9 @@
 - `prefill_attention` / `prefill_attention_varlen`: causal attention of new tokens over a
   cached prefix plus themselves (chunked prefill, prefix reuse), optionally after a prefix that
   a batch group's prompts all continue, passed once.
+- `prefill_over_pages`: prefill attention as decode computes it (the paged kernel, one row per
+  prompt token), and `invariant_linear` / `invariant_rms_norm`: fixed-order GEMM and norm; on
+  CUDA in bf16/fp16 these make a request's tokens independent of its batch (`engine.llama`).
 - `reference`: the same contracts in plain torch (CPU path and test oracle).
 
 The Triton modules are imported lazily, on first use of a kernel name, because
@@ -22,9 +25,12 @@ from baton.engine.kernels.reference import (paged_decode_attention_ref, prefill_
                                             prefill_attention_varlen_ref)
 
 _LAZY = {
-    "paged_decode_attention": "baton.engine.kernels.paged",
-    "prefill_attention": "baton.engine.kernels.prefill",
-    "prefill_attention_varlen": "baton.engine.kernels.prefill",
+    "paged_decode_attention": ("baton.engine.kernels.paged", "paged_decode_attention"),
+    "prefill_attention": ("baton.engine.kernels.prefill", "prefill_attention"),
+    "prefill_attention_varlen": ("baton.engine.kernels.prefill", "prefill_attention_varlen"),
+    "prefill_over_pages": ("baton.engine.kernels.paged", "prefill_over_pages"),
+    "invariant_linear": ("baton.engine.kernels.invariant", "linear"),
+    "invariant_rms_norm": ("baton.engine.kernels.invariant", "rms_norm"),
 }
 
 __all__ = [*_LAZY, "triton_available", "paged_decode_attention_ref", "prefill_attention_ref",
@@ -46,7 +52,7 @@ def triton_available() -> bool:
 
 
 def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in _LAZY:
         raise AttributeError(f"module 'baton.engine.kernels' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    module, attribute = _LAZY[name]
+    return getattr(importlib.import_module(module), attribute)

@@ -13,9 +13,9 @@ import sys
 import triton
 from triton.compiler import ASTSource
 
-from baton.engine.kernels import _common, paged, prefill
+from baton.engine.kernels import _common, invariant, paged, prefill
 
-SCALARS = {"qk_scale": "fp32"}
+SCALARS = {"qk_scale": "fp32", "eps": "fp32"}
 
 
 def _signature(kernel, pointers: dict[str, str], constexprs: dict[str, object]) -> dict[str, str]:
@@ -41,6 +41,14 @@ def _specs(dtype: str, upcast: bool):
         yield "prefill" + " shared" * shared, prefill._prefill_kernel, {**kv, **idx, "Out": f"*{dtype}"}, dict(
             GROUP=8, HEAD_DIM=128, BLOCK_M=prefill.BLOCK_M, BLOCK_N=prefill.BLOCK_N, BLOCK_D=128, UPCAST=upcast,
             SHARED=shared)
+    # the batch-invariant GEMM (with a bias, as Qwen2's QKV has) and RMSNorm
+    gemm = {name: f"*{dtype}" for name in ("X", "W", "Bias", "Out")}
+    for bias in (False, True):
+        yield "invariant linear" + " bias" * bias, invariant._linear_kernel, gemm, dict(
+            HAS_BIAS=bias, UPCAST=upcast, IEEE=dtype == "fp32", BLOCK_M=invariant.BLOCK_M,
+            BLOCK_N=invariant.BLOCK_N, BLOCK_K=invariant.BLOCK_K)
+    yield "invariant rms_norm", invariant._rms_norm_kernel, {"X": f"*{dtype}", "W": f"*{dtype}",
+                                                              "Out": f"*{dtype}"}, dict(BLOCK=1024)
     yield "merge", _common._merge_kernel, {"MidO": "*fp32", "MidLse": "*fp32", "Out": f"*{dtype}"}, dict(
         HEAD_DIM=64, BLOCK_S=8, BLOCK_D=64)
 

@@ -163,3 +163,44 @@ def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
     if num_splits > 1:
         merge_partials(dest, lse, out)
     return out
+
+
+def prefill_over_pages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor | None = None,
+                       prefix_v: torch.Tensor | None = None, scale: float | None = None,
+                       page_size: int = BLOCK_N) -> torch.Tensor:
+    """Causal prefill attention computed as decode computes it: every prompt token is one row of
+    `paged_decode_attention` (one split) over its prompt's pages, so a token's output has the
+    bits a decode step at its position would give, whether its prefix was cached, chunked or
+    computed in this forward (batch invariance; the kernel reads columns in BLOCK_N blocks from
+    column 0 whatever the pages, so `page_size` changes addresses only).
+
+    q: [B * T, Hq, D], prompt-major; k, v: [B, Hkv, T, D], each prompt's new tokens (a shorter
+    prompt's padding after its own tokens is never seen by them); prefix_k, prefix_v: [Hkv, C, D],
+    a prefix every prompt continues, or None. Returns [B * T, Hq, D] in q's dtype."""
+    if k.dim() != 4 or k.shape != v.shape or q.dim() != 3 or q.shape[0] != k.shape[0] * k.shape[2]:
+        raise ValueError(f"prefill_over_pages needs q [B * T, Hq, D] and k, v [B, Hkv, T, D]; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if (prefix_k is None) != (prefix_v is None):
+        raise ValueError("a cached prefix needs both prefix_k and prefix_v")
+    b, kv_heads, t, head_dim = k.shape
+    cached = 0 if prefix_k is None else prefix_k.shape[1]
+    if prefix_k is not None and (prefix_k.shape != prefix_v.shape or prefix_k.shape[0] != kv_heads
+                                 or prefix_k.shape[2] != head_dim):
+        raise ValueError(f"prefix shape mismatch: k {tuple(k.shape)}, prefix_k {tuple(prefix_k.shape)}, "
+                         f"prefix_v {tuple(prefix_v.shape)}")
+    per_prompt = triton.cdiv(cached + t, page_size)
+
+    def pages(own: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor:
+        # token-major, so page p of prompt i is page i * per_prompt + p of one pool; slots past a
+        # prompt's tokens stay unwritten and are never read (every row's length ends before them)
+        buf = own.new_empty(b, per_prompt * page_size, kv_heads, head_dim)
+        if cached:
+            buf[:, :cached] = prefix.transpose(0, 1)
+        buf[:, cached:cached + t] = own.transpose(1, 2)
+        return buf.view(b * per_prompt, page_size, kv_heads, head_dim).transpose(1, 2)
+
+    device = q.device
+    table = torch.arange(b * per_prompt, dtype=torch.int32, device=device).view(b, per_prompt)
+    table = table.repeat_interleave(t, dim=0)  # [B * T, per_prompt]
+    lengths = (torch.arange(t, dtype=torch.int32, device=device) + cached + 1).repeat(b)
+    return paged_decode_attention(q, pages(k, prefix_k), pages(v, prefix_v), table, lengths, scale, num_splits=1)

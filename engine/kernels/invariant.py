@@ -1,0 +1,108 @@
+"""Batch-invariant GEMM and RMSNorm for CUDA (Triton): a row's result never depends on the others.
+
+cuBLAS picks its algorithm (tile shape, split-K) by the number of rows, so the same row of a
+bf16 activation comes out rounded differently in a decode step of 3 rows and one of 11: greedy
+tokens then change with the load. These kernels fix everything a row's reduction depends on:
+- `linear`: one tile shape for every row count (BLOCK_M x BLOCK_N x BLOCK_K), no split-K, each
+  output summed over k in order by the same MMA instruction, fp32 accumulation;
+- `rms_norm`: one program per row, the whole row in one block, fp32 sums;
+so a row's bits depend only on its own inputs (vLLM's and SGLang's batch-invariant modes do the
+same with persistent matmuls; this one is the plain tiled form). Decode rows use a 64-row tile
+for 1-16 rows: compute is wasted, but decode reads weights and stays bound by that read.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from baton.engine.kernels._common import is_interpreted
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _linear_kernel(X, W, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om,
+                   HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Out[m, n] = sum_k X[m, k] * W[n, k] (+ Bias[n]), k in BLOCK_K steps from 0."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        cols = k + offs_k
+        k_mask = cols < K
+        # x: [BLOCK_M, BLOCK_K], w: [BLOCK_N, BLOCK_K]; masked elements are 0 and add nothing
+        x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if UPCAST:  # the interpreter has no half-precision dot
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        if IEEE:  # fp32 operands: true fp32 products, not TF32
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = Out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(Out.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, K] (stride 1 along K); weight: [N, K] contiguous; bias: [N] or None -> [M, N] in x's
+    dtype, each row computed alone in a fixed order."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear needs x [M, K] and weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype not in _FLOATS or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must share a float dtype; got {x.dtype} and {weight.dtype}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous [{weight.shape[0]}]; got {tuple(bias.shape)}")
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError("x's rows and the weight must be contiguous along K")
+    interpreted = is_interpreted(_linear_kernel)
+    if x.device.type != "cuda" and not interpreted:
+        raise RuntimeError("the invariant GEMM needs CUDA tensors (or TRITON_INTERPRET=1 before the kernels import)")
+    (m, k), n = x.shape, weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    _linear_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0),
+                         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, UPCAST=interpreted,
+                         IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                         num_warps=4, num_stages=3)
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Out, N, eps, stride_x, stride_o, BLOCK: tl.constexpr):
+    """One row: transformers' order, normalised in fp32, rounded to the dtype, then times the weight."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
+    y = (x * rstd).to(Out.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + offs, (w * y).to(Out.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [R, H] (stride 1 along H); weight: [H] -> [R, H] in x's dtype, one program per row."""
+    if x.dim() != 2 or weight.shape != (x.shape[1],) or x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError(f"rms_norm needs x [R, H] and a contiguous weight [H]; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    if x.device.type != "cuda" and not is_interpreted(_rms_norm_kernel):
+        raise RuntimeError("the invariant RMSNorm needs CUDA tensors (or TRITON_INTERPRET=1 before the kernels import)")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        block = triton.next_power_of_2(x.shape[1])
+        _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.shape[1], eps, x.stride(0), out.stride(0), BLOCK=block,
+                                        num_warps=min(16, max(1, block // 256)))
+    return out
