@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from baton.v1 import common_pb2
-from baton.sampling import SamplingParams, TokenLogprob
+from baton.sampling import Guide, SamplingParams, TokenLogprob
 
 _DEFAULTS = SamplingParams()
 
@@ -19,12 +19,15 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.guide is not None:
+        msg.guide.kind, msg.guide.spec = params.guide.kind, params.guide.spec
     return msg
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Raises ValueError (with what to change) for settings no worker could honour."""
-    return SamplingParams(
+    """Raises ValueError (with what to change) for settings no worker could honour, a guide no
+    grammar engine could compile among them."""
+    params = SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else _DEFAULTS.max_tokens,
         temperature=float(msg.temperature), top_k=msg.top_k,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
@@ -35,7 +38,13 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         min_p=msg.min_p, min_tokens=msg.min_tokens, logit_bias=tuple(sorted(msg.logit_bias.items())),
+        guide=Guide(msg.guide.kind, msg.guide.spec) if msg.HasField("guide") else None,
     )
+    if params.guide is not None:
+        from baton.guides import grammar_of
+
+        grammar_of(params.guide)
+    return params
 
 
 def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:

@@ -6,6 +6,7 @@ change, whether it came from a Python caller, the command line or a wire message
 """
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, fields
@@ -22,6 +23,10 @@ MAX_REPETITION_PENALTY = 10.0
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 
+MAX_GUIDE_CHARS = 1 << 16  # a schema, pattern or grammar
+MAX_CHOICES = 256  # strings a `choice` guide picks from
+GUIDE_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
 UINT32_MAX = 2**32 - 1  # the wire's bound for counts and token ids
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
@@ -32,6 +37,43 @@ def _is_int(value: Any) -> bool:
 
 def _int_in(value: Any, low: int, high: int) -> bool:
     return _is_int(value) and low <= value <= high
+
+
+@dataclass(frozen=True)
+class Guide:
+    """What a request's output must match (structured outputs), held by a grammar on every token
+    the request samples, wherever it samples (engine.grammar). kind and spec:
+    - json_object: any JSON object (spec empty);
+    - json_schema: spec is a JSON Schema, as JSON text;
+    - regex: spec is a regular expression the whole output matches;
+    - choice: spec is a JSON list of strings, the output one of them;
+    - grammar: spec is a Lark grammar (llguidance's dialect, which embeds JSON schemas with %json).
+    Checked here for shape; whether a backend can compile it is checked where it compiles."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDE_KINDS:
+            raise ValueError(f"guide kind must be one of {', '.join(GUIDE_KINDS)} (got {self.kind!r})")
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_GUIDE_CHARS:
+            raise ValueError(f"a {self.kind} guide's spec must be a string of at most {MAX_GUIDE_CHARS} characters")
+        if self.kind == "json_object":
+            if self.spec:
+                raise ValueError("a json_object guide takes no spec; use json_schema to give a schema")
+            return
+        if not self.spec.strip():
+            raise ValueError(f"a {self.kind} guide needs a spec (a {self.kind.replace('_', ' ')})")
+        if self.kind in ("json_schema", "choice"):
+            try:
+                value = json.loads(self.spec)
+            except ValueError as exc:
+                raise ValueError(f"a {self.kind} guide's spec must be JSON ({exc})") from None
+            if self.kind == "json_schema" and not isinstance(value, (dict, bool)):
+                raise ValueError("a json_schema guide's spec must be a JSON Schema object")
+            if self.kind == "choice" and not (isinstance(value, list) and 0 < len(value) <= MAX_CHOICES and all(
+                    isinstance(c, str) and c for c in value)):
+                raise ValueError(f"a choice guide's spec must be a JSON list of 1-{MAX_CHOICES} non-empty strings")
 
 
 @dataclass(frozen=True)
@@ -57,6 +99,7 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest one; 0 = off
     min_tokens: int = 0  # EOS, stop_token_ids and stop strings end the request only after this many
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100])
+    guide: Guide | None = None  # structured output: what the text must match; None = free text
 
     def __post_init__(self) -> None:
         # Normalise JSON-ish input (lists, a single stop string, int temperatures) once here.
@@ -69,6 +112,8 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(pairs))
         elif isinstance(self.logit_bias, list):
             object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias))
+        if isinstance(self.guide, dict):  # {"kind": ..., "spec": ...} from JSON or the SDK
+            object.__setattr__(self, "guide", Guide(**self.guide))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, (list, tuple)):
@@ -87,9 +132,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the logits change before sampling: penalties, a logit bias or min_tokens."""
+        """Whether the logits change before sampling: penalties, a logit bias, min_tokens or a guide."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.guide)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field, its value and what to change."""
@@ -113,6 +158,11 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be true or false (got {self.ignore_eos!r})")
         if not _int_in(self.priority, INT32_MIN, INT32_MAX):
             raise ValueError(f"priority must be a 32-bit integer (got {self.priority!r}); higher runs first")
+        if self.guide is not None and not isinstance(self.guide, Guide):
+            raise ValueError(f"guide must be a Guide(kind, spec) or null (got {self.guide!r})")
+        if self.guide is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a guide: the grammar ends the output with EOS "
+                             "once it is complete; drop one of them")
         if self.logprobs is not None and not _int_in(self.logprobs, 0, MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} or null (got {self.logprobs!r}): "
                              "how many most likely alternatives to return with each token's log probability")

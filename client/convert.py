@@ -73,6 +73,8 @@ def sampling_to_proto(options: SamplingOptions, given: set[str] = frozenset()) -
         proto.seed = options.seed
     if options.logprobs is not None:
         proto.logprobs = options.logprobs
+    if options.guide is not None:  # structured output: Guide(kind, spec), or a {"kind", "spec"} dict
+        proto.guide.kind, proto.guide.spec = options.guide.kind, options.guide.spec
     return proto
 
 

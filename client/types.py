@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from baton.sampling import (INT32_MAX, INT32_MIN, MAX_SEED, SAMPLING_OPTION_NAMES, UINT32_MAX,  # noqa: F401
+from baton.sampling import (INT32_MAX, INT32_MIN, MAX_SEED, SAMPLING_OPTION_NAMES, UINT32_MAX, Guide,  # noqa: F401
                             SamplingParams, TokenLogprob)
 
 

@@ -197,7 +197,8 @@ class DecodeCore:
         # Continue the random stream the prefill's first draw started.
         live.sampler = RequestSampler.for_request(req.params, req.prompt_token_ids, req.resume_step,
                                                   ending_ids(req.params, loaded.eos_token_ids), seed=prefilled.seed,
-                                                  drawn=[prefilled.first_token])
+                                                  drawn=[prefilled.first_token],
+                                                  grammars=loaded.grammars if req.params.guide else None)
         live.kv = prefilled.whole_kv()
         live.kv_start = seq.num_kv_tokens - live.kv.num_tokens  # the held shared pages' tokens
         if prefilled.first_logprob is not None:

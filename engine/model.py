@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
 import importlib.util
@@ -84,6 +85,13 @@ class LoadedModel:
             elif value:
                 ids.update(value)
         return frozenset(ids)
+
+    @functools.cached_property
+    def grammars(self):
+        """Structured outputs' grammar engine for this model's tokenizer (engine.grammar), made on first use."""
+        from baton.engine.grammar import Grammars
+
+        return Grammars(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
 
     @property
     def text(self) -> "TokenizerView":

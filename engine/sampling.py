@@ -42,7 +42,8 @@ class RequestSampler:
     """
 
     def __init__(self, params: SamplingParams, tokens_generated: int = 0, *, prompt_ids: Sequence[int] = (),
-                 output_ids: Sequence[int] = (), suppress_ids: Collection[int] = (), resume_step: int = 0) -> None:
+                 output_ids: Sequence[int] = (), suppress_ids: Collection[int] = (), resume_step: int = 0,
+                 grammars=None) -> None:
         if tokens_generated < 0:
             raise ValueError(f"tokens_generated must be >= 0 (got {tokens_generated})")
         self.params = params
@@ -60,20 +61,27 @@ class RequestSampler:
                 self.seen.update(prompt_ids)
                 self.seen.update(output_ids)
             self.output_counts.update(output_ids)
+        # structured output: the grammar's state rebuilt from the tokens so far (engine.grammar)
+        self.guide = None
+        if params.guide is not None:
+            if grammars is None:
+                raise ValueError("this request has a guide (structured output) but no grammar engine was given")
+            self.guide = grammars.matcher(params.guide, output_ids)
 
     @classmethod
     def for_request(cls, params: SamplingParams, prompt_ids: Sequence[int], resume_step: int,
-                    suppress_ids: Collection[int] = (), seed: int | None = None, drawn: Sequence[int] = ()
-                    ) -> "RequestSampler":
+                    suppress_ids: Collection[int] = (), seed: int | None = None, drawn: Sequence[int] = (),
+                    grammars=None) -> "RequestSampler":
         """The sampler of a request given `prompt_ids` at `resume_step` (its last resume_step
         tokens were generated before, elsewhere), after `drawn` more tokens (a decode worker
-        continuing the prefill's first token)."""
+        continuing the prefill's first token). grammars: the model's `engine.grammar.Grammars`,
+        needed by a request with a guide."""
         if seed is not None:
             params = replace(params, seed=seed)
         split = len(prompt_ids) - resume_step
         outputs = [*prompt_ids[split:], *drawn]
         return cls(params, resume_step + len(drawn), prompt_ids=prompt_ids[:split], output_ids=outputs,
-                   suppress_ids=suppress_ids, resume_step=resume_step)
+                   suppress_ids=suppress_ids, resume_step=resume_step, grammars=grammars)
 
     def generator_for_step(self, device: torch.device) -> torch.Generator:
         """This request's generator on `device`, seeded for the current step."""
@@ -85,6 +93,8 @@ class RequestSampler:
     def record(self, token: int) -> None:
         """One more token drawn (INVALID_TOKEN too: the step still advances)."""
         self.tokens_generated += 1
+        if token != INVALID_TOKEN and self.guide is not None:
+            self.guide.accept(token)
         if token != INVALID_TOKEN and self.params.adjusts_logits:
             self.output_counts[token] += 1
             if self.params.repetition_penalty != 1.0:
@@ -110,6 +120,8 @@ class RequestSampler:
             ids, counts = zip(*sorted(self.output_counts.items()))
             counts = torch.tensor(counts, dtype=row.dtype, device=device)
             row[torch.tensor(ids, device=device)] -= p.frequency_penalty * counts + p.presence_penalty
+        if self.guide is not None:  # last: what the grammar forbids stays forbidden
+            self.guide.mask(row)
 
 
 def ending_ids(params: SamplingParams, eos_token_ids: Collection[int]) -> set[int]:
@@ -139,6 +151,9 @@ def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> list[int
         tokens = logits.argmax(dim=-1).tolist()
     else:
         tokens = _sample_mixed(logits, samplers)
+    for i in adjusted:  # a grammar that allows nothing (or -inf everywhere): no token, this request fails
+        if samplers[i].guide is not None and logits[i].max() == float("-inf"):
+            tokens[i] = INVALID_TOKEN
     for s, token in zip(samplers, tokens):
         s.record(token)
     return tokens

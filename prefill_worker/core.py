@@ -124,8 +124,10 @@ class PrefillCore:
     def _finish(self, request: GenerationRequest, plan: Reuse, out: PrefillOutput) -> PrefilledRequest:
         """Cache the prompt's new blocks and sample its first token."""
         self._remember(plan.hashes, out)
+        loaded = self.runner.loaded
         sampler = RequestSampler.for_request(request.params, request.prompt_token_ids, request.resume_step,
-                                             ending_ids(request.params, self.runner.loaded.eos_token_ids))
+                                             ending_ids(request.params, loaded.eos_token_ids),
+                                             grammars=loaded.grammars if request.params.guide else None)
         first_token = sample(out.logits[None], [sampler])[0]
         first_logprob = token_logprobs(out.logits[None], [first_token], [request.params])[0]
         request.trace.cached_tokens = plan.tokens

@@ -10,6 +10,8 @@ its KV moved rather than prefilled again.
 """
 from __future__ import annotations
 
+import json
+
 import contextlib
 import gc
 import signal
@@ -144,6 +146,42 @@ def test_penalties_go_on_unchanged_on_another_core(runner, tiny_reference):
     run_to_end(target, moved)
     assert ev.token_ids + moved["p"][1:] == stayed.token_ids
     assert stayed.token_ids != tiny_reference.greedy(prompt, MAX_TOKENS)
+
+
+# bounded, so even the tiny random model's tokens finish the object within a few dozen tokens
+GUIDED_SCHEMA = {"type": "object", "properties": {
+    "color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
+    "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3}},
+    "required": ["color", "ok", "n", "tags"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_structured_output_goes_on_unchanged_on_another_core(runner, temperature):
+    """The grammar's state is the tokens so far: the target core rebuilds it from the prompt it is
+    given, so a moved request draws what it would have drawn staying put and still matches."""
+    import jsonschema
+
+    from baton.local import LocalEngine
+    from baton.sampling import Guide
+
+    prompt = [322 + j for j in range(10)]
+    params = SamplingParams(max_tokens=MAX_TOKENS * 3, temperature=temperature, seed=5,
+                            guide=Guide("json_schema", json.dumps(GUIDED_SCHEMA)))
+    stayed = LocalEngine(runner.loaded, DecodeConfig(max_rows=2), attention_backend="torch").generate([prompt], params)[0]
+    jsonschema.validate(json.loads(stayed.text), GUIDED_SCHEMA)
+    source = DecodeCore(runner, DecodeConfig(max_rows=2), on_kv_consumed=Released())
+    source.add(prefilled(runner, "p", prompt, params))
+    for _ in range(6):
+        source.step()
+    ev = source.evict("p")
+    source.scheduler.take_moving("p")
+    target = DecodeCore(runner, DecodeConfig(max_rows=2), on_kv_consumed=Released())
+    target.add(resumed(ev, params))
+    moved: dict[str, list[int]] = {}
+    run_to_end(target, moved)
+    assert ev.token_ids + moved["p"][1:] == stayed.token_ids
+    assert stayed.finish_reason == "stop"
 
 
 def test_evicting_a_staged_request_hands_over_its_prefill_kv(runner, tiny_reference):

@@ -99,6 +99,40 @@ def test_penalties_and_biases_reach_both_workers_through_both_apis(api, sdk, tin
         api.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logit_bias={"999999": 1})
 
 
+def test_structured_outputs_hold_through_both_workers_and_both_apis(api, sdk):
+    """The prefill worker samples the first token under the grammar and the decode worker the
+    rest: even the tiny random model's answers match, streamed or not, in both APIs."""
+    import re
+
+    import jsonschema
+
+    from baton.client import Guide
+    from test_migration import GUIDED_SCHEMA
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "card", "schema": GUIDED_SCHEMA, "strict": True}}
+    whole = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=120, temperature=0,
+                                        response_format=fmt)
+    jsonschema.validate(json.loads(whole.choices[0].message.content), GUIDED_SCHEMA)
+    assert whole.choices[0].finish_reason == "stop"
+    chunks = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=120, temperature=0.8, seed=3,
+                                         response_format=fmt, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(streamed), GUIDED_SCHEMA)
+    by_sdk = sdk.generate(messages=CHAT, max_tokens=120, temperature=0,
+                          guide=Guide("json_schema", json.dumps(GUIDED_SCHEMA)))
+    assert by_sdk.text == whole.choices[0].message.content
+    picked = api.completions.create(model=MODEL, prompt="The answer is", max_tokens=10, temperature=1.0, n=4,
+                                    extra_body={"guided_choice": ["yes", "no", "maybe so"]})
+    assert all(c.text in ("yes", "no", "maybe so") for c in picked.choices)
+    number = api.completions.create(model=MODEL, prompt="Year:", max_tokens=10, temperature=1.0,
+                                    extra_body={"structured_outputs": {"regex": "(19|20)[0-9]{2}"}})
+    assert re.fullmatch("(19|20)[0-9]{2}", number.choices[0].text)
+    with pytest.raises(openai.BadRequestError, match="json_schema"):
+        api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5,
+                                    response_format={"type": "json_schema",
+                                                     "json_schema": {"name": "x", "schema": {"type": "objectx"}}})
+
+
 def test_greedy_chat_equals_the_grpc_sdk_token_for_token(api, sdk):
     expected = sdk.generate(messages=CHAT, max_tokens=24, temperature=0, ignore_eos=True)
     answer = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0,

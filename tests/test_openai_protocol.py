@@ -1,6 +1,8 @@
 """Reading OpenAI request bodies and writing answers: plain Python, no server."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from baton.router.openai_api.protocol import (APIError, DEFAULT_SERVED_NAME, IGNORED, MAX_PROMPTS, NEUTRAL, READ,
@@ -86,7 +88,16 @@ def test_completion_prompts_in_every_shape(prompt, expected):
     ({**CHAT, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ({**CHAT, "best_of": 2}, "best_of"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}},
+     "response_format"),
+    ({**CHAT, "guided_regex": "("}, "guided_regex"),
+    ({**CHAT, "guided_choice": []}, "guided_choice"),
+    ({**CHAT, "guided_grammar": "start: nothing_defined"}, "guided_grammar"),
+    ({**CHAT, "structured_outputs": {"json": 5}}, "structured_outputs.json"),
+    ({**CHAT, "response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+    ({**CHAT, "ignore_eos": True, "guided_regex": "a+"}, "ignore_eos"),
     ({**CHAT, "model": 5}, "model"),
 ])
 def test_bad_chat_fields_name_themselves(raw, param):
@@ -102,9 +113,35 @@ def test_penalties_biases_min_p_and_min_tokens_are_read():
     assert parse(CHAT, chat=True, defaults={"repetition_penalty": 1.1}).sampling.repetition_penalty == 1.1
 
 
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+@pytest.mark.parametrize("fields,kind,spec", [
+    ({"response_format": {"type": "json_object"}}, "json_object", ""),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA, "strict": True}}},
+     "json_schema", SCHEMA),
+    ({"guided_json": SCHEMA}, "json_schema", SCHEMA),
+    ({"guided_json": json.dumps(SCHEMA)}, "json_schema", SCHEMA),
+    ({"structured_outputs": {"json": SCHEMA}}, "json_schema", SCHEMA),
+    ({"guided_regex": "[0-9]{3}"}, "regex", "[0-9]{3}"),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, "regex", "[a-z]+"),
+    ({"guided_choice": ["yes", "no"]}, "choice", ["yes", "no"]),
+    ({"structured_outputs": {"choice": ["a \"b\"", "c"]}}, "choice", ["a \"b\"", "c"]),
+    ({"guided_grammar": 'start: "x" NUM\nNUM: /[0-9]+/'}, "grammar", 'start: "x" NUM\nNUM: /[0-9]+/'),
+    ({"structured_outputs": {"json_object": True}}, "json_object", ""),
+])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_structured_outputs_are_read_in_every_spelling(fields, kind, spec, chat):
+    base = CHAT if chat else {"prompt": "hi"}
+    guide = parse({**base, **fields}, chat=chat).sampling.guide
+    assert guide.kind == kind
+    assert (json.loads(guide.spec) if kind in ("json_schema", "choice") else guide.spec) == spec
+    assert parse({**base, "response_format": {"type": "text"}}, chat=chat).sampling.guide is None
+
+
 def test_neutral_values_of_unsupported_fields_pass():
     parse({**CHAT, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "tools": [],
-           "response_format": {"type": "text"}, "logit_bias": {}}, chat=True)
+           "response_format": {"type": "text"}, "logit_bias": {}, "guided_decoding_backend": "guidance"}, chat=True)
 
 
 @pytest.mark.parametrize("prompt", [None, "", [], [1, -2], ["a", ""], [True], 5, ["a"] * (MAX_PROMPTS + 1)])

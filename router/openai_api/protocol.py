@@ -3,12 +3,13 @@ for every bad field) and writing the bodies, stream chunks and errors Baton answ
 framework and no grpc here: `server.py` does the HTTP, `baton.sampling` the sampling checks."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from baton.sampling import (INT32_MAX, INT32_MIN, MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob,
+from baton.sampling import (INT32_MAX, INT32_MIN, MAX_LOGPROBS, MAX_SEED, Guide, SamplingParams, TokenLogprob,
                             fill_unset)
 
 # What the default model is called on the wire (its Hugging Face name), as vLLM would serve it.
@@ -22,7 +23,9 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 READ = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "stop", "seed", "logprobs",
         "presence_penalty", "frequency_penalty", "logit_bias", "user",
         # vLLM's extensions
-        "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "priority"}
+        "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "priority",
+        # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (one at most)
+        "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 READ_CHAT = {"messages", "max_completion_tokens", "top_logprobs"}
 READ_COMPLETIONS = {"prompt"}
 # Bookkeeping for the caller's side that changes nothing in the answer.
@@ -30,7 +33,7 @@ IGNORED = {"store", "metadata", "service_tier", "prompt_cache_key", "safety_iden
 # Not implemented: accepted only at these values (the default, or its explicit "off").
 NEUTRAL = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
            "echo": (None, False), "suffix": (None, ""), "parallel_tool_calls": (None, True, False),
-           "response_format": (None, {"type": "text"}), "best_of": (None, 1), "modalities": (None, ["text"]),
+           "best_of": (None, 1), "modalities": (None, ["text"]),
            "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
            "web_search_options": (None,),
            # vLLM's
@@ -40,8 +43,8 @@ NEUTRAL = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (Non
            "add_special_tokens": (None, False), "allowed_token_ids": (None,), "bad_words": (None, []),
            "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "chat_template": (None,),
            "chat_template_kwargs": (None, {}), "documents": (None,), "mm_processor_kwargs": (None,),
-           "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-           "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
+           # Baton's one grammar engine is llguidance, vLLM's "guidance"
+           "guided_decoding_backend": (None, "auto", "guidance", "llguidance"), "guided_whitespace_pattern": (None,),
            "structural_tag": (None,), "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
            "logits_processors": (None,), "cache_salt": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None,)}
 
@@ -208,6 +211,67 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
         raise bad("logit_bias", f"keys must be token ids such as \"50256\" (got {sorted(raw)!r})") from None
 
 
+def _schema_text(value: Any, param: str) -> str:
+    """A JSON Schema given as an object (or as JSON text, which vLLM also takes)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise bad(param, "must be a JSON Schema object (or its JSON text)") from None
+    if not isinstance(value, (dict, bool)):
+        raise bad(param, f"must be a JSON Schema object (got {type(value).__name__})")
+    return json.dumps(value)
+
+
+def _guide(body: dict) -> Guide | None:
+    """What the output must match: OpenAI's response_format, or vLLM's structured_outputs or
+    guided_json / guided_regex / guided_choice / guided_grammar. At most one of them."""
+    given: list[tuple[str, Guide]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            given.append(("response_format", Guide("json_object")))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise bad("response_format", "a json_schema response_format needs "
+                                             "{\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+            given.append(("response_format", Guide("json_schema", _schema_text(spec["schema"], "response_format"))))
+        elif kind != "text":
+            raise bad("response_format", f"type must be text, json_object or json_schema (got {fmt!r})")
+    guided = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+    outputs = body.get("structured_outputs")
+    if outputs is not None and not isinstance(outputs, dict):
+        raise bad("structured_outputs", "must be an object with one of json, regex, choice, grammar, json_object")
+    fields = [(name, key, body[name]) for name, key in guided.items() if body.get(name) is not None]
+    fields += [(f"structured_outputs.{key}", key, value) for key, value in (outputs or {}).items()
+               if value is not None and value is not False]
+    for param, key, value in fields:
+        if key == "json":
+            given.append((param, Guide("json_schema", _schema_text(value, param))))
+        elif key == "json_object" and value is True:
+            given.append((param, Guide("json_object")))
+        elif key in ("regex", "grammar") and isinstance(value, str) and value:
+            given.append((param, Guide(key, value)))
+        elif key == "choice" and isinstance(value, list) and value and all(isinstance(c, str) and c for c in value):
+            given.append((param, Guide("choice", json.dumps(value))))
+        else:
+            raise bad(param, f"is not a valid {key} guide (got {value!r})")
+    if len(given) > 1:
+        raise bad(given[1][0], f"give one structured output at most ({', '.join(p for p, _ in given)} given)")
+    if not given:
+        return None
+    param, guide = given[0]
+    from baton.guides import grammar_of
+
+    try:
+        grammar_of(guide)
+    except ValueError as exc:
+        raise bad(param, str(exc)) from None
+    return guide
+
+
 def _logprobs(body: dict, chat: bool) -> int | None:
     """How many alternatives per token to return with its log probability; None = none. Chat says
     `logprobs: true` and `top_logprobs: N`; completions say `logprobs: N`."""
@@ -270,7 +334,8 @@ def parse(body: Any, *, chat: bool, defaults: dict | None = None) -> APIRequest:
             "priority": _int(body, "priority", INT32_MIN, INT32_MAX, 0), "logprobs": _logprobs(body, chat),
             "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0),
             "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0),
-            "min_tokens": _int(body, "min_tokens", 0, 2**31 - 1), "logit_bias": _logit_bias(body)})
+            "min_tokens": _int(body, "min_tokens", 0, 2**31 - 1), "logit_bias": _logit_bias(body),
+            "guide": _guide(body)})
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), param=name, code="invalid_value") from None
