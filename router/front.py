@@ -14,7 +14,7 @@ from baton.messages import sampling_from_proto
 
 log = logging.getLogger(__name__)
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # tool: a function's result (tools, Hermes format)
 # Seconds an overloaded client is told to wait before retrying: about how long a decode row or a
 # prefill queue slot takes to free up.
 RETRY_AFTER_SECONDS = 1
@@ -52,7 +52,7 @@ class Front:
             raise RequestError("messages is empty; send at least one chat message")
         bad = [m["role"] for m in messages if m["role"] not in CHAT_ROLES]
         if bad:
-            raise RequestError(f"unknown chat role {bad[0]!r}; use system, user or assistant")
+            raise RequestError(f"unknown chat role {bad[0]!r}; use system, user, assistant or tool")
         return self.model.encode_chat(messages)
 
     @property

@@ -133,6 +133,47 @@ def test_structured_outputs_hold_through_both_workers_and_both_apis(api, sdk):
                                                      "json_schema": {"name": "x", "schema": {"type": "objectx"}}})
 
 
+# bounded arguments, so the tiny random model's calls end within a few dozen tokens
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": CITY}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+             "additionalProperties": False}}}]
+
+
+def test_required_and_named_tool_calls_come_back_as_tool_calls(api):
+    """The grammar holds the call's shape and its arguments' schema, so even the tiny random
+    model's calls parse; streamed, each call comes as one tool_calls delta."""
+    import jsonschema
+
+    answer = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=100, temperature=1.0, seed=4,
+                                         tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    (choice,) = answer.choices
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    schema = {"get_weather": CITY, "get_time": TOOLS[1]["function"]["parameters"]}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    assert call.id.startswith("call_") and call.type == "function"
+    named = {"type": "function", "function": {"name": "get_time"}}
+    chunks = list(api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=100, temperature=0,
+                                              tools=TOOLS, tool_choice=named, parallel_tool_calls=False,
+                                              stream=True))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == ["get_time"] * len(deltas) and deltas and deltas[0].index == 0
+    jsonschema.validate(json.loads(deltas[0].function.arguments), TOOLS[1]["function"]["parameters"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # a conversation that went through a call and its result; `auto` lets the model answer in text
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                                    "arguments": call.function.arguments}}]},
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    after = api.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0, tools=TOOLS)
+    assert after.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
 def test_greedy_chat_equals_the_grpc_sdk_token_for_token(api, sdk):
     expected = sdk.generate(messages=CHAT, max_tokens=24, temperature=0, ignore_eos=True)
     answer = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0,

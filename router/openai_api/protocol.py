@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from baton.router.openai_api import tools as tools_api
 from baton.sampling import (INT32_MAX, INT32_MIN, MAX_LOGPROBS, MAX_SEED, Guide, SamplingParams, TokenLogprob,
                             fill_unset)
 
@@ -16,7 +17,7 @@ from baton.sampling import (INT32_MAX, INT32_MIN, MAX_LOGPROBS, MAX_SEED, Guide,
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 MAX_CHOICES = 16  # n: completions per prompt
 MAX_PROMPTS = 64  # /v1/completions: prompts in one request
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # Every request field is read, accepted at a neutral value only, or ignored on purpose; any other
 # is refused with a 400 naming it (as OpenAI does), so a client never silently gets something
 # other than what it asked for. tests/test_openai_protocol.py walks OpenAI's and vLLM's fields.
@@ -26,14 +27,13 @@ READ = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "
         "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "priority",
         # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (one at most)
         "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
-READ_CHAT = {"messages", "max_completion_tokens", "top_logprobs"}
+READ_CHAT = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 READ_COMPLETIONS = {"prompt"}
 # Bookkeeping for the caller's side that changes nothing in the answer.
 IGNORED = {"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "request_id"}
 # Not implemented: accepted only at these values (the default, or its explicit "off").
-NEUTRAL = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-           "echo": (None, False), "suffix": (None, ""), "parallel_tool_calls": (None, True, False),
-           "best_of": (None, 1), "modalities": (None, ["text"]),
+NEUTRAL = {"functions": (None, []), "function_call": (None, "none"),  # the deprecated form of tools
+           "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "modalities": (None, ["text"]),
            "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
            "web_search_options": (None,),
            # vLLM's
@@ -94,6 +94,7 @@ class APIRequest:
     include_usage: bool = False
     user: str = ""
     extras: dict[str, Any] = field(default_factory=dict)
+    tools: tools_api.Tools | None = None  # chat: the functions the model may call, and how
 
     @property
     def choices(self) -> int:
@@ -143,7 +144,9 @@ def _text_content(content: Any, where: str) -> str:
     raise bad(f"{where}.content", f"must be a string or a list of text parts (got {type(content).__name__})")
 
 
-def _messages(body: dict) -> list[dict[str, str]]:
+def _messages(body: dict) -> list[dict[str, Any]]:
+    """{"role", "content"} each, plus an assistant message's earlier tool calls as `tool_calls`
+    [{"name", "arguments": {...}}] (tools.render writes them for the template)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "must be a non-empty list of {\"role\", \"content\"} objects")
@@ -154,10 +157,33 @@ def _messages(body: dict) -> list[dict[str, str]]:
             raise bad(where, "must be an object with role and content")
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise bad(f"{where}.role", f"{role!r} is not supported; use system, developer, user or assistant "
-                                       "(tool calls are not supported)")
-        out.append({"role": CHAT_ROLES[role], "content": _text_content(message.get("content", ""), where)})
+            raise bad(f"{where}.role", f"{role!r} is not supported; use system, developer, user, assistant or tool")
+        content = message.get("content")
+        entry: dict[str, Any] = {"role": CHAT_ROLES[role],
+                                 "content": "" if content is None else _text_content(content, where)}
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list):
+                raise bad(f"{where}.tool_calls", "is a list, on assistant messages only")
+            entry["tool_calls"] = [_earlier_call(call, f"{where}.tool_calls[{k}]") for k, call in enumerate(calls)]
+        elif content is None:
+            raise bad(f"{where}.content", "is missing (only an assistant message with tool_calls may leave it out)")
+        out.append(entry)
     return out
+
+
+def _earlier_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad(where, "must be {\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": ...}}")
+    arguments = function.get("arguments", "{}")
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        raise bad(f"{where}.function.arguments", "must be a JSON object (as text)") from None
+    if not isinstance(arguments, dict):
+        raise bad(f"{where}.function.arguments", "must be a JSON object (as text)")
+    return {"name": function["name"], "arguments": arguments}
 
 
 def _completion_prompts(body: dict) -> list[str | list[int]]:
@@ -223,10 +249,14 @@ def _schema_text(value: Any, param: str) -> str:
     return json.dumps(value)
 
 
-def _guide(body: dict) -> Guide | None:
+def _guide(body: dict, tools: tools_api.Tools | None = None) -> Guide | None:
     """What the output must match: OpenAI's response_format, or vLLM's structured_outputs or
-    guided_json / guided_regex / guided_choice / guided_grammar. At most one of them."""
+    guided_json / guided_regex / guided_choice / guided_grammar, or the calls tool_choice
+    requires. At most one of them."""
     given: list[tuple[str, Guide]] = []
+    calls = tools_api.guide(tools)
+    if calls is not None:
+        given.append(("tool_choice", calls))
     fmt = body.get("response_format")
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -298,7 +328,11 @@ def parse(body: Any, *, chat: bool, defaults: dict | None = None) -> APIRequest:
     if model is not None and not isinstance(model, str):
         raise bad("model", f"must be a string (got {model!r})")
     _check_fields(body, chat)
-    prompts = [_messages(body)] if chat else _completion_prompts(body)
+    try:
+        tools = tools_api.read(body) if chat else None
+    except tools_api.ToolError as exc:
+        raise bad(exc.param, str(exc)) from None
+    prompts = [tools_api.render(_messages(body), tools)] if chat else _completion_prompts(body)
     max_tokens = _int(body, "max_completion_tokens", 1, 2**31 - 1) if chat else None
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, 2**31 - 1)
@@ -335,7 +369,7 @@ def parse(body: Any, *, chat: bool, defaults: dict | None = None) -> APIRequest:
             "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0),
             "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0),
             "min_tokens": _int(body, "min_tokens", 0, 2**31 - 1), "logit_bias": _logit_bias(body),
-            "guide": _guide(body)})
+            "guide": _guide(body, tools)})
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), param=name, code="invalid_value") from None
@@ -343,7 +377,7 @@ def parse(body: Any, *, chat: bool, defaults: dict | None = None) -> APIRequest:
         raise bad("seed", f"must be >= 0 here (got {sampling.seed})")
     return APIRequest(chat=chat, model=model, prompts=prompts, sampling=sampling,
                       max_tokens_given=max_tokens is not None, n=_int(body, "n", 1, MAX_CHOICES, 1), stream=stream,
-                      include_usage=_bool(options or {}, "include_usage"), user=user)
+                      include_usage=_bool(options or {}, "include_usage"), user=user, tools=tools)
 
 
 # -- answers ------------------------------------------------------------------------------------
@@ -387,6 +421,12 @@ def body(request: APIRequest, response_id: str, created: int, model: str, choice
     if request.chat:
         shaped = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
                    "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]} for c in choices]
+        if request.tools is not None and request.tools.shown:  # the calls the text holds, as tool_calls
+            for entry in shaped:
+                content, calls = tools_api.extract(entry["message"]["content"], request.tools)
+                if calls:
+                    entry["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                    entry["finish_reason"] = finish_with_calls(entry["finish_reason"])
         kind = "chat.completion"
     else:
         shaped = [{"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),
@@ -396,13 +436,22 @@ def body(request: APIRequest, response_id: str, created: int, model: str, choice
             "usage": totals}
 
 
+def finish_with_calls(reason: str | None) -> str | None:
+    """OpenAI's finish_reason for an answer that ended in tool calls."""
+    return "tool_calls" if reason == "stop" else reason
+
+
 def chunk(request: APIRequest, response_id: str, created: int, model: str, index: int, *, text: str | None = None,
-          role: bool = False, finish_reason: str | None = None, token_logprobs: dict | None = None) -> dict[str, Any]:
-    """One stream event for one choice; `token_logprobs` as `logprobs` shapes them."""
+          role: bool = False, finish_reason: str | None = None, token_logprobs: dict | None = None,
+          tool_calls: list[dict] | None = None) -> dict[str, Any]:
+    """One stream event for one choice; `token_logprobs` as `logprobs` shapes them; `tool_calls`
+    as deltas that each carry a whole call ({"index", "id", "type", "function"})."""
     if request.chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "logprobs": token_logprobs, "finish_reason": finish_reason}
         kind = "chat.completion.chunk"
     else:

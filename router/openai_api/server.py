@@ -40,6 +40,7 @@ from baton.messages import logprob_from_proto, sampling_to_proto
 from baton.router.dispatch import DispatchError
 from baton.router.front import RETRY_AFTER_SECONDS, Front, Refused
 from baton.router.openai_api import protocol
+from baton.router.openai_api import tools as tools_api
 from baton.router.openai_api.protocol import APIError, APIRequest
 
 log = logging.getLogger(__name__)
@@ -356,6 +357,9 @@ class OpenAIServer:
         def event(data) -> str:
             return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
+        # with tools, each choice's text is split into content and whole calls as it arrives
+        splitters = {c.index: tools_api.Splitter(parsed.tools) for c in run.choices} \
+            if parsed.chat and parsed.tools is not None and parsed.tools.shown else {}
         try:
             if parsed.chat:
                 for c in run.choices:
@@ -367,10 +371,21 @@ class OpenAIServer:
                     yield event(api_error(msg).body())
                     break
                 shaped = choice.new_logprobs(parsed, self.token_text) if msg.logprobs else None
-                if msg.text_delta or msg.finish_reason or shaped:
-                    yield event(protocol.chunk(parsed, response_id, created, name, choice.index,
-                                               text=msg.text_delta, finish_reason=msg.finish_reason or None,
-                                               token_logprobs=shaped))
+                text, finish, calls = msg.text_delta, msg.finish_reason or None, []
+                splitter = splitters.get(choice.index)
+                if splitter is not None:
+                    text, calls = splitter.feed(text)
+                    if finish:
+                        rest, more = splitter.finish()
+                        text, calls = text + rest, calls + more
+                        finish = protocol.finish_with_calls(finish) if splitter.calls else finish
+                    calls = [{"index": splitter.calls - len(calls) + k, **call} for k, call in enumerate(calls)]
+                if text or shaped or (finish and not calls):
+                    yield event(protocol.chunk(parsed, response_id, created, name, choice.index, text=text,
+                                               finish_reason=None if calls else finish, token_logprobs=shaped))
+                if calls:
+                    yield event(protocol.chunk(parsed, response_id, created, name, choice.index, tool_calls=calls,
+                                               finish_reason=finish))
                 item = await run.next()
             else:
                 if parsed.include_usage:
