@@ -632,3 +632,60 @@ def test_sigterm_moves_running_requests_kv_to_the_other_decode_worker(tiny_refer
     # The KV itself moved: the target received it by handoff, and no request was prefilled twice.
     assert moved_in > 0
     assert prefilled == len(prompts)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_structured_streams_stay_valid_when_their_decode_worker_drains_or_dies(how):
+    """Guided streams in real processes: a drained decode worker hands them off with their KV
+    (SIGTERM), a killed one leaves them to the router's re-prefill elsewhere (SIGKILL). Wherever a
+    request goes on, the grammar's state is rebuilt from its tokens so far, so every answer that
+    ends still matches its pattern as a whole (a grammar restarted mid-answer would let it run
+    past the pattern's end)."""
+    import re
+
+    from baton.client import BatonClient, BatonError, Guide
+
+    pattern = "(ab|cd|ef){90}"
+    prompts = [[100 + 9 * i + j for j in range(5 + 3 * i)] for i in range(10)]
+    with LocalCluster(prefill=1, decode=2, model="tiny-random", max_rows=4,
+                      decode_args=("--drain-move-after-s", "0")) as cluster:
+        procs = dict(cluster.procs)
+        with BatonClient(cluster.router_address, timeout=120) as client:
+            texts: dict[int, str] = {i: "" for i in range(len(prompts))}
+            outcome: dict[int, object] = {}
+            flowing = threading.Semaphore(0)
+
+            def run(i: int) -> None:
+                try:
+                    for chunk in client.stream(token_ids=prompts[i], max_tokens=400, temperature=1.0, seed=i,
+                                               guide=Guide("regex", pattern)):
+                        if chunk.text and not texts[i]:
+                            flowing.release()
+                        texts[i] += chunk.text
+                        if chunk.finish_reason:
+                            outcome[i] = chunk.finish_reason
+                except BatonError as exc:
+                    outcome[i] = exc
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for _ in range(2):
+                assert flowing.acquire(timeout=60)
+            victim = busy_decode_worker(cluster)
+            procs[victim].send_signal(getattr(signal, how))
+            for t in threads:
+                t.join(timeout=150)
+            assert not any(t.is_alive() for t in threads), "a request hung"
+            time.sleep(1.0)
+            status = {w.address: w for w in client.cluster_status().workers}
+    survivor = next(a for a in cluster.decode_addrs if a != victim)
+    done = [i for i in range(len(prompts)) if outcome.get(i) == "stop"]
+    for i in range(len(prompts)):
+        if i in done:
+            assert re.fullmatch(pattern, texts[i]), f"request {i} left its pattern: {texts[i]!r}"
+        else:  # only a killed worker's requests may fail, and fast, with a retryable status
+            assert how == "SIGKILL" and isinstance(outcome.get(i), BatonError), (i, outcome.get(i))
+    assert len(done) >= len(prompts) // 2
+    if how == "SIGTERM":
+        assert len(done) == len(prompts) and status[survivor].decode["migrations_in"] > 0

@@ -174,6 +174,17 @@ def test_required_and_named_tool_calls_come_back_as_tool_calls(api):
     assert after.choices[0].finish_reason in ("length", "stop", "tool_calls")
 
 
+def test_best_of_answers_the_likeliest_candidates(api):
+    answer = api.completions.create(model=MODEL, prompt="Once", max_tokens=6, temperature=1.0, n=2, best_of=4,
+                                    logprobs=0, extra_body={"ignore_eos": True})
+    scores = [sum(c.logprobs.token_logprobs) for c in answer.choices]
+    assert [c.index for c in answer.choices] == [0, 1] and scores == sorted(scores, reverse=True)
+    assert answer.usage.completion_tokens == 4 * 6  # every candidate was generated
+    plain = api.completions.create(model=MODEL, prompt="Once", max_tokens=6, temperature=1.0, best_of=3,
+                                   extra_body={"ignore_eos": True})
+    assert len(plain.choices) == 1 and plain.choices[0].logprobs is None
+
+
 def test_greedy_chat_equals_the_grpc_sdk_token_for_token(api, sdk):
     expected = sdk.generate(messages=CHAT, max_tokens=24, temperature=0, ignore_eos=True)
     answer = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0,

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from baton.router.openai_api.protocol import (APIError, DEFAULT_SERVED_NAME, IGNORED, MAX_PROMPTS, NEUTRAL, READ,
-                                              READ_CHAT, READ_COMPLETIONS, body, chunk, logprobs, parse, served_names,
+                                              READ_CHAT, READ_COMPLETIONS, best, body, chunk, logprobs, parse, served_names,
                                               usage, usage_chunk)
 from baton.sampling import TokenLogprob
 
@@ -91,7 +91,9 @@ def test_completion_prompts_in_every_shape(prompt, expected):
     ({**CHAT, "logit_bias": {"x": 1}}, "logit_bias"),
     ({**CHAT, "logit_bias": {"5": 101}}, "logit_bias"),
     ({**CHAT, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
-    ({**CHAT, "best_of": 2}, "best_of"),
+    ({**CHAT, "best_of": 0}, "best_of"),
+    ({**CHAT, "n": 3, "best_of": 2}, "best_of"),
+    ({**CHAT, "best_of": 2, "stream": True}, "best_of"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools[0]"),
     ({**CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
     ({**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
@@ -152,6 +154,16 @@ def test_structured_outputs_are_read_in_every_spelling(fields, kind, spec, chat)
     assert guide.kind == kind
     assert (json.loads(guide.spec) if kind in ("json_schema", "choice") else guide.spec) == spec
     assert parse({**base, "response_format": {"type": "text"}}, chat=chat).sampling.guide is None
+
+
+def test_best_of_keeps_each_prompts_likeliest_candidates():
+    request = parse({"prompt": ["a", "b"], "n": 2, "best_of": 3}, chat=False)
+    assert (request.n, request.best_of) == (2, 3) and parse({"prompt": "a", "n": 2}, chat=False).best_of == 2
+    candidates = [{"index": i, "prompt_index": i // 3, "text": f"t{i}", "score": score, "logprobs": {"x": 1}}
+                  for i, score in enumerate([-3.0, -1.0, -2.0, -0.5, -9.0, -0.1])]
+    kept = best(request, candidates)
+    assert [c["text"] for c in kept] == ["t1", "t2", "t5", "t3"] and [c["index"] for c in kept] == [0, 1, 2, 3]
+    assert all(c["logprobs"] is None for c in kept)  # scored with logprobs the request did not ask for
 
 
 def test_neutral_values_of_unsupported_fields_pass():

@@ -24,7 +24,7 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 READ = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "stop", "seed", "logprobs",
         "presence_penalty", "frequency_penalty", "logit_bias", "user",
         # vLLM's extensions
-        "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "priority",
+        "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "best_of",
         # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (one at most)
         "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 READ_CHAT = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
@@ -33,7 +33,7 @@ READ_COMPLETIONS = {"prompt"}
 IGNORED = {"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "request_id"}
 # Not implemented: accepted only at these values (the default, or its explicit "off").
 NEUTRAL = {"functions": (None, []), "function_call": (None, "none"),  # the deprecated form of tools
-           "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "modalities": (None, ["text"]),
+           "echo": (None, False), "suffix": (None, ""), "modalities": (None, ["text"]),
            "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
            "web_search_options": (None,),
            # vLLM's
@@ -90,6 +90,7 @@ class APIRequest:
     sampling: SamplingParams
     max_tokens_given: bool
     n: int = 1
+    best_of: int = 1  # candidates generated per prompt, of which the n likeliest are answered
     stream: bool = False
     include_usage: bool = False
     user: str = ""
@@ -375,8 +376,14 @@ def parse(body: Any, *, chat: bool, defaults: dict | None = None) -> APIRequest:
         raise APIError(400, str(exc), param=name, code="invalid_value") from None
     if sampling.seed is not None and sampling.seed < 0:
         raise bad("seed", f"must be >= 0 here (got {sampling.seed})")
+    n = _int(body, "n", 1, MAX_CHOICES, 1)
+    best_of = _int(body, "best_of", 1, MAX_CHOICES, n)
+    if best_of < n:
+        raise bad("best_of", f"must be at least n={n} (got {best_of})")
+    if best_of > n and stream:
+        raise bad("best_of", "cannot be used with stream: the best candidates are known only at the end")
     return APIRequest(chat=chat, model=model, prompts=prompts, sampling=sampling,
-                      max_tokens_given=max_tokens is not None, n=_int(body, "n", 1, MAX_CHOICES, 1), stream=stream,
+                      max_tokens_given=max_tokens is not None, n=n, best_of=best_of, stream=stream,
                       include_usage=_bool(options or {}, "include_usage"), user=user, tools=tools)
 
 
@@ -412,6 +419,19 @@ def logprobs(request: APIRequest, entries: Sequence[TokenLogprob], text_of: Toke
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{text_of(t): v for t, v in e.top} for e in entries], "text_offset": offsets}
+
+
+def best(request: APIRequest, candidates: list[dict]) -> list[dict]:
+    """best_of: each prompt's n candidates of the highest cumulative log probability ("score"),
+    in that order, indexed anew; their logprobs kept only where the request asked for them."""
+    if request.best_of == request.n:
+        return candidates
+    kept = []
+    for p in range(len(request.prompts)):
+        mine = [c for c in candidates if c["prompt_index"] == p]
+        kept += sorted(mine, key=lambda c: -c["score"])[:request.n]
+    return [{**c, "index": i, "logprobs": c["logprobs"] if request.sampling.logprobs is not None else None}
+            for i, c in enumerate(kept)]
 
 
 def body(request: APIRequest, response_id: str, created: int, model: str, choices: list[dict],

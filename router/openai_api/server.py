@@ -301,8 +301,10 @@ class OpenAIServer:
                 return JSONResponse({}, status_code=499, headers=headers)
             if isinstance(outcome, Exception):
                 return _error_response(api_error(outcome), headers)
-            results = [{"index": c.index, "text": "".join(c.text), "finish_reason": c.finish_reason,
-                        "logprobs": protocol.logprobs(parsed, c.logprobs, self.token_text)} for c in run.choices]
+            results = protocol.best(parsed, [
+                {"index": c.index, "prompt_index": c.prompt_index, "text": "".join(c.text),
+                 "finish_reason": c.finish_reason, "score": sum(lp.logprob for lp in c.logprobs),
+                 "logprobs": protocol.logprobs(parsed, c.logprobs, self.token_text)} for c in run.choices])
             return JSONResponse(protocol.body(parsed, response_id, created, name, results, run.usage()),
                                 headers=headers)
         finally:
@@ -333,7 +335,9 @@ class OpenAIServer:
                                         f"after this {len(ids)}-token prompt", param="min_tokens",
                                    code="context_length_exceeded")
                 sampling = replace(sampling, max_tokens=room)
-            for k in range(parsed.n):
+            if parsed.best_of > parsed.n and sampling.logprobs is None:  # each candidate's score: its tokens' logprobs
+                sampling = replace(sampling, logprobs=0)
+            for k in range(parsed.best_of):
                 seeded = sampling if sampling.seed is None or k == 0 else replace(sampling, seed=sampling.seed + k)
                 proto = sampling_to_proto(seeded)
                 try:
