@@ -9,7 +9,7 @@ second) and the compiled grammars.
 """
 from __future__ import annotations
 
-import functools
+import threading
 from typing import Sequence
 
 import torch
@@ -32,13 +32,26 @@ class Grammars:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
+        self._lock = threading.Lock()
+        self._lltokenizer = None
 
-    @functools.cached_property
+    @property
     def lltokenizer(self):
-        import llguidance.hf
+        """llguidance's view of the tokenizer: about 0.6 s to build, most of it holding the GIL, so
+        a worker builds it as it starts (`warm_up`) rather than stalling on its first guided request."""
+        with self._lock:
+            if self._lltokenizer is None:
+                import llguidance.hf
 
-        return llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                            eos_token=self.eos_token_ids or None)
+                self._lltokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                                 eos_token=self.eos_token_ids or None)
+            return self._lltokenizer
+
+    def warm_up(self) -> threading.Thread:
+        """Build the llguidance tokenizer on a thread of its own, now."""
+        thread = threading.Thread(target=lambda: self.lltokenizer, name="grammar-warm-up", daemon=True)
+        thread.start()
+        return thread
 
     def matcher(self, guide: Guide, output_ids: Sequence[int] = ()) -> "GuideMatcher":
         return GuideMatcher(self, guide, output_ids)

@@ -659,9 +659,9 @@ def test_structured_streams_stay_valid_when_their_decode_worker_drains_or_dies(h
                 try:
                     for chunk in client.stream(token_ids=prompts[i], max_tokens=400, temperature=1.0, seed=i,
                                                guide=Guide("regex", pattern)):
-                        if chunk.text and not texts[i]:
+                        if chunk.text_delta and not texts[i]:
                             flowing.release()
-                        texts[i] += chunk.text
+                        texts[i] += chunk.text_delta
                         if chunk.finish_reason:
                             outcome[i] = chunk.finish_reason
                 except BatonError as exc:
@@ -685,7 +685,7 @@ def test_structured_streams_stay_valid_when_their_decode_worker_drains_or_dies(h
         if i in done:
             assert re.fullmatch(pattern, texts[i]), f"request {i} left its pattern: {texts[i]!r}"
         else:  # only a killed worker's requests may fail, and fast, with a retryable status
-            assert how == "SIGKILL" and isinstance(outcome.get(i), BatonError), (i, outcome.get(i))
+            assert how == "SIGKILL" and isinstance(outcome.get(i), BatonError), (i, outcome.get(i), texts[i])
     assert len(done) >= len(prompts) // 2
     if how == "SIGTERM":
         assert len(done) == len(prompts) and status[survivor].decode["migrations_in"] > 0
