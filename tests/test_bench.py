@@ -56,6 +56,13 @@ def test_kernels_suite_runs_or_says_why_not(tmp_path, capsys):
         assert document["plots"] and "geomean speedup" in printed
 
 
+def test_structured_suite_validates_every_answer_and_times_the_mask(tmp_path, capsys):
+    document, printed = run_suite("structured", tmp_path, capsys)
+    baton = document["summary"]["baton"]
+    assert baton["answers"] == 6 and baton["valid"] == 6, document["answers"]
+    assert [m["rows"] for m in document["mask_cost"]] == [1, 4] and "guided" in printed
+
+
 def test_invariance_suite_runs_or_says_why_not(tmp_path, capsys):
     document, printed = run_suite("invariance", tmp_path, capsys)
     if document.get("skipped"):

@@ -254,7 +254,7 @@ def _serving(server: str, opts: BenchOptions, model: str, served: str,
         env["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
            served, "--dtype", opts.dtype, "--port", str(port), "--host", "127.0.0.1",
-           "--max-num-seqs", str(s["rows"]), "--seed", "0"]
+           "--max-num-seqs", str(s["rows"]), "--seed", "0", *s.get("vllm_args", ())]
     opts.progress(f"{s.get('suite', 'residency')}: starting vLLM on port {port} (cores {cores}, --dtype {opts.dtype}, "
                   f"VLLM_CPU_KVCACHE_SPACE {int(s['kv_gib'])}, --max-num-seqs {s['rows']}; a minute or more)")
     log_path = opts.out_dir / f"{s.get('suite', 'residency')}-vllm.log"
