@@ -375,7 +375,7 @@ def test_prefill_over_pages_gives_each_token_its_decode_bits(dtype=torch.bfloat1
     from baton.engine.kernels import prefill_over_pages
 
     gen = torch.Generator().manual_seed(7)
-    kv_heads, group, head_dim, length = 2, 3, 64, 90
+    kv_heads, group, head_dim, length = 2, 3, 64, 70
     q = torch.randn(length, kv_heads * group, head_dim, generator=gen).to(dtype).to(DEVICE)
     k = torch.randn(1, kv_heads, length, head_dim, generator=gen).to(dtype).to(DEVICE)
     v = torch.randn(1, kv_heads, length, head_dim, generator=gen).to(dtype).to(DEVICE)

@@ -168,7 +168,8 @@ def test_a_structured_output_goes_on_unchanged_on_another_core(runner, temperatu
     prompt = [322 + j for j in range(10)]
     params = SamplingParams(max_tokens=MAX_TOKENS * 3, temperature=temperature, seed=5,
                             guide=Guide("json_schema", json.dumps(GUIDED_SCHEMA)))
-    stayed = LocalEngine(runner.loaded, DecodeConfig(max_rows=2), attention_backend="torch").generate([prompt], params)[0]
+    stayed = LocalEngine(runner.loaded, DecodeConfig(max_rows=2),
+                         attention_backend="torch").generate([prompt], params)[0]
     jsonschema.validate(json.loads(stayed.text), GUIDED_SCHEMA)
     source = DecodeCore(runner, DecodeConfig(max_rows=2), on_kv_consumed=Released())
     source.add(prefilled(runner, "p", prompt, params))
@@ -639,13 +640,37 @@ def test_structured_streams_stay_valid_when_their_decode_worker_drains_or_dies(h
     """Guided streams in real processes: a drained decode worker hands them off with their KV
     (SIGTERM), a killed one leaves them to the router's re-prefill elsewhere (SIGKILL). Wherever a
     request goes on, the grammar's state is rebuilt from its tokens so far, so every answer that
-    ends still matches its pattern as a whole (a grammar restarted mid-answer would let it run
-    past the pattern's end)."""
+    ends still matches its guide as a whole: a pattern, a JSON schema, a required tool call (a
+    grammar restarted mid-answer would let it run past the guide's end)."""
     import re
 
-    from baton.client import BatonClient, BatonError, Guide
+    import jsonschema
 
+    from baton.client import BatonClient, BatonError, Guide
+    from baton.router.openai_api import tools as tools_api
+
+    # three kinds of guide, each long enough to be under way when the worker goes: a pattern, a
+    # JSON schema (a long array), and the grammar that holds a required tool call
     pattern = "(ab|cd|ef){90}"
+    schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 60, "maxItems": 60}
+    weather = {"type": "object", "properties": {"days": {"type": "array", "items": {"enum": ["sun", "rain"]},
+                                                         "minItems": 40, "maxItems": 40}},
+               "required": ["days"], "additionalProperties": False}
+    tool_set = tools_api.read({"tools": [{"type": "function", "function": {"name": "forecast", "parameters": weather}}],
+                               "tool_choice": "required", "parallel_tool_calls": False})
+    guides = [Guide("regex", pattern), Guide("json_schema", json.dumps(schema)), tools_api.guide(tool_set)]
+
+    def valid(i: int, text: str) -> bool:
+        if i % 3 == 0:
+            return re.fullmatch(pattern, text) is not None
+        if i % 3 == 1:
+            jsonschema.validate(json.loads(text), schema)
+            return True
+        content, calls = tools_api.extract(text, tool_set)
+        assert content is None and len(calls) == 1, text
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), weather)
+        return True
+
     prompts = [[100 + 9 * i + j for j in range(5 + 3 * i)] for i in range(10)]
     with LocalCluster(prefill=1, decode=2, model="tiny-random", max_rows=4,
                       decode_args=("--drain-move-after-s", "0")) as cluster:
@@ -658,7 +683,7 @@ def test_structured_streams_stay_valid_when_their_decode_worker_drains_or_dies(h
             def run(i: int) -> None:
                 try:
                     for chunk in client.stream(token_ids=prompts[i], max_tokens=400, temperature=1.0, seed=i,
-                                               guide=Guide("regex", pattern)):
+                                               guide=guides[i % 3]):
                         if chunk.text_delta and not texts[i]:
                             flowing.release()
                         texts[i] += chunk.text_delta
@@ -683,7 +708,7 @@ def test_structured_streams_stay_valid_when_their_decode_worker_drains_or_dies(h
     done = [i for i in range(len(prompts)) if outcome.get(i) == "stop"]
     for i in range(len(prompts)):
         if i in done:
-            assert re.fullmatch(pattern, texts[i]), f"request {i} left its pattern: {texts[i]!r}"
+            assert valid(i, texts[i]), f"request {i} left its guide: {texts[i]!r}"
         else:  # only a killed worker's requests may fail, and fast, with a retryable status
             assert how == "SIGKILL" and isinstance(outcome.get(i), BatonError), (i, outcome.get(i), texts[i])
     assert len(done) >= len(prompts) // 2

@@ -309,7 +309,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_decode_row_and_kv(api, cluste
 
 @pytest.mark.parametrize("body, param", [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
     ({"messages": CHAT, "temperature": -1}, "temperature"),
     ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),

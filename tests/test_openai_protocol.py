@@ -6,8 +6,8 @@ import json
 import pytest
 
 from baton.router.openai_api.protocol import (APIError, DEFAULT_SERVED_NAME, IGNORED, MAX_PROMPTS, NEUTRAL, READ,
-                                              READ_CHAT, READ_COMPLETIONS, best, body, chunk, logprobs, parse, served_names,
-                                              usage, usage_chunk)
+                                              READ_CHAT, READ_COMPLETIONS, best, body, chunk, logprobs, parse,
+                                              served_names, usage, usage_chunk)
 from baton.sampling import TokenLogprob
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

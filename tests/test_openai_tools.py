@@ -63,7 +63,8 @@ def test_calls_are_read_out_of_a_whole_answer():
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Oslo"}), ("get_time", {})]
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
-    for not_a_call in ("<tool_call>\n{broken\n</tool_call>", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+    for not_a_call in ("<tool_call>\n{broken\n</tool_call>",
+                       '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
                        "<tool_call>\n{\"name\": \"get_time\"", "plain text"):
         assert tools.extract(not_a_call, spec) == (not_a_call, [])
 

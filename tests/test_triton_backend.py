@@ -59,24 +59,24 @@ INVARIANT_SCRIPT = textwrap.dedent("""
     model = _finish(tiny_random_model(vocab_size=512), load_model("tiny-random").tokenizer, "tiny-512",
                     torch.bfloat16, "cpu")
     runner = LlamaRunner(model, "triton", cuda_graphs=False, layout="triton")
-    params = SamplingParams(max_tokens=5, ignore_eos=True)
-    target = list(range(300, 340))
-    others = [[7, 8, 9], list(range(100, 190)), [11], list(range(400, 417))]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    # short prompts: the interpreter runs each prompt token's attention as a program of its own
+    target = list(range(300, 320))
+    others = [[7, 8, 9], list(range(100, 125)), [11]]
     alone = LocalEngine(model, DecodeConfig(max_rows=1), runner=runner).generate([target], params)[0].token_ids
-    mixed = LocalEngine(model, DecodeConfig(max_rows=5), runner=runner).generate(
+    mixed = LocalEngine(model, DecodeConfig(max_rows=4), runner=runner).generate(
         others[:2] + [target] + others[2:], params)[2].token_ids
     whole = runner.prefill(target)
     kv = None
-    for end in (7, 23, 40):  # chunked prefill, each chunk continuing the last one's KV
+    for end in (7, 13, 20):  # chunked prefill, each chunk continuing the last one's KV
         out = runner.prefill_batch([target[:end]], kv)[0]
         kv = out.kv
     chunked = torch.equal(out.kv.data, whole.kv.data) and torch.equal(out.logits, whole.logits)
     core = DecodeCore(runner, DecodeConfig(max_rows=3, page_size=8))
     prefill = PrefillCore(runner, prefix_cache_bytes=0)
-    for rid, p in (("a", target), ("b", others[1]), ("c", others[3])):
+    for rid, p in (("a", target), ("b", others[1])):
         core.add(prefill.prefill([GenerationRequest(rid, p, params)])[0])
-    for _ in range(3):
-        core.step()
+    core.step()  # one decode step: "a" has 2 of its 3 tokens when it is taken out
     ev = core.evict("a")
     reprefilled = torch.equal(ev.kv.data, runner.prefill(target + ev.token_ids[:-1]).kv.data)
     print(json.dumps({"alone": alone, "mixed": mixed, "chunked": chunked, "reprefilled": reprefilled,
@@ -93,5 +93,5 @@ def test_cuda_batch_invariant_kernels_in_the_interpreter():
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["layout"] == "triton" and result["splits"] == 1
-    assert len(result["alone"]) == 5 and result["mixed"] == result["alone"]
+    assert len(result["alone"]) == 3 and result["mixed"] == result["alone"]
     assert result["chunked"] and result["reprefilled"]

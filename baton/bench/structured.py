@@ -61,13 +61,16 @@ SCHEMAS = [  # (name, prompt, schema)
 ]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
                    "required": ["city", "unit"], "additionalProperties": False}}}
 SEARCH = {"type": "function", "function": {
     "name": "search_flights", "description": "Flights between two airports on a date",
     "parameters": {"type": "object", "properties": {
-        "origin": {"type": "string", "pattern": "^[A-Z]{3}$"}, "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
-        "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}, "passengers": {"type": "integer", "minimum": 1}},
+        "origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+        "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
+        "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+        "passengers": {"type": "integer", "minimum": 1}},
         "required": ["origin", "destination", "date", "passengers"], "additionalProperties": False}}}
 TOOL_CASES = [  # (name, prompt, tools, tool_choice)
     ("weather, required", "What is the weather in Oslo right now?", [WEATHER], "required"),
