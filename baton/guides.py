@@ -16,7 +16,7 @@ import json
 
 from baton.sampling import Guide
 
-# Compact JSON: one space after ':' and ',' is the most any separator gets.
+# Compact JSON: no free whitespace between its tokens.
 JSON_DEFAULTS = {"whitespace_flexible": False}
 
 

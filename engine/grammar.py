@@ -5,7 +5,7 @@ A matcher's state is the tokens generated so far, so a worker continuing a reque
 worker after the prefill's first token, a handoff, a failover's re-prefill, a parked row's
 resume) rebuilds it by replaying them: nothing has to travel but the token ids that travel
 anyway. One `Grammars` per model holds the llguidance tokenizer (built once, about half a
-second) and the compiled grammars.
+second); compiled grammars are cached by `baton.guides.grammar_of`.
 """
 from __future__ import annotations
 
@@ -83,7 +83,8 @@ class GuideMatcher:
         if self.error is not None:
             row.fill_(float("-inf"))
             return
-        words = self._words.to(row.device, non_blocking=True)
+        # a plain copy: the next mask is written into the same words
+        words = self._words.to(row.device)
         allowed = ((words[:, None] >> _SHIFTS.to(row.device)) & 1).view(-1)[:row.shape[0]]  # [vocab]
         row.masked_fill_(allowed == 0, float("-inf"))
 
@@ -91,8 +92,3 @@ class GuideMatcher:
         if self.error is None and not self._matcher.consume_token(token):
             self.error = (f"token {token} does not continue the {self.guide.kind} guide: "
                           f"{self._matcher.get_error() or 'not allowed there'}")
-
-    @property
-    def finished(self) -> bool:
-        """The grammar took EOS (or can take nothing more)."""
-        return self._matcher.is_stopped()

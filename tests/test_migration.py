@@ -127,16 +127,25 @@ def test_penalties_go_on_unchanged_on_another_core(runner, tiny_reference):
     """Penalties and min_tokens need no state carried: the target rebuilds what they read from the
     prompt it is given (its last resume_step tokens were generated before), so the moved request
     draws what it would have drawn staying put."""
-    from baton.local import LocalEngine
-
     prompt = [322 + j for j in range(10)]
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3, presence_penalty=1.0,
                             frequency_penalty=0.5, logit_bias={prompt[0]: 2.0}, stop_token_ids=(7,), min_tokens=16,
                             temperature=0.9, seed=11)
-    stayed = LocalEngine(runner.loaded, DecodeConfig(max_rows=2), attention_backend="torch").generate([prompt], params)[0]
+    stayed, moved = stay_and_move(runner, prompt, params, steps=9)
+    assert moved == stayed.token_ids
+    assert stayed.token_ids != tiny_reference.greedy(prompt, MAX_TOKENS)
+
+
+def stay_and_move(runner, prompt: list[int], params: SamplingParams, steps: int):
+    """The request run in one engine, and its tokens when moved to another core after `steps`
+    decode steps (the tokens before the move, then the target's)."""
+    from baton.local import LocalEngine
+
+    stayed = LocalEngine(runner.loaded, DecodeConfig(max_rows=2), attention_backend="torch").generate([prompt],
+                                                                                                     params)[0]
     source = DecodeCore(runner, DecodeConfig(max_rows=2), on_kv_consumed=Released())
     source.add(prefilled(runner, "p", prompt, params))
-    for _ in range(9):
+    for _ in range(steps):
         source.step()
     ev = source.evict("p")
     source.scheduler.take_moving("p")
@@ -144,8 +153,7 @@ def test_penalties_go_on_unchanged_on_another_core(runner, tiny_reference):
     target.add(resumed(ev, params))
     moved: dict[str, list[int]] = {}
     run_to_end(target, moved)
-    assert ev.token_ids + moved["p"][1:] == stayed.token_ids
-    assert stayed.token_ids != tiny_reference.greedy(prompt, MAX_TOKENS)
+    return stayed, ev.token_ids + moved["p"][1:]
 
 
 # bounded, so even the tiny random model's tokens finish the object within a few dozen tokens
@@ -162,26 +170,14 @@ def test_a_structured_output_goes_on_unchanged_on_another_core(runner, temperatu
     given, so a moved request draws what it would have drawn staying put and still matches."""
     import jsonschema
 
-    from baton.local import LocalEngine
     from baton.sampling import Guide
 
     prompt = [322 + j for j in range(10)]
     params = SamplingParams(max_tokens=MAX_TOKENS * 3, temperature=temperature, seed=5,
                             guide=Guide("json_schema", json.dumps(GUIDED_SCHEMA)))
-    stayed = LocalEngine(runner.loaded, DecodeConfig(max_rows=2),
-                         attention_backend="torch").generate([prompt], params)[0]
+    stayed, moved = stay_and_move(runner, prompt, params, steps=6)
     jsonschema.validate(json.loads(stayed.text), GUIDED_SCHEMA)
-    source = DecodeCore(runner, DecodeConfig(max_rows=2), on_kv_consumed=Released())
-    source.add(prefilled(runner, "p", prompt, params))
-    for _ in range(6):
-        source.step()
-    ev = source.evict("p")
-    source.scheduler.take_moving("p")
-    target = DecodeCore(runner, DecodeConfig(max_rows=2), on_kv_consumed=Released())
-    target.add(resumed(ev, params))
-    moved: dict[str, list[int]] = {}
-    run_to_end(target, moved)
-    assert ev.token_ids + moved["p"][1:] == stayed.token_ids
+    assert moved == stayed.token_ids
     assert stayed.finish_reason == "stop"
 
 

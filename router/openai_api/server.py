@@ -380,8 +380,7 @@ class OpenAIServer:
                 if splitter is not None:
                     text, calls = splitter.feed(text)
                     if finish:
-                        rest, more = splitter.finish()
-                        text, calls = text + rest, calls + more
+                        text += splitter.finish()
                         finish = protocol.finish_with_calls(finish) if splitter.calls else finish
                     calls = [{"index": splitter.calls - len(calls) + k, **call} for k, call in enumerate(calls)]
                 if text or shaped or (finish and not calls):

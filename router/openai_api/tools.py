@@ -175,9 +175,7 @@ def extract(text: str, tools: Tools) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, calls) of a whole answer: the text outside well-formed calls, and the calls."""
     splitter = Splitter(tools)
     content, calls = splitter.feed(text)
-    rest, more = splitter.finish()
-    content += rest
-    calls += more
+    content += splitter.finish()
     return (content.strip() or None) if calls else content, calls
 
 
@@ -215,7 +213,7 @@ class Splitter:
                 self.calls += 1
             self.buffer = self.buffer[end + len(CLOSE):]
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+    def finish(self) -> str:
         """The end of the answer: whatever is held is text (an unfinished call never parses)."""
         rest, self.buffer = self.buffer, ""
-        return rest, []
+        return rest
