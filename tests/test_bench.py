@@ -61,6 +61,9 @@ def test_structured_suite_validates_every_answer_and_times_the_mask(tmp_path, ca
     baton = document["summary"]["baton"]
     assert baton["answers"] == 6 and baton["valid"] == 6, document["answers"]
     assert [m["rows"] for m in document["mask_cost"]] == [1, 4] and "guided" in printed
+    assert all(m["in_series_ms"] < m["free_ms"] for m in document["mask_cost"])  # a sampler, not a step
+    served = document["served_mask_cost"]["baton"]
+    assert [m["rows"] for m in served] == [1, 4] and all(m["free_ms"] > 0 and m["guided_ms"] > 0 for m in served)
 
 
 def test_invariance_suite_runs_or_says_why_not(tmp_path, capsys):

@@ -393,3 +393,36 @@ def test_min_tokens_holds_eos_and_stop_strings_back(tiny_model):
     held = engine.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=(first,), min_tokens=5))[0]
     assert ended.token_ids == [first] and ended.finish_reason == "stop"
     assert first not in held.token_ids[:5] and len(held.token_ids) >= 6
+
+
+def test_a_guide_masks_exactly_what_its_grammar_allows_and_fails_its_request_alone(tiny_model):
+    """The mask a row gets (computed on the mask thread while the step runs) is llguidance's own
+    mask, bit for bit, at every token; a token the grammar refuses ends that request only."""
+    import llguidance
+
+    from baton.guides import grammar_of
+    from baton.sampling import Guide
+
+    guide = Guide("regex", "[0-9]{2}-[a-c]{2}")
+    params = SamplingParams(max_tokens=8, guide=guide)
+    vocab = tiny_model.config.vocab_size
+    reference = llguidance.LLMatcher(tiny_model.grammars.lltokenizer, grammar_of(guide))
+    sampler, free = RequestSampler(params, grammars=tiny_model.grammars), RequestSampler(SamplingParams(max_tokens=8))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        logits = torch.randn(2, vocab, generator=generator)
+        adjusted = logits[0].clone()
+        sampler.adjust(adjusted)
+        bits = reference.compute_bitmask()
+        allowed = [t for t in range(vocab) if bits[t // 8] >> (t % 8) & 1]
+        assert torch.isfinite(adjusted).nonzero().flatten().tolist() == allowed
+        assert torch.equal(adjusted[allowed], logits[0][allowed])  # untouched where allowed
+        token, other = sample(logits, [sampler, free])
+        assert token in allowed and other == logits[1].argmax().item()
+        assert reference.consume_token(token)
+    refused = RequestSampler(params, grammars=tiny_model.grammars)
+    refused.record(tiny_model.encode_text("x")[0])  # not a digit: the guide is broken for this request
+    logits = torch.randn(2, vocab, generator=generator)
+    assert sample(logits, [refused, RequestSampler(SamplingParams(max_tokens=8))]) == [INVALID_TOKEN,
+                                                                                        logits[1].argmax().item()]
+    assert "does not continue the regex guide" in refused.guide.error

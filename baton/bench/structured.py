@@ -7,8 +7,11 @@ grammar engine, and what the grammar costs a decode step.
    i.e. llguidance, with `disable_any_whitespace` as Baton generates JSON, and its `hermes` tool
    parser, the format Baton uses): how many answers validate against their schema (`jsonschema`)
    or come back as calls whose arguments validate, and how many are the same text in both.
-2. The mask's cost, in this process: `LocalEngine` generating 64 tokens at 1, 4, 8 and 16 rows,
-   every row under a JSON schema against the same rows unguided; time per step, prefill included.
+2. The mask's cost through each server: time per output token at 1, 4, 8 and 16 concurrent
+   streams, every stream under a JSON schema against the same streams free.
+3. The mask's cost, in this process: `LocalEngine` generating 64 tokens at 1, 4, 8 and 16 rows,
+   every row under a JSON schema against the same rows unguided; time per step, prefill included,
+   the fastest of three alternated runs.
 
 --quick: the tiny random model, Baton only, bounded schemas and tools, rows 1 and 4.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from typing import Any
 
@@ -23,6 +27,7 @@ from baton.bench.common import BenchOptions
 
 ROWS = (1, 4, 8, 16)
 STEPS = 64
+REPEATS = 3
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
@@ -104,15 +109,17 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     if opts.quick:
         servers = ["baton"]
     answers: dict[str, Any] = {}
+    served_cost: dict[str, list[dict[str, Any]]] = {}
     problems: dict[str, str] = {}
     for server in servers:
-        settings = {"rows": 8, "kv_gib": 1, "suite": "structured",
+        settings = {"rows": max(ROWS), "kv_gib": 1, "suite": "structured",
                     "vllm_args": ["--structured-outputs-config", json.dumps({"backend": "guidance",
                                                                              "disable_any_whitespace": True}),
                                   "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]}
         try:
             with _serving(server, opts, model, served, settings) as (base, _poll):
                 answers[server] = [_ask(base, served, case, stream) for case in cases for stream in (False, True)]
+                served_cost[server] = _served_cost(opts, base, served, server)
         except Unavailable as exc:
             problems[server] = f"{'skipped' if server == 'vllm' else 'failed'}: {exc}"
     summary = {server: {"valid": sum(a["valid"] for a in got), "answers": len(got)} for server, got in answers.items()}
@@ -120,9 +127,9 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         summary["same_text_at_temperature_0"] = sum(a["text"] == b["text"] for a, b in zip(answers["baton"],
                                                                                             answers["vllm"]))
     masks = _mask_cost(opts, model)
-    _report(opts, cases, answers, summary, problems, masks)
+    _report(opts, cases, answers, summary, problems, masks, served_cost)
     return {"model": model, "dtype": opts.dtype, "summary": summary, "answers": answers, "problems": problems,
-            "mask_cost": masks, "plots": []}
+            "mask_cost": masks, "served_mask_cost": served_cost, "plots": []}
 
 
 def _cases(quick: bool) -> list[dict[str, Any]]:
@@ -193,6 +200,46 @@ def _ask(base: str, served: str, case: dict[str, Any], stream: bool) -> dict[str
     return out
 
 
+def _served_cost(opts: BenchOptions, base: str, served: str, server: str) -> list[dict[str, Any]]:
+    """Time per output token through a server at 1-16 concurrent streams, every stream under the
+    mask-cost schema against the same streams free (ignore_eos): the same measure for both servers."""
+    import concurrent.futures
+
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
+    schema = {"type": "array", "items": {"enum": ["red", "green", "blue", "yellow"]}, "minItems": STEPS}
+    modes = {"free": {"extra_body": {"ignore_eos": True}},
+             "guided": {"response_format": {"type": "json_schema",
+                                            "json_schema": {"name": "colours", "schema": schema, "strict": True}}}}
+
+    def tpot(extra: dict[str, Any]) -> float:
+        first = last = None
+        tokens = 0
+        for chunk in client.chat.completions.create(
+                model=served, messages=[{"role": "user", "content": "Here is a long list of colours in JSON:"}],
+                max_tokens=STEPS, temperature=0, stream=True, stream_options={"include_usage": True}, **extra):
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            if chunk.choices and (chunk.choices[0].delta.content or ""):
+                first = first or now
+                last = now
+        return (last - first) / max(tokens - 1, 1)
+
+    rows_list = ROWS[:2] if opts.quick else ROWS
+    out = []
+    with concurrent.futures.ThreadPoolExecutor(max(rows_list)) as pool:
+        for rows in rows_list:
+            times: dict[str, float] = {}
+            for name, extra in modes.items():
+                opts.progress(f"structured: {server} served, {rows} streams, {name}")
+                times[name] = 1e3 * statistics.median(pool.map(lambda _: tpot(extra), range(rows)))
+            out.append({"rows": rows, "free_ms": times["free"], "guided_ms": times["guided"],
+                        "cost": times["guided"] / times["free"] - 1})
+    return out
+
+
 def _mask_cost(opts: BenchOptions, model_name: str) -> list[dict[str, Any]]:
     """Per-step time of LocalEngine at each row count, every row guided vs none."""
     from baton.decode_worker.core import DecodeConfig
@@ -208,21 +255,45 @@ def _mask_cost(opts: BenchOptions, model_name: str) -> list[dict[str, Any]]:
     rows_list = ROWS[:2] if opts.quick else ROWS
     out = []
     for rows in rows_list:
-        times = {}
-        for name, params in (("free", free), ("guided", guided)):
-            engine = LocalEngine(loaded, DecodeConfig(max_rows=rows))
-            engine.generate([prompt], params)  # warm: the grammar compiled, the kernels loaded
-            opts.progress(f"structured: mask cost, {rows} rows, {name}")
-            start = time.perf_counter()
-            results = engine.generate([prompt] * rows, params)
-            elapsed = time.perf_counter() - start
-            times[name] = 1e3 * elapsed / max(max(len(r.token_ids) for r in results), 1)
-        out.append({"rows": rows, "free_ms": times["free"], "guided_ms": times["guided"],
-                    "cost": times["guided"] / times["free"] - 1})
+        engines = {name: LocalEngine(loaded, DecodeConfig(max_rows=rows)) for name in ("free", "guided")}
+        for name, engine in engines.items():  # warm: the grammar compiled, the kernels loaded
+            engine.generate([prompt], guided if name == "guided" else free)
+        times: dict[str, list[float]] = {"free": [], "guided": []}
+        for _ in range(1 if opts.quick else REPEATS):  # alternated, the fastest kept: this machine's noise is +-5%
+            for name, params in (("free", free), ("guided", guided)):
+                opts.progress(f"structured: mask cost, {rows} rows, {name}")
+                start = time.perf_counter()
+                results = engines[name].generate([prompt] * rows, params)
+                elapsed = time.perf_counter() - start
+                times[name].append(1e3 * elapsed / max(max(len(r.token_ids) for r in results), 1))
+        free_ms, guided_ms = min(times["free"]), min(times["guided"])
+        in_series_ms = _sampling_ms(loaded, guided, rows, free_ms) - _sampling_ms(loaded, free, rows, free_ms)
+        out.append({"rows": rows, "free_ms": free_ms, "guided_ms": guided_ms, "cost": guided_ms / free_ms - 1,
+                    "in_series_ms": in_series_ms, "in_series_cost": in_series_ms / free_ms})
     return out
 
 
-def _report(opts: BenchOptions, cases, answers, summary, problems, masks) -> None:
+def _sampling_ms(loaded, params, rows: int, step_ms: float) -> float:
+    """The sampler's time a step for `rows` rows of `params` (random logits), with a step's time
+    between draws as in the engine: what a grammar adds to a step's critical path, free of the
+    noise that whole steps carry (the next masks are computed on the mask thread meanwhile)."""
+    import torch
+
+    from baton.engine.sampling import RequestSampler, sample
+
+    samplers = [RequestSampler(params, grammars=loaded.grammars if params.guide else None)
+                for _ in range(rows)]
+    logits = torch.randn(rows, loaded.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    total = 0.0
+    for _ in range(STEPS):
+        time.sleep(step_ms / 1e3)  # the forward
+        start = time.perf_counter()
+        sample(logits, samplers)
+        total += time.perf_counter() - start
+    return 1e3 * total / STEPS
+
+
+def _report(opts: BenchOptions, cases, answers, summary, problems, masks, served_cost) -> None:
     opts.say(f"structured outputs and tool calls: {len(cases)} cases x (whole, streamed), temperature 0, "
              f"dtype {opts.dtype}")
     for server, got in answers.items():
@@ -238,4 +309,11 @@ def _report(opts: BenchOptions, cases, answers, summary, problems, masks) -> Non
     opts.say(f"grammar mask cost, {STEPS} tokens a row, every row under a JSON schema (LocalEngine, prefill included):")
     for m in masks:
         opts.say(f"  {m['rows']:>2} rows: free {m['free_ms']:.1f} ms/step, guided {m['guided_ms']:.1f} ms/step, "
-                 f"{100 * m['cost']:+.1f}%")
+                 f"{100 * m['cost']:+.1f}%; the sampler's added time {m['in_series_ms']:.2f} ms/step "
+                 f"({100 * m['in_series_cost']:.1f}% of a step)")
+    for server, rows in served_cost.items():
+        opts.say(f"{server} served, {STEPS} tokens a stream, time per output token (median of the streams), "
+                 f"free against under a JSON schema:")
+        for m in rows:
+            opts.say(f"  {m['rows']:>2} streams: free {m['free_ms']:.1f} ms, guided {m['guided_ms']:.1f} ms, "
+                     f"{100 * m['cost']:+.1f}%")
