@@ -145,6 +145,10 @@ def _serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> None:
     parser.add_argument("--tls-server-name", metavar="NAME",
                         help="check peers' certificates for this DNS name instead of the host dialled "
                              "(peers reached by IP)")
+    if role != "router":
+        parser.add_argument("--insecure", action="store_true", default=None,
+                            help="serve with no cluster token on a non-loopback address: the port answers anyone "
+                                 "who reaches it (default: refuse to start so)")
     parser.add_argument("--otlp-endpoint", metavar="URL",
                         help="send OpenTelemetry traces of each request's stages to this OTLP/gRPC collector, "
                              "e.g. http://127.0.0.1:4317 (default: tracing off)")
@@ -205,7 +209,8 @@ def load_role_settings(args):
     tls = {"cert_file": args.tls_cert, "key_file": args.tls_key, "ca_file": args.tls_ca,
            "server_name": args.tls_server_name}
     return load_settings(args.config, overrides={"model": model, args.role: section, "tls": tls,
-                                                 "tracing": {"otlp_endpoint": args.otlp_endpoint}})
+                                                 "tracing": {"otlp_endpoint": args.otlp_endpoint},
+                                                 "cluster": {"insecure": getattr(args, "insecure", None)}})
 
 
 def cmd_serve(args) -> int:

@@ -88,10 +88,12 @@ class TLSSettings:
 class ClusterSettings:
     """The credential the router and the workers present to each other, distinct from any client's:
     with it set, worker ports refuse every call that lacks it (see baton/auth.py). `baton up`, the
-    compose file and the Helm chart set one; unset, worker ports are open to whoever reaches them."""
+    compose file and the Helm chart set one. A worker with none starts only on a loopback address
+    (one machine, development) or when told `insecure`: its port would answer whoever reaches it."""
 
     token: str = ""  # the token itself; usually from the environment as BATON_CLUSTER_TOKEN (a Secret)
     token_file: str = ""  # or a file holding it
+    insecure: bool = False  # a worker without a token serves on any address (`--insecure`)
 
 
 @dataclass

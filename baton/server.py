@@ -44,13 +44,31 @@ def channel(target: str, tls: TLSSettings | None = None, extra_options=(), clust
                               cluster_token)
 
 
-def cluster_token(cluster: ClusterSettings | None, role: str) -> str | None:
-    """This process's cluster credential, from its settings; says so when there is none."""
+def cluster_token(cluster: ClusterSettings | None, role: str, host: str = "127.0.0.1") -> str | None:
+    """This process's cluster credential, from its settings. A worker without one listens only on a
+    loopback address, unless cluster.insecure says to listen open anyway (ValueError otherwise)."""
     token = load_cluster_token(cluster.token, cluster.token_file) if cluster is not None else None
     if token is None and role != "router":
+        if not is_loopback(host) and not (cluster is not None and cluster.insecure):
+            raise ValueError(
+                f"this {role} worker would listen on {host} with no cluster token, answering anyone who reaches "
+                f"it: set BATON_CLUSTER_TOKEN (or cluster.token_file) to the token its router holds, listen on "
+                f"--host 127.0.0.1 for a worker on this machine only, or pass --insecure to serve it open anyway")
         log.warning("no cluster token (cluster.token / BATON_CLUSTER_TOKEN): this %s worker's port answers "
-                    "anyone who can reach it", role)
+                    "anyone who can reach %s", role, host)
     return token
+
+
+def is_loopback(host: str) -> bool:
+    """A listen address only this machine reaches: 127.0.0.0/8, ::1, localhost."""
+    import ipaddress
+
+    if host.strip("[]") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 def tls_channel_options(tls: TLSSettings) -> list[tuple[str, object]]:

@@ -163,7 +163,7 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
 
 def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | None = None, *,
           cluster: ClusterSettings | None = None, block: bool = True):
-    token = cluster_token(cluster, "decode")
+    token = cluster_token(cluster, "decode", settings.host)
     server = GrpcServer(settings.host, settings.port, tls=tls, long_calls=settings.max_pending + settings.max_rows,
                         cluster_token=token)
     decode_api, kv_api = NotReady(), NotReady()

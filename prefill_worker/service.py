@@ -140,7 +140,7 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
           cluster: ClusterSettings | None = None, block: bool = True):
     for address in settings.decode_workers:
         check_address(address, "prefill.decode_workers entries")
-    token = cluster_token(cluster, "prefill")
+    token = cluster_token(cluster, "prefill", settings.host)
     server = GrpcServer(settings.host, settings.port, tls=tls, long_calls=settings.max_queue + MAX_CACHE_WATCHERS,
                         cluster_token=token)
     api = NotReady()

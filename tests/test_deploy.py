@@ -54,7 +54,7 @@ DERIVED_KEYS = {
     "prefill": {"port", "metrics_port", "advertise", "discovery", "namespace", "discovery_labels", "decode_workers"},
     "decode": {"port", "metrics_port", "advertise"},
     "tls": {"cert_file", "key_file", "ca_file", "server_name"},
-    "cluster": {"token", "token_file"},  # BATON_CLUSTER_TOKEN from the cluster-token Secret
+    "cluster": {"token", "token_file", "insecure"},  # BATON_CLUSTER_TOKEN from the cluster-token Secret: never open
     "tracing": {"otlp_endpoint", "sample_ratio", "service_name"},  # from the chart's `tracing` block
 }
 # Cases rendered besides the example files: the code paths no example takes.

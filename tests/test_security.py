@@ -498,3 +498,29 @@ def test_the_cluster_token_comes_from_one_place():
     with pytest.raises(ValueError, match="printable ASCII"):
         load_cluster_token("a b", "")
     assert load_settings(env={"BATON_CLUSTER_TOKEN": "t0k3n"}).cluster.token == "t0k3n"
+
+
+def test_a_bare_worker_without_a_cluster_token_listens_only_on_loopback_unless_told_insecure(caplog):
+    """Started bare on a reachable address with no cluster token, a worker refuses to start (before
+    it binds anything) and says how to fix it; on loopback (one machine) or with --insecure it serves."""
+    from baton.config import ClusterSettings
+    from baton.server import cluster_token
+
+    env = {k: v for k, v in os.environ.items() if k not in ("BATON_CLUSTER_TOKEN", "BATON_CLUSTER_TOKEN_FILE")}
+    for role in ("prefill", "decode"):
+        refused = subprocess.run([sys.executable, "-m", "baton.cli", role, "--host", "0.0.0.0", "--port",
+                                  str(free_port()), "--model", "tiny-random"],
+                                 env=env, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2, refused.stderr
+        assert f"this {role} worker would listen on 0.0.0.0 with no cluster token" in refused.stderr
+        assert "BATON_CLUSTER_TOKEN" in refused.stderr and "--insecure" in refused.stderr
+        assert "Traceback" not in refused.stderr
+    for host in ("127.0.0.1", "::1", "localhost", "[::1]"):
+        assert cluster_token(None, "decode", host) is None  # development on one machine stays open
+    for host in ("0.0.0.0", "10.1.2.3", "::", "decode.baton.svc"):
+        with pytest.raises(ValueError, match="no cluster token"):
+            cluster_token(ClusterSettings(), "prefill", host)
+        assert cluster_token(ClusterSettings(insecure=True), "prefill", host) is None
+    assert "answers anyone who can reach decode.baton.svc" in caplog.text
+    assert cluster_token(ClusterSettings(token="t" * 32), "decode", "0.0.0.0") == "t" * 32
+    assert cluster_token(None, "router", "0.0.0.0") is None  # the router's public port has its own token
