@@ -127,6 +127,8 @@ class RouterSettings:
     discovery_labels: str = ""
     prefix_index: str = "memory"  # 'memory' or 'redis'
     redis_url: str = ""
+    # Redis's password, kept out of the URL and the ConfigMap: BATON_ROUTER_REDIS_PASSWORD from a Secret
+    redis_password: str = field(default="", repr=False)
     block_size: int = 16  # prefix-cache block tokens; must equal the prefill workers'
     index_namespace: str = "baton"  # Redis key prefix, so deployments sharing a Redis do not collide
     index_max_blocks: int = 262_144  # prefix index entries kept (least recently touched dropped)

@@ -162,7 +162,8 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
     index = build_prefix_index(PrefixIndexConfig(backend=settings.prefix_index, max_blocks=settings.index_max_blocks,
                                                  ttl_s=settings.index_ttl_s or None,
                                                  redis_url=settings.redis_url or "redis://127.0.0.1:6379/0",
-                                                 namespace=settings.index_namespace))
+                                                 namespace=settings.index_namespace,
+                                                 redis_password=settings.redis_password))
     metrics = Metrics("router", settings.served_model_name or model.name)
     sync = CacheSync(index, refresh_s=settings.index_ttl_s / 3 if settings.index_ttl_s else None,
                      on_event=lambda address, kind: metrics.cache_events.labels(kind).inc()).start()

@@ -50,7 +50,7 @@ CONFIG_PATH = "/etc/baton/baton.yaml"
 DERIVED_KEYS = {
     "model": {"name"},
     "router": {"port", "http_port", "metrics_port", "discovery", "namespace", "discovery_labels", "prefix_index",
-               "redis_url", "prefill_workers", "decode_workers"},
+               "redis_url", "redis_password", "prefill_workers", "decode_workers"},
     "prefill": {"port", "metrics_port", "advertise", "discovery", "namespace", "discovery_labels", "decode_workers"},
     "decode": {"port", "metrics_port", "advertise"},
     "tls": {"cert_file", "key_file", "ca_file", "server_name"},
@@ -69,6 +69,9 @@ EXTRA_CASES = {
         "tls": {"enabled": True, "secretName": "baton-tls", "hasCA": False, "serverName": "workers.baton.internal"},
     },
     "own-cluster-token": {"clusterAuth": {"tokenSecret": {"name": "my-cluster-token", "key": "secret"}}},
+    "opened": {"auth": {"open": True}, "networkPolicy": {"enabled": False},  # what an operator opens on purpose
+               "redis": {"passwordSecret": {"name": "my-redis", "key": "pw"}}},
+    "open-with-token": {"auth": {"open": True, "tokenSecret": {"name": "router-token"}}},
     "short-grace": {"preStopSleepSeconds": 15},  # 15 + the router's 20 s drain > its 30 s: refused
     "long-decode-drain": {"decode": {"config": {"drain_timeout_s": 58}}},  # 5 + 58 > the decode pods' 60 s
     "everything-on": {  # every optional object and setting at once
@@ -85,6 +88,7 @@ EXTRA_CASES = {
 }
 # Rendered on purpose with what the chart must refuse.
 FAILING_CASES = {"short-grace": "must exceed preStopSleepSeconds",
+                 "open-with-token": "auth.open serves the public API without a token",
                  "long-decode-drain": "decode.terminationGracePeriodSeconds (60) must exceed"}
 
 
@@ -193,7 +197,7 @@ def container(deployment: dict) -> dict:
 
 RENDERED_CASES = ["default", *(p.stem for p in EXAMPLES), *(c for c in EXTRA_CASES if c not in FAILING_CASES)]
 # The chart makes a random cluster token at each render: goldens hold a placeholder instead.
-_RANDOM_TOKEN = re.compile(r"(kind: Secret\n(?:.*\n)*?data:\n  token: )\S+", re.M)
+_RANDOM_TOKEN = re.compile(r"(kind: Secret\n(?:.*\n)*?data:\n  (?:token|password): )\S+", re.M)
 
 
 def masked(manifest: str) -> str:
@@ -313,6 +317,52 @@ def test_every_pod_reads_the_cluster_token_from_a_secret(helm_report, case):
         assert env["BATON_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": secret_name, "key": key}, role
         assert "value" not in env["BATON_CLUSTER_TOKEN"]  # never in the pod spec or the ConfigMap
     assert "cluster" not in chart_config(docs)
+
+
+@pytest.mark.parametrize("case", RENDERED_CASES)
+def test_the_chart_is_secure_unless_opened_on_purpose(helm_report, case):
+    """By default: NetworkPolicies, a generated bearer token on the public API, a password on the
+    chart's Redis; each from a Secret (random, kept across upgrades) or one the operator names,
+    never in the ConfigMap. Only `auth.open` / `networkPolicy.enabled: false` turn them off."""
+    docs = rendered(helm_report, case)
+    values = {"default": {}, **{p.stem: yaml.safe_load(p.read_text()) for p in EXAMPLES}, **EXTRA_CASES}[case]
+    router_env = {e["name"]: e for e in container(one(docs, "Deployment", role_name("router")))["env"]}
+    config_text = one(docs, "ConfigMap", f"{RELEASE}-config")["data"]["baton.yaml"]
+
+    def generated(name: str, key: str) -> None:
+        secret = one(docs, "Secret", name)
+        assert len(base64.b64decode(secret["data"][key]).decode()) == 48
+        assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+    auth = values.get("auth", {})
+    if auth.get("open"):
+        assert "BATON_AUTH_TOKEN" not in router_env and not find(docs, "Secret", f"{RELEASE}-api-token")
+    else:
+        name = auth.get("tokenSecret", {}).get("name") or f"{RELEASE}-api-token"
+        assert router_env["BATON_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": name, "key": "token"}
+        if not auth.get("tokenSecret", {}).get("name"):
+            generated(name, "token")
+    redis = values.get("redis", {})
+    if redis.get("enabled", True):
+        own = redis.get("passwordSecret", {})
+        ref = {"name": own.get("name") or f"{RELEASE}-redis-password", "key": own.get("key", "password")}
+        if not own.get("name"):
+            generated(ref["name"], "password")
+        assert router_env["BATON_ROUTER_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref
+        server = container(one(docs, "StatefulSet", f"{RELEASE}-redis"))
+        assert server["args"][:2] == ["--requirepass", "$(REDIS_PASSWORD)"]
+        redis_env = {e["name"]: e for e in server["env"]}
+        assert redis_env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref
+        assert redis_env["REDISCLI_AUTH"] == {"name": "REDISCLI_AUTH", "value": "$(REDIS_PASSWORD)"}  # the probe
+    else:
+        assert "BATON_ROUTER_REDIS_PASSWORD" not in router_env and not find(docs, "Secret", f"{RELEASE}-redis-password")
+    assert "password" not in config_text and "auth_token:" not in config_text
+    policies = {d["metadata"]["name"] for d in find(docs, "NetworkPolicy")}
+    if values.get("networkPolicy", {}).get("enabled", True):
+        assert policies == {role_name(role) for role in ROLES} | ({f"{RELEASE}-redis"} if redis.get("enabled", True)
+                                                                  else set())
+    else:
+        assert not policies
 
 
 @pytest.mark.parametrize("case", RENDERED_CASES)
@@ -656,12 +706,14 @@ def docker_compose() -> str:
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
-    done = compose_config(BATON_CLUSTER_TOKEN=COMPOSE_TOKEN)
+    done = compose_config(**COMPOSE_SECRETS)
     assert done.returncode == 0, f"docker-compose config rejected docker-compose.yaml:\n{done.stderr}"
     return yaml.safe_load(done.stdout)
 
 
 COMPOSE_TOKEN = "compose-test-token"
+COMPOSE_SECRETS = {"BATON_CLUSTER_TOKEN": COMPOSE_TOKEN, "BATON_API_TOKEN": "compose-api-token",
+                   "BATON_REDIS_PASSWORD": "compose-redis-password"}
 
 
 def compose_config(**env) -> subprocess.CompletedProcess:
@@ -670,11 +722,18 @@ def compose_config(**env) -> subprocess.CompletedProcess:
                           cwd=REPO, env={**clean, **env})
 
 
-def test_compose_refuses_to_start_without_a_cluster_token(compose):
-    done = compose_config()
-    assert done.returncode != 0 and "BATON_CLUSTER_TOKEN" in done.stderr
+@pytest.mark.parametrize("missing", sorted(COMPOSE_SECRETS))
+def test_compose_refuses_to_start_without_each_secret(compose, missing):
+    """The cluster token, the public API's bearer token and Redis's password: each required."""
+    done = compose_config(**{k: v for k, v in COMPOSE_SECRETS.items() if k != missing})
+    assert done.returncode != 0 and missing in done.stderr
     for role in ROLES:
         assert compose["services"][role]["environment"]["BATON_CLUSTER_TOKEN"] == COMPOSE_TOKEN
+    services = compose["services"]
+    assert services["router"]["environment"]["BATON_AUTH_TOKEN"] == "compose-api-token"
+    assert services["router"]["environment"]["BATON_ROUTER_REDIS_PASSWORD"] == "compose-redis-password"
+    assert services["redis"]["command"][:3] == ["redis-server", "--requirepass", "compose-redis-password"]
+    assert services["redis"]["environment"]["REDISCLI_AUTH"] == "compose-redis-password"  # the healthcheck
 
 
 def test_compose_runs_each_role_with_the_shared_config(compose):
@@ -756,7 +815,7 @@ def test_compose_test_runs_every_service_on_the_host_network_without_published_p
     ports = {f"BATON_TEST_{name}_PORT": str(30000 + i) for i, name in enumerate(
         ["ROUTER", "HTTP", "ROUTER_METRICS", "PREFILL", "PREFILL_METRICS", "DECODE", "DECODE_METRICS", "REDIS"])}
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("BATON_")}, **ports,
-           "BATON_CLUSTER_TOKEN": COMPOSE_TOKEN, "BATON_TEST_BASE_IMAGE": "baton-debian:test"}
+           **COMPOSE_SECRETS, "BATON_TEST_BASE_IMAGE": "baton-debian:test"}
     done = subprocess.run([docker_compose(), "-f", str(tmp_path / "merged.yaml"), "config"], capture_output=True,
                           text=True, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr
@@ -767,6 +826,7 @@ def test_compose_test_runs_every_service_on_the_host_network_without_published_p
     assert unknown_env_keys([name for s in services.values() for name in s.get("environment", {})]) == []
     assert router_env["BATON_ROUTER_PREFILL_WORKERS"] == "127.0.0.1:30003"
     assert router_env["BATON_ROUTER_REDIS_URL"] == "redis://127.0.0.1:30007/0"
+    assert "--requirepass" in services["redis"]["command"]  # the override keeps the password
     assert services["decode"]["healthcheck"]["test"] == ["CMD", "baton-health", "--port", "30005"]
     settings = load_settings(str(COMPOSE_CONFIG), env={k: str(v) for k, v in services["router"]["environment"].items()})
     assert (settings.router.port, settings.router.http_port) == (30000, 30001)

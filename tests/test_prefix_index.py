@@ -251,6 +251,24 @@ def test_two_routers_sharing_one_redis_see_each_others_events(redis_server):
     router_b.close()
 
 
+def test_a_password_kept_out_of_the_url_reaches_redis(redis_server):
+    """The chart's Redis requires a password (a Secret, BATON_ROUTER_REDIS_PASSWORD): passed beside
+    the URL, it needs no escaping; without it the index cannot start."""
+    password = "s3cret/with:odd@chars"
+    with redis_server.client() as admin:
+        admin.config_set("requirepass", password)
+    try:
+        with pytest.raises(redis.AuthenticationError):
+            RedisPrefixIndex.from_url(redis_server.url, namespace="locked")
+        index = RedisPrefixIndex.from_url(redis_server.url, password=password, namespace="locked")
+        index.apply_event("w1", stored=A)
+        assert index.match(A) == {"w1": 6}
+        index.close()
+    finally:
+        with redis.Redis(port=redis_server.port, password=password) as admin:
+            admin.config_set("requirepass", "")
+
+
 def test_namespaces_keep_deployments_apart(redis_server):
     with redis_server.client() as client:
         model_a = RedisPrefixIndex(client, namespace="model-a")

@@ -224,11 +224,18 @@ def wait_healthy(env: dict[str, str], services: list[str]) -> None:
         time.sleep(3)
 
 
-def check_requests(router: str, http_port: int) -> None:
+def check_requests(router: str, http_port: int, token: str) -> None:
     sys.path.insert(0, str(REPO))
-    from baton.client import BatonClient
+    from baton.client import BatonClient, Unauthenticated
 
-    with BatonClient(router, timeout=300) as client:
+    with BatonClient(router, timeout=30) as anonymous:  # the API is closed to callers without the token
+        try:
+            anonymous.model_info()
+        except Unauthenticated:
+            pass
+        else:
+            raise SystemExit("the router answered a caller without the API token")
+    with BatonClient(router, timeout=300, token=token) as client:
         tokens, text = [], []
         for chunk in client.stream("What is the capital of France?", max_tokens=24):
             tokens += chunk.token_ids
@@ -239,7 +246,7 @@ def check_requests(router: str, http_port: int) -> None:
         raise SystemExit("the router streamed no tokens")
     body = json.dumps({"messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 16}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/chat/completions", data=body,
-                                     headers={"content-type": "application/json"})
+                                     headers={"content-type": "application/json", "authorization": f"Bearer {token}"})
     with urllib.request.urlopen(request, timeout=300) as response:
         answer = json.loads(response.read())
     log(f"OpenAI API: {answer['choices'][0]['message']['content']!r}")
@@ -284,14 +291,15 @@ def main(argv: list[str] | None = None) -> int:
         wheels.shutdown()
     ports = dict(zip(["router", "http", "router_metrics", "prefill", "prefill_metrics", "decode", "decode_metrics",
                       "redis"], free_ports(8)))
-    env = dict(os.environ, BATON_IMAGE=IMAGE, BATON_CLUSTER_TOKEN=secrets.token_hex(32), BATON_TEST_BASE_IMAGE=base,
-               **{f"BATON_TEST_{k.upper()}_PORT": str(v) for k, v in ports.items()})
+    env = dict(os.environ, BATON_IMAGE=IMAGE, BATON_CLUSTER_TOKEN=secrets.token_hex(32),
+               BATON_API_TOKEN=secrets.token_hex(32), BATON_REDIS_PASSWORD=secrets.token_hex(32),
+               BATON_TEST_BASE_IMAGE=base, **{f"BATON_TEST_{k.upper()}_PORT": str(v) for k, v in ports.items()})
     try:
         log(f"docker-compose up on the host network: {ports}")
         write_merged_compose_file()
         compose(env, "up", "-d", "--no-build")
         wait_healthy(env, ["redis", "prefill", "decode", "router"])
-        check_requests(f"127.0.0.1:{ports['router']}", ports["http"])
+        check_requests(f"127.0.0.1:{ports['router']}", ports["http"], env["BATON_API_TOKEN"])
         check_kv_transport(ports["prefill_metrics"])
         wait_healthy(env, ["redis", "prefill", "decode", "router"])  # still, after serving
     finally:

@@ -14,8 +14,8 @@ def build_prefix_index(config: PrefixIndexConfig) -> PrefixIndex:
         return InMemoryPrefixIndex(max_blocks=config.max_blocks, ttl_s=config.ttl_s)
     from .redis_backend import RedisPrefixIndex
 
-    return RedisPrefixIndex.from_url(config.redis_url, namespace=config.namespace,
-                                     max_blocks=config.max_blocks, ttl_s=config.ttl_s)
+    return RedisPrefixIndex.from_url(config.redis_url, password=config.redis_password or None,
+                                     namespace=config.namespace, max_blocks=config.max_blocks, ttl_s=config.ttl_s)
 
 
 def __getattr__(name: str):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from baton.block_hash import MAX_BLOCK_HASH
 
@@ -135,6 +135,7 @@ class PrefixIndexConfig:
     ttl_s: float | None = None
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "baton"  # one per model/deployment sharing a Redis
+    redis_password: str = field(default="", repr=False)  # wins over one in the URL
 
     def __post_init__(self):
         if self.backend not in ("memory", "redis"):

@@ -189,8 +189,10 @@ class RedisPrefixIndex(PrefixIndex):
             client.script_load(script.script)  # so the first call is already one round trip
 
     @classmethod
-    def from_url(cls, url: str, **kwargs) -> RedisPrefixIndex:
-        index = cls(redis.Redis.from_url(url, decode_responses=True), **kwargs)
+    def from_url(cls, url: str, password: str | None = None, **kwargs) -> RedisPrefixIndex:
+        """password, where given, wins over one in the URL (a Secret need not be URL-escaped)."""
+        extra = {"password": password} if password else {}
+        index = cls(redis.Redis.from_url(url, decode_responses=True, **extra), **kwargs)
         index._owns_client = True
         return index
 

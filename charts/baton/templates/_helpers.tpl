@@ -188,6 +188,44 @@ The Secret holding the cluster token: the one named in values, or the one the ch
 {{- end }}
 
 {{/*
+The Secret holding the public API's bearer token (empty when auth.open), and the one holding the
+chart's Redis password.
+*/}}
+{{- define "baton.apiTokenSecret" -}}
+{{- if not .Values.auth.open }}
+{{- .Values.auth.tokenSecret.name | default (printf "%s-api-token" (include "baton.fullname" .)) }}
+{{- end }}
+{{- end }}
+
+{{- define "baton.redisPasswordSecret" -}}
+{{- .Values.redis.passwordSecret.name | default (printf "%s-redis-password" (include "baton.fullname" .)) }}
+{{- end }}
+
+{{/*
+A Secret holding one random value under `key`, made at install and kept as it is afterwards.
+Takes (dict "root" $ "name" NAME "key" KEY).
+*/}}
+{{- define "baton.randomSecret" -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .name }}
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ .name }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "baton.labels" .root | nindent 4 }}
+  annotations:
+    helm.sh/resource-policy: keep
+type: Opaque
+data:
+  {{- if and $existing (index $existing.data .key) }}
+  {{ .key }}: {{ index $existing.data .key }}
+  {{- else }}
+  {{ .key }}: {{ randAlphaNum 48 | b64enc }}
+  {{- end }}
+{{- end }}
+
+{{/*
 Seconds a role drains on SIGTERM: its config's drain_timeout_s (20 unless set).
 */}}
 {{- define "baton.drainSeconds" -}}
@@ -198,6 +236,9 @@ Seconds a role drains on SIGTERM: its config's drain_timeout_s (20 unless set).
 {{- $v := .Values }}
 {{- if and $v.redis.enabled (or $v.redis.externalUrl $v.redis.externalUrlSecret.name) }}
 {{- fail "redis.enabled=true runs Redis in the chart; set redis.enabled=false to use redis.externalUrl or redis.externalUrlSecret" }}
+{{- end }}
+{{- if and $v.auth.open $v.auth.tokenSecret.name }}
+{{- fail "auth.open serves the public API without a token, yet auth.tokenSecret.name names one: set only one" }}
 {{- end }}
 {{- if and $v.redis.externalUrl $v.redis.externalUrlSecret.name }}
 {{- fail "set only one of redis.externalUrl and redis.externalUrlSecret.name" }}
