@@ -132,8 +132,9 @@ def ending_ids(params: SamplingParams, eos_token_ids: Collection[int]) -> set[in
 def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> list[int]:
     """Next token for each row of `logits` ([n, vocab]), row i drawn with samplers[i].
 
-    A row whose request asks for it first gets its min_tokens, logit bias and penalties (on a
-    copy: `logits` stay raw for the log probabilities). Greedy rows take exactly torch.argmax
+    A row whose request asks for it first gets its min_tokens, logit bias, penalties and grammar
+    mask: in `logits` itself (when they are float32), or on a copy when a row asks for log
+    probabilities, which are read from the raw logits. Greedy rows take exactly torch.argmax
     (the first maximum on ties, as transformers does). Other rows: logits / temperature, then
     top-k, then top-p (nucleus; the most likely token always stays), then min-p, then
     torch.multinomial with the row's own generator. Advances every sampler by one step.
@@ -144,7 +145,8 @@ def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> list[int
     logits = logits.float()  # logits: [n, V]
     adjusted = [i for i, s in enumerate(samplers) if s.params.adjusts_logits]
     if adjusted:
-        logits = logits.clone()
+        if any(s.params.logprobs is not None for s in samplers):
+            logits = logits.clone()
         for i in adjusted:  # each row by its own request's state only: batch-invariant
             samplers[i].adjust(logits[i])
     if all(s.params.is_greedy for s in samplers):
@@ -152,7 +154,7 @@ def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> list[int
     else:
         tokens = _sample_mixed(logits, samplers)
     for i in adjusted:  # a grammar that allows nothing (or -inf everywhere): no token, this request fails
-        if samplers[i].guide is not None and logits[i].max() == float("-inf"):
+        if samplers[i].guide is not None and (tokens[i] == INVALID_TOKEN or logits[i, tokens[i]] == float("-inf")):
             tokens[i] = INVALID_TOKEN
     for s, token in zip(samplers, tokens):
         s.record(token)
