@@ -217,6 +217,9 @@ class PrefillSettings:
     # 'auto': KV to a decode worker on this host (same network namespace) goes through shared
     # memory, to any other over gRPC; 'grpc': always gRPC.
     kv_transport: str = "auto"
+    # A prompt prefilled in chunks streams its KV to a decode worker reached over gRPC chunk by
+    # chunk, as each is computed, so the transfer overlaps the prefill; off: pushed after it.
+    kv_stream: bool = True
     advertise: str = ""  # host:port others use to reach this worker (default: host:port)
     metrics_port: int = 0
 

@@ -25,10 +25,12 @@ from baton.v1 import kvtransfer_pb2_grpc as pb_grpc
 from baton.engine.kv import SequenceKV
 from baton.kvtransfer.errors import KVPushFailed, KVTransferError
 from baton.kvtransfer.receiver import ReceiveResult, Receiver
-from baton.kvtransfer.sender import encode
+from baton.engine.kv import KVShape
+from baton.kvtransfer.sender import SpanAborted, SpanSource, encode, encode_spans
 from baton.kvtransfer.wire import (
     CHUNK_IDLE_TIMEOUT_S,
     DEFAULT_CHUNK_BYTES,
+    STREAM_IDLE_TIMEOUT_S,
     grpc_channel_options,
     grpc_push_channel_options,
     grpc_server_ping_options,
@@ -97,21 +99,27 @@ class _IdleGuard:
 
     def __init__(self, requests, idle_s: float | None, context) -> None:
         self._requests = iter(requests)
-        self._idle_s = idle_s
+        self.idle_s = idle_s
         self._context = context
+        self._first = True
         self.stalled = False
 
     def __iter__(self) -> "_IdleGuard":
         return self
 
     def __next__(self):
-        if self._idle_s is None:
+        if self.idle_s is None:
             return next(self._requests)
-        key = _WATCHDOG.arm(self._idle_s, self._stall)
+        key = _WATCHDOG.arm(self.idle_s, self._stall)
         try:
-            return next(self._requests)
+            message = next(self._requests)
         finally:
             _WATCHDOG.disarm(key)
+        if self._first:  # a streamed push pauses while its sender computes: allowed longer
+            self._first = False
+            if message.WhichOneof("kind") == "header" and message.header.layout == pb.KV_LAYOUT_TOKEN_SPANS:
+                self.idle_s = max(self.idle_s, STREAM_IDLE_TIMEOUT_S)
+        return message
 
     def _stall(self) -> None:
         self.stalled = True
@@ -130,8 +138,8 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         except (KVTransferError, grpc.RpcError) as err:
             if stream.stalled:
                 # The receiver freed the reservation; the sender sees its own broken connection.
-                log.warning("KV stream went silent for %.1fs; cut off", self._idle_timeout_s)
-                context.abort(grpc.StatusCode.ABORTED, f"no KV data arrived for {self._idle_timeout_s:.1f}s; "
+                log.warning("KV stream went silent for %.1fs; cut off", stream.idle_s)
+                context.abort(grpc.StatusCode.ABORTED, f"no KV data arrived for {stream.idle_s:.1f}s; "
                               "the stream was cut off (retry the push)")
             if isinstance(err, KVTransferError):
                 context.abort(grpc.StatusCode[err.code], str(err))
@@ -205,6 +213,31 @@ def push_kv(
     finally:
         if owned:
             channel.close()
+
+
+def push_kv_stream(channel: grpc.Channel, request_id: str, fingerprint: str, shape: KVShape, source: SpanSource,
+                   chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float | None = None,
+                   push_token: str = "") -> pb.PushReply:
+    """Stream a prompt's KV while it is prefilled (one attempt: a broken stream is not replayed
+    here; the caller pushes the whole KV instead). Raises KVPushFailed."""
+    spans = encode_spans(request_id, fingerprint, shape, source, chunk_bytes, push_token)
+    aborted: list[str] = []
+
+    def chunks():
+        try:
+            yield from spans
+        except SpanAborted as why:  # cancel the call (an exception here would be logged as gRPC's)
+            aborted.append(str(why))
+            call.cancel()
+
+    call = pb_grpc.KVTransferStub(channel).Push.future(chunks(), timeout=timeout_s)
+    try:
+        return call.result()
+    except grpc.FutureCancelledError:
+        raise KVPushFailed("CANCELLED", f"the streamed push of {request_id!r} was broken off: "
+                                        f"{aborted[0] if aborted else 'cancelled'}") from None
+    except grpc.RpcError as err:
+        raise KVPushFailed(err.code().name, err.details() or "") from None
 
 
 # The stream or its connection broke (peer gone, reset, cut off, truncated): the KV itself was

@@ -53,6 +53,10 @@ class KVPusher:
                          on_retry=on_retry, push_token=push_token)
         return "grpc"
 
+    def uses_shared_memory(self, target: str) -> bool:
+        """Whether a push to `target` would try shared memory first (a decode worker on this host)."""
+        return self._shm_port(target) is not None
+
     def _shm_port(self, target: str) -> int | None:
         if not self.shared_memory:
             return None

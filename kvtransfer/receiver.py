@@ -73,7 +73,8 @@ class Receiver:
         header = first.header
         started = time.monotonic()
         self._check_header(header)
-        return self._land(header, started, timeout_s, lambda reservation: self._assemble(header, stream, reservation))
+        assemble = self._assemble_spans if header.layout == pb.KV_LAYOUT_TOKEN_SPANS else self._assemble
+        return self._land(header, started, timeout_s, lambda reservation: assemble(header, stream, reservation))
 
     def receive_whole(self, header: pb.KVHeader, payload, crc32: int, timeout_s: float | None = None,
                       adopt: bool = False) -> ReceiveResult:
@@ -84,32 +85,35 @@ class Receiver:
         started = time.monotonic()
         self._check_header(header)
         rid = header.request_id
+        if header.layout != pb.KV_LAYOUT_LAYER_MAJOR:
+            raise KVBadStream(f"KV for {rid!r} arrived whole, so it must be LAYER_MAJOR (got layout {header.layout})")
         if len(payload) != header.total_bytes:
             raise KVTruncated(f"KV for {rid!r} holds {len(payload)} bytes; its header declares {header.total_bytes}")
         if checksum(payload) != crc32:
             raise KVCorrupt(f"KV for {rid!r}: checksum mismatch; the data was damaged")
 
-        def fill(_reservation) -> tuple[SequenceKV, int]:
+        def fill(_reservation) -> tuple[SequenceKV, int, bytes]:
             if adopt and not self.config.pin_memory:
                 dims = self._kv_dims(header.num_tokens)
-                return SequenceKV(torch.frombuffer(payload, dtype=torch.uint8).view(self.config.shape.dtype).view(dims)), 1
+                kv = torch.frombuffer(payload, dtype=torch.uint8).view(self.config.shape.dtype).view(dims)
+                return SequenceKV(kv), 1, bytes(header.metadata)
             data = self._new_kv(header.num_tokens)
             source = memoryview(payload)
             memoryview(data.view(torch.uint8).reshape(-1).numpy())[:] = (
                 source if source.format == "B" else source.cast("B"))  # a ctypes buffer says '<B'
-            return SequenceKV(data), 1
+            return SequenceKV(data), 1, bytes(header.metadata)
 
         return self._land(header, started, timeout_s, fill)
 
     def _land(self, header: pb.KVHeader, started: float, timeout_s: float | None, fill) -> ReceiveResult:
-        """Reserve staging room for a checked header, let `fill(reservation)` make the KV (and its
-        message count), land it; the reservation is aborted if anything fails."""
+        """Reserve staging room for a checked header, let `fill(reservation)` make the KV (with its
+        message count and metadata), land it; the reservation is aborted if anything fails."""
         wait = self.config.reserve_timeout_s if timeout_s is None else min(timeout_s, self.config.reserve_timeout_s)
         reservation = self.pool.reserve(header.request_id, header.total_bytes, wait, header.push_token)
         reserved = time.monotonic()
         try:
-            kv, messages = fill(reservation)
-            self.pool.land(reservation, kv, bytes(header.metadata))
+            kv, messages, metadata = fill(reservation)
+            self.pool.land(reservation, kv, metadata)
         except BaseException:
             self.pool.abort(reservation)
             raise
@@ -128,8 +132,9 @@ class Receiver:
         rid = header.request_id
         if not rid:
             raise KVBadStream("KV header has an empty request_id")
-        if header.layout != pb.KV_LAYOUT_LAYER_MAJOR:
-            raise KVBadStream(f"KV for {rid!r} has layout {header.layout}; this receiver reads only LAYER_MAJOR")
+        if header.layout not in (pb.KV_LAYOUT_LAYER_MAJOR, pb.KV_LAYOUT_TOKEN_SPANS):
+            raise KVBadStream(f"KV for {rid!r} has layout {header.layout}; this receiver reads LAYER_MAJOR and "
+                              "TOKEN_SPANS")
         if header.model_fingerprint != self.config.fingerprint:
             raise KVForeignModel(
                 f"KV for {rid!r} comes from model {header.model_fingerprint!r} but this decode worker runs "
@@ -163,7 +168,7 @@ class Receiver:
 
     def _assemble(
         self, header: pb.KVHeader, stream: Iterator[pb.KVChunk], reservation: Reservation
-    ) -> tuple[SequenceKV, int]:
+    ) -> tuple[SequenceKV, int, bytes]:
         rid, total, chunk_bytes = header.request_id, header.total_bytes, header.chunk_bytes
         data = self._new_kv(header.num_tokens)  # [layers, 2, kv_heads, tokens, head_dim], filled as bytes
         target = memoryview(data.view(torch.uint8).reshape(-1).numpy())
@@ -203,10 +208,73 @@ class Receiver:
                         f"KV for {rid!r}: end says {end.num_chunks} chunks / {end.total_bytes} bytes, "
                         f"received {num_chunks} chunks / {received} of {total} bytes"
                     )
-                extra = next(stream, None)
-                if extra is not None:
-                    raise KVBadStream(f"KV for {rid!r}: {extra.WhichOneof('kind')!r} message after end")
-                return SequenceKV(data), num_chunks
+                _expect_no_more(stream, rid)
+                return SequenceKV(data), num_chunks, bytes(header.metadata)
             else:
                 raise KVBadStream(f"KV for {rid!r}: unexpected {kind!r} message inside the data stream")
         raise KVTruncated(f"KV stream for {rid!r} ended after {received} of {total} bytes without an end message")
+
+    def _assemble_spans(
+        self, header: pb.KVHeader, stream: Iterator[pb.KVChunk], reservation: Reservation
+    ) -> tuple[SequenceKV, int, bytes]:
+        """A streamed push: spans of tokens as the sender's prefill computes them. Each span's bytes
+        are gathered in a buffer of its own shape, then copied to its tokens' place. No rate floor:
+        the sender computes between spans (the transport allows it longer pauses)."""
+        rid, total, chunk_bytes, num_tokens = header.request_id, header.total_bytes, header.chunk_bytes, header.num_tokens
+        shape = self.config.shape
+        data = self._new_kv(num_tokens)
+        received = num_chunks = position = 0
+        span: torch.Tensor | None = None  # the span being received: [layers, 2, kv_heads, tokens, head_dim]
+        target, filled = memoryview(b""), 0
+        for message in stream:
+            if reservation.cancelled:
+                raise KVCancelled(f"request {rid!r} was cancelled while its KV arrived")
+            kind = message.WhichOneof("kind")
+            if kind == "span":
+                tokens = message.span.tokens
+                if span is not None:
+                    raise KVBadStream(f"KV for {rid!r}: a span began before the previous one's bytes all arrived")
+                if not 0 < tokens <= num_tokens - position:
+                    raise KVBadStream(f"KV for {rid!r}: a span of {tokens} tokens at token {position} of {num_tokens}")
+                span = torch.empty(self._kv_dims(tokens), dtype=shape.dtype)
+                target, filled = memoryview(span.view(torch.uint8).reshape(-1).numpy()), 0
+            elif kind == "data":
+                chunk = message.data
+                if span is None:
+                    raise KVBadStream(f"KV for {rid!r}: data chunk {chunk.seq} outside any span")
+                if chunk.seq != num_chunks or chunk.offset != received:
+                    raise KVCorrupt(f"KV for {rid!r}: got chunk seq={chunk.seq} offset={chunk.offset}, "
+                                    f"expected seq={num_chunks} offset={received}")
+                payload = chunk.payload
+                size = len(payload)
+                if not 0 < size <= min(chunk_bytes, len(target) - filled):
+                    raise KVBadStream(f"KV for {rid!r}: chunk {chunk.seq} has {size} bytes; its span has "
+                                      f"{len(target) - filled} left and chunks are at most {chunk_bytes}")
+                if checksum(payload) != chunk.crc32:
+                    raise KVCorrupt(f"KV for {rid!r}: checksum mismatch in chunk {chunk.seq}; the data was damaged")
+                target[filled:filled + size] = payload
+                filled += size
+                received += size
+                num_chunks += 1
+                if filled == len(target):  # the span is whole: to its tokens' place
+                    data[:, :, :, position:position + span.shape[3]] = span
+                    position += span.shape[3]
+                    span = None
+            elif kind == "end":
+                end = message.end
+                if span is not None or received != total or end.num_chunks != num_chunks or end.total_bytes != total:
+                    raise KVCorrupt(f"KV for {rid!r}: end says {end.num_chunks} chunks / {end.total_bytes} bytes, "
+                                    f"received {num_chunks} chunks / {received} of {total} bytes")
+                if len(end.metadata) > MAX_METADATA_BYTES:
+                    raise KVBadStream(f"KV for {rid!r} carries {len(end.metadata)} metadata bytes; max {MAX_METADATA_BYTES}")
+                _expect_no_more(stream, rid)
+                return SequenceKV(data), num_chunks, bytes(end.metadata)
+            else:
+                raise KVBadStream(f"KV for {rid!r}: unexpected {kind!r} message inside the data stream")
+        raise KVTruncated(f"KV stream for {rid!r} ended after {received} of {total} bytes without an end message")
+
+
+def _expect_no_more(stream: Iterator[pb.KVChunk], rid: str) -> None:
+    extra = next(stream, None)
+    if extra is not None:
+        raise KVBadStream(f"KV for {rid!r}: {extra.WhichOneof('kind')!r} message after end")

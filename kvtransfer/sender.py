@@ -1,12 +1,14 @@
-"""Turn one sequence's KV into the KVChunk stream: header, checksummed data chunks, end."""
+"""Turn one sequence's KV into the KVChunk stream: header, checksummed data chunks, end; or,
+streamed while the prompt is prefilled, header, then spans of tokens as they are computed, end."""
 from __future__ import annotations
 
+import queue
 from typing import Iterator
 
 import torch
 
 from baton.v1 import kvtransfer_pb2 as pb
-from baton.engine.kv import SequenceKV
+from baton.engine.kv import KVShape, SequenceKV
 from baton.kvtransfer.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_METADATA_BYTES, checksum, dtype_name
 
 
@@ -43,7 +45,12 @@ def _check_sendable(request_id: str, kv: SequenceKV, metadata: bytes, chunk_byte
 def kv_header(request_id: str, fingerprint: str, kv: SequenceKV, metadata: bytes = b"",
               chunk_bytes: int = DEFAULT_CHUNK_BYTES, push_token: str = "") -> pb.KVHeader:
     """What every push of kv declares before its bytes, whatever carries them."""
-    shape = kv.shape
+    return _header(request_id, fingerprint, kv.shape, kv.num_tokens, metadata, chunk_bytes, push_token,
+                   pb.KV_LAYOUT_LAYER_MAJOR)
+
+
+def _header(request_id: str, fingerprint: str, shape: KVShape, num_tokens: int, metadata: bytes, chunk_bytes: int,
+            push_token: str, layout: int) -> pb.KVHeader:
     return pb.KVHeader(
         request_id=request_id,
         model_fingerprint=fingerprint,
@@ -51,10 +58,10 @@ def kv_header(request_id: str, fingerprint: str, kv: SequenceKV, metadata: bytes
         num_layers=shape.num_layers,
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
-        num_tokens=kv.num_tokens,
-        total_bytes=kv.nbytes,
+        num_tokens=num_tokens,
+        total_bytes=num_tokens * shape.bytes_per_token(),
         chunk_bytes=chunk_bytes,
-        layout=pb.KV_LAYOUT_LAYER_MAJOR,
+        layout=layout,
         metadata=metadata,
         push_token=push_token,
     )
@@ -73,3 +80,66 @@ def _chunks(
         yield pb.KVChunk(data=pb.KVData(seq=num_chunks, offset=offset, payload=bytes(payload), crc32=checksum(payload)))
         num_chunks += 1
     yield pb.KVChunk(end=pb.KVEnd(num_chunks=num_chunks, total_bytes=len(raw)))
+
+
+class SpanSource:
+    """The KV of one prompt as its prefill computes it, for a streamed push (layout TOKEN_SPANS):
+    the prefill thread `put`s each new span of tokens and `finish`es with the metadata (or
+    `abort`s); the push's thread reads them through `encode_spans`. Thread-safe."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+        self._items: "queue.SimpleQueue[tuple[str, object]]" = queue.SimpleQueue()
+        self.queued = 0  # tokens put so far
+
+    def put(self, kv: SequenceKV) -> None:
+        if kv.num_tokens:
+            self.queued += kv.num_tokens
+            self._items.put(("span", kv))
+
+    def finish(self, metadata: bytes) -> None:
+        self._items.put(("end", metadata))
+
+    def abort(self, why: str) -> None:
+        self._items.put(("abort", why))
+
+    def take(self) -> tuple[str, object]:
+        return self._items.get()
+
+
+class SpanAborted(Exception):
+    """The prompt behind a streamed push stopped (cancelled, failed): the push breaks off."""
+
+
+def encode_spans(request_id: str, fingerprint: str, shape: KVShape, source: SpanSource,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, push_token: str = "") -> Iterator[pb.KVChunk]:
+    """The chunk stream of a streamed push: the header at once, each span as `source` gives it
+    (blocking until it does), the end with the metadata. Raises SpanAborted, which breaks the call."""
+    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    if source.num_tokens < 1:
+        raise ValueError(f"KV for {request_id!r} has no tokens; a prefilled prompt has at least one")
+    return _span_chunks(request_id, fingerprint, shape, source, chunk_bytes, push_token)
+
+
+def _span_chunks(request_id: str, fingerprint: str, shape: KVShape, source: SpanSource, chunk_bytes: int,
+                 push_token: str) -> Iterator[pb.KVChunk]:
+    yield pb.KVChunk(header=_header(request_id, fingerprint, shape, source.num_tokens, b"", chunk_bytes, push_token,
+                                    pb.KV_LAYOUT_TOKEN_SPANS))
+    sent = num_chunks = 0
+    while True:
+        kind, item = source.take()
+        if kind == "abort":
+            raise SpanAborted(str(item))
+        if kind == "end":
+            yield pb.KVChunk(end=pb.KVEnd(num_chunks=num_chunks, total_bytes=sent, metadata=item))
+            return
+        data = item.data.detach().to("cpu").contiguous()  # [layers, 2, kv_heads, span tokens, head_dim]
+        raw = memoryview(data.view(torch.uint8).reshape(-1).numpy())
+        yield pb.KVChunk(span=pb.KVSpan(tokens=item.num_tokens))
+        for offset in range(0, len(raw), chunk_bytes):
+            payload = raw[offset:offset + chunk_bytes]
+            yield pb.KVChunk(data=pb.KVData(seq=num_chunks, offset=sent, payload=bytes(payload),
+                                            crc32=checksum(payload)))
+            sent += len(payload)
+            num_chunks += 1

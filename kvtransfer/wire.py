@@ -61,6 +61,9 @@ PUSH_CONNECT_TIMEOUT_MS = 1000
 # sender (which holds the whole KV in memory) has no reason to pause; a stream silent this long
 # is cut off and its staging bytes freed, so a retry of the same request id can land.
 CHUNK_IDLE_TIMEOUT_S = 1.0
+# A streamed push (layout TOKEN_SPANS) pauses while its sender prefills the next chunk of the
+# prompt: a pause is allowed this long (a sender that died resets the connection at once anyway).
+STREAM_IDLE_TIMEOUT_S = 30.0
 # ...and a stream that keeps sending, but slower than this once PUSH_RATE_GRACE_S have passed,
 # is cut too: a sender holding the KV in memory streams it at memory or network speed, while a
 # trickle would hold its staging room (and starve every other push) for as long as it liked.

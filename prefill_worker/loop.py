@@ -30,12 +30,14 @@ from baton.metrics import Metrics
 from baton.server import channel
 from baton.v1 import workers_pb2
 
+from baton.engine.kv import SequenceKV
 from baton.engine.request import GenerationRequest, RequestError
 from baton.messages import logprob_to_proto
 from baton.engine.executors import Runner
 from baton.kvtransfer.errors import KVPushFailed
-from baton.kvtransfer.grpc_transport import PushRetry
+from baton.kvtransfer.grpc_transport import PushRetry, push_kv_stream
 from baton.kvtransfer.push import KVPusher
+from baton.kvtransfer.sender import SpanSource
 from baton.kvtransfer.wire import grpc_push_channel_options
 from baton.prefill_worker.batching import BACKGROUND_BATCH_TOKENS, URGENT_PRIORITY, PrefillQueue
 from baton.prefill_worker.cache_events import CacheEventLog
@@ -76,6 +78,53 @@ class PrefillJob:
     new_prefix: int | None = None  # while in chunks: its first block the cache lacked (see batching)
     done: Future = field(default_factory=Future)
     cancelled: bool = False
+    stream: "_StreamedPush | None" = None  # its KV streamed chunk by chunk while it prefills
+
+
+class _StreamedPush:
+    """A chunked prompt's KV sent to its decode worker while the prompt is prefilled: each chunk's
+    tokens go as soon as they are computed (layout TOKEN_SPANS), so the transfer overlaps the next
+    chunks' compute and only the last chunk's KV is left to send when the prefill ends. One
+    attempt, on a thread of its own (it lasts as long as the prefill): should it break, the
+    whole KV is pushed after the prefill the usual way, with its retries."""
+
+    def __init__(self, loop: "PrefillLoop", job: PrefillJob, num_tokens: int) -> None:
+        self.source = SpanSource(num_tokens)
+        self.sent = job.kv_skip_tokens  # prompt tokens handed to the stream (or held by the decode worker)
+        self.outcome: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(loop, job), name=f"kv-stream-{job.request.request_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, loop: "PrefillLoop", job: PrefillJob) -> None:
+        try:
+            push_kv_stream(loop._channel(job.decode_target), job.request.request_id, loop.fingerprint,
+                           loop.core.runner.loaded.kv_shape, self.source, loop.settings.kv_chunk_bytes,
+                           PUSH_TIMEOUT_SECONDS + 3600.0, job.push_token)  # bounded by the prefill, then the push
+            self.outcome.set_result(True)
+        except Exception as exc:  # noqa: BLE001 -- the KV goes the usual way instead
+            log.info("streamed KV push of request %s to %s broke off (%s); the whole KV is pushed after its prefill",
+                     job.request.request_id, job.decode_target, exc)
+            self.outcome.set_result(False)
+
+    def put(self, kv, end: int) -> None:
+        """The prompt's KV so far (`kv` covers tokens [0, end)): the tokens not yet sent go."""
+        if end > self.sent and not self.outcome.done():
+            # a copy of these tokens alone: a queued view would hold the whole KV so far alive
+            self.source.put(SequenceKV(kv.data[:, :, :, self.sent:end].contiguous()))
+            self.sent = end
+
+    def finish(self, metadata: bytes, timeout_s: float) -> bool:
+        """Close the stream with the metadata; whether the KV landed."""
+        self.source.finish(metadata)
+        try:
+            return self.outcome.result(timeout_s)
+        except TimeoutError:
+            self.abort("the streamed push did not end in time")
+            return False
+
+    def abort(self, why: str) -> None:
+        self.source.abort(why)
 
 
 class PushSenders:
@@ -175,9 +224,11 @@ class PrefillLoop:
         self._stop.set()
         self.cache_events.close()
         self.queue.close()
-        self._thread.join(timeout=10)
+        if self._thread.ident is not None:  # a loop never started has nothing to join
+            self._thread.join(timeout=10)
         while self._chunking and not self._thread.is_alive():
             job, _ = self._chunking.popleft()
+            self._end_stream(job, "the prefill worker stopped")
             job.done.set_exception(ConnectionAbortedError("this prefill worker stopped"))
         self._senders.shutdown()
         self.decode_targets.stop()
@@ -374,7 +425,12 @@ class PrefillLoop:
         if len(prompt) - plan.tokens <= budget:
             return False
         job.new_prefix = self._new_prefix(job)
-        self._chunking.append((job, self.core.begin_chunks(job.request, plan)))
+        chunked = self.core.begin_chunks(job.request, plan)
+        self._chunking.append((job, chunked))
+        if self.settings.kv_stream and not self._pusher.uses_shared_memory(job.decode_target):
+            job.stream = _StreamedPush(self, job, len(prompt) - job.kv_skip_tokens)
+            if chunked.kv is not None:  # the cached prefix goes at once
+                job.stream.put(chunked.kv, chunked.done)
         return True
 
     def _next_chunk(self) -> None:
@@ -384,6 +440,7 @@ class PrefillLoop:
         job, chunked = self._chunking[pick]
         if job.cancelled:
             del self._chunking[pick]
+            self._end_stream(job, "cancelled")
             job.done.set_exception(RequestError("cancelled"))
             return
         try:
@@ -392,16 +449,26 @@ class PrefillLoop:
         except Exception as exc:  # this prompt alone fails
             log.exception("chunked prefill of request %s failed", job.request.request_id)
             del self._chunking[pick]
+            self._end_stream(job, "its prefill failed")
             job.done.set_exception(exc)
             return
         self.chunks_done += 1
         if prefilled is None:
             job.new_prefix = self._new_prefix(job)  # its blocks so far are cached now
+            if job.stream is not None:
+                job.stream.put(chunked.kv, chunked.done)
         else:
+            if job.stream is not None:
+                job.stream.put(prefilled.whole_kv(), chunked.done)
             del self._chunking[pick]
             self._publish_cache_changes()
             self._send(job, prefilled)
             self.requests_done += 1
+
+    @staticmethod
+    def _end_stream(job: PrefillJob, why: str) -> None:
+        if job.stream is not None:
+            job.stream.abort(why)
 
     def _prefill(self, jobs: list[PrefillJob]) -> None:
         prefilled = self.core.prefill([j.request for j in jobs])
@@ -451,14 +518,17 @@ class PrefillLoop:
         self.metrics.vllm_prefix_hits.inc(prefilled.cached_tokens)
         try:
             if job.cancelled:
+                self._end_stream(job, "cancelled")
                 raise RequestError("cancelled")
             # The decode worker may hold the first tokens (kv_skip_tokens): only the rest travels.
             kv = prefilled.whole_kv(job.kv_skip_tokens)
-            transport = self._pusher.push(
-                job.decode_target, lambda: self._channel(job.decode_target), job.request.request_id, self.fingerprint,
-                kv, meta.SerializeToString(), chunk_bytes=self.settings.kv_chunk_bytes,
-                timeout_s=PUSH_TIMEOUT_SECONDS, retry=PUSH_RETRY, should_stop=lambda: job.cancelled, on_retry=retrying,
-                push_token=job.push_token)
+            transport = "grpc_stream"
+            if job.stream is None or not job.stream.finish(meta.SerializeToString(), PUSH_TIMEOUT_SECONDS):
+                transport = self._pusher.push(
+                    job.decode_target, lambda: self._channel(job.decode_target), job.request.request_id,
+                    self.fingerprint, kv, meta.SerializeToString(), chunk_bytes=self.settings.kv_chunk_bytes,
+                    timeout_s=PUSH_TIMEOUT_SECONDS, retry=PUSH_RETRY, should_stop=lambda: job.cancelled,
+                    on_retry=retrying, push_token=job.push_token)
             trace.mark("staged")  # the decode worker holds the KV now
             done.transfer_seconds = trace.durations()["transfer"]
             self.metrics.transfers.labels("ok").inc()

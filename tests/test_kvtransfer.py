@@ -38,9 +38,12 @@ from baton.kvtransfer.grpc_transport import (
     kvtransfer_channel,
     push_kv,
     push_kv_retrying,
+    push_kv_stream,
 )
+from baton.kvtransfer.sender import SpanSource, encode_spans
 from baton.kvtransfer.wire import (
     CHUNK_IDLE_TIMEOUT_S,
+    MAX_METADATA_BYTES,
     PUSH_CONNECT_TIMEOUT_MS,
     PUSH_KEEPALIVE_MS,
     SERVER_MIN_PING_INTERVAL_MS,
@@ -172,6 +175,100 @@ def test_wire_is_header_then_layer_major_chunks_then_end():
     assert b"".join(d.payload for d in data) == raw_bytes(kv)  # exactly SequenceKV.data, layer 0 first
     assert [len(d.payload) for d in data[:-1]] == [ODD_CHUNK] * (len(data) - 1) and 0 < len(data[-1].payload) <= ODD_CHUNK
     assert chunks[-1].end.num_chunks == len(data) and chunks[-1].end.total_bytes == kv.nbytes
+
+
+def spans_of(kv: SequenceKV, sizes: list[int], metadata: bytes = b"") -> SpanSource:
+    """A SpanSource already holding kv in spans of `sizes` tokens, then its end."""
+    source, start = SpanSource(kv.num_tokens), 0
+    for size in sizes:
+        source.put(SequenceKV(kv.data[:, :, :, start:start + size].contiguous()))
+        start += size
+    source.finish(metadata)
+    return source
+
+
+@pytest.mark.parametrize("dtype", list(SHAPES))
+def test_a_streamed_push_lands_its_spans_layer_major_with_the_metadata_from_its_end(make_link, dtype):
+    """Layout TOKEN_SPANS: spans of tokens as a prefill computes them (here one of a single token,
+    and spans that ODD_CHUNK splits), each sent [layers, 2, heads, span, dim]; the receiver lays
+    them out as one push of the whole KV would, and takes the metadata from the end."""
+    link = make_link(dtype)
+    kv = random_kv(SHAPES[dtype], 37, seed=3)
+    sizes = [1, 16, 13, 7]
+    chunks = list(encode_spans("streamed", FINGERPRINT, SHAPES[dtype], spans_of(kv, sizes, b"first token"),
+                               chunk_bytes=ODD_CHUNK))
+    header = chunks[0].header
+    assert header.layout == pb.KV_LAYOUT_TOKEN_SPANS and header.metadata == b"" and header.num_tokens == 37
+    assert [c.span.tokens for c in chunks if c.WhichOneof("kind") == "span"] == sizes
+    link.push_chunks(chunks)
+    staged = link.pool.take("streamed")
+    assert raw_bytes(staged.kv) == raw_bytes(kv) and staged.metadata == b"first token"
+
+
+def span_tampered(chunks: list[pb.KVChunk], how: str) -> list[pb.KVChunk]:
+    kinds = [c.WhichOneof("kind") for c in chunks]
+    second_span = [i for i, kind in enumerate(kinds) if kind == "span"][1]
+    if how == "data before any span":
+        del chunks[1]
+    elif how == "a span before the last one's bytes":
+        del chunks[second_span - 1]
+        for i, chunk in enumerate(c for c in chunks if c.WhichOneof("kind") == "data"):
+            chunk.data.seq = i
+        offset = 0
+        for chunk in chunks:
+            if chunk.WhichOneof("kind") == "data":
+                chunk.data.offset, offset = offset, offset + len(chunk.data.payload)
+    elif how == "a span past the last token":
+        chunks[second_span].span.tokens = 1000
+    elif how == "an empty span":
+        chunks.insert(second_span, pb.KVChunk(span=pb.KVSpan(tokens=0)))
+    elif how == "truncated: no end":
+        chunks = chunks[:-1]
+    elif how == "metadata too large":
+        chunks[-1].end.metadata = b"x" * (MAX_METADATA_BYTES + 1)
+    return chunks
+
+
+@pytest.mark.parametrize("how, code", [
+    ("data before any span", "INVALID_ARGUMENT"),
+    ("a span before the last one's bytes", "INVALID_ARGUMENT"),
+    ("a span past the last token", "INVALID_ARGUMENT"),
+    ("an empty span", "INVALID_ARGUMENT"),
+    ("truncated: no end", "ABORTED"),
+    ("metadata too large", "INVALID_ARGUMENT"),
+])
+def test_a_damaged_streamed_push_is_refused_and_frees_its_bytes(make_link, how, code):
+    link = make_link()
+    kv = random_kv(SHAPES["float32"], 37)
+    chunks = list(encode_spans("r", FINGERPRINT, SHAPES["float32"], spans_of(kv, [20, 17]), chunk_bytes=ODD_CHUNK))
+    assert refusal(lambda: link.push_chunks(span_tampered(chunks, how))).code == code
+    assert_pool_empty(link.pool)
+    assert link.landed == []
+
+
+def test_a_streamed_push_may_pause_between_spans_past_the_idle_limit_of_a_whole_one():
+    """Over gRPC: the sender computes between spans, so a TOKEN_SPANS stream may pause longer than
+    CHUNK_IDLE_TIMEOUT_S; a whole push pausing as long is cut off. A sender that aborts breaks the call."""
+    pool = StagingPool(StagingConfig(capacity_bytes=1 << 20))
+    receiver = Receiver(pool, ReceiverConfig(FINGERPRINT, SHAPES["float32"]))
+    kv = random_kv(SHAPES["float32"], 8)
+    with KVTransferServer(receiver) as server, kvtransfer_channel(server.target) as channel:
+        source = SpanSource(8)
+        source.put(SequenceKV(kv.data[:, :, :, :4].contiguous()))
+        later = threading.Timer(CHUNK_IDLE_TIMEOUT_S + 0.5, lambda: (
+            source.put(SequenceKV(kv.data[:, :, :, 4:].contiguous())), source.finish(b"m")))
+        later.start()
+        push_kv_stream(channel, "paused", FINGERPRINT, SHAPES["float32"], source, ODD_CHUNK, timeout_s=10)
+        assert raw_bytes(pool.take("paused").kv) == raw_bytes(kv)
+        pool.release("paused")
+        broken = SpanSource(8)
+        broken.put(SequenceKV(kv.data[:, :, :, :4].contiguous()))
+        broken.abort("the prompt was cancelled")
+        with pytest.raises(KVPushFailed) as caught:
+            push_kv_stream(channel, "aborted", FINGERPRINT, SHAPES["float32"], broken, ODD_CHUNK, timeout_s=10)
+        assert caught.value.code == "CANCELLED"
+        wait_until(lambda: pool.stats().used_bytes == 0)  # the aborted push's room is freed
+    later.join()
 
 
 def test_chunks_above_grpc_default_message_limit_pass(make_link):

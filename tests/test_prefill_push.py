@@ -369,3 +369,83 @@ def test_prefill_stops_at_the_kv_memory_threshold_until_pushes_free_memory(prefi
     finally:
         loop.stop()
     assert loop.unpushed_kv_bytes == 0
+
+
+def transports(loop) -> dict[str, float]:
+    return {name: loop.metrics.transfer_transports.labels(name)._value.get() for name in ("grpc", "grpc_stream")}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_chunked_prompt_streams_its_kv_while_it_prefills(prefill_worker, decode_receiver, stream):
+    """Over gRPC, a prompt prefilled in chunks sends each chunk's KV as it is computed (layout
+    TOKEN_SPANS) and its first token with the end; the decode worker lands exactly the KV of one
+    whole prefill. Off (`kv_stream: false`), the KV is pushed after the prefill, as before."""
+    _, worker = prefill_worker
+    target, pool, landed = decode_receiver()
+    loop = PrefillLoop(worker.runner, PrefillSettings(chunk_tokens=256, kv_transport="grpc", kv_stream=stream,
+                                                      kv_chunk_bytes=32 << 10)).start()
+    before = transports(loop)
+    try:
+        job = PrefillJob(GenerationRequest("streamed", PROMPT, SamplingParams(max_tokens=4)), target)
+        done = loop.submit(job).result(timeout=60)
+    finally:
+        loop.stop()
+    assert loop.chunks_done == 6 and landed == ["streamed"]  # 1500 tokens in chunks of 256
+    used = {name: count - before[name] for name, count in transports(loop).items()}
+    assert used == ({"grpc": 0, "grpc_stream": 1} if stream else {"grpc": 1, "grpc_stream": 0})
+    staged = pool.take("streamed")
+    alone = worker.runner.prefill(PROMPT)
+    torch.testing.assert_close(staged.kv.data, alone.kv.data.cpu(), rtol=1e-4, atol=1e-5)
+    assert workers_pb2.KVMetadata.FromString(staged.metadata).first_token == done.first_token == int(
+        alone.logits.argmax())
+
+
+@pytest.mark.slow
+def test_a_stream_that_breaks_mid_prefill_is_pushed_whole_after_it(prefill_worker, decode_receiver):
+    """The proxy resets the streamed push part-way through the prompt's chunks: the prefill goes
+    on, and its whole KV is pushed after it the usual way (with retries), landing once, exact."""
+    _, worker = prefill_worker
+    target, pool, landed = decode_receiver()
+    proxy = BreakingProxy(target, "reset", after_bytes=BREAK_AFTER)
+    loop = PrefillLoop(worker.runner, PrefillSettings(chunk_tokens=256, kv_transport="grpc",
+                                                      kv_chunk_bytes=32 << 10)).start()
+    before = transports(loop)
+    try:
+        job = PrefillJob(GenerationRequest("rebuilt", PROMPT, SamplingParams(max_tokens=4)), proxy.target)
+        done = loop.submit(job).result(timeout=60)
+    finally:
+        loop.stop()
+        proxy.close()
+    assert proxy.broken_at is not None and landed == ["rebuilt"]
+    used = {name: count - before[name] for name, count in transports(loop).items()}
+    assert used == {"grpc": 1, "grpc_stream": 0}
+    staged = pool.take("rebuilt")
+    alone = worker.runner.prefill(PROMPT)
+    torch.testing.assert_close(staged.kv.data, alone.kv.data.cpu(), rtol=1e-4, atol=1e-5)
+    assert workers_pb2.KVMetadata.FromString(staged.metadata).first_token == done.first_token
+
+
+def test_a_prompt_cancelled_mid_stream_breaks_its_push_and_frees_the_decode_workers_room(prefill_worker,
+                                                                                          decode_receiver):
+    _, worker = prefill_worker
+    target, pool, landed = decode_receiver()
+    loop = PrefillLoop(worker.runner, PrefillSettings(chunk_tokens=256, kv_transport="grpc"))  # stepped by hand
+    job = PrefillJob(GenerationRequest("cancelled", PROMPT, SamplingParams(max_tokens=4)), target)
+    try:
+        assert loop._chunk(job) and job.stream is not None
+        loop._next_chunk()  # the first chunk's KV is on its way: the decode worker holds room for it all
+        deadline = time.monotonic() + 10
+        while pool.stats().used_bytes == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.stats().used_bytes > 0
+        job.cancelled = True
+        loop._next_chunk()
+        assert job.stream.outcome.result(timeout=10) is False
+        with pytest.raises(Exception, match="cancelled"):
+            job.done.result(timeout=1)
+        deadline = time.monotonic() + 10
+        while pool.stats().used_bytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.stats().used_bytes == 0 and landed == []
+    finally:
+        loop.stop()

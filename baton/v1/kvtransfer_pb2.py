@@ -24,25 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/kvtransfer.proto\x12\x08\x62\x61ton.v1\"\x8c\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\t \x01(\r\x12\"\n\x06layout\x18\n \x01(\x0e\x32\x12.baton.v1.KVLayout\x12\x10\n\x08metadata\x18\x0b \x01(\x0c\x12\x12\n\npush_token\x18\x0c \x01(\t\"E\n\x06KVData\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\"0\n\x05KVEnd\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"y\n\x07KVChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVHeaderH\x00\x12 \n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x10.baton.v1.KVDataH\x00\x12\x1e\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x0f.baton.v1.KVEndH\x00\x42\x06\n\x04kind\"\x82\x01\n\tPushReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12\x1c\n\x14staging_wait_seconds\x18\x04 \x01(\x01\x12\x17\n\x0freceive_seconds\x18\x05 \x01(\x01*@\n\x08KVLayout\x12\x19\n\x15KV_LAYOUT_UNSPECIFIED\x10\x00\x12\x19\n\x15KV_LAYOUT_LAYER_MAJOR\x10\x01\x32>\n\nKVTransfer\x12\x30\n\x04Push\x12\x11.baton.v1.KVChunk\x1a\x13.baton.v1.PushReply(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/kvtransfer.proto\x12\x08\x62\x61ton.v1\"\x8c\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\t \x01(\r\x12\"\n\x06layout\x18\n \x01(\x0e\x32\x12.baton.v1.KVLayout\x12\x10\n\x08metadata\x18\x0b \x01(\x0c\x12\x12\n\npush_token\x18\x0c \x01(\t\"E\n\x06KVData\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\"\x18\n\x06KVSpan\x12\x0e\n\x06tokens\x18\x01 \x01(\r\"B\n\x05KVEnd\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x10\n\x08metadata\x18\x03 \x01(\x0c\"\x9b\x01\n\x07KVChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVHeaderH\x00\x12 \n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x10.baton.v1.KVDataH\x00\x12\x1e\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x0f.baton.v1.KVEndH\x00\x12 \n\x04span\x18\x04 \x01(\x0b\x32\x10.baton.v1.KVSpanH\x00\x42\x06\n\x04kind\"\x82\x01\n\tPushReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12\x1c\n\x14staging_wait_seconds\x18\x04 \x01(\x01\x12\x17\n\x0freceive_seconds\x18\x05 \x01(\x01*[\n\x08KVLayout\x12\x19\n\x15KV_LAYOUT_UNSPECIFIED\x10\x00\x12\x19\n\x15KV_LAYOUT_LAYER_MAJOR\x10\x01\x12\x19\n\x15KV_LAYOUT_TOKEN_SPANS\x10\x02\x32>\n\nKVTransfer\x12\x30\n\x04Push\x12\x11.baton.v1.KVChunk\x1a\x13.baton.v1.PushReply(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.kvtransfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVLAYOUT']._serialized_start=687
-  _globals['_KVLAYOUT']._serialized_end=751
+  _globals['_KVLAYOUT']._serialized_start=766
+  _globals['_KVLAYOUT']._serialized_end=857
   _globals['_KVHEADER']._serialized_start=40
   _globals['_KVHEADER']._serialized_end=308
   _globals['_KVDATA']._serialized_start=310
   _globals['_KVDATA']._serialized_end=379
-  _globals['_KVEND']._serialized_start=381
-  _globals['_KVEND']._serialized_end=429
-  _globals['_KVCHUNK']._serialized_start=431
-  _globals['_KVCHUNK']._serialized_end=552
-  _globals['_PUSHREPLY']._serialized_start=555
-  _globals['_PUSHREPLY']._serialized_end=685
-  _globals['_KVTRANSFER']._serialized_start=753
-  _globals['_KVTRANSFER']._serialized_end=815
+  _globals['_KVSPAN']._serialized_start=381
+  _globals['_KVSPAN']._serialized_end=405
+  _globals['_KVEND']._serialized_start=407
+  _globals['_KVEND']._serialized_end=473
+  _globals['_KVCHUNK']._serialized_start=476
+  _globals['_KVCHUNK']._serialized_end=631
+  _globals['_PUSHREPLY']._serialized_start=634
+  _globals['_PUSHREPLY']._serialized_end=764
+  _globals['_KVTRANSFER']._serialized_start=859
+  _globals['_KVTRANSFER']._serialized_end=921
 # @@protoc_insertion_point(module_scope)

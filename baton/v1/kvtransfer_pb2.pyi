@@ -10,8 +10,10 @@ class KVLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     KV_LAYOUT_UNSPECIFIED: _ClassVar[KVLayout]
     KV_LAYOUT_LAYER_MAJOR: _ClassVar[KVLayout]
+    KV_LAYOUT_TOKEN_SPANS: _ClassVar[KVLayout]
 KV_LAYOUT_UNSPECIFIED: KVLayout
 KV_LAYOUT_LAYER_MAJOR: KVLayout
+KV_LAYOUT_TOKEN_SPANS: KVLayout
 
 class KVHeader(_message.Message):
     __slots__ = ("request_id", "model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim", "num_tokens", "total_bytes", "chunk_bytes", "layout", "metadata", "push_token")
@@ -53,23 +55,33 @@ class KVData(_message.Message):
     crc32: int
     def __init__(self, seq: _Optional[int] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
+class KVSpan(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    def __init__(self, tokens: _Optional[int] = ...) -> None: ...
+
 class KVEnd(_message.Message):
-    __slots__ = ("num_chunks", "total_bytes")
+    __slots__ = ("num_chunks", "total_bytes", "metadata")
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     num_chunks: int
     total_bytes: int
-    def __init__(self, num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    metadata: bytes
+    def __init__(self, num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., metadata: _Optional[bytes] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("header", "data", "end")
+    __slots__ = ("header", "data", "end", "span")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    SPAN_FIELD_NUMBER: _ClassVar[int]
     header: KVHeader
     data: KVData
     end: KVEnd
-    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., data: _Optional[_Union[KVData, _Mapping]] = ..., end: _Optional[_Union[KVEnd, _Mapping]] = ...) -> None: ...
+    span: KVSpan
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., data: _Optional[_Union[KVData, _Mapping]] = ..., end: _Optional[_Union[KVEnd, _Mapping]] = ..., span: _Optional[_Union[KVSpan, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("request_id", "bytes_received", "num_chunks", "staging_wait_seconds", "receive_seconds")

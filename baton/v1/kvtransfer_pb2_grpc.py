@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class KVTransferStub:
-    """Runs on decode workers; prefill workers call Push once per finished prefill.
+    """A streamed push (layout TOKEN_SPANS) sends the KV while the prompt is still being prefilled:
+    a KVSpan announces each span of tokens as soon as its KV exists, its bytes follow as KVData,
+    and the metadata (the first token) comes with KVEnd, once the prefill has ended.
+
+    Runs on decode workers; prefill workers call Push once per finished prefill.
     """
 
     def __init__(self, channel):
@@ -43,7 +47,11 @@ class KVTransferStub:
 
 
 class KVTransferServicer:
-    """Runs on decode workers; prefill workers call Push once per finished prefill.
+    """A streamed push (layout TOKEN_SPANS) sends the KV while the prompt is still being prefilled:
+    a KVSpan announces each span of tokens as soon as its KV exists, its bytes follow as KVData,
+    and the metadata (the first token) comes with KVEnd, once the prefill has ended.
+
+    Runs on decode workers; prefill workers call Push once per finished prefill.
     """
 
     def Push(self, request_iterator, context):
@@ -70,7 +78,11 @@ def add_KVTransferServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVTransfer:
-    """Runs on decode workers; prefill workers call Push once per finished prefill.
+    """A streamed push (layout TOKEN_SPANS) sends the KV while the prompt is still being prefilled:
+    a KVSpan announces each span of tokens as soon as its KV exists, its bytes follow as KVData,
+    and the metadata (the first token) comes with KVEnd, once the prefill has ended.
+
+    Runs on decode workers; prefill workers call Push once per finished prefill.
     """
 
     @staticmethod
