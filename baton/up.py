@@ -1,4 +1,5 @@
-"""`baton up`: router, prefill and decode workers as real processes on loopback.
+"""`baton up`: router, prefill and decode workers as real processes on loopback (or each in a
+host of its own: LocalCluster's `hosts`).
 
 Prints one line with `ready` and the router address once every process serves; Ctrl-C or
 SIGTERM stops them all. `--demo` sends a short mixed workload through the SDK and stops.
@@ -22,6 +23,7 @@ from baton.config import TLSSettings
 from baton.lifeline import PARENT_ENV, StopSignals  # the processes Baton starts die with it
 from baton.server import channel
 from baton.engine.threads import split_cores
+from baton.netns import Hosts
 
 STARTUP_TIMEOUT_S = 600  # the first start converts the default model
 
@@ -92,15 +94,25 @@ class LocalCluster:
     With `tls`, every process serves TLS with that certificate and uses it toward the others (its
     ca_file turns on mutual TLS); `auth_token_file` makes the routers require that bearer token. The
     workers answer only calls carrying the cluster token (`cluster_token`), which every process of
-    the cluster is given and no client is."""
+    the cluster is given and no client is.
+
+    With `hosts` (started, holding every name of `host_names(prefill, decode)`), each process runs
+    in its host's network namespace and listens on that host's address: the routers in "router",
+    the workers in "prefill" and "decode", or "prefill0", "prefill1", ... where there are several.
+    Every address the cluster hands out is then a host's, which this process reaches too."""
 
     def __init__(self, *, port: int = 0, prefill: int = 1, decode: int = 1, model: str = "default",
                  max_rows: int = 8, extra_env: dict | None = None, log_level: str = "WARNING", routers: int = 1,
                  router_args: tuple[str, ...] = (), prefill_args: tuple[str, ...] = (),
                  decode_args: tuple[str, ...] = (), tls: TLSSettings | None = None, auth_token_file: str = "",
-                 share_cores: bool = False, http_port: int = 0):
+                 share_cores: bool = False, http_port: int = 0, hosts: Hosts | None = None):
         if prefill < 1 or decode < 1:
             raise ValueError(f"need at least one prefill and one decode worker (got {prefill}, {decode})")
+        self.hosts = hosts
+        names = self.host_names(prefill, decode)
+        if hosts is not None and set(names) - set(hosts.names):
+            raise ValueError(f"hosts lacks {sorted(set(names) - set(hosts.names))} (a cluster of {prefill} prefill "
+                             f"and {decode} decode workers runs in hosts {names})")
         if tls is not None:
             tls.validate()
         self.tls = tls if tls is not None and tls.enabled else None
@@ -112,11 +124,18 @@ class LocalCluster:
         prefill_args, decode_args = security + tuple(prefill_args), security + tuple(decode_args)
         auth = ("--auth-token-file", auth_token_file) if auth_token_file else ()
         router_args = security + auth + tuple(router_args)
-        self.router_addresses = [f"127.0.0.1:{port or free_port()}"] + [
-            f"127.0.0.1:{free_port()}" for _ in range(routers - 1)]
+        # Each address's host; free_port() probes the root namespace, and in a host of its own any port is free.
+        self.host_of: dict[str, str] = {}
+
+        def address(host: str, port: int = 0) -> str:
+            addr = f"{hosts.address(host) if hosts else '127.0.0.1'}:{port or free_port()}"
+            self.host_of[addr] = host
+            return addr
+
+        self.router_addresses = [address("router", port)] + [address("router") for _ in range(routers - 1)]
         self.router_args, self.prefill_args, self.decode_args = router_args, prefill_args, decode_args
-        self.prefill_addrs = [f"127.0.0.1:{free_port()}" for _ in range(prefill)]
-        self.decode_addrs = [f"127.0.0.1:{free_port()}" for _ in range(decode)]
+        self.prefill_addrs = [address(names[1 + i]) for i in range(prefill)]
+        self.decode_addrs = [address(names[1 + prefill + i]) for i in range(decode)]
         # The first router also serves the OpenAI HTTP API on `http_port` (-1: a free port; 0: off).
         self.http_port = free_port() if http_port < 0 else http_port
         self.model = model
@@ -139,6 +158,15 @@ class LocalCluster:
         self.log_level = log_level
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
+    @staticmethod
+    def host_names(prefill: int = 1, decode: int = 1) -> list[str]:
+        """The hosts a cluster of `prefill` and `decode` workers runs in: the router's, then the
+        workers' (a role's name alone for one worker, numbered from 0 for several)."""
+        def named(role: str, count: int) -> list[str]:
+            return [role] if count == 1 else [f"{role}{i}" for i in range(count)]
+
+        return ["router", *named("prefill", prefill), *named("decode", decode)]
+
     @property
     def router_address(self) -> str:
         return self.router_addresses[0]
@@ -148,10 +176,13 @@ class LocalCluster:
         """Base URL of the OpenAI API (what `base_url` of the openai package takes), or ''."""
         if not self.http_port:
             return ""
-        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.http_port}/v1"
+        return f"{'https' if self.tls else 'http'}://{_host(self.router_address)}:{self.http_port}/v1"
 
-    def _spawn(self, *args: str) -> subprocess.Popen:
+    def _spawn(self, address: str, *args: str) -> subprocess.Popen:
+        """Start the process serving `address`, in that address's host if the cluster has hosts."""
         cmd = [sys.executable, "-m", "baton.cli", "--log-level", self.log_level, *args]
+        if self.hosts is not None:
+            cmd = self.hosts.command(self.host_of[address], cmd)  # execs in place: the PID is the process's
         return subprocess.Popen(cmd, env=dict(self.env, **{PARENT_ENV: str(os.getpid())}), start_new_session=True)
 
     def worker_command(self, address: str) -> list[str]:
@@ -159,7 +190,7 @@ class LocalCluster:
         workers = self.prefill_addrs + self.decode_addrs
         index = workers.index(address)
         role = "prefill" if index < len(self.prefill_addrs) else "decode"
-        args = [role, "--host", "127.0.0.1", "--port", address.split(":")[1], "--model", self.model]
+        args = [role, "--host", _host(address), "--port", address.split(":")[1], "--model", self.model]
         if role == "decode":
             args += ["--max-rows", str(self.max_rows)]
         return args + [*self.worker_args[index], *(self.prefill_args if role == "prefill" else self.decode_args)]
@@ -171,7 +202,7 @@ class LocalCluster:
         old = dict(self.procs)[address]
         old.send_signal(signal.SIGKILL)
         old.wait()
-        proc = self._spawn(*self.worker_command(address))
+        proc = self._spawn(address, *self.worker_command(address))
         self.procs = [(a, proc if a == address else p) for a, p in self.procs]
         wait_serving(address, proc, timeout, self.tls)
         return proc
@@ -179,12 +210,12 @@ class LocalCluster:
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> "LocalCluster":
         try:
             for addr in self.prefill_addrs + self.decode_addrs:
-                self.procs.append((addr, self._spawn(*self.worker_command(addr))))
+                self.procs.append((addr, self._spawn(addr, *self.worker_command(addr))))
             for addr, proc in self.procs:
                 wait_serving(addr, proc, timeout, self.tls)
             routers = []
             for i, address in enumerate(self.router_addresses):
-                router = self._spawn("router", "--host", "127.0.0.1", "--port", address.split(":")[1],
+                router = self._spawn(address, "router", "--host", _host(address), "--port", address.split(":")[1],
                                      "--model", self.model, "--prefill-workers", ",".join(self.prefill_addrs),
                                      "--decode-workers", ",".join(self.decode_addrs),
                                      "--http-port", str(self.http_port if i == 0 else 0), *self.router_args)
@@ -215,6 +246,10 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0]
 
 
 DEMO_PROMPTS = [

@@ -95,11 +95,11 @@ TIERS = {
         "test_engine_exact.py", "test_executor.py", "test_kernels.py", "test_local_engine.py",
         "test_prefill_core.py", "test_triton_backend.py", "test_cuda.py", "test_batch_invariance.py",
     },
-    "cluster": {  # real gRPC servers, worker processes, redis-server
+    "cluster": {  # real gRPC servers, worker processes, redis-server, network namespaces
         "test_bench.py", "test_bench_chaos.py", "test_cli_batch.py", "test_client.py", "test_cluster.py",
         "test_faults.py", "test_fuzz.py", "test_kvtransfer.py", "test_lifecycle.py", "test_migration.py",
         "test_prefill_push.py", "test_prefix_cluster.py", "test_router_dispatch.py", "test_security.py",
-        "test_openai_api.py", "test_cache_sync.py", "test_kv_shm.py",
+        "test_openai_api.py", "test_cache_sync.py", "test_kv_shm.py", "test_hosts.py",
     },
     "deploy": {"test_deploy.py", "test_packaging.py"},  # the chart, compose, the image, wheels and venvs
 }
