@@ -66,6 +66,18 @@ def test_structured_suite_validates_every_answer_and_times_the_mask(tmp_path, ca
     assert [m["rows"] for m in served] == [1, 4] and all(m["free_ms"] > 0 and m["guided_ms"] > 0 for m in served)
 
 
+def test_hosts_suite_measures_one_host_against_three_or_says_why_not(tmp_path, capsys):
+    document, printed = run_suite("hosts", tmp_path, capsys)
+    if document.get("skipped"):
+        assert "root" in printed or "namespaces" in printed
+        return
+    cells = document["cells"]
+    assert [(c["setup"], c["gbit"]) for c in cells] == [
+        ("one host, shared memory", None), ("three hosts, after prefill", 1), ("three hosts, streamed", 1)]
+    assert all(c["exact"] and 0 < c["first_s"] <= c["second_s"] for c in cells), cells
+    assert [b["tokens"] for b in document["bound"]] == [600] and "second token at" in printed
+
+
 def test_invariance_suite_runs_or_says_why_not(tmp_path, capsys):
     document, printed = run_suite("invariance", tmp_path, capsys)
     if document.get("skipped"):

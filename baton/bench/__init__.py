@@ -66,6 +66,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("structured", "issue 33: JSON schemas and tool calls through the openai client, Baton vs vLLM's CPU build "
                         "on the same grammar engine (valid answers, same text at temperature 0); the grammar mask's "
                         "cost per decode step at 1-16 rows", "baton.bench.structured"),
+    Suite("hosts", "issue 34: router, prefill and decode on three hosts (network namespaces) linked at 1, 10 and "
+                   "25 Gbit/s vs one host: long prompts' first and second token and transfer stage, KV pushed "
+                   "after the prefill vs streamed while it runs (needs root)", "baton.bench.hosts"),
     Suite("invariance", "issue 32 on CUDA: decode step (1-64 rows) and prefill with batch invariance on and off, "
                         "and whether a row keeps its bits beside 15 others (needs a CUDA GPU)",
           "baton.bench.invariance"),

@@ -1,0 +1,130 @@
+"""hosts (issue 34): the router, the prefill and the decode worker each on a host of its own
+(network namespaces, `baton.netns`), their links held to 1, 10 and 25 Gbit/s (tbf), against
+the same three processes on one host, where the KV goes through shared memory.
+
+For long prompts (1k, 4k and 8k tokens, the last capped at the model's context), one request at
+a time with 2 output tokens: the time to the first token (sampled by the prefill worker), to the
+second (the decode worker's first step, after the KV landed), and the transfer stage of the
+request's trace, with the KV pushed after the prefill (`prefill.kv_stream: false`) and streamed
+chunk by chunk while the prefill runs (the default). Every request's tokens are checked against
+`LocalEngine.generate` of the same prompt in this process. The prefill worker's prefix cache is
+off, so each cell prefills its whole prompt. Issue 34's bound: with streaming, the second token of
+a 2k-4k-token prompt across 1 Gbit/s within 1.1x of one host (fp32).
+
+--quick: the tiny random model, a 600-token prompt, 1 Gbit/s only.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from baton.bench.common import BenchOptions, table
+
+PROMPTS = (1024, 4096, 8192)
+RATES_GBIT = (1, 10, 25)
+OUTPUT_TOKENS = 2
+
+
+def run(opts: BenchOptions) -> dict[str, Any]:
+    import torch
+
+    from baton import netns
+    from baton.decode_worker.core import DecodeConfig
+    from baton.engine.model import DEFAULT_MODEL, TINY_MODEL, load_model
+    from baton.local import LocalEngine
+    from baton.sampling import SamplingParams
+
+    ok, why = netns.available()
+    if not ok:
+        opts.say(f"hosts: skipped: {why}")
+        return {"skipped": why, "plots": []}
+    model = TINY_MODEL if opts.quick and opts.model == DEFAULT_MODEL else opts.model
+    loaded = load_model(model, dtype=opts.dtype)
+    longest = loaded.max_context - OUTPUT_TOKENS
+    lengths = [600] if opts.quick else [min(n, longest) for n in PROMPTS]
+    rates = RATES_GBIT[:1] if opts.quick else RATES_GBIT
+    generator = torch.Generator().manual_seed(34)
+    prompts = {n: torch.randint(10, loaded.config.vocab_size, (n,), generator=generator).tolist() for n in lengths}
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    engine = LocalEngine(loaded, DecodeConfig(max_rows=1))
+    expected = {}
+    for n, ids in prompts.items():
+        opts.progress(f"hosts: the expected tokens of the {n}-token prompt (LocalEngine.generate)")
+        expected[n] = engine.generate([ids], params)[0].token_ids
+    del engine
+    per_token = loaded.kv_shape.bytes_per_token()
+    opts.say(f"hosts: {model} ({opts.dtype}), KV {per_token:,} bytes a token; prompts of {', '.join(map(str, lengths))} "
+             f"tokens, {OUTPUT_TOKENS} output tokens, one request at a time; links at "
+             f"{', '.join(f'{r} Gbit/s' for r in rates)}")
+
+    cells: list[dict[str, Any]] = []
+    env = {**opts.worker_env(), "BATON_PREFILL_PREFIX_CACHE_BYTES": "0"}
+    opts.progress("hosts: one host (shared memory)")
+    cells += _measure(opts, model, env, None, [None], prompts, expected, "one host, shared memory")
+    for stream in (False, True):
+        mode = "streamed" if stream else "after prefill"
+        opts.progress(f"hosts: three hosts, KV pushed {mode}")
+        cells += _measure(opts, model, {**env, "BATON_PREFILL_KV_STREAM": str(stream).lower()}, netns, rates,
+                          prompts, expected, f"three hosts, {mode}")
+    _report(opts, cells, lengths, rates)
+    return {"model": model, "dtype": opts.dtype, "kv_bytes_per_token": per_token, "cells": cells,
+            "bound": _bound(cells), "plots": []}
+
+
+def _measure(opts: BenchOptions, model: str, env: dict[str, str], netns, rates, prompts, expected,
+             setup: str) -> list[dict[str, Any]]:
+    from baton.client import BatonClient
+    from baton.up import LocalCluster
+
+    hosts = None
+    if netns is not None:
+        hosts = netns.Hosts(LocalCluster.host_names()).start()
+    try:
+        with LocalCluster(model=model, max_rows=1, share_cores=True, extra_env=env, hosts=hosts) as cluster, \
+                BatonClient(cluster.router_address, timeout=900) as client:
+            client.generate(token_ids=list(prompts.values())[0][:16], max_tokens=1)  # warm: the first forward's setup
+            cells = []
+            for rate in rates:
+                if hosts is not None:
+                    hosts.set_rate(rate * 1000)
+                for n, ids in prompts.items():
+                    opts.progress(f"hosts: {setup}, {f'{rate} Gbit/s, ' if rate else ''}{n} tokens")
+                    cells.append({"setup": setup, "gbit": rate, "tokens": n,
+                                  **_one(client, ids, expected[n])})
+            return cells
+    finally:
+        if hosts is not None:
+            hosts.close()
+
+
+def _one(client, ids: list[int], expected: list[int]) -> dict[str, Any]:
+    """One request: seconds to its first and second token, its trace's transfer stage, exactness."""
+    started = time.perf_counter()
+    arrivals, tokens, trace = [], [], None
+    for chunk in client.stream(token_ids=ids, max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0):
+        now = time.perf_counter() - started
+        for token in chunk.token_ids:
+            arrivals.append(now)
+            tokens.append(token)
+        trace = chunk.trace or trace
+    stages = trace.stage_seconds if trace else {}
+    return {"first_s": arrivals[0], "second_s": arrivals[1], "prefill_s": stages.get("prefill", 0.0),
+            "transfer_s": stages.get("transfer", 0.0), "exact": tokens == expected}
+
+
+def _bound(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Streamed across 1 Gbit/s over one host, by prompt: the second token's time."""
+    one = {c["tokens"]: c["second_s"] for c in cells if c["gbit"] is None}
+    return [{"tokens": c["tokens"], "ratio": c["second_s"] / one[c["tokens"]]} for c in cells
+            if c["setup"].endswith("streamed") and c["gbit"] == 1]
+
+
+def _report(opts: BenchOptions, cells: list[dict[str, Any]], lengths, rates) -> None:
+    rows = [[c["setup"], f"{c['gbit']} Gbit/s" if c["gbit"] else "-", c["tokens"], c["first_s"], c["second_s"],
+             c["prefill_s"], c["transfer_s"], "yes" if c["exact"] else "NO"] for c in cells]
+    opts.say(table(["setup", "link", "prompt", "1st token s", "2nd token s", "prefill s", "transfer s", "exact"],
+                   rows))
+    for b in _bound(cells):
+        opts.say(f"  {b['tokens']} tokens, streamed across 1 Gbit/s: second token at {b['ratio']:.2f}x one host's")
+    wrong = [c for c in cells if not c["exact"]]
+    opts.say(f"  tokens equal to LocalEngine.generate in {len(cells) - len(wrong)} of {len(cells)} cells")
