@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from test_migration import busy_decode_worker
+from test_migration import drain_one_mid_stream
 
 from baton import netns
 from baton.client import BatonClient
@@ -226,49 +225,24 @@ def test_a_cluster_across_three_hosts_gives_exact_tokens_with_its_kv_over_grpc(m
     assert landed == {"grpc": len(prompts)}  # on one host it would have been shared memory (test_kv_shm)
 
 
-def test_a_drained_decode_host_moves_its_requests_kv_to_the_other_host(make_hosts, tiny_reference):
-    """test_migration's drain across hosts: SIGTERM on a busy decode worker moves its requests with
-    their KV over the bridge to the other decode host, every answer exact; the worker restarted in
-    its host serves again."""
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_a_decode_host_drained_or_killed_loses_no_request(make_hosts, tiny_reference, how):
+    """test_migration's drain and test_faults' kill across hosts: SIGTERM on a busy decode worker
+    moves its requests with their KV over the bridge to the other decode host; SIGKILL leaves them
+    to the router, which prefills them again for the other host. Every answer is exact either
+    way, and the worker restarted in its host serves again."""
     hosts = make_hosts(LocalCluster.host_names(prefill=1, decode=2))
     prompts = [[100 + 9 * i + j for j in range(5 + 3 * i)] for i in range(4)]
     max_tokens = 256  # long enough that the streams are running when the drain begins (test_migration)
     with LocalCluster(prefill=1, decode=2, model="tiny-random", max_rows=4, hosts=hosts,
                       decode_args=("--drain-move-after-s", "0")) as cluster:
-        procs = dict(cluster.procs)
         with BatonClient(cluster.router_address, timeout=120) as client:
-            streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-            outcome: dict[int, object] = {}
-            flowing = threading.Semaphore(0)
-
-            def run(i: int) -> None:
-                try:
-                    for chunk in client.stream(token_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True):
-                        if chunk.token_ids and not streamed[i]:
-                            flowing.release()
-                        streamed[i].extend(chunk.token_ids)
-                        if chunk.finish_reason:
-                            outcome[i] = chunk.finish_reason
-                except Exception as exc:  # noqa: BLE001 - reported below
-                    outcome[i] = exc
-
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-            for t in threads:
-                t.start()
-            for _ in range(2):
-                assert flowing.acquire(timeout=60)
-            drained = busy_decode_worker(cluster)
-            target = next(a for a in cluster.decode_addrs if a != drained)
-            procs[drained].send_signal(signal.SIGTERM)
-            for t in threads:
-                t.join(timeout=150)
-            assert not any(t.is_alive() for t in threads), "a request hung"
-            assert procs[drained].wait(timeout=90) == 0, "the drained decode worker did not exit cleanly"
+            run = drain_one_mid_stream(cluster, client, prompts, max_tokens, how)
             time.sleep(1.0)  # a load poll after the last request finished
-            moved_in = {w.address: w for w in client.cluster_status().workers}[target].decode["migrations_in"]
-            cluster.restart_worker(drained)
+            moved_in = {w.address: w for w in client.cluster_status().workers}[run["target"]].decode["migrations_in"]
+            cluster.restart_worker(run["drained"])
             assert_each_process_in_its_host(cluster, hosts)
     for i, prompt in enumerate(prompts):
-        assert outcome.get(i) == "length", f"request {i}: {outcome.get(i)!r}"
-        assert streamed[i] == tiny_reference.greedy(prompt, max_tokens), f"request {i} lost or repeated tokens"
-    assert moved_in > 0
+        assert run["outcome"].get(i) == "length", f"request {i}: {run['outcome'].get(i)!r}"
+        assert run["streamed"][i] == tiny_reference.greedy(prompt, max_tokens), f"request {i} lost or repeated tokens"
+    assert moved_in > 0 or how == "SIGKILL"  # drained: the KV moved, nothing was prefilled twice

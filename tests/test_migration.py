@@ -544,7 +544,6 @@ def test_a_failed_handoff_falls_back_to_a_new_prefill(monkeypatch, tiny_referenc
         cluster.stop()
 
 
-@pytest.mark.slow
 def busy_decode_worker(cluster, timeout: float = 30.0) -> str:
     """The address of a decode worker holding requests (decoding, staged or waiting for KV)."""
     from baton.server import channel
@@ -560,6 +559,57 @@ def busy_decode_worker(cluster, timeout: float = 30.0) -> str:
     raise AssertionError(f"no decode worker held a request within {timeout:.0f}s")
 
 
+def drain_one_mid_stream(cluster, client, prompts: list[list[int]], max_tokens: int, how: str = "SIGTERM",
+                         **sampling) -> dict:
+    """Stream every prompt at once; as soon as tokens flow, send `how` (SIGTERM: a drain; SIGKILL:
+    a crash) to a decode worker that holds requests; wait for every stream and for that worker's
+    end (a drained one must exit cleanly). Returns the streams' tokens, log probabilities and
+    outcomes (finish reason or exception) by prompt index, the stopped worker's address, the other
+    one's, and how long the stopped worker took to exit."""
+    procs = dict(cluster.procs)
+    streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    logprobs: dict[int, list] = {i: [] for i in range(len(prompts))}
+    outcome: dict[int, object] = {}
+    flowing = threading.Semaphore(0)
+
+    def run(i: int) -> None:
+        try:
+            for chunk in client.stream(token_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True, **sampling):
+                if chunk.token_ids and not streamed[i]:
+                    flowing.release()
+                streamed[i].extend(chunk.token_ids)
+                logprobs[i].extend(chunk.logprobs or ())
+                if chunk.finish_reason:
+                    outcome[i] = chunk.finish_reason
+        except Exception as exc:  # noqa: BLE001 - reported by the caller
+            outcome[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for _ in range(2):  # tokens flow, most prompts still queued
+        assert flowing.acquire(timeout=60)
+    # Drain a decode worker that holds requests now: the router may have sent the first ones
+    # all to one worker, and draining the idle one moved nothing (once in 21 runs here).
+    drained = busy_decode_worker(cluster)
+    procs[drained].send_signal(getattr(signal, how))
+    for t in threads:
+        t.join(timeout=150)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    exit_wait = time.monotonic()
+    # Usually well under a second. The bound is the worst the design allows on a loaded
+    # machine: the 20 s drain, then the stops, which the worker bounds to 40 s more
+    # (lifeline.STOP_S; past it, it prints its threads to stderr and exits). This test
+    # used to fail now and then with the worker still serving: the SIGTERM had gone to
+    # another thread than the main one (test_lifecycle's any-thread test).
+    status = procs[drained].wait(timeout=90)
+    assert status == (0 if how == "SIGTERM" else -signal.SIGKILL), f"the stopped decode worker ended with {status}"
+    return {"streamed": streamed, "logprobs": logprobs, "outcome": outcome, "drained": drained,
+            "target": next(a for a in cluster.decode_addrs if a != drained),
+            "exit_s": time.monotonic() - exit_wait}
+
+
+@pytest.mark.slow
 def test_sigterm_moves_running_requests_kv_to_the_other_decode_worker(tiny_reference):
     """Drained as soon as tokens flow: requests running there move with their KV at once (no
     grace), and those still waiting for their prefill's KV move as soon as it lands."""
@@ -572,50 +622,13 @@ def test_sigterm_moves_running_requests_kv_to_the_other_decode_worker(tiny_refer
     max_tokens = 256
     with LocalCluster(prefill=1, decode=2, model="tiny-random", max_rows=4,
                       decode_args=("--drain-move-after-s", "0")) as cluster:
-        procs = dict(cluster.procs)
         with BatonClient(cluster.router_address, timeout=120) as client:
-            streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-            logprobs: dict[int, list] = {i: [] for i in range(len(prompts))}
-            outcome: dict[int, object] = {}
-            flowing = threading.Semaphore(0)
-
-            def run(i: int) -> None:
-                try:
-                    for chunk in client.stream(token_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True,
-                                               logprobs=0):
-                        if chunk.token_ids and not streamed[i]:
-                            flowing.release()
-                        streamed[i].extend(chunk.token_ids)
-                        logprobs[i].extend(chunk.logprobs or ())
-                        if chunk.finish_reason:
-                            outcome[i] = chunk.finish_reason
-                except Exception as exc:  # noqa: BLE001 - reported below
-                    outcome[i] = exc
-
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-            for t in threads:
-                t.start()
-            for _ in range(2):  # tokens flow, most prompts still queued
-                assert flowing.acquire(timeout=60)
-            # Drain a decode worker that holds requests now: the router may have sent the first ones
-            # all to one worker, and draining the idle one moved nothing (once in 21 runs here).
-            drained = busy_decode_worker(cluster)
-            target = next(a for a in cluster.decode_addrs if a != drained)
-            procs[drained].send_signal(signal.SIGTERM)
-            for t in threads:
-                t.join(timeout=150)
-            assert not any(t.is_alive() for t in threads), "a request hung"
-            exit_wait = time.monotonic()
-            # Usually well under a second. The bound is the worst the design allows on a loaded
-            # machine: the 20 s drain, then the stops, which the worker bounds to 40 s more
-            # (lifeline.STOP_S; past it, it prints its threads to stderr and exits). This test
-            # used to fail now and then with the worker still serving: the SIGTERM had gone to
-            # another thread than the main one (test_lifecycle's any-thread test).
-            assert procs[drained].wait(timeout=90) == 0, "the drained decode worker did not exit cleanly"
-            print(f"\ndrained worker exited {time.monotonic() - exit_wait:.1f}s after the last request")
+            run = drain_one_mid_stream(cluster, client, prompts, max_tokens, logprobs=0)
+            print(f"\ndrained worker exited {run['exit_s']:.1f}s after the last request")
             time.sleep(1.0)  # a load poll after the last request finished
             status = {w.address: w for w in client.cluster_status().workers}
 
+    streamed, logprobs, outcome, target = run["streamed"], run["logprobs"], run["outcome"], run["target"]
     moved_in = status[target].decode["migrations_in"]
     prefilled = status[cluster.prefill_addrs[0]].prefill["requests_done"]
     print(f"\n{moved_in} requests moved to {target} with their KV; {prefilled} prompts prefilled")
