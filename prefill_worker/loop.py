@@ -107,11 +107,11 @@ class _StreamedPush:
                      job.request.request_id, job.decode_target, exc)
             self.outcome.set_result(False)
 
-    def put(self, kv, end: int) -> None:
-        """The prompt's KV so far (`kv` covers tokens [0, end)): the tokens not yet sent go."""
+    def put(self, kv, end: int, start: int = 0) -> None:
+        """The prompt's KV of tokens [start, end) (`kv`): the tokens not yet sent go."""
         if end > self.sent and not self.outcome.done():
             # a copy of these tokens alone: a queued view would hold the whole KV so far alive
-            self.source.put(SequenceKV(kv.data[:, :, :, self.sent:end].contiguous()))
+            self.source.put(SequenceKV(kv.data[:, :, :, self.sent - start:end - start].contiguous()))
             self.sent = end
 
     def finish(self, metadata: bytes, timeout_s: float) -> bool:
@@ -458,8 +458,8 @@ class PrefillLoop:
             if job.stream is not None:
                 job.stream.put(chunked.kv, chunked.done)
         else:
-            if job.stream is not None:
-                job.stream.put(prefilled.whole_kv(), chunked.done)
+            if job.stream is not None:  # the rest, without joining the whole KV first
+                job.stream.put(prefilled.whole_kv(job.stream.sent), chunked.done, start=job.stream.sent)
             del self._chunking[pick]
             self._publish_cache_changes()
             self._send(job, prefilled)
