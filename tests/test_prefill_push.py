@@ -449,3 +449,28 @@ def test_a_prompt_cancelled_mid_stream_breaks_its_push_and_frees_the_decode_work
         assert pool.stats().used_bytes == 0 and landed == []
     finally:
         loop.stop()
+
+
+def test_a_streamed_push_sends_the_cached_prefix_first_and_skips_what_the_decode_worker_holds(prefill_worker,
+                                                                                              decode_receiver):
+    """A prompt sharing 688 tokens (43 blocks) with one prefilled before: its cached prefix is the
+    stream's first span, sent before its first chunk runs; the 100 tokens the decode worker says it
+    holds (kv_skip_tokens) are not sent at all. What lands is exactly tokens 100: of one whole prefill."""
+    _, worker = prefill_worker
+    target, pool, landed = decode_receiver()
+    loop = PrefillLoop(worker.runner, PrefillSettings(chunk_tokens=256, kv_transport="grpc")).start()
+    sharing = PROMPT[:700] + [(31 * i) % 900 + 5 for i in range(700)]
+    try:
+        loop.submit(PrefillJob(GenerationRequest("first", PROMPT, SamplingParams(max_tokens=4)), target)).result(60)
+        job = PrefillJob(GenerationRequest("sharing", sharing, SamplingParams(max_tokens=4)), target,
+                         kv_skip_tokens=100)
+        done = loop.submit(job).result(timeout=60)
+    finally:
+        loop.stop()
+    assert done.cached_tokens == 688 and job.stream is not None and job.stream.sent == len(sharing)
+    assert transports(loop)["grpc_stream"] >= 2
+    staged = pool.take("sharing")
+    alone = worker.runner.prefill(sharing)
+    assert staged.kv.num_tokens == len(sharing) - 100
+    torch.testing.assert_close(staged.kv.data, alone.kv.data[:, :, :, 100:].cpu(), rtol=1e-4, atol=1e-5)
+    pool.take("first")
