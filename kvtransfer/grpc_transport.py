@@ -22,10 +22,9 @@ import grpc
 
 from baton.v1 import kvtransfer_pb2 as pb
 from baton.v1 import kvtransfer_pb2_grpc as pb_grpc
-from baton.engine.kv import SequenceKV
+from baton.engine.kv import KVShape, SequenceKV
 from baton.kvtransfer.errors import KVPushFailed, KVTransferError
 from baton.kvtransfer.receiver import ReceiveResult, Receiver
-from baton.engine.kv import KVShape
 from baton.kvtransfer.sender import SpanAborted, SpanSource, encode, encode_spans
 from baton.kvtransfer.wire import (
     CHUNK_IDLE_TIMEOUT_S,

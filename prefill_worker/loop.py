@@ -521,19 +521,21 @@ class PrefillLoop:
                 self._end_stream(job, "cancelled")
                 raise RequestError("cancelled")
             # The decode worker may hold the first tokens (kv_skip_tokens): only the rest travels.
-            kv = prefilled.whole_kv(job.kv_skip_tokens)
-            transport = "grpc_stream"
-            if job.stream is None or not job.stream.finish(meta.SerializeToString(), PUSH_TIMEOUT_SECONDS):
+            metadata = meta.SerializeToString()
+            nbytes = (len(job.request.prompt_token_ids) - job.kv_skip_tokens) * prefilled.kv.shape.bytes_per_token()
+            if job.stream is not None and job.stream.finish(metadata, PUSH_TIMEOUT_SECONDS):
+                transport = "grpc_stream"
+            else:  # joined only for a whole push: a streamed one sent its spans as they came
                 transport = self._pusher.push(
                     job.decode_target, lambda: self._channel(job.decode_target), job.request.request_id,
-                    self.fingerprint, kv, meta.SerializeToString(), chunk_bytes=self.settings.kv_chunk_bytes,
-                    timeout_s=PUSH_TIMEOUT_SECONDS, retry=PUSH_RETRY, should_stop=lambda: job.cancelled,
-                    on_retry=retrying, push_token=job.push_token)
+                    self.fingerprint, prefilled.whole_kv(job.kv_skip_tokens), metadata,
+                    chunk_bytes=self.settings.kv_chunk_bytes, timeout_s=PUSH_TIMEOUT_SECONDS, retry=PUSH_RETRY,
+                    should_stop=lambda: job.cancelled, on_retry=retrying, push_token=job.push_token)
             trace.mark("staged")  # the decode worker holds the KV now
             done.transfer_seconds = trace.durations()["transfer"]
             self.metrics.transfers.labels("ok").inc()
             self.metrics.transfer_transports.labels(transport).inc()
-            self.metrics.transfer_bytes.inc(kv.nbytes)
+            self.metrics.transfer_bytes.inc(nbytes)
             self.metrics.prefix_actual.inc(prefilled.cached_tokens)
             job.done.set_result(done)
         except Exception as exc:
