@@ -70,16 +70,26 @@ def _header(request_id: str, fingerprint: str, shape: KVShape, num_tokens: int, 
 def _chunks(
     request_id: str, fingerprint: str, kv: SequenceKV, metadata: bytes, chunk_bytes: int, push_token: str
 ) -> Iterator[pb.KVChunk]:
-    # Layer-major raw bytes, exactly SequenceKV.data; view(uint8) keeps bf16 bit-exact.
-    data = kv.data.detach().to("cpu").contiguous()
-    raw = memoryview(data.view(torch.uint8).reshape(-1).numpy())
+    raw = _raw_bytes(kv)  # layer-major, exactly SequenceKV.data
     yield pb.KVChunk(header=kv_header(request_id, fingerprint, kv, metadata, chunk_bytes, push_token))
-    num_chunks = 0
-    for offset in range(0, len(raw), chunk_bytes):
-        payload = raw[offset : offset + chunk_bytes]
-        yield pb.KVChunk(data=pb.KVData(seq=num_chunks, offset=offset, payload=bytes(payload), crc32=checksum(payload)))
-        num_chunks += 1
-    yield pb.KVChunk(end=pb.KVEnd(num_chunks=num_chunks, total_bytes=len(raw)))
+    yield from _data(raw, chunk_bytes, 0, 0)
+    yield pb.KVChunk(end=pb.KVEnd(num_chunks=-(-len(raw) // chunk_bytes), total_bytes=len(raw)))
+
+
+def _raw_bytes(kv: SequenceKV) -> memoryview:
+    """kv's bytes in its [layers, 2, kv_heads, tokens, head_dim] order; view(uint8) keeps bf16 bit-exact."""
+    data = kv.data.detach().to("cpu").contiguous()
+    return memoryview(data.view(torch.uint8).reshape(-1).numpy())
+
+
+def _data(raw: memoryview, chunk_bytes: int, seq: int, offset: int) -> Iterator[pb.KVChunk]:
+    """`raw` as checksummed data messages of chunk_bytes (the last shorter), numbered from `seq`,
+    placed from byte `offset` of the stream."""
+    for start in range(0, len(raw), chunk_bytes):
+        payload = raw[start:start + chunk_bytes]
+        yield pb.KVChunk(data=pb.KVData(seq=seq, offset=offset + start, payload=bytes(payload),
+                                        crc32=checksum(payload)))
+        seq += 1
 
 
 class SpanSource:
@@ -90,11 +100,9 @@ class SpanSource:
     def __init__(self, num_tokens: int) -> None:
         self.num_tokens = num_tokens
         self._items: "queue.SimpleQueue[tuple[str, object]]" = queue.SimpleQueue()
-        self.queued = 0  # tokens put so far
 
     def put(self, kv: SequenceKV) -> None:
         if kv.num_tokens:
-            self.queued += kv.num_tokens
             self._items.put(("span", kv))
 
     def finish(self, metadata: bytes) -> None:
@@ -134,12 +142,8 @@ def _span_chunks(request_id: str, fingerprint: str, shape: KVShape, source: Span
         if kind == "end":
             yield pb.KVChunk(end=pb.KVEnd(num_chunks=num_chunks, total_bytes=sent, metadata=item))
             return
-        data = item.data.detach().to("cpu").contiguous()  # [layers, 2, kv_heads, span tokens, head_dim]
-        raw = memoryview(data.view(torch.uint8).reshape(-1).numpy())
+        raw = _raw_bytes(item)  # this span's tokens only
         yield pb.KVChunk(span=pb.KVSpan(tokens=item.num_tokens))
-        for offset in range(0, len(raw), chunk_bytes):
-            payload = raw[offset:offset + chunk_bytes]
-            yield pb.KVChunk(data=pb.KVData(seq=num_chunks, offset=sent, payload=bytes(payload),
-                                            crc32=checksum(payload)))
-            sent += len(payload)
-            num_chunks += 1
+        yield from _data(raw, chunk_bytes, num_chunks, sent)
+        num_chunks += -(-len(raw) // chunk_bytes)
+        sent += len(raw)
