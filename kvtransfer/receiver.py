@@ -182,17 +182,12 @@ class Receiver:
                 chunk = message.data
                 if received >= total:
                     raise KVBadStream(f"KV for {rid!r}: data chunk {chunk.seq} after all {total} bytes arrived")
-                if chunk.seq != num_chunks or chunk.offset != received:
-                    raise KVCorrupt(
-                        f"KV for {rid!r}: got chunk seq={chunk.seq} offset={chunk.offset}, "
-                        f"expected seq={num_chunks} offset={received}"
-                    )
+                _check_order(rid, chunk, num_chunks, received)
                 payload = chunk.payload  # each attribute read copies the bytes out of upb; read once
                 size = min(chunk_bytes, total - received)
                 if len(payload) != size:
                     raise KVBadStream(f"KV for {rid!r}: chunk {chunk.seq} has {len(payload)} bytes, expected {size}")
-                if checksum(payload) != chunk.crc32:
-                    raise KVCorrupt(f"KV for {rid!r}: checksum mismatch in chunk {chunk.seq}; the data was damaged")
+                _check_sum(rid, chunk, payload)
                 target[received : received + size] = payload
                 received += size
                 num_chunks += 1
@@ -242,16 +237,13 @@ class Receiver:
                 chunk = message.data
                 if span is None:
                     raise KVBadStream(f"KV for {rid!r}: data chunk {chunk.seq} outside any span")
-                if chunk.seq != num_chunks or chunk.offset != received:
-                    raise KVCorrupt(f"KV for {rid!r}: got chunk seq={chunk.seq} offset={chunk.offset}, "
-                                    f"expected seq={num_chunks} offset={received}")
+                _check_order(rid, chunk, num_chunks, received)
                 payload = chunk.payload
                 size = len(payload)
                 if not 0 < size <= min(chunk_bytes, len(target) - filled):
                     raise KVBadStream(f"KV for {rid!r}: chunk {chunk.seq} has {size} bytes; its span has "
                                       f"{len(target) - filled} left and chunks are at most {chunk_bytes}")
-                if checksum(payload) != chunk.crc32:
-                    raise KVCorrupt(f"KV for {rid!r}: checksum mismatch in chunk {chunk.seq}; the data was damaged")
+                _check_sum(rid, chunk, payload)
                 target[filled:filled + size] = payload
                 filled += size
                 received += size
@@ -272,6 +264,18 @@ class Receiver:
             else:
                 raise KVBadStream(f"KV for {rid!r}: unexpected {kind!r} message inside the data stream")
         raise KVTruncated(f"KV stream for {rid!r} ended after {received} of {total} bytes without an end message")
+
+
+def _check_order(rid: str, chunk: pb.KVData, num_chunks: int, received: int) -> None:
+    """A data chunk must be the next one: numbered after the last, placed where it ended."""
+    if chunk.seq != num_chunks or chunk.offset != received:
+        raise KVCorrupt(f"KV for {rid!r}: got chunk seq={chunk.seq} offset={chunk.offset}, "
+                        f"expected seq={num_chunks} offset={received}")
+
+
+def _check_sum(rid: str, chunk: pb.KVData, payload: bytes) -> None:
+    if checksum(payload) != chunk.crc32:
+        raise KVCorrupt(f"KV for {rid!r}: checksum mismatch in chunk {chunk.seq}; the data was damaged")
 
 
 def _expect_no_more(stream: Iterator[pb.KVChunk], rid: str) -> None:
