@@ -405,9 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--prefix-cache-bytes", type=int,
                          help="prefix KV cache size, pins included (default 268435456; 0 turns it off)")
     prefill.add_argument("--block-size", type=int, help="prefix block tokens (default 16)")
-    prefill.add_argument("--kv-transport", choices=("auto", "grpc"),
+    prefill.add_argument("--kv-transport", choices=("auto", "nixl", "grpc"),
                          help="auto: KV to a decode worker on this host goes through shared memory, to others over "
-                              "gRPC (default); grpc: always gRPC")
+                              "gRPC (default); nixl: to others through NIXL where they take it; grpc: always gRPC")
     prefill.set_defaults(func=cmd_serve)
 
     decode = sub.add_parser("decode", help="run a decode worker")
@@ -422,8 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--drain-move-after-s", type=float,
                         help="on SIGTERM, seconds before running requests move with their KV to another decode worker "
                              "(default 5)")
-    decode.add_argument("--kv-transport", choices=("auto", "grpc"),
-                        help="auto: also take KV through shared memory from workers on this host (default); "
+    decode.add_argument("--kv-transport", choices=("auto", "nixl", "grpc"),
+                        help="auto: also take KV through shared memory from workers on this host, and NIXL writes "
+                             "where nixl is installed (default); nixl: also push through NIXL when draining; "
                              "grpc: gRPC only")
     decode.set_defaults(func=cmd_serve)
 

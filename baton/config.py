@@ -215,7 +215,8 @@ class PrefillSettings:
     block_size: int = 16
     kv_chunk_bytes: int = 2 << 20  # KV payload bytes per message of a push (validate() says how many fit)
     # 'auto': KV to a decode worker on this host (same network namespace) goes through shared
-    # memory, to any other over gRPC; 'grpc': always gRPC.
+    # memory, to any other over gRPC; 'nixl': as auto, but to other hosts through NIXL (UCX) where
+    # the decode worker takes it (the nixl extra installed on both), else gRPC; 'grpc': always gRPC.
     kv_transport: str = "auto"
     # A prompt prefilled in chunks streams its KV to a decode worker reached over gRPC chunk by
     # chunk, as each is computed, so the transfer overlaps the prefill; off: pushed after it.
@@ -273,7 +274,9 @@ class DecodeSettings:
     # drain_timeout_s, nothing moves and what is left is re-prefilled.
     drain_move_after_s: float = 5.0
     drain_timeout_s: float = 20.0  # on SIGTERM: how long the drain may take in all
-    # 'auto': also take KV pushes through shared memory from workers on this host; 'grpc': gRPC only.
+    # 'auto' and 'nixl': also take KV through shared memory from workers on this host, and NIXL
+    # writes where the nixl extra is installed ('nixl' also pushes through it when draining);
+    # 'grpc': gRPC only.
     kv_transport: str = "auto"
     advertise: str = ""
     metrics_port: int = 0
@@ -293,9 +296,15 @@ class DecodeSettings:
 
 
 def check_kv_transport(value: str, key: str) -> None:
-    if value not in ("auto", "grpc"):
+    if value not in ("auto", "nixl", "grpc"):
         raise ValueError(f"{key} is {value!r}; set it to 'auto' (shared memory between workers on one host, gRPC "
-                         "otherwise) or 'grpc'")
+                         "otherwise), 'nixl' (as auto, NIXL between hosts) or 'grpc'")
+    if value == "nixl":
+        import importlib.util
+
+        if not any(importlib.util.find_spec(name) for name in ("nixl", "nixl_cu12", "nixl_cu13")):
+            raise ValueError(f"{key} is 'nixl' but the nixl package is not installed here: "
+                             "pip install 'baton-serve[nixl]' (or nixl-cu13 on CUDA 13), or set it to 'auto'")
 
 
 def check_labels(selector: str, key: str) -> None:

@@ -28,6 +28,7 @@ from baton.kvtransfer.grpc_transport import KVTransferServicer, PushRetry
 from baton.kvtransfer.push import KVPusher
 from baton.kvtransfer.receiver import Receiver, ReceiverConfig
 from baton.kvtransfer.staging import StagingConfig, StagingPool
+from baton.kvtransfer.nixl import NixlWrites
 from baton.kvtransfer.shm import ShmKVServer
 from baton.kvtransfer.wire import grpc_push_channel_options
 
@@ -43,12 +44,12 @@ _HANDOFF_STATUS = {"RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
 
 class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, loop: DecodeLoop, address: str, tls: TLSSettings | None = None,
-                 cluster_token: str | None = None, shared_memory: bool = True):
+                 cluster_token: str | None = None, shared_memory: bool = True, library: str | None = None):
         self.loop = loop
         self.address = address
         self.tls = tls
         self.cluster_token = cluster_token
-        self.pusher = KVPusher(cluster_token, shared_memory)
+        self.pusher = KVPusher(cluster_token, shared_memory, library)
 
     def Decode(self, request, context):
         loaded = self.loop.core.runner.loaded
@@ -227,9 +228,13 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     receiver = Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape, max_tokens=core.max_row_tokens,
                                              pin_memory=loaded.device.type == "cuda"))
     decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}", tls, token,
-                                             shared_memory=settings.kv_transport == "auto")
-    kv_api.target = KVTransferServicer(receiver)
-    if settings.kv_transport == "auto":  # prefill workers on this host push through shared memory
+                                             shared_memory=settings.kv_transport != "grpc",
+                                             library="nixl" if settings.kv_transport == "nixl" else None)
+    writes = NixlWrites(receiver) if settings.kv_transport != "grpc" else None  # its agent starts on first use
+    kv_api.target = KVTransferServicer(receiver, writes=writes)
+    if writes is not None:
+        server.extra_stops.append(writes.stop)
+    if settings.kv_transport != "grpc":  # prefill workers on this host push through shared memory
         try:
             server.extra_stops.append(ShmKVServer(receiver, server.port, token).start().stop)
         except OSError as exc:

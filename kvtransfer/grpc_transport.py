@@ -10,6 +10,7 @@ noticed) and retried when the break was the connection's or the stream's, not th
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -24,6 +25,7 @@ from baton.v1 import kvtransfer_pb2 as pb
 from baton.v1 import kvtransfer_pb2_grpc as pb_grpc
 from baton.engine.kv import KVShape, SequenceKV
 from baton.kvtransfer.errors import KVPushFailed, KVTransferError
+from baton.kvtransfer.nixl import LIBRARY, NixlWrites
 from baton.kvtransfer.receiver import ReceiveResult, Receiver
 from baton.kvtransfer.sender import SpanAborted, SpanSource, encode, encode_spans
 from baton.kvtransfer.wire import (
@@ -126,9 +128,30 @@ class _IdleGuard:
 
 
 class KVTransferServicer(pb_grpc.KVTransferServicer):
-    def __init__(self, receiver: Receiver, idle_timeout_s: float | None = CHUNK_IDLE_TIMEOUT_S) -> None:
+    """Push for gRPC's own stream; OpenWrite and CloseWrite for writes through a transfer library
+    (`writes`, kvtransfer.nixl; None: this worker takes none)."""
+
+    def __init__(self, receiver: Receiver, idle_timeout_s: float | None = CHUNK_IDLE_TIMEOUT_S,
+                 writes: NixlWrites | None = None) -> None:
         self._receiver = receiver
         self._idle_timeout_s = idle_timeout_s
+        self._writes = writes
+
+    def OpenWrite(self, request: pb.WriteOpen, context: grpc.ServicerContext) -> pb.WriteTarget:
+        if request.library != LIBRARY or self._writes is None or self._writes.available() is not None:
+            why = (self._writes.available() if self._writes is not None and request.library == LIBRARY
+                   else "it is not enabled")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"library: this decode worker takes no {request.library!r} writes ({why}); use Push")
+        with _refusals(context, "KV write"):
+            return self._writes.open(request.header, timeout_s=context.time_remaining())
+
+    def CloseWrite(self, request: pb.WriteClose, context: grpc.ServicerContext) -> pb.PushReply:
+        if self._writes is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this decode worker takes no library writes")
+        with _refusals(context, "KV write"):
+            result = self._writes.close(request)
+        return pb.PushReply() if result is None else result_to_proto(result)
 
     def Push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushReply:
         stream = _IdleGuard(request_iterator, self._idle_timeout_s, context)
@@ -149,6 +172,18 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
             log.exception("KV push failed unexpectedly")
             context.abort(grpc.StatusCode.INTERNAL, "KV receiver failed unexpectedly; see the decode worker log")
         return result_to_proto(result)
+
+
+@contextlib.contextmanager
+def _refusals(context: grpc.ServicerContext, what: str):
+    """A KVTransferError becomes its status; anything else is logged and INTERNAL."""
+    try:
+        yield
+    except KVTransferError as err:
+        context.abort(grpc.StatusCode[err.code], str(err))
+    except Exception:
+        log.exception("%s failed unexpectedly", what)
+        context.abort(grpc.StatusCode.INTERNAL, f"{what} failed unexpectedly; see the decode worker log")
 
 
 def add_kvtransfer_servicer(server: grpc.Server, receiver: Receiver) -> None:

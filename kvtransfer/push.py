@@ -1,5 +1,6 @@
 """One KV push by the best way its target allows: shared memory to a decode worker on this host
-(kvtransfer.shm), gRPC to any other, and gRPC's retries when a shared-memory push breaks."""
+(kvtransfer.shm); to any other, a NIXL write where both workers take them (`library="nixl"`,
+kvtransfer.nixl), else gRPC; and gRPC's retries when either of the others breaks."""
 from __future__ import annotations
 
 import threading
@@ -11,28 +12,43 @@ import grpc
 from baton.engine.kv import SequenceKV
 from baton.kvtransfer.errors import KVPushFailed
 from baton.kvtransfer.grpc_transport import RETRYABLE_PUSH_CODES, PushRetry, push_kv_retrying
+from baton.kvtransfer.nixl import LIBRARY, NixlSender
+from baton.kvtransfer.sender import kv_header
 from baton.kvtransfer.shm import NoSharedMemoryPeer, local_port, push_kv_shm
 from baton.kvtransfer.wire import DEFAULT_CHUNK_BYTES
+from baton.v1 import kvtransfer_pb2 as pb
+from baton.v1 import kvtransfer_pb2_grpc as pb_grpc
 
-RECHECK_SHM_AFTER_S = 60.0  # a target found without a shared-memory listener is tried again this late
+# A target found without a shared-memory listener, or one that takes no library writes (or that
+# the library could not reach), is tried that way again this late.
+RECHECK_SHM_AFTER_S = 60.0
+
+
+class _NoLibrary(Exception):
+    """The target takes no writes through the library, or the library cannot reach it."""
 
 
 class KVPusher:
     """Thread-safe; one per worker. `shared_memory=False` (kv_transport: grpc) always uses gRPC."""
 
-    def __init__(self, cluster_token: str | None = None, shared_memory: bool = True) -> None:
+    def __init__(self, cluster_token: str | None = None, shared_memory: bool = True, library: str | None = None) -> None:
+        if library not in (None, LIBRARY):
+            raise ValueError(f"unknown KV transfer library {library!r}; Baton writes through {LIBRARY!r}")
         self.cluster_token = cluster_token
         self.shared_memory = shared_memory
+        self.library = library
+        self._sender = NixlSender() if library else None
         self._lock = threading.Lock()
         self._no_listener: dict[str, float] = {}  # target -> when it had no shared-memory listener
+        self._no_library: dict[str, float] = {}  # target -> when it took no library writes
 
     def push(self, target: str, channel: Callable[[], grpc.Channel], request_id: str, fingerprint: str,
              kv: SequenceKV, metadata: bytes = b"", *, timeout_s: float, retry: PushRetry = PushRetry(),
              should_stop: Callable[[], bool] = lambda: False,
              on_retry: Callable[[int, KVPushFailed], None] | None = None, push_token: str = "",
              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> str:
-        """Push kv to the decode worker at `target`; returns the transport that landed it ("shm" or
-        "grpc"). `channel()` gives the gRPC channel to `target` when gRPC is needed. Raises the
+        """Push kv to the decode worker at `target`; returns the transport that landed it ("shm",
+        "nixl" or "grpc"). `channel()` gives the gRPC channel to `target` when gRPC is needed. Raises the
         last KVPushFailed."""
         deadline = time.monotonic() + timeout_s
         port = self._shm_port(target)
@@ -48,10 +64,65 @@ class KVPusher:
                     raise
                 if on_retry is not None:  # the shared-memory attempt counts as the first
                     on_retry(1, failure)
+        elif self._takes_library(target):
+            try:
+                self._write(channel(), request_id, fingerprint, kv, metadata, push_token, chunk_bytes, deadline)
+                return LIBRARY
+            except _NoLibrary:
+                with self._lock:
+                    self._no_library[target] = time.monotonic()
+            except KVPushFailed as failure:
+                if failure.code not in RETRYABLE_PUSH_CODES or should_stop():
+                    raise
+                if on_retry is not None:  # the library's attempt counts as the first
+                    on_retry(1, failure)
         push_kv_retrying(channel(), request_id, fingerprint, kv, metadata, chunk_bytes=chunk_bytes,
                          timeout_s=max(0.001, deadline - time.monotonic()), retry=retry, should_stop=should_stop,
                          on_retry=on_retry, push_token=push_token)
         return "grpc"
+
+    def _write(self, channel: grpc.Channel, request_id: str, fingerprint: str, kv: SequenceKV, metadata: bytes,
+               push_token: str, chunk_bytes: int, deadline: float) -> pb.PushReply:
+        """One push through the library: the receiver opens a room, the library writes into it,
+        the receiver checks and lands it. Raises _NoLibrary (push another way) or KVPushFailed."""
+        stub = pb_grpc.KVTransferStub(channel)
+        header = kv_header(request_id, fingerprint, kv, metadata, chunk_bytes, push_token)
+        try:
+            target = stub.OpenWrite(pb.WriteOpen(header=header, library=LIBRARY),
+                                    timeout=max(0.001, deadline - time.monotonic()))
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED or (
+                    err.code() == grpc.StatusCode.FAILED_PRECONDITION and (err.details() or "").startswith("library:")):
+                raise _NoLibrary(err.details()) from None
+            raise KVPushFailed(err.code().name, err.details() or "") from None
+        try:
+            crc = self._sender.write(kv, target, deadline)
+        except KVPushFailed as failure:
+            try:  # free the room now rather than when the receiver gives it up
+                stub.CloseWrite(pb.WriteClose(transfer_id=target.transfer_id, abandon=True), timeout=1.0)
+            except grpc.RpcError:
+                pass
+            if failure.code == "UNAVAILABLE":  # the library cannot reach it: gRPC may
+                raise _NoLibrary(failure.details) from None
+            raise
+        try:
+            return stub.CloseWrite(pb.WriteClose(transfer_id=target.transfer_id, crc32=crc),
+                                   timeout=max(0.001, deadline - time.monotonic()))
+        except grpc.RpcError as err:
+            raise KVPushFailed(err.code().name, err.details() or "") from None
+
+    def _takes_library(self, target: str) -> bool:
+        if self._sender is None:
+            return False
+        with self._lock:
+            since = self._no_library.get(target)
+            if since is not None:
+                if time.monotonic() - since < RECHECK_SHM_AFTER_S:
+                    return False
+                del self._no_library[target]
+            if len(self._no_library) > 1024:
+                self._no_library.clear()
+        return True
 
     def uses_shared_memory(self, target: str) -> bool:
         """Whether a push to `target` would try shared memory first (a decode worker on this host)."""

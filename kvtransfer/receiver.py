@@ -55,6 +55,16 @@ class ReceiveResult:
     receive_seconds: float  # header accepted -> KV landed
 
 
+@dataclass(frozen=True)
+class OpenKV:
+    """KV being written in one piece by a transfer library: its staging room is held."""
+    header: pb.KVHeader
+    reservation: Reservation
+    data: torch.Tensor  # [layers, 2, kv_heads, tokens, head_dim], the bytes land here
+    started: float
+    reserved: float
+
+
 class Receiver:
     """Stateless apart from its config and pool, so one instance serves concurrent pushes."""
 
@@ -104,6 +114,43 @@ class Receiver:
             return SequenceKV(data), 1, bytes(header.metadata)
 
         return self._land(header, started, timeout_s, fill)
+
+    def open_whole(self, header: pb.KVHeader, timeout_s: float | None = None) -> "OpenKV":
+        """Take KV that a transfer library will write in one piece straight into memory: check the
+        header, reserve its staging room (waiting up to timeout_s) and allocate the tensor it lands
+        in. Then `land_opened` once the bytes are written, or `abort_opened`."""
+        started = time.monotonic()
+        self._check_header(header)
+        if header.layout != pb.KV_LAYOUT_LAYER_MAJOR:
+            raise KVBadStream(f"KV for {header.request_id!r} is written whole, so it must be LAYER_MAJOR "
+                              f"(got layout {header.layout})")
+        wait = self.config.reserve_timeout_s if timeout_s is None else min(timeout_s, self.config.reserve_timeout_s)
+        reservation = self.pool.reserve(header.request_id, header.total_bytes, wait, header.push_token)
+        try:
+            data = self._new_kv(header.num_tokens)
+        except BaseException:
+            self.pool.abort(reservation)
+            raise
+        return OpenKV(header, reservation, data, started, time.monotonic())
+
+    def land_opened(self, opened: "OpenKV", crc32: int) -> ReceiveResult:
+        """Land KV whose bytes were written into `opened.data`, if their checksum is `crc32`; the
+        reservation is freed on any failure."""
+        rid = opened.header.request_id
+        try:
+            if opened.reservation.cancelled:
+                raise KVCancelled(f"request {rid!r} was cancelled while its KV arrived")
+            if checksum(memoryview(opened.data.view(torch.uint8).reshape(-1).numpy())) != crc32:
+                raise KVCorrupt(f"KV for {rid!r}: checksum mismatch; the data was damaged")
+            self.pool.land(opened.reservation, SequenceKV(opened.data), bytes(opened.header.metadata))
+        except BaseException:
+            self.pool.abort(opened.reservation)
+            raise
+        return ReceiveResult(rid, opened.header.total_bytes, 1, opened.reserved - opened.started,
+                             time.monotonic() - opened.started)
+
+    def abort_opened(self, opened: "OpenKV") -> None:
+        self.pool.abort(opened.reservation)
 
     def _land(self, header: pb.KVHeader, started: float, timeout_s: float | None, fill) -> ReceiveResult:
         """Reserve staging room for a checked header, let `fill(reservation)` make the KV (with its

@@ -191,7 +191,8 @@ class PrefillLoop:
         self._unpushed = 0  # bytes of prefilled KV handed to the senders, not yet pushed
         self._pushed = threading.Event()  # a push ended: memory under the threshold may be free again
         self._kv_bytes_per_token = runner.loaded.kv_shape.bytes_per_token()
-        self._pusher = KVPusher(cluster_token, shared_memory=settings.kv_transport == "auto")
+        self._pusher = KVPusher(cluster_token, shared_memory=settings.kv_transport != "grpc",
+                                library="nixl" if settings.kv_transport == "nixl" else None)
         self._channels: "OrderedDict[str, grpc.Channel]" = OrderedDict()  # most recently used last
         self._lock = threading.Lock()
         self._control: "queue.Queue[tuple]" = queue.Queue()

@@ -20,6 +20,7 @@ from test_migration import drain_one_mid_stream
 
 from baton import netns
 from baton.client import BatonClient
+from baton.kvtransfer.nixl import nixl_installed
 from baton.netns import Hosts
 from baton.up import LocalCluster, free_port
 
@@ -197,15 +198,20 @@ def assert_each_process_in_its_host(cluster: LocalCluster, hosts: Hosts) -> None
             assert int(f.read().rpartition(")")[2].split()[1]) == os.getpid()
 
 
-def test_a_cluster_across_three_hosts_gives_exact_tokens_with_its_kv_over_grpc(make_hosts, tiny_reference):
-    """Router, prefill and decode each in a host of their own, on links held to 200 Mbit."""
+@pytest.mark.parametrize("transport", ["grpc", "nixl"])
+def test_a_cluster_across_three_hosts_gives_exact_tokens(make_hosts, tiny_reference, transport):
+    """Router, prefill and decode each in a host of their own, on links held to 200 Mbit; the KV
+    crosses over gRPC (the default), or through NIXL over UCX's TCP (kv_transport: nixl)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    if transport == "nixl" and not nixl_installed():
+        pytest.skip("the nixl extra is not installed")
     hosts = make_hosts(LocalCluster.host_names(prefill=1, decode=1), rate_mbit=200)
     metrics_port = free_port()
     prompts = [[300 + 11 * i + j for j in range(6 + 5 * i)] for i in range(4)]
     with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=4, hosts=hosts, http_port=-1,
-                      prefill_args=("--metrics-port", str(metrics_port))) as cluster:
+                      extra_env={"UCX_TLS": "tcp"},  # the link, not UCX's same-machine shortcuts
+                      prefill_args=("--metrics-port", str(metrics_port), "--kv-transport", transport)) as cluster:
         assert [a.rpartition(":")[0] for a in (cluster.router_address, *cluster.prefill_addrs, *cluster.decode_addrs)
                 ] == [hosts.address(name) for name in ("router", "prefill", "decode")]
         assert cluster.http_url.startswith(f"http://{hosts.address('router')}:")
@@ -222,7 +228,7 @@ def test_a_cluster_across_three_hosts_gives_exact_tokens_with_its_kv_over_grpc(m
     assert models["data"]
     landed = {s.labels["transport"]: s.value for f in text_string_to_metric_families(scraped)
               for s in f.samples if s.name == "baton_kv_transfer_transports_total"}
-    assert landed == {"grpc": len(prompts)}  # on one host it would have been shared memory (test_kv_shm)
+    assert landed == {transport: len(prompts)}  # on one host it would have been shared memory (test_kv_shm)
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])

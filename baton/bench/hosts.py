@@ -5,13 +5,16 @@ the same three processes on one host, where the KV goes through shared memory.
 For long prompts (1k, 4k and 8k tokens, the last capped at the model's context), one request at
 a time with 2 output tokens: the time to the first token (sampled by the prefill worker), to the
 second (the decode worker's first step, after the KV landed), and the transfer stage of the
-request's trace, with the KV pushed after the prefill (`prefill.kv_stream: false`) and streamed
-chunk by chunk while the prefill runs (the default). Every request's tokens are checked against
+request's trace, with the KV pushed after the prefill (`prefill.kv_stream: false`) over gRPC and
+through NIXL over UCX's TCP (`kv_transport: nixl`, where the nixl extra is installed: the
+library's push against gRPC's on the same link), and streamed over gRPC chunk by chunk while the
+prefill runs (the default). Every request's tokens are checked against
 `LocalEngine.generate` of the same prompt in this process. The prefill worker's prefix cache is
 off, so each cell prefills its whole prompt. Issue 34's bound: with streaming, the second token of
 a 2k-4k-token prompt across 1 Gbit/s within 1.1x of one host (fp32).
 
---quick: the tiny random model, a 600-token prompt, 1 Gbit/s only.
+--quick: the tiny random model, a 600-token prompt, 1 Gbit/s only. --prompts, --rates and --setups
+measure a part of the grid.
 """
 from __future__ import annotations
 
@@ -23,6 +26,25 @@ from baton.bench.common import BenchOptions, table
 PROMPTS = (1024, 4096, 8192)
 RATES_GBIT = (1, 10, 25)
 OUTPUT_TOKENS = 2
+# name -> (what the table calls it, worker environment beyond the common one); None: one host.
+SETUPS = {
+    "one-host": ("one host, shared memory", None),
+    "after": ("three hosts, after prefill", {"BATON_PREFILL_KV_STREAM": "false"}),
+    "nixl": ("three hosts, after prefill, NIXL", {"BATON_PREFILL_KV_STREAM": "false",
+                                                  "BATON_PREFILL_KV_TRANSPORT": "nixl", "UCX_TLS": "tcp"}),
+    "streamed": ("three hosts, streamed", {"BATON_PREFILL_KV_STREAM": "true"}),
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--prompts", default=None, help="prompt lengths, comma-separated (default 1024,4096,8192)")
+    parser.add_argument("--rates", default=None, help="link rates in Gbit/s, comma-separated (default 1,10,25)")
+    parser.add_argument("--setups", default=None,
+                        help=f"comma-separated, of {', '.join(SETUPS)} (default all; nixl where installed)")
+
+
+def _listed(value: str | None, default, kind=int) -> list:
+    return list(default) if value is None else [kind(v) for v in value.split(",") if v.strip()]
 
 
 def run(opts: BenchOptions) -> dict[str, Any]:
@@ -30,6 +52,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
 
     from baton import netns
     from baton.decode_worker.core import DecodeConfig
+    from baton.kvtransfer.nixl import nixl_installed
     from baton.engine.model import DEFAULT_MODEL, TINY_MODEL, load_model
     from baton.local import LocalEngine
     from baton.sampling import SamplingParams
@@ -41,8 +64,15 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     model = TINY_MODEL if opts.quick and opts.model == DEFAULT_MODEL else opts.model
     loaded = load_model(model, dtype=opts.dtype)
     longest = loaded.max_context - OUTPUT_TOKENS
-    lengths = [600] if opts.quick else [min(n, longest) for n in PROMPTS]
-    rates = RATES_GBIT[:1] if opts.quick else RATES_GBIT
+    lengths = [600] if opts.quick else [min(n, longest) for n in _listed(opts.extra.get("prompts"), PROMPTS)]
+    rates = RATES_GBIT[:1] if opts.quick else _listed(opts.extra.get("rates"), RATES_GBIT, float)
+    setups = _listed(opts.extra.get("setups"), SETUPS, str)
+    unknown = [name for name in setups if name not in SETUPS]
+    if unknown:
+        raise ValueError(f"hosts: unknown setups {unknown}; choose from {', '.join(SETUPS)}")
+    if "nixl" in setups and not nixl_installed():
+        opts.say("hosts: the NIXL setup is skipped: the nixl extra is not installed (pip install 'baton-serve[nixl]')")
+        setups.remove("nixl")
     generator = torch.Generator().manual_seed(34)
     prompts = {n: torch.randint(10, loaded.config.vocab_size, (n,), generator=generator).tolist() for n in lengths}
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True)
@@ -59,13 +89,13 @@ def run(opts: BenchOptions) -> dict[str, Any]:
 
     cells: list[dict[str, Any]] = []
     env = {**opts.worker_env(), "BATON_PREFILL_PREFIX_CACHE_BYTES": "0"}
-    opts.progress("hosts: one host (shared memory)")
-    cells += _measure(opts, model, env, None, [None], prompts, expected, "one host, shared memory")
-    for stream in (False, True):
-        mode = "streamed" if stream else "after prefill"
-        opts.progress(f"hosts: three hosts, KV pushed {mode}")
-        cells += _measure(opts, model, {**env, "BATON_PREFILL_KV_STREAM": str(stream).lower()}, netns, rates,
-                          prompts, expected, f"three hosts, {mode}")
+    for name in setups:
+        label, extra_env = SETUPS[name]
+        opts.progress(f"hosts: {label}")
+        if extra_env is None:
+            cells += _measure(opts, model, env, None, [None], prompts, expected, label)
+        else:
+            cells += _measure(opts, model, {**env, **extra_env}, netns, rates, prompts, expected, label)
     _report(opts, cells, lengths, rates)
     return {"model": model, "dtype": opts.dtype, "kv_bytes_per_token": per_token, "cells": cells,
             "bound": _bound(cells), "plots": []}
@@ -116,7 +146,7 @@ def _bound(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Streamed across 1 Gbit/s over one host, by prompt: the second token's time."""
     one = {c["tokens"]: c["second_s"] for c in cells if c["gbit"] is None}
     return [{"tokens": c["tokens"], "ratio": c["second_s"] / one[c["tokens"]]} for c in cells
-            if c["setup"].endswith("streamed") and c["gbit"] == 1]
+            if c["setup"].endswith("streamed") and c["gbit"] == 1 and c["tokens"] in one]
 
 
 def _report(opts: BenchOptions, cells: list[dict[str, Any]], lengths, rates) -> None:

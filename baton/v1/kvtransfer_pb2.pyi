@@ -96,3 +96,33 @@ class PushReply(_message.Message):
     staging_wait_seconds: float
     receive_seconds: float
     def __init__(self, request_id: _Optional[str] = ..., bytes_received: _Optional[int] = ..., num_chunks: _Optional[int] = ..., staging_wait_seconds: _Optional[float] = ..., receive_seconds: _Optional[float] = ...) -> None: ...
+
+class WriteOpen(_message.Message):
+    __slots__ = ("header", "library")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    LIBRARY_FIELD_NUMBER: _ClassVar[int]
+    header: KVHeader
+    library: str
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., library: _Optional[str] = ...) -> None: ...
+
+class WriteTarget(_message.Message):
+    __slots__ = ("transfer_id", "agent", "agent_metadata", "descriptors")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    agent: str
+    agent_metadata: bytes
+    descriptors: bytes
+    def __init__(self, transfer_id: _Optional[str] = ..., agent: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., descriptors: _Optional[bytes] = ...) -> None: ...
+
+class WriteClose(_message.Message):
+    __slots__ = ("transfer_id", "crc32", "abandon")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    ABANDON_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    crc32: int
+    abandon: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., crc32: _Optional[int] = ..., abandon: _Optional[bool] = ...) -> None: ...

@@ -44,6 +44,16 @@ class KVTransferStub:
                 request_serializer=baton_dot_v1_dot_kvtransfer__pb2.KVChunk.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_kvtransfer__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.OpenWrite = channel.unary_unary(
+                '/baton.v1.KVTransfer/OpenWrite',
+                request_serializer=baton_dot_v1_dot_kvtransfer__pb2.WriteOpen.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_kvtransfer__pb2.WriteTarget.FromString,
+                _registered_method=True)
+        self.CloseWrite = channel.unary_unary(
+                '/baton.v1.KVTransfer/CloseWrite',
+                request_serializer=baton_dot_v1_dot_kvtransfer__pb2.WriteClose.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_kvtransfer__pb2.PushReply.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -61,12 +71,38 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenWrite(self, request, context):
+        """A push through a transfer library (NIXL) instead of this stream: OpenWrite checks the header
+        as Push does and reserves the room, the library writes the bytes straight into it, CloseWrite
+        checks them and lands the KV. Errors as Push's; OpenWrite answers FAILED_PRECONDITION
+        "library" when this worker does not take that library's writes (push over Push instead).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseWrite(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
                     request_deserializer=baton_dot_v1_dot_kvtransfer__pb2.KVChunk.FromString,
+                    response_serializer=baton_dot_v1_dot_kvtransfer__pb2.PushReply.SerializeToString,
+            ),
+            'OpenWrite': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenWrite,
+                    request_deserializer=baton_dot_v1_dot_kvtransfer__pb2.WriteOpen.FromString,
+                    response_serializer=baton_dot_v1_dot_kvtransfer__pb2.WriteTarget.SerializeToString,
+            ),
+            'CloseWrite': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseWrite,
+                    request_deserializer=baton_dot_v1_dot_kvtransfer__pb2.WriteClose.FromString,
                     response_serializer=baton_dot_v1_dot_kvtransfer__pb2.PushReply.SerializeToString,
             ),
     }
@@ -101,6 +137,60 @@ class KVTransfer:
             target,
             '/baton.v1.KVTransfer/Push',
             baton_dot_v1_dot_kvtransfer__pb2.KVChunk.SerializeToString,
+            baton_dot_v1_dot_kvtransfer__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenWrite(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.KVTransfer/OpenWrite',
+            baton_dot_v1_dot_kvtransfer__pb2.WriteOpen.SerializeToString,
+            baton_dot_v1_dot_kvtransfer__pb2.WriteTarget.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseWrite(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.KVTransfer/CloseWrite',
+            baton_dot_v1_dot_kvtransfer__pb2.WriteClose.SerializeToString,
             baton_dot_v1_dot_kvtransfer__pb2.PushReply.FromString,
             options,
             channel_credentials,
