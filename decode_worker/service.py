@@ -230,10 +230,13 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}", tls, token,
                                              shared_memory=settings.kv_transport != "grpc",
                                              library="nixl" if settings.kv_transport == "nixl" else None)
-    writes = NixlWrites(receiver) if settings.kv_transport != "grpc" else None  # its agent starts on first use
+    # The agent starts on the first write, or now where this worker is told to use the library.
+    writes = NixlWrites(receiver) if settings.kv_transport != "grpc" else None
     kv_api.target = KVTransferServicer(receiver, writes=writes)
     if writes is not None:
         server.extra_stops.append(writes.stop)
+        if settings.kv_transport == "nixl":
+            writes.start()
     if settings.kv_transport != "grpc":  # prefill workers on this host push through shared memory
         try:
             server.extra_stops.append(ShmKVServer(receiver, server.port, token).start().stop)

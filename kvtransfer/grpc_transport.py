@@ -1,6 +1,6 @@
 """The gRPC transport: a servicer that only translates to and from the Receiver, and a client.
 
-Decode workers add `KVTransferServicer` to their own server (`add_kvtransfer_servicer`) with
+Decode workers add `KVTransferServicer` to their own server with
 `grpc_channel_options()` and `grpc_server_ping_options()` as server options; `KVTransferServer`
 is a standalone server for tests, benchmarks and single-purpose processes. Prefill workers call
 `push_kv_retrying` (or `push_kv`, one attempt) on a channel with `grpc_push_channel_options()`.
@@ -186,17 +186,15 @@ def _refusals(context: grpc.ServicerContext, what: str):
         context.abort(grpc.StatusCode.INTERNAL, f"{what} failed unexpectedly; see the decode worker log")
 
 
-def add_kvtransfer_servicer(server: grpc.Server, receiver: Receiver) -> None:
-    pb_grpc.add_KVTransferServicer_to_server(KVTransferServicer(receiver), server)
-
-
 class KVTransferServer:
     """A gRPC server running only KVTransfer; `with KVTransferServer(r) as s: push_kv(s.target, ...)`."""
 
-    def __init__(self, receiver: Receiver, host: str = "127.0.0.1", port: int = 0, max_workers: int = 8) -> None:
+    def __init__(self, receiver: Receiver, host: str = "127.0.0.1", port: int = 0, max_workers: int = 8,
+                 writes: NixlWrites | None = None) -> None:
         options = grpc_channel_options(receiver.config.max_chunk_bytes) + grpc_server_ping_options()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
-        add_kvtransfer_servicer(self._server, receiver)
+        self._writes = writes
+        pb_grpc.add_KVTransferServicer_to_server(KVTransferServicer(receiver, writes=writes), self._server)
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"could not bind the KV transfer server to {host}:{port}")
@@ -208,6 +206,8 @@ class KVTransferServer:
 
     def stop(self, grace_s: float | None = 1.0) -> None:
         self._server.stop(grace_s).wait()
+        if self._writes is not None:
+            self._writes.stop()
 
     def __enter__(self) -> "KVTransferServer":
         return self.start()

@@ -14,13 +14,15 @@ picks the fastest path the two hosts share (TCP here; RDMA or NVLink on a GPU cl
 TCP does not check bytes end to end, so the sender's CRC-32 is checked before the KV lands. A room
 opened and not closed in time (the sender died, the network broke) is freed by the receiver.
 
-NIXL's own progress thread busy-polls a core whether or not anything moves, which a worker that
-needs its cores for the model cannot spare: here each side drives the library only while one of
-its transfers is in flight. The `nixl` package is optional (`pip install 'baton-serve[nixl]'`);
+NIXL's progress thread moves the bytes (UCX over TCP needs both sides to make progress). Its Python
+wrapper starts it polling without pause, a core spent whether or not anything moves; Baton starts
+it with a long pause instead, which costs no speed: the thread wakes on UCX's events. The `nixl`
+package is optional (`pip install 'baton-serve[nixl]'`);
 without it OpenWrite answers that this worker takes no NIXL writes and pushes go over gRPC.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -40,7 +42,8 @@ from baton.v1 import kvtransfer_pb2 as pb
 log = logging.getLogger(__name__)
 
 LIBRARY = "nixl"
-POLL_S = 0.0005  # between two progress calls while a transfer is in flight
+POLL_S = 0.001  # between two looks at a transfer's state or for its notification
+PROGRESS_PAUSE_US = 100_000  # the progress thread's longest sleep between UCX events
 MAX_OPEN_WRITES = 64  # rooms held open for writes at once on one decode worker
 
 
@@ -71,9 +74,14 @@ class NixlAgent:
         if api is None:
             raise NixlUnavailable("the nixl package is not installed (pip install 'baton-serve[nixl]')")
         logging.getLogger("nixl").setLevel(logging.WARNING)  # it logs each agent and backend at INFO
+        if not _rdma_devices():
+            # UCX's InfiniBand modules have nothing to drive here, and the libnl they load
+            # crashes the process as it exits (SIGSEGV in its destructor): do not load them.
+            os.environ.setdefault("UCX_MODULES", "^ib")
         self.name = f"baton-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            self._agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+            with _paused_progress(api):
+                self._agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
         except Exception as exc:  # noqa: BLE001 - the bindings raise their own types
             raise NixlUnavailable(f"NIXL could not start its UCX backend: {exc}") from None
         if "UCX" not in self._agent.backends:
@@ -88,6 +96,34 @@ class NixlAgent:
         """Add (or refresh) a remote agent from its metadata; returns its name."""
         with self.lock:
             return self._agent.add_remote_agent(metadata).decode()
+
+
+def _rdma_devices() -> list[str]:
+    try:
+        return os.listdir("/sys/class/infiniband")
+    except OSError:
+        return []
+
+
+_CONFIG_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _paused_progress(api):
+    """While an agent is made: its config keeps PROGRESS_PAUSE_US as the progress thread's pause
+    (the wrapper sets 0, a busy loop, and offers no way to change it)."""
+    base = api.nixlBind.nixlAgentConfig
+
+    class PausedConfig(base):
+        def __setattr__(self, name: str, value) -> None:
+            super().__setattr__(name, PROGRESS_PAUSE_US if name == "pthrDelay" else value)
+
+    with _CONFIG_LOCK:
+        api.nixlBind.nixlAgentConfig = PausedConfig
+        try:
+            yield
+        finally:
+            api.nixlBind.nixlAgentConfig = base
 
 
 # -- receiver (decode worker) -------------------------------------------------------------------
@@ -115,6 +151,10 @@ class NixlWrites:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
+
+    def start(self) -> None:
+        """Start the agent now, on a thread of its own, so the first write does not wait for it."""
+        threading.Thread(target=self._ensure_agent, name="kv-nixl-start", daemon=True).start()
 
     def available(self) -> str | None:
         """None if this worker takes NIXL writes, else why not."""
@@ -160,10 +200,13 @@ class NixlWrites:
             if room is None:
                 raise KVTruncated(f"no NIXL write {request.transfer_id!r} is open here (closed, or given up "
                                   "after its time ran out); push again")
-            if not request.abandon:  # the notification follows the bytes: wait for it, briefly
-                deadline = time.monotonic() + self._idle_timeout_s
-                while request.transfer_id not in self._arrived and time.monotonic() < deadline:
-                    self._cond.wait(POLL_S * 10)
+        if not request.abandon:  # the notification follows the bytes: wait for it, briefly
+            deadline = time.monotonic() + self._idle_timeout_s
+            while not self._arrived_now(request.transfer_id) and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+        with self._cond:
+            if request.transfer_id not in self._rooms:  # given up meanwhile
+                raise KVTruncated(f"no NIXL write {request.transfer_id!r} is open here any more; push again")
             arrived = request.transfer_id in self._arrived
             self._take(request.transfer_id)
         if request.abandon:
@@ -184,6 +227,18 @@ class NixlWrites:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
+    def _arrived_now(self, transfer_id: str) -> bool:
+        """Collect the notifications that came; whether `transfer_id`'s is among them."""
+        with self._agent.lock:
+            notifications = self._agent.get_new_notifs()
+        with self._cond:
+            for messages in notifications.values():
+                for message in messages:
+                    name = message.decode(errors="replace")
+                    if name in self._rooms:
+                        self._arrived.add(name)
+            return transfer_id in self._arrived
+
     def _take(self, transfer_id: str) -> _Room:
         """Forget a room (with the lock held) and stop the library writing into it."""
         room = self._rooms.pop(transfer_id)
@@ -200,33 +255,22 @@ class NixlWrites:
                 except NixlUnavailable as exc:
                     self._unavailable = str(exc)
                     return None
-                self._thread = threading.Thread(target=self._progress, name="kv-nixl-progress", daemon=True)
+                self._thread = threading.Thread(target=self._expire, name="kv-nixl-rooms", daemon=True)
                 self._thread.start()
             return self._agent
 
-    def _progress(self) -> None:
-        """While rooms are open: let the library receive (UCX over TCP needs the target's calls
-        too), collect notifications, free rooms whose time ran out."""
-        while True:
-            with self._cond:
-                while not self._rooms and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                with self._agent.lock:
-                    notifications = self._agent.get_new_notifs()
-                for messages in notifications.values():
-                    self._arrived.update(m.decode(errors="replace") for m in messages if m.decode(errors="replace")
-                                         in self._rooms)
+    def _expire(self) -> None:
+        """Free rooms whose time ran out (their sender died or its network broke)."""
+        with self._cond:
+            while not self._closed:
                 now = time.monotonic()
                 for transfer_id in [t for t, room in self._rooms.items() if room.deadline < now]:
                     room = self._take(transfer_id)
                     self._receiver.abort_opened(room.opened)
                     log.warning("NIXL write of %r not closed in time; its room was freed",
                                 room.opened.header.request_id)
-                if notifications:
-                    self._cond.notify_all()
-            time.sleep(POLL_S)
+                soonest = min((room.deadline for room in self._rooms.values()), default=None)
+                self._cond.wait(None if soonest is None else max(0.0, soonest - now) + 0.01)
 
 
 # -- sender (prefill worker, or a draining decode worker) ---------------------------------------
@@ -243,7 +287,6 @@ class NixlSender:
         (UNAVAILABLE: the library could not reach the receiver or the write failed)."""
         agent = self._ensure_agent()
         raw = kv.data.contiguous().view(torch.uint8).reshape(-1)
-        crc = checksum(memoryview(raw.numpy()))
         try:
             peer = agent.add_peer(target.agent_metadata)
             if peer != target.agent:
@@ -257,6 +300,7 @@ class NixlSender:
                                                    target.transfer_id.encode())
                     state = agent.transfer(handle)
                 try:
+                    crc = checksum(memoryview(raw.numpy()))  # while the progress thread sends
                     while state not in ("DONE", "ERR"):
                         if time.monotonic() > deadline:
                             raise KVPushFailed("DEADLINE_EXCEEDED", "the NIXL write ran out of time")
@@ -276,6 +320,10 @@ class NixlSender:
         if state != "DONE":
             raise KVPushFailed("UNAVAILABLE", "the NIXL write failed (the library reported an error)")
         return crc
+
+    def start(self) -> None:
+        """Start the agent now, on a thread of its own, so the first write does not wait for it."""
+        threading.Thread(target=self._ensure_agent, name="kv-nixl-start", daemon=True).start()
 
     def _ensure_agent(self) -> NixlAgent:
         with self._lock:

@@ -38,6 +38,8 @@ class KVPusher:
         self.shared_memory = shared_memory
         self.library = library
         self._sender = NixlSender() if library else None
+        if self._sender is not None:
+            self._sender.start()
         self._lock = threading.Lock()
         self._no_listener: dict[str, float] = {}  # target -> when it had no shared-memory listener
         self._no_library: dict[str, float] = {}  # target -> when it took no library writes

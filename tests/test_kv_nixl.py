@@ -3,9 +3,13 @@ control calls over real gRPC on loopback, the receiver's checks as a Push's. Acr
 test_hosts.py."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 import zlib
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -183,3 +187,18 @@ def test_pushes_in_parallel_each_land_their_own_kv(decode):
     assert ways == ["nixl"] * len(kvs)
     for rid, kv in kvs.items():
         assert torch.equal(d.pool.take(rid).kv.data, kv.data)
+
+
+def test_a_process_that_pushed_through_nixl_exits_cleanly(tmp_path):
+    """UCX's InfiniBand modules, loaded on a host without such a device, crashed the process as it
+    exited (SIGSEGV in the libnl they bundle): a worker's exit status must stay its own."""
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "import test_kv_nixl as t\n"
+            "from baton.kvtransfer.push import KVPusher\n"
+            "d = t.Decode(); d.pool.expect('r', 'tok')\n"
+            "assert t.push(KVPusher(shared_memory=False, library='nixl'), d, 'r', t.make_kv(8)) == 'nixl'\n"
+            "d.close()\n") % str(Path(__file__).parent)
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    done = subprocess.run([sys.executable, "-c", code], env={**env, "UCX_TLS": "tcp"}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -33,6 +33,7 @@ SETUPS = {
     "nixl": ("three hosts, after prefill, NIXL", {"BATON_PREFILL_KV_STREAM": "false",
                                                   "BATON_PREFILL_KV_TRANSPORT": "nixl", "UCX_TLS": "tcp"}),
     "streamed": ("three hosts, streamed", {"BATON_PREFILL_KV_STREAM": "true"}),
+    "push": ("the push alone, gRPC and NIXL", None),  # no cluster: baton.bench.kv_pushes between two hosts
 }
 
 
@@ -70,18 +71,22 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     unknown = [name for name in setups if name not in SETUPS]
     if unknown:
         raise ValueError(f"hosts: unknown setups {unknown}; choose from {', '.join(SETUPS)}")
-    if "nixl" in setups and not nixl_installed():
-        opts.say("hosts: the NIXL setup is skipped: the nixl extra is not installed (pip install 'baton-serve[nixl]')")
-        setups.remove("nixl")
+    if not nixl_installed():
+        for name in ("nixl", "push"):
+            if name in setups:
+                opts.say(f"hosts: the {name} setup is skipped: the nixl extra is not installed "
+                         "(pip install 'baton-serve[nixl]')")
+                setups.remove(name)
     generator = torch.Generator().manual_seed(34)
     prompts = {n: torch.randint(10, loaded.config.vocab_size, (n,), generator=generator).tolist() for n in lengths}
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True)
-    engine = LocalEngine(loaded, DecodeConfig(max_rows=1))
     expected = {}
-    for n, ids in prompts.items():
-        opts.progress(f"hosts: the expected tokens of the {n}-token prompt (LocalEngine.generate)")
-        expected[n] = engine.generate([ids], params)[0].token_ids
-    del engine
+    if any(name != "push" for name in setups):
+        engine = LocalEngine(loaded, DecodeConfig(max_rows=1))
+        for n, ids in prompts.items():
+            opts.progress(f"hosts: the expected tokens of the {n}-token prompt (LocalEngine.generate)")
+            expected[n] = engine.generate([ids], params)[0].token_ids
+        del engine
     per_token = loaded.kv_shape.bytes_per_token()
     opts.say(f"hosts: {model} ({opts.dtype}), KV {per_token:,} bytes a token; prompts of {', '.join(map(str, lengths))} "
              f"tokens, {OUTPUT_TOKENS} output tokens, one request at a time; links at "
@@ -89,16 +94,58 @@ def run(opts: BenchOptions) -> dict[str, Any]:
 
     cells: list[dict[str, Any]] = []
     env = {**opts.worker_env(), "BATON_PREFILL_PREFIX_CACHE_BYTES": "0"}
-    for name in setups:
+    for name in [name for name in setups if name != "push"]:
         label, extra_env = SETUPS[name]
         opts.progress(f"hosts: {label}")
         if extra_env is None:
             cells += _measure(opts, model, env, None, [None], prompts, expected, label)
         else:
             cells += _measure(opts, model, {**env, **extra_env}, netns, rates, prompts, expected, label)
-    _report(opts, cells, lengths, rates)
+    pushes = []
+    if "push" in setups:
+        opts.progress("hosts: the push alone between two hosts, gRPC and NIXL")
+        pushes = _pushes(netns, rates, [n * per_token for n in lengths])
+    if cells:
+        _report(opts, cells, lengths, rates)
+    _report_pushes(opts, pushes)
     return {"model": model, "dtype": opts.dtype, "kv_bytes_per_token": per_token, "cells": cells,
-            "bound": _bound(cells), "plots": []}
+            "bound": _bound(cells), "pushes": pushes, "plots": []}
+
+
+def _pushes(netns, rates, sizes: list[int], repeats: int = 2) -> list[dict[str, Any]]:
+    """The push alone, the same bytes over the same link: a receiver in one host, the sender in the
+    other (baton.bench.kv_pushes), best of `repeats` after a warm-up, gRPC then NIXL over UCX's TCP."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "UCX_TLS": "tcp"}
+    bench = [sys.executable, "-m", "baton.bench.kv_pushes"]
+    rows = []
+    with netns.Hosts(["prefill", "decode"]) as hosts:
+        receiver = subprocess.Popen(hosts.command("decode", [*bench, "--serve", hosts.address("decode")]),
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            target = receiver.stdout.readline().strip()
+            if not target:
+                raise RuntimeError("the push benchmark's receiver did not start")
+            for rate in rates:
+                hosts.set_rate(rate * 1000)
+                sent = subprocess.run(hosts.command("prefill", [*bench, "--push", target, "--repeats", str(repeats),
+                                                                "--mbytes", ",".join(str(n / 1e6) for n in sizes)]),
+                                      capture_output=True, text=True, env=env, timeout=1800)
+                if sent.returncode:
+                    raise RuntimeError(f"the push benchmark failed: {sent.stderr[-2000:]}")
+                rows += [{"gbit": rate, "bytes": int(n), **best} for n, best in json.loads(sent.stdout).items()]
+        finally:
+            receiver.stdin.close()
+            try:
+                receiver.wait(10)
+            except subprocess.TimeoutExpired:
+                receiver.kill()
+                receiver.wait()
+    return rows
 
 
 def _measure(opts: BenchOptions, model: str, env: dict[str, str], netns, rates, prompts, expected,
@@ -158,3 +205,12 @@ def _report(opts: BenchOptions, cells: list[dict[str, Any]], lengths, rates) -> 
         opts.say(f"  {b['tokens']} tokens, streamed across 1 Gbit/s: second token at {b['ratio']:.2f}x one host's")
     wrong = [c for c in cells if not c["exact"]]
     opts.say(f"  tokens equal to LocalEngine.generate in {len(cells) - len(wrong)} of {len(cells)} cells")
+
+
+def _report_pushes(opts: BenchOptions, pushes: list[dict[str, Any]]) -> None:
+    if not pushes:
+        return
+    opts.say("\nthe push alone between two hosts (best of 2 after a warm-up; UCX over TCP):")
+    rows = [[f"{p['gbit']} Gbit/s", f"{p['bytes'] / 1e6:.1f} MB", p["grpc"], p["nixl"], p["nixl"] / p["grpc"],
+             p["bytes"] * 8 / (p["gbit"] * 1e9)] for p in pushes]
+    opts.say(table(["link", "KV", "gRPC s", "NIXL s", "NIXL / gRPC", "line rate s"], rows))

@@ -3,11 +3,18 @@ through shared memory (kvtransfer.shm) as a prefill worker does to a decode work
 
     python -m baton.bench.kv_pushes --mbytes 64                 # receiver in its own process
     python -m baton.bench.kv_pushes --mbytes 64 --same-process  # sender and receiver share one GIL
+
+Between two hosts (what `baton bench hosts` runs in two network namespaces), gRPC against NIXL:
+
+    python -m baton.bench.kv_pushes --serve 10.0.0.2            # prints its address; stops at EOF
+    python -m baton.bench.kv_pushes --push 10.0.0.2:PORT --mbytes 47,189 --transports grpc,nixl
 """
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
+import sys
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -117,6 +124,44 @@ def _receiver_in_subprocess(capacity_bytes: int) -> Iterator[str]:
             process.kill()
 
 
+def serve(host: str, capacity_bytes: int) -> None:
+    """A receiver taking gRPC pushes and NIXL writes on host; prints its target, stops at EOF."""
+    from baton.kvtransfer.nixl import NixlWrites
+
+    receiver = _recycling_receiver(capacity_bytes)
+    writes = NixlWrites(receiver)
+    writes.start()
+    with KVTransferServer(receiver, host=host, writes=writes) as server:
+        print(server.target, flush=True)
+        sys.stdin.read()
+
+
+def push_seconds(target: str, nbytes: int, transports: list[str], repeats: int) -> dict[str, float]:
+    """The best of `repeats` pushes of nbytes to `target` by each transport ("grpc", "nixl"), after
+    one warm-up each: from the first byte sent until the receiver landed the KV."""
+    from baton.kvtransfer.push import KVPusher
+
+    kv = bench_kv(nbytes)
+    channel = kvtransfer_channel(target)
+    pushers = {"grpc": KVPusher(shared_memory=False), "nixl": KVPusher(shared_memory=False, library="nixl")}
+    best: dict[str, float] = {}
+    try:
+        for transport in transports:
+            times = []
+            for attempt in range(repeats + 1):
+                started = time.perf_counter()
+                how = pushers[transport].push(target, lambda: channel, f"bench-{transport}-{nbytes}-{attempt}",
+                                              BENCH_FINGERPRINT, kv, timeout_s=600)
+                if how != transport:
+                    raise RuntimeError(f"a {transport} push went by {how}")
+                if attempt > 0:
+                    times.append(time.perf_counter() - started)
+            best[transport] = min(times)
+    finally:
+        channel.close()
+    return best
+
+
 def _memcpy_seconds(source: torch.Tensor, repeats: int) -> float:
     target = torch.empty_like(source)
     target.copy_(source)  # touch the pages once so the timing excludes page faults
@@ -130,11 +175,22 @@ def _memcpy_seconds(source: torch.Tensor, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mbytes", type=int, default=64, help="KV size in MiB")
+    parser.add_argument("--mbytes", default="64", help="KV size in MiB (with --push: comma-separated, MB)")
     parser.add_argument("--chunk-kib", type=int, default=DEFAULT_CHUNK_BYTES // 1024)
     parser.add_argument("--same-process", action="store_true", help="run the receiver in this process")
+    parser.add_argument("--serve", metavar="HOST", help="be the receiver between hosts, on HOST")
+    parser.add_argument("--push", metavar="TARGET", help="push to the receiver at TARGET; prints JSON")
+    parser.add_argument("--transports", default="grpc,nixl")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    nbytes = args.mbytes * 1024 * 1024
+    if args.serve:
+        serve(args.serve, 1 << 31)
+        return
+    if args.push:
+        sizes = [int(float(m) * 1e6) for m in args.mbytes.split(",")]
+        print(json.dumps({n: push_seconds(args.push, n, args.transports.split(","), args.repeats) for n in sizes}))
+        return
+    nbytes = int(args.mbytes) * 1024 * 1024
     times = measure_transports(nbytes, chunk_bytes=args.chunk_kib * 1024, receiver_process=not args.same_process)
     mib = nbytes / 2**20
     where = "same process" if args.same_process else "separate processes"
