@@ -21,10 +21,12 @@ still waiting for staging room says so every HEARTBEAT_S; one silent for CHUNK_I
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
 import ipaddress
+import itertools
 import json
 import logging
 import mmap
@@ -56,6 +58,7 @@ HEARTBEAT_S = 0.25
 CONNECT_TIMEOUT_S = 1.0
 SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 MAX_WAITING_PUSHES = 64  # pushes accepted beyond the handler threads are refused, not queued forever
+INLINE_CRC_BYTES = 8 << 20  # below this the sender checksums the KV before writing it, not beside
 
 
 class NoSharedMemoryPeer(Exception):
@@ -139,12 +142,17 @@ def _sealed_copy(kv: SequenceKV, request_id: str) -> tuple[int, int]:
     """A memory file holding kv's bytes, sealed so neither side can change it; (fd, crc32).
 
     write(2) fills the file (the kernel allocates its pages as it copies, with no page faults),
-    while another thread checksums the same bytes (zlib lets go of the GIL)."""
+    while another thread checksums the same bytes (zlib lets go of the GIL); a short prompt's KV
+    is checksummed first instead, where a thread would cost more than it saves."""
     raw = memoryview(kv.data.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy())
     fd = os.memfd_create(f"baton-kv-{request_id[:64]}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     crc: list[int] = []
-    summing = threading.Thread(target=lambda: crc.append(zlib.crc32(raw)), name="kv-shm-crc")
-    summing.start()
+    summing = None
+    if len(raw) < INLINE_CRC_BYTES:
+        crc.append(zlib.crc32(raw))
+    else:
+        summing = threading.Thread(target=lambda: crc.append(zlib.crc32(raw)), name="kv-shm-crc")
+        summing.start()
     try:
         written = 0
         while written < len(raw):
@@ -154,7 +162,8 @@ def _sealed_copy(kv: SequenceKV, request_id: str) -> tuple[int, int]:
         os.close(fd)
         raise
     finally:
-        summing.join()
+        if summing is not None:
+            summing.join()
     return fd, crc[0]
 
 
@@ -228,6 +237,7 @@ class ShmKVServer:
         self._listener.listen(128)
         self._handlers = ThreadPoolExecutor(max_workers, thread_name_prefix="kv-shm")
         self._waiting = threading.BoundedSemaphore(max_workers + MAX_WAITING_PUSHES)
+        self._heartbeats = _Heartbeats()
         self._thread = threading.Thread(target=self._accept, name="kv-shm-accept", daemon=True)
         self._stopped = False
 
@@ -244,6 +254,7 @@ class ShmKVServer:
         self._listener.close()
         self._thread.join(timeout=5)
         self._handlers.shutdown(wait=True, cancel_futures=True)
+        self._heartbeats.stop()
 
     def __enter__(self) -> "ShmKVServer":
         return self.start()
@@ -308,7 +319,7 @@ class ShmKVServer:
             # The staged KV is these very pages (no copy): a private mapping, so a write to them
             # would copy the page for us alone; unmapped when the staged tensor goes.
             mapped = _map_private(fd, size)
-            with _Heartbeat(conn, sending):
+            with self._heartbeats.beating(conn, sending):
                 result = self._receiver.receive_whole(header, mapped, crc, adopt=True)
         finally:
             for fd in fds:
@@ -340,29 +351,56 @@ class ShmKVServer:
         return crc, header
 
 
-class _Heartbeat:
-    """While the block runs (mostly: waiting for staging room), tell the sender we are alive."""
+class _Heartbeats:
+    """One thread that tells every sender whose push has waited HEARTBEAT_S or more (mostly: for
+    staging room) that the receiver is alive: a push that lands at once costs no thread."""
 
-    def __init__(self, conn: socket.socket, sending: threading.Lock) -> None:
-        self._conn, self._sending, self._done = conn, sending, threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="kv-shm-heartbeat", daemon=True)
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._beating: dict[int, tuple[socket.socket, threading.Lock, float]] = {}  # key -> conn, lock, since
+        self._keys = itertools.count()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> None:
-        self._thread.start()
+    @contextlib.contextmanager
+    def beating(self, conn: socket.socket, sending: threading.Lock):
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kv-shm-heartbeat", daemon=True)
+                self._thread.start()
+            key = next(self._keys)
+            self._beating[key] = (conn, sending, time.monotonic())
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            with self._cond:
+                del self._beating[key]
 
-    def __exit__(self, *exc_info: object) -> None:
-        self._done.set()
-        self._thread.join()
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
-    def _beat(self) -> None:
-        while not self._done.wait(HEARTBEAT_S):
-            with self._sending:
-                if self._done.is_set():
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopped:
                     return
-                try:
-                    _send(self._conn, {"waiting": True})
-                except OSError:
-                    return
+                if not self._beating:
+                    self._cond.wait()
+                    continue
+                self._cond.wait(HEARTBEAT_S)
+                now = time.monotonic()
+                due = [(conn, sending) for conn, sending, since in self._beating.values() if now - since >= HEARTBEAT_S]
+            for conn, sending in due:  # a push that ended meanwhile may get a beat after its reply: ignored
+                if sending.acquire(blocking=False):
+                    try:
+                        _send(conn, {"waiting": True})
+                    finally:
+                        sending.release()
 
 
 def _send(conn: socket.socket, reply: dict) -> None:

@@ -9,6 +9,7 @@ partial block, so members reuse the shared prefix to the token, not just to the 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -102,9 +103,12 @@ class PrefillCore:
         cached = self.cache.cached_blocks(hashes)
         return hashes[cached] if cached < len(hashes) else None
 
-    def prefill(self, requests: list[GenerationRequest]) -> list[PrefilledRequest]:
+    def prefill(self, requests: list[GenerationRequest],
+                on_finished: Callable[[int, PrefilledRequest], None] | None = None) -> list[PrefilledRequest]:
         """Prompts run in batches of equal cached prefix: those with none as one right-padded
-        batch, and those continuing the same cached blocks (a BatchLLM group) as another."""
+        batch, and those continuing the same cached blocks (a BatchLLM group) as another.
+        on_finished(i, done) is told of each prompt as soon as its first token is sampled, so its
+        KV can leave while the next one's is cached and sampled."""
         for request in requests:
             request.trace.mark("prefill_start")
         plans = [self.reuse_for(r.prompt_token_ids) for r in requests]
@@ -119,7 +123,12 @@ class PrefillCore:
             prompts = [requests[i].prompt_token_ids for i in members]
             for i, out in zip(members, self.runner.prefill_batch(prompts, prefix)):
                 outs[i] = out
-        return [self._finish(request, plan, out) for request, plan, out in zip(requests, plans, outs)]
+        finished = []
+        for i, (request, plan, out) in enumerate(zip(requests, plans, outs)):
+            finished.append(self._finish(request, plan, out))
+            if on_finished is not None:
+                on_finished(i, finished[-1])
+        return finished
 
     def _finish(self, request: GenerationRequest, plan: Reuse, out: PrefillOutput) -> PrefilledRequest:
         """Cache the prompt's new blocks and sample its first token."""

@@ -79,6 +79,7 @@ class PrefillJob:
     done: Future = field(default_factory=Future)
     cancelled: bool = False
     stream: "_StreamedPush | None" = None  # its KV streamed chunk by chunk while it prefills
+    sent: bool = False  # prefilled and handed to the push threads: they settle `done`
 
 
 class _StreamedPush:
@@ -360,7 +361,7 @@ class PrefillLoop:
             except Exception as exc:  # one bad batch must not take the worker down
                 log.exception("prefill batch failed")
                 for job in whole:
-                    if not job.done.done():
+                    if not job.sent and not job.done.done():  # a prompt already sent stays sent
                         job.done.set_exception(exc)
 
     @contextlib.contextmanager
@@ -472,13 +473,15 @@ class PrefillLoop:
             job.stream.abort(why)
 
     def _prefill(self, jobs: list[PrefillJob]) -> None:
-        prefilled = self.core.prefill([j.request for j in jobs])
-        self._publish_cache_changes()  # before the pushes: routers learn of the new blocks at once
-        for job, done in zip(jobs, prefilled):
-            self._send(job, done)
+        def finished(i: int, done) -> None:  # each prompt's KV leaves as soon as its first token is known
+            self._publish_cache_changes()  # before its push: routers learn of the new blocks at once
+            self._send(jobs[i], done)
+
+        self.core.prefill([j.request for j in jobs], on_finished=finished)
         self.requests_done += len(jobs)
 
     def _send(self, job: PrefillJob, prefilled) -> None:
+        job.sent = True
         with self._lock:  # its own KV: a group's shared prefix is one tensor for all its members
             self._unpushed += prefilled.kv.nbytes
         self._senders.submit(job.request.params.priority, self._push_counted, job, prefilled)

@@ -153,3 +153,19 @@ def test_chunk_budget_must_hold_a_token(tiny_model):
     chunked = core.begin_chunks(GenerationRequest("r", [5, 6, 7], SamplingParams(max_tokens=1)))
     with pytest.raises(ValueError, match="at least one token"):
         core.advance(chunked, 0)
+
+
+def test_each_prompt_of_a_batch_is_handed_on_as_soon_as_its_first_token_is_sampled(tiny_model):
+    """Its KV can leave while the batch's later prompts are still being cached and sampled."""
+    core = PrefillCore(make_runner(tiny_model))
+    requests = [GenerationRequest(f"r{i}", PREFIX[:10 + i] + s, SamplingParams(max_tokens=1))
+                for i, s in enumerate(SUFFIXES)]
+    seen = []
+
+    def finished(i, done):
+        later_sampled = [r.request_id for r in requests[i + 1:] if "prefill_end" in r.trace.marks]
+        seen.append((i, done.request.request_id, later_sampled))
+
+    results = core.prefill(requests, on_finished=finished)
+    assert seen == [(i, f"r{i}", []) for i in range(len(requests))]
+    assert [r.request.request_id for r in results] == [r.request_id for r in requests]
