@@ -148,6 +148,9 @@ def test_transfer_quick_compares_grpc_shared_memory_memcpy_and_prefill(tmp_path,
     assert all(s["prompt_tokens"] == -(-s["bytes"] // document["kv_bytes_per_token"]) for s in document["sizes"])
     assert all(s["shm_s"] > 0 and s["shm_share_of_prefill"] > 0 for s in document["sizes"])
     assert "gRPC % prefill" in printed and "shm % prefill" in printed and "goal < 5%" in printed
+    served = document["served"]
+    assert list(served) == ["one at a time", "all at once"] and all(m["responses"] == 4 for m in served.values())
+    assert all(0 < m["transfer_s"] and 0 < m["share"] for m in served.values()) and "transfer / prefill" in printed
 
 
 @pytest.mark.slow

@@ -7,6 +7,11 @@ checksums, the socket, assembly, landing in the receiver's staging pool; baton.b
 receiver in its own process). The prefill side times the executor's prefill of a prompt whose
 KV has that size (the model's KV bytes per token give the token count, capped at its context).
 Issue 18's goal: same-host transfer under 5% of prefill time.
+
+Then what a served response's trace says: short chat prompts (the relay questions) through a
+`baton up` cluster on this host, the transfer stage (prefill end to KV staged on the decode
+worker) against the prefill stage, median over the responses, sent one at a time and all at once.
+Issue 34's goal: under 5%.
 """
 from __future__ import annotations
 
@@ -75,4 +80,47 @@ def run(opts: BenchOptions) -> dict[str, Any]:
                          "memcpy": [1e3 * r["memcpy_s"] for r in records],
                          "prefill of that KV": [1e3 * r["prefill_s"] for r in records]},
                         "milliseconds (log)", log=True)]
-    return {"kv_bytes_per_token": per_token, "repeats": repeats, "sizes": records, "plots": [str(f) for f in files]}
+    served = _served_share(opts)
+    return {"kv_bytes_per_token": per_token, "repeats": repeats, "sizes": records, "served": served,
+            "plots": [str(f) for f in files]}
+
+
+def _served_share(opts: BenchOptions) -> dict[str, Any]:
+    """The transfer stage over the prefill stage of served short chat responses (median)."""
+    import statistics
+
+    from baton.bench.workloads import relay_queries
+    from baton.client import BatonClient
+    from baton.up import LocalCluster
+
+    queries = relay_queries(4 if opts.quick else 12, 16)
+    rounds = 1 if opts.quick else 2
+    env = {**opts.worker_env(), "BATON_PREFILL_PREFIX_CACHE_BYTES": "0"}  # each prompt prefilled whole
+    opts.progress(f"transfer: {len(queries)} short chat prompts through a cluster on this host")
+    measured = {}
+    with LocalCluster(model=opts.model, max_rows=8, share_cores=True, http_port=-1, extra_env=env) as cluster, \
+            BatonClient(cluster.router_address, timeout=600) as client:
+        client.generate(messages=[{"role": "user", "content": "Hello"}], max_tokens=2)  # warm
+        for mode in ("one at a time", "all at once"):
+            stages = []
+            for _ in range(rounds):
+                if mode == "one at a time":
+                    results = [client.generate(messages=q.chat(), max_tokens=q.max_tokens) for q in queries]
+                else:
+                    results = client.generate_many([{"messages": q.chat(), "max_tokens": q.max_tokens}
+                                                    for q in queries])
+                stages += [r.trace.stage_seconds for r in results]
+            measured[mode] = {
+                "responses": len(stages),
+                "prefill_s": statistics.median(s.get("prefill", 0.0) for s in stages),
+                "transfer_s": statistics.median(s.get("transfer", 0.0) for s in stages),
+                "share": statistics.median(s.get("transfer", 0.0) / s["prefill"] for s in stages if s.get("prefill")),
+            }
+    opts.say(f"\nserved short chat prompts on this host ({len(queries)} relay questions, x{rounds}; medians of "
+             "each response's trace):")
+    opts.say(table(["sent", "responses", "prefill ms", "transfer ms", "transfer / prefill"],
+                   [[mode, m["responses"], 1e3 * m["prefill_s"], 1e3 * m["transfer_s"], f"{100 * m['share']:.1f}%"]
+                    for mode, m in measured.items()], digits=1))
+    opts.say(f"  the transfer stage is at most {100 * max(m['share'] for m in measured.values()):.1f}% of the "
+             "prefill stage (median; issue 34's goal < 5%)")
+    return measured
