@@ -286,7 +286,9 @@ class NixlSender:
         """Write kv's bytes where `target` says; returns their CRC-32. Raises KVPushFailed
         (UNAVAILABLE: the library could not reach the receiver or the write failed)."""
         agent = self._ensure_agent()
-        raw = kv.data.contiguous().view(torch.uint8).reshape(-1)
+        # Host memory, as the KV is staged on the decode worker: a GPU prefill worker's KV is copied
+        # out first, as for the other transports (its checksum is taken on the host).
+        raw = kv.data.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
         try:
             peer = agent.add_peer(target.agent_metadata)
             if peer != target.agent:
