@@ -16,7 +16,8 @@ TOP = ("baton.cli", "baton.up", "baton.local", "baton.bench", "baton.bench_kerne
 POLICY = ["baton.decode_worker.scheduler", "baton.decode_worker.kv_pages", "baton.router.admission",
           "baton.prefill_worker.batching", "baton.prefill_worker.prefix_cache",
           "baton.router.policy", "baton.router.openai_api.protocol",
-          "baton.router.batch_planner", "baton.router.prefix_index.base", "baton.router.prefix_index.memory"]
+          "baton.router.batch_planner", "baton.router.prefix_index.base", "baton.router.prefix_index.memory",
+          "baton.planner.policy", "baton.planner.simulator"]
 HEAVY = ("torch", "grpc", "redis", "kubernetes", "numpy", "transformers")
 
 

@@ -1,0 +1,109 @@
+"""The SLO planner's decisions (planner/policy.py) and the cluster model it is tried on
+(planner/simulator.py): plain Python, milliseconds."""
+from __future__ import annotations
+
+import pytest
+
+from baton.planner.policy import Objectives, Observation, Planner, PlannerConfig, Profile
+from baton.planner.simulator import Simulation, diurnal_trace
+
+PROFILE = Profile(prefill=((1, 0.02), (1000, 2.0)), step=((1, 0.03), (8, 0.06)), max_rows=8,
+                  transfer_bytes_per_s=1e9, kv_bytes_per_token=46080)
+OBJECTIVES = Objectives(ttft_s=2.0, itl_s=0.06)
+
+
+def test_a_profile_interpolates_its_measured_points_and_says_how_many_rows_fit_an_itl():
+    assert PROFILE.prefill_seconds(500) == pytest.approx(0.02 + 1.98 * 499 / 999)
+    assert PROFILE.prefill_seconds(2000) == pytest.approx(0.02 + 1.98 * 1999 / 999)  # extrapolated
+    assert PROFILE.step_seconds(4) == pytest.approx(0.03 + 0.03 * 3 / 7)
+    assert PROFILE.rows_within(0.06) == 8 and PROFILE.rows_within(0.045) == 4 and PROFILE.rows_within(0.01) == 1
+    assert PROFILE.transfer_seconds(1000) == pytest.approx(0.04608)
+    with pytest.raises(ValueError, match="increasing order"):
+        Profile(prefill=((10, 1.0), (5, 2.0)), step=PROFILE.step, max_rows=8)
+    with pytest.raises(ValueError, match="replica bounds"):
+        PlannerConfig(OBJECTIVES, min_decode=3, max_decode=2)
+
+
+def seen(rps: float, prefill: int, decode: int, **extra) -> Observation:
+    interval = 60.0
+    return Observation(seconds=interval, requests=round(rps * interval), prompt_tokens=round(rps * interval * 100),
+                       output_tokens=round(rps * interval * 60), prefill_workers=prefill, decode_workers=decode,
+                       **extra)
+
+
+def test_each_pool_is_sized_against_its_own_objective():
+    planner = Planner(PlannerConfig(OBJECTIVES, utilisation=0.8), PROFILE)
+    prefill, decode, why = planner.size(rate=10, prompt_tokens=100, output_tokens=60)
+    # prefill: 10 req/s x 0.218 s of prefill = 2.18 worker-s/s at 80%; decode: 36 streams / (8 rows x 80%)
+    assert (prefill, decode) == (3, 6)
+    assert "prefill-s/s" in why["prefill"] and "8 rows a worker within ITL" in why["decode"]
+    # A tighter ITL leaves fewer rows a worker: more decode workers for the same load.
+    tight = Planner(PlannerConfig(Objectives(ttft_s=2.0, itl_s=0.045), utilisation=0.8), PROFILE)
+    assert tight.size(10, 100, 60)[:2] == (3, 9)  # 27 streams / (4 rows x 80%)
+
+
+def test_pools_grow_at_once_and_shrink_one_at_a_time_after_hysteresis_and_cooldown():
+    config = PlannerConfig(OBJECTIVES, utilisation=0.8, scale_down_after=3, cooldown_s=200, smoothing=1.0,
+                           trend_smoothing=0.0, max_prefill=8, max_decode=8)
+    planner = Planner(config, PROFILE)
+    decision = planner.decide(seen(10, 1, 1), now=0)
+    assert (decision.prefill, decision.decode) == (3, 6)  # up at once, by as many as needed
+    counts, reasons = [], []
+    prefill, decode = decision.prefill, decision.decode
+    for t in range(60, 1260, 60):  # the load drops to a tenth; each decision is applied
+        decision = planner.decide(seen(1, prefill, decode), now=t)
+        prefill, decode = decision.prefill, decision.decode
+        counts.append((prefill, decode))
+        reasons.append(decision.reasons["decode"])
+    # 3 intervals asking for fewer (t=60..180), but the cooldown runs to t=200: the first goes at
+    # t=240; then 3 more intervals (to t=420) for the next, and so on, one worker at a time.
+    assert counts[:4] == [(3, 6)] * 3 + [(2, 5)]
+    assert "intervals" in reasons[0] and "cooldown" in reasons[2]
+    assert counts[4:7] == [(2, 5)] * 3 and counts[7] == (1, 4)
+    assert counts[-1] == (1, 1)  # what the tenth of the load needs, reached one worker at a time
+    assert all(a[1] - b[1] in (0, 1) for a, b in zip(counts, counts[1:]))
+
+
+def test_a_missed_objective_adds_a_worker_and_bounds_hold():
+    config = PlannerConfig(OBJECTIVES, max_prefill=4, max_decode=2, smoothing=1.0, trend_smoothing=0.0)
+    planner = Planner(config, PROFILE)
+    calm = planner.decide(seen(1, 1, 1, ttft_s=5.0, itl_s=0.2), now=0)
+    assert (calm.prefill, calm.decode) == (2, 2)  # the load alone asks for 1 and 1
+    assert "TTFT 5.00s over" in calm.reasons["prefill"] and "ITL" in calm.reasons["decode"]
+    flood = planner.decide(seen(100, 2, 2), now=60)
+    assert (flood.prefill, flood.decode) == (4, 2)
+    with pytest.raises(ValueError, match="positive time"):
+        planner.decide(Observation(0, 0, 0, 0, 1, 1), now=0)
+
+
+def test_a_day_of_load_on_the_model_runs_the_planner_s_decisions():
+    """A day compressed into an hour (the rate from 0.4 to 4 requests a second and back): the
+    planner follows it with fewer worker-hours than static pools sized for the peak, moves the
+    streams of the decode workers it removes, and every request finishes."""
+    trace = diurnal_trace(hours=1, peak_rps=4, trough_rps=0.4, prompt_tokens=100, output_tokens=60, seed=1,
+                          day_s=3600)
+    config = PlannerConfig(OBJECTIVES, utilisation=0.7, interval_s=30, cooldown_s=60, scale_down_after=2)
+    planner = Planner(config, PROFILE)
+    followed = Simulation(PROFILE, OBJECTIVES, planner=planner, startup_s=20).run(trace)
+    peak = planner.size(4, 100, 60)
+    static = Simulation(PROFILE, OBJECTIVES, static=peak[:2]).run(trace)
+    assert followed.requests == static.requests == len(trace) > 5000
+    assert followed.unfinished == static.unfinished == 0
+    assert sum(followed.worker_seconds.values()) < 0.8 * sum(static.worker_seconds.values())
+    assert followed.moved > 0  # scale-downs moved streams with their KV
+    assert static.met > 0.95 and followed.met > 0.8
+    rates = [rate for _, rate, _, _ in followed.timeline]
+    busiest = rates.index(max(rates))
+    assert followed.timeline[busiest][3] > followed.timeline[0][3]  # more decode workers at the peak
+
+
+def test_a_trace_has_the_shape_asked_for():
+    trace = diurnal_trace(hours=1, peak_rps=5, trough_rps=1, prompt_tokens=200, output_tokens=50, seed=3, day_s=3600)
+    first, middle = [a for a in trace if a.at < 300], [a for a in trace if 1650 <= a.at < 1950]
+    assert len(middle) > 3 * len(first)
+    assert 150 < sum(a.prompt_tokens for a in trace) / len(trace) < 250
+    bursty = diurnal_trace(hours=1, peak_rps=5, trough_rps=1, prompt_tokens=200, output_tokens=50, seed=3,
+                           day_s=3600, bursts=2)
+    assert len(bursty) > len(trace)
+    with pytest.raises(ValueError):
+        diurnal_trace(hours=1, peak_rps=1, trough_rps=2, prompt_tokens=10, output_tokens=10)
