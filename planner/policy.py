@@ -215,3 +215,25 @@ class Planner:
         self._lower[pool] = 0
         self._changed_at[pool] = now
         return current - 1
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What removing one worker would cost, from its load report."""
+
+    address: str
+    rows: int = 0  # decode: streams it holds (each must move, with its KV)
+    cached_tokens: int = 0  # prefill: prefix cache it would take with it
+    pinned_groups: int = 0  # prefill: batch groups pinned to it (BatchLLM); such a worker stays
+    draining: bool = False  # already going
+
+
+def choose_removals(workers: list[WorkerLoad], count: int) -> list[str]:
+    """The `count` workers whose removal costs least: none with a pinned batch group, then fewest
+    rows to move, then least cached prefix; a draining one first of all. Fewer than `count` if
+    only pinned workers are left."""
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    free = [w for w in workers if not w.pinned_groups]
+    ranked = sorted(free, key=lambda w: (not w.draining, w.rows, w.cached_tokens, w.address))
+    return [w.address for w in ranked[:count]]

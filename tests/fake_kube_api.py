@@ -7,6 +7,11 @@ the given resourceVersion, filtered by `labelSelector` (equality, set and existe
 after `timeoutSeconds`. A watch from a compacted resourceVersion gets the apiserver's ERROR event
 with a 410 `Expired` Status (or, with `gone_as_http_status`, an HTTP 410 answer).
 
+For the planner it also serves a Deployment's `scale` subresource (GET, PATCH) and pods (list by
+label selector, PATCH of their metadata): a scale-down deletes the Deployment's pods with the
+lowest `controller.kubernetes.io/pod-deletion-cost` first, as the ReplicaSet controller does, and
+every call is recorded in `calls` as (verb, resource, name).
+
 Tests drive it with `put_slice` / `delete_slice`, and break things with `break_watches` (drop
 every open watch connection mid-stream), `refuse_watches` (drop new watch connections unanswered,
 as an unreachable apiserver) and `compact` (expire every resourceVersion seen so far).
@@ -26,6 +31,10 @@ from urllib.parse import parse_qs, urlsplit
 import kubernetes
 
 SLICES_PATH = re.compile(r"^/apis/discovery\.k8s\.io/v1/namespaces/([^/]+)/endpointslices$")
+SCALE_PATH = re.compile(r"^/apis/apps/v1/namespaces/([^/]+)/deployments/([^/]+)/scale$")
+PODS_PATH = re.compile(r"^/api/v1/namespaces/([^/]+)/pods$")
+POD_PATH = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)$")
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 SET_REQUIREMENT = re.compile(r"^\s*([\w./-]+)\s+(in|notin)\s+\(([^)]*)\)\s*$")
 
 
@@ -100,6 +109,9 @@ class FakeKubeApi:
     def __init__(self, gone_as_http_status: bool = False):
         self.gone_as_http_status = gone_as_http_status
         self.requests: list[RecordedRequest] = []
+        self.calls: list[tuple[str, str, str]] = []  # planner calls: (verb, resource, name)
+        self.deployments: dict[tuple[str, str], dict] = {}  # (namespace, name) -> replicas, pod labels
+        self.pods: dict[tuple[str, str], dict] = {}  # (namespace, name) -> labels, ip, annotations
         self._changed = threading.Condition()
         self._slices: dict[tuple[str, str], dict] = {}
         self._history: list[Event] = []
@@ -146,6 +158,45 @@ class FakeKubeApi:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+    # --- Deployments and pods (the planner) ---------------------------------------------------
+
+    def put_deployment(self, name: str, labels: dict[str, str], ips: list[str], namespace: str = "default") -> None:
+        """A Deployment whose pods carry `labels`, one running pod per address."""
+        self.deployments[(namespace, name)] = {"replicas": len(ips), "labels": dict(labels)}
+        for i, ip in enumerate(ips):
+            self.pods[(namespace, f"{name}-{i}")] = {"labels": dict(labels), "ip": ip, "annotations": {}}
+
+    def pod_ips(self, labels: dict[str, str], namespace: str = "default") -> list[str]:
+        return sorted(pod["ip"] for (ns, _), pod in self.pods.items()
+                      if ns == namespace and labels.items() <= pod["labels"].items())
+
+    def _scale(self, namespace: str, name: str) -> dict:
+        deployment = self.deployments[(namespace, name)]
+        return {"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": {"name": name, "namespace": namespace},
+                "spec": {"replicas": deployment["replicas"]},
+                "status": {"replicas": deployment["replicas"],
+                           "selector": ",".join(f"{k}={v}" for k, v in deployment["labels"].items())}}
+
+    def _set_replicas(self, namespace: str, name: str, replicas: int) -> None:
+        """The ReplicaSet controller's part: pods made or deleted, the lowest deletion cost first."""
+        deployment = self.deployments[(namespace, name)]
+        mine = [key for key, pod in self.pods.items()
+                if key[0] == namespace and deployment["labels"].items() <= pod["labels"].items()]
+        mine.sort(key=lambda key: (int(self.pods[key]["annotations"].get(DELETION_COST, "0")), key[1]))
+        for key in mine[:max(len(mine) - replicas, 0)]:
+            del self.pods[key]
+        for i in range(len(mine), replicas):
+            self.pods[(namespace, f"{name}-new-{i}")] = {"labels": dict(deployment["labels"]),
+                                                        "ip": f"10.99.0.{i}", "annotations": {}}
+        deployment["replicas"] = replicas
+
+    def _pod(self, namespace: str, name: str) -> dict:
+        pod = self.pods[(namespace, name)]
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "namespace": namespace, "labels": pod["labels"],
+                             "annotations": pod["annotations"]},
+                "spec": {"containers": [{"name": "baton"}]}, "status": {"phase": "Running", "podIP": pod["ip"]}}
 
     # --- the store -------------------------------------------------------------------------
 
@@ -312,8 +363,37 @@ def _make_handler(api: FakeKubeApi):
         def log_message(self, *args):
             pass  # quiet tests
 
+        def do_PATCH(self):
+            url = urlsplit(self.path)
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            scale, pod = SCALE_PATH.match(url.path), POD_PATH.match(url.path)
+            with api._changed:
+                if scale and (scale.group(1), scale.group(2)) in api.deployments:
+                    api.calls.append(("patch", "deployments/scale", scale.group(2)))
+                    api._set_replicas(scale.group(1), scale.group(2), int(body["spec"]["replicas"]))
+                    return self._send_json(200, api._scale(scale.group(1), scale.group(2)))
+                if pod and (pod.group(1), pod.group(2)) in api.pods:
+                    api.calls.append(("patch", "pods", pod.group(2)))
+                    annotations = body.get("metadata", {}).get("annotations", {})
+                    api.pods[(pod.group(1), pod.group(2))]["annotations"].update(annotations)
+                    return self._send_json(200, api._pod(pod.group(1), pod.group(2)))
+            self._send_json(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound",
+                                  "message": f"the server could not find {url.path}", "code": 404})
+
         def do_GET(self):
             url = urlsplit(self.path)
+            scale, pods = SCALE_PATH.match(url.path), PODS_PATH.match(url.path)
+            with api._changed:
+                if scale and (scale.group(1), scale.group(2)) in api.deployments:
+                    api.calls.append(("get", "deployments/scale", scale.group(2)))
+                    return self._send_json(200, api._scale(scale.group(1), scale.group(2)))
+                if pods:
+                    selector = {k: values[-1] for k, values in parse_qs(url.query).items()}.get("labelSelector", "")
+                    api.calls.append(("list", "pods", ""))
+                    items = [api._pod(ns, name) for (ns, name), pod in sorted(api.pods.items())
+                             if ns == pods.group(1) and label_selector_matches(selector, pod["labels"])]
+                    return self._send_json(200, {"apiVersion": "v1", "kind": "PodList", "metadata": {},
+                                                 "items": items})
             match = SLICES_PATH.match(url.path)
             if not match:
                 return self._send_json(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure",

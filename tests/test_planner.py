@@ -107,3 +107,15 @@ def test_a_trace_has_the_shape_asked_for():
     assert len(bursty) > len(trace)
     with pytest.raises(ValueError):
         diurnal_trace(hours=1, peak_rps=1, trough_rps=2, prompt_tokens=10, output_tokens=10)
+
+
+def test_the_worker_removed_is_the_one_whose_loss_costs_least():
+    from baton.planner.policy import WorkerLoad, choose_removals
+
+    workers = [WorkerLoad("a:1", rows=3), WorkerLoad("b:1", rows=1, cached_tokens=900),
+               WorkerLoad("c:1", rows=1, cached_tokens=100), WorkerLoad("d:1", rows=0, pinned_groups=1),
+               WorkerLoad("e:1", rows=5, draining=True)]
+    assert choose_removals(workers, 1) == ["e:1"]  # already draining
+    assert choose_removals(workers, 3) == ["e:1", "c:1", "b:1"]  # then fewest rows, then least cache
+    assert choose_removals(workers, 9) == ["e:1", "c:1", "b:1", "a:1"]  # never one with a pinned group
+    assert choose_removals(workers, 0) == []
