@@ -196,7 +196,7 @@ def load_role_settings(args):
 
     section = {k: getattr(args, k, None) for k in ("host", "port", "metrics_port")}
     for key in ("max_rows", "kv_budget_bytes", "page_size", "staging_bytes", "max_queue", "max_batch_tokens", "chunk_tokens", "prefix_cache_bytes",
-                "block_size", "prefill_workers", "decode_workers", "discovery", "prefix_index", "redis_url",
+                "block_size", "prefill_workers", "decode_workers", "discovery", "workers_file", "prefix_index", "redis_url",
                 "index_namespace", "max_inflight", "decode_queue_per_worker", "auth_token_file", "require_client_cert", "drain_move_after_s",
                 "http_port", "served_model_name", "chat_template", "kv_transport", "kv_memory_bytes"):
         if getattr(args, key, None) is not None:
@@ -361,8 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="static discovery: the prefill workers (router.prefill_workers)")
     router.add_argument("--decode-workers", type=lambda s: s.split(","), metavar="HOST:PORT,...",
                         help="static discovery: the decode workers (router.decode_workers)")
-    router.add_argument("--discovery", choices=["static", "kubernetes"],
-                        help="static (default): the lists above; kubernetes: the workers' EndpointSlices")
+    router.add_argument("--discovery", choices=["static", "kubernetes", "file"],
+                        help="static (default): the lists above; kubernetes: the workers' EndpointSlices; file: "
+                             "--workers-file, read again when it changes")
+    router.add_argument("--workers-file", help="file discovery: JSON {\"prefill\": [...], \"decode\": [...]}")
     router.add_argument("--prefix-index", choices=["memory", "redis"],
                         help="memory (default): this router's own; redis: shared by every router replica")
     router.add_argument("--redis-url", help="with --prefix-index redis (default redis://127.0.0.1:6379/0)")

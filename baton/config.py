@@ -119,7 +119,8 @@ class RouterSettings:
     port: int = 50051
     prefill_workers: list[str] = field(default_factory=list)  # static discovery: host:port each
     decode_workers: list[str] = field(default_factory=list)
-    discovery: str = "static"  # 'static' or 'kubernetes'
+    discovery: str = "static"  # 'static', 'kubernetes' or 'file' (workers_file, rewritten as workers come and go)
+    workers_file: str = ""  # file discovery: JSON {"prefill": [host:port, ...], "decode": [...]}
     namespace: str = ""  # kubernetes discovery: namespace of the worker EndpointSlices
     # Kubernetes discovery: label selector terms ANDed with each role's, e.g.
     # app.kubernetes.io/instance=prod; the chart sets its release's, so two releases in one
@@ -204,9 +205,11 @@ class PrefillSettings:
     # The decode workers this worker may push KV to (host:port each, as the router discovered them);
     # a Prefill naming any other is refused. Empty: any target a caller holding the cluster token names.
     decode_workers: list[str] = field(default_factory=list)
-    # 'static' (decode_workers above) or 'kubernetes': the decode workers this worker's own
-    # EndpointSlice watch sees in `namespace` (empty: the pod's own), as the router's discovery.
+    # 'static' (decode_workers above), 'kubernetes': the decode workers this worker's own
+    # EndpointSlice watch sees in `namespace` (empty: the pod's own), as the router's discovery, or
+    # 'file': the decode workers of `workers_file` (the router's file discovery).
     discovery: str = "static"
+    workers_file: str = ""
     namespace: str = ""
     # Kubernetes discovery: label selector terms ANDed with each role's, e.g.
     # app.kubernetes.io/instance=prod; the chart sets its release's, so two releases in one
@@ -234,9 +237,12 @@ class PrefillSettings:
             raise ValueError(f"prefill.kv_memory_bytes must be >= 0 (got {self.kv_memory_bytes}); 0 = no limit")
         if self.chunk_tokens < 0:
             raise ValueError(f"prefill.chunk_tokens must be >= 0 (got {self.chunk_tokens}); 0 turns chunking off")
-        if self.discovery not in ("static", "kubernetes"):
+        if self.discovery not in ("static", "kubernetes", "file"):
             raise ValueError(f"prefill.discovery is {self.discovery!r}; set it to 'static' (decode targets from "
-                             "prefill.decode_workers) or 'kubernetes' (the decode workers' EndpointSlices)")
+                             "prefill.decode_workers), 'kubernetes' (the decode workers' EndpointSlices) or 'file' "
+                             "(prefill.workers_file)")
+        if self.discovery == "file" and not self.workers_file:
+            raise ValueError("prefill.discovery is 'file': set prefill.workers_file to the workers file's path")
         if self.max_pins < 0 or not self.pin_ttl_s > 0:
             raise ValueError(f"prefill.max_pins must be >= 0 and prefill.pin_ttl_s > 0 "
                              f"(got {self.max_pins} and {self.pin_ttl_s})")

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
@@ -24,6 +25,7 @@ from baton.lifeline import PARENT_ENV, StopSignals  # the processes Baton starts
 from baton.server import channel
 from baton.engine.threads import split_cores
 from baton.netns import Hosts
+from baton.router.discovery.file import write_workers_file
 
 STARTUP_TIMEOUT_S = 600  # the first start converts the default model
 
@@ -105,7 +107,8 @@ class LocalCluster:
                  max_rows: int = 8, extra_env: dict | None = None, log_level: str = "WARNING", routers: int = 1,
                  router_args: tuple[str, ...] = (), prefill_args: tuple[str, ...] = (),
                  decode_args: tuple[str, ...] = (), tls: TLSSettings | None = None, auth_token_file: str = "",
-                 share_cores: bool = False, http_port: int = 0, hosts: Hosts | None = None):
+                 share_cores: bool = False, http_port: int = 0, hosts: Hosts | None = None,
+                 dynamic: bool = False):
         if prefill < 1 or decode < 1:
             raise ValueError(f"need at least one prefill and one decode worker (got {prefill}, {decode})")
         self.hosts = hosts
@@ -145,8 +148,17 @@ class LocalCluster:
         # One given in the environment is shared; otherwise each cluster makes its own.
         self.cluster_token = self.env.get(CLUSTER_TOKEN_ENV) or secrets.token_hex(32)
         self.env[CLUSTER_TOKEN_ENV] = self.cluster_token
-        # Prefill workers push KV only to this cluster's decode workers.
-        self.env["BATON_PREFILL_DECODE_WORKERS"] = ",".join(self.decode_addrs)
+        # Prefill workers push KV only to this cluster's decode workers. With `dynamic`, workers come
+        # and go (add_worker, remove_worker): the router and the prefill workers follow a workers
+        # file this cluster rewrites (file discovery) instead of fixed lists.
+        self.workers_file = ""
+        if dynamic:
+            self._workers_dir = tempfile.TemporaryDirectory(prefix="baton-up-")
+            self.workers_file = os.path.join(self._workers_dir.name, "workers.json")
+            self.env.update(BATON_PREFILL_DISCOVERY="file", BATON_PREFILL_WORKERS_FILE=self.workers_file)
+            self._write_workers()
+        else:
+            self.env["BATON_PREFILL_DECODE_WORKERS"] = ",".join(self.decode_addrs)
         # With share_cores, each worker is bound to its own cores (as vLLM binds its CPU workers), so
         # prefill and decode run side by side instead of every process spinning a thread on every
         # core; with fewer cores than workers they share them, one thread each. OMP_NUM_THREADS in
@@ -195,6 +207,63 @@ class LocalCluster:
             args += ["--max-rows", str(self.max_rows)]
         return args + [*self.worker_args[index], *(self.prefill_args if role == "prefill" else self.decode_args)]
 
+    def _write_workers(self) -> None:
+        write_workers_file(self.workers_file, {"prefill": self.prefill_addrs, "decode": self.decode_addrs})
+
+    def add_worker(self, role: str, timeout: float = STARTUP_TIMEOUT_S) -> str:
+        """Start one more worker of `role` (a `dynamic` cluster); returns its address once it serves
+        and the router and the prefill workers know it."""
+        if not self.workers_file:
+            raise RuntimeError("add_worker needs a cluster made with dynamic=True")
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        address = f"{_host(self.router_address)}:{free_port()}"
+        self.host_of[address] = self.host_of[self.router_address]
+        if role == "prefill":
+            self.prefill_addrs.append(address)
+            self.worker_args.insert(len(self.prefill_addrs) - 1, ("--threads", "1"))
+        else:
+            self.decode_addrs.append(address)
+            self.worker_args.append(("--threads", "1"))
+        proc = self._spawn(address, *self.worker_command(address))
+        self.procs.append((address, proc))
+        try:
+            wait_serving(address, proc, timeout, self.tls)
+        except BaseException:
+            self._forget(address)
+            raise
+        self._write_workers()
+        return address
+
+    def remove_worker(self, address: str, timeout: float = 60.0) -> int:
+        """Take a worker out (a `dynamic` cluster): the router and the prefill workers stop
+        sending to it, then SIGTERM drains it (a decode worker's requests move to the others with
+        their KV) and it exits. Returns its exit status."""
+        if not self.workers_file:
+            raise RuntimeError("remove_worker needs a cluster made with dynamic=True")
+        proc = dict(self.procs)[address]
+        pool = self.prefill_addrs if address in self.prefill_addrs else self.decode_addrs
+        if len(pool) == 1:
+            raise ValueError(f"{address} is its role's last worker; a cluster keeps one of each")
+        self._forget(address)
+        self._write_workers()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def _forget(self, address: str) -> None:
+        if address in self.prefill_addrs:
+            index = self.prefill_addrs.index(address)
+            self.prefill_addrs.remove(address)
+        else:
+            index = len(self.prefill_addrs) + self.decode_addrs.index(address)
+            self.decode_addrs.remove(address)
+        del self.worker_args[index]
+        self.procs = [(a, p) for a, p in self.procs if a != address]
+
     def restart_worker(self, address: str, timeout: float = STARTUP_TIMEOUT_S) -> subprocess.Popen:
         """SIGKILL the worker at `address` and start it again on the same port (a crashed pod coming
         back); returns once it serves. Call it from the thread that started the cluster: a child
@@ -215,9 +284,11 @@ class LocalCluster:
                 wait_serving(addr, proc, timeout, self.tls)
             routers = []
             for i, address in enumerate(self.router_addresses):
+                workers = (("--discovery", "file", "--workers-file", self.workers_file) if self.workers_file else
+                           ("--prefill-workers", ",".join(self.prefill_addrs),
+                            "--decode-workers", ",".join(self.decode_addrs)))
                 router = self._spawn(address, "router", "--host", _host(address), "--port", address.split(":")[1],
-                                     "--model", self.model, "--prefill-workers", ",".join(self.prefill_addrs),
-                                     "--decode-workers", ",".join(self.decode_addrs),
+                                     "--model", self.model, *workers,
                                      "--http-port", str(self.http_port if i == 0 else 0), *self.router_args)
                 self.procs.append((address, router))
                 routers.append((address, router))
@@ -240,6 +311,8 @@ class LocalCluster:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+        if self.workers_file:
+            self._workers_dir.cleanup()
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

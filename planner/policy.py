@@ -7,9 +7,9 @@ this hardware (DistServe's and Dynamo's planner's idea):
 - prefill: the prompt work predicted to arrive per second, in worker-seconds of prefill (the
   profile's prefill time of the mean prompt), plus the backlog to clear within the TTFT target,
   over a target utilisation; queueing behind each other is what TTFT loses first.
-- decode: the streams predicted to run at once (Little's law: arrivals per second times output
-  tokens times the time a token takes) over the rows one worker holds while its step stays
-  within the ITL target, at the same target utilisation.
+- decode: the tokens per second predicted to be decoded over what one worker gives while its step
+  stays within the ITL target (the rows it then holds, over that step's time), at the same target
+  utilisation.
 
 The load comes from a Holt predictor (level and trend, smoothed) of arrivals and token counts.
 When an objective is missed the pool gains a worker even if the prediction says it has enough (the
@@ -186,15 +186,17 @@ class Planner:
         work = rate * self.profile.prefill_seconds(prompt_tokens) if rate > 0 else 0.0
         backlog = self.profile.prefill_seconds(backlog_tokens) if backlog_tokens else 0.0
         prefill = math.ceil((work + backlog / objectives.ttft_s) / utilisation - 1e-9)
-        # Decode: streams at once (Little) over the rows a worker holds within the ITL target.
+        # Decode: tokens per second over what one worker gives while its step stays within the ITL
+        # target (its rows at that step time).
         rows = self.profile.rows_within(objectives.itl_s)
-        streams = rate * output_tokens * objectives.itl_s
-        decode = math.ceil(streams / (rows * utilisation) - 1e-9)
+        per_worker = rows / self.profile.step_seconds(rows)
+        tokens = rate * output_tokens
+        decode = math.ceil(tokens / (per_worker * utilisation) - 1e-9)
         return prefill, decode, {
             "prefill": f"{rate:.2f} req/s x {prompt_tokens:.0f} prompt tokens = {work:.2f} prefill-s/s, backlog "
                        f"{backlog_tokens} tokens, at {utilisation:.0%}: {prefill}",
-            "decode": f"{rate:.2f} req/s x {output_tokens:.0f} tokens x {objectives.itl_s:.3f}s = {streams:.1f} "
-                      f"streams, {rows} rows a worker within ITL, at {utilisation:.0%}: {decode}"}
+            "decode": f"{rate:.2f} req/s x {output_tokens:.0f} tokens = {tokens:.0f} tokens/s; a worker gives "
+                      f"{per_worker:.0f} within ITL ({rows} rows), at {utilisation:.0%}: {decode}"}
 
     def _settle(self, pool: str, current: int, wanted: int, low: int, high: int, now: float,
                 reasons: dict[str, str]) -> int:
@@ -223,7 +225,7 @@ class WorkerLoad:
 
     address: str
     rows: int = 0  # decode: streams it holds (each must move, with its KV)
-    cached_tokens: int = 0  # prefill: prefix cache it would take with it
+    cached_bytes: int = 0  # prefill: prefix cache it would take with it
     pinned_groups: int = 0  # prefill: batch groups pinned to it (BatchLLM); such a worker stays
     draining: bool = False  # already going
 
@@ -235,5 +237,5 @@ def choose_removals(workers: list[WorkerLoad], count: int) -> list[str]:
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
     free = [w for w in workers if not w.pinned_groups]
-    ranked = sorted(free, key=lambda w: (not w.draining, w.rows, w.cached_tokens, w.address))
+    ranked = sorted(free, key=lambda w: (not w.draining, w.rows, w.cached_bytes, w.address))
     return [w.address for w in ranked[:count]]

@@ -3,7 +3,7 @@ address a caller names (that would make it a port scanner and an SSRF relay).
 
 Two sources, as for the router: `prefill.decode_workers` (static; `baton up` and compose set it),
 or with `prefill.discovery: kubernetes` the decode workers its own EndpointSlice watch sees (the
-router's discovery, decode role only). An empty static list allows any target: callers already
+router's discovery, decode role only), or with `file` those of the workers file `baton up` rewrites. An empty static list allows any target: callers already
 hold the cluster token. The router and this worker notice a new decode pod at slightly
 different moments, so a target not seen yet is waited for briefly before it is refused.
 """
@@ -31,6 +31,12 @@ class DecodeTargets:
 
     @classmethod
     def from_settings(cls, settings: PrefillSettings, api_client=None) -> "DecodeTargets":
+        if settings.discovery == "file":
+            from baton.router.discovery.file import FileDiscovery
+            discovered = WorkerSet(roles=("decode",))
+            discovery = FileDiscovery(settings.workers_file, roles=("decode",))
+            discovery.start(discovered)
+            return cls(discovered=discovered, discovery=discovery, source=f"the decode workers of {settings.workers_file}")
         if settings.discovery != "kubernetes":
             return cls(settings.decode_workers)
         if settings.decode_workers:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -23,6 +24,7 @@ ROLES = ("prefill", "decode")
 # The router's connection is the one that notices: a KV push into a stopped decode worker fills
 # its socket and flow-control window, and then its own pings cannot even be written.
 WORKER_KEEPALIVE_OPTIONS = keepalive_options(ping_every_ms=500, timeout_ms=500)
+LEFT_GRACE_S = 1.0  # a worker that left keeps its channel this long after its last call ended
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Worker:
     last_load: object = None
     fingerprint: str = ""
     failures: int = field(default=0)
+    released_at: float = 0.0  # when its last call ended
 
 
 class WorkerPool:
@@ -42,6 +45,10 @@ class WorkerPool:
         self.cluster_token = cluster_token  # presented on every call to a worker
         self.poll_seconds = poll_seconds
         self._workers: dict[str, dict[str, Worker]] = {role: {} for role in ROLES}
+        # Workers discovery dropped while calls to them were open (a draining pod, a worker the
+        # planner removes): no new work goes there, but their channel stays until those calls end,
+        # so a draining decode worker's streams can still move to the others with their KV.
+        self._leaving: list[Worker] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll_forever, name="load-poll", daemon=True)
@@ -59,9 +66,9 @@ class WorkerPool:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         with self._lock:
-            for workers in self._workers.values():
-                for worker in workers.values():
-                    worker.channel.close()
+            for worker in [w for workers in self._workers.values() for w in workers.values()] + self._leaving:
+                worker.channel.close()
+            self._leaving.clear()
 
     def set_workers(self, role: str, addresses) -> None:
         """Follow discovery: open channels to new workers, close those that left."""
@@ -79,8 +86,13 @@ class WorkerPool:
         for worker in gone:
             if role == "prefill":
                 self._notify(self.on_prefill_left, worker.view.address)
-            worker.channel.close()
-            log.info("worker left role=%s address=%s", role, worker.view.address)
+            with self._lock:
+                open_calls = worker.view.inflight
+                if open_calls:
+                    self._leaving.append(worker)
+            if not open_calls:
+                worker.channel.close()
+            log.info("worker left role=%s address=%s open_calls=%d", role, worker.view.address, open_calls)
         if role == "prefill":
             for worker in joined:
                 self._notify(self.on_prefill_joined, worker.view.address, worker.stub)
@@ -104,6 +116,17 @@ class WorkerPool:
     def release(self, worker: Worker) -> None:
         with self._lock:
             worker.view.inflight -= 1
+            worker.released_at = time.monotonic()
+
+    def _close_left(self) -> None:
+        """Close the channels of workers that left once their calls have ended (and stayed ended
+        a moment: a drained stream's handoff opens its next call on the same channel)."""
+        with self._lock:
+            now = time.monotonic()
+            done = [w for w in self._leaving if not w.view.inflight and now - w.released_at >= LEFT_GRACE_S]
+            self._leaving = [w for w in self._leaving if w not in done]
+        for worker in done:
+            worker.channel.close()
 
     def mark_failed(self, worker: Worker) -> None:
         worker.view.healthy = False
@@ -143,6 +166,7 @@ class WorkerPool:
     def _poll_forever(self) -> None:
         while not self._stop.wait(self.poll_seconds):
             try:
+                self._close_left()
                 self.poll_once()
             except Exception:  # polling must outlive any one bad answer
                 log.exception("load poll failed")

@@ -349,3 +349,27 @@ def test_stop_ends_a_blocked_watch_promptly(kube_api, api_client, workers):
     discovery.stop()
     assert time.monotonic() - started < 1.0
     assert not any(thread.name.startswith("baton-discovery") for thread in threading.enumerate())
+
+
+def test_file_discovery_follows_the_workers_file_and_keeps_the_last_good_set(tmp_path, workers):
+    from baton.router.discovery.file import FileDiscovery, write_workers_file
+
+    path = str(tmp_path / "workers.json")
+    with pytest.raises(ValueError, match="cannot read the workers file"):
+        FileDiscovery(path).start(workers)
+    write_workers_file(path, {"prefill": ["127.0.0.1:1"], "decode": ["127.0.0.1:2"]})
+    discovery = FileDiscovery(path, poll_s=0.02)
+    discovery.start(workers)
+    try:
+        assert workers.snapshot() == {"prefill": {"127.0.0.1:1"}, "decode": {"127.0.0.1:2"}}
+        write_workers_file(path, {"prefill": ["127.0.0.1:1"], "decode": ["127.0.0.1:2", "127.0.0.1:3"]})
+        assert workers.wait_for(lambda w: w["decode"] == {"127.0.0.1:2", "127.0.0.1:3"}, timeout=5)
+        with open(path, "w") as f:
+            f.write('{"decode": ["no port"]}')  # a bad edit: ignored, the last good set stays
+        time.sleep(0.2)
+        assert workers.get("decode") == {"127.0.0.1:2", "127.0.0.1:3"}
+        write_workers_file(path, {"prefill": [], "decode": ["127.0.0.1:3"]})
+        assert workers.wait_for(lambda w: w["decode"] == {"127.0.0.1:3"} and not w["prefill"], timeout=5)
+    finally:
+        discovery.stop()
+    assert not [t for t in threading.enumerate() if t.name == "file-discovery"]

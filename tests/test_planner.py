@@ -34,12 +34,13 @@ def seen(rps: float, prefill: int, decode: int, **extra) -> Observation:
 def test_each_pool_is_sized_against_its_own_objective():
     planner = Planner(PlannerConfig(OBJECTIVES, utilisation=0.8), PROFILE)
     prefill, decode, why = planner.size(rate=10, prompt_tokens=100, output_tokens=60)
-    # prefill: 10 req/s x 0.218 s of prefill = 2.18 worker-s/s at 80%; decode: 36 streams / (8 rows x 80%)
+    # prefill: 10 req/s x 0.218 s of prefill = 2.18 worker-s/s at 80%; decode: 600 tokens/s over
+    # 8 rows / 0.06 s = 133 tokens/s a worker, at 80%
     assert (prefill, decode) == (3, 6)
-    assert "prefill-s/s" in why["prefill"] and "8 rows a worker within ITL" in why["decode"]
+    assert "prefill-s/s" in why["prefill"] and "(8 rows)" in why["decode"]
     # A tighter ITL leaves fewer rows a worker: more decode workers for the same load.
     tight = Planner(PlannerConfig(Objectives(ttft_s=2.0, itl_s=0.045), utilisation=0.8), PROFILE)
-    assert tight.size(10, 100, 60)[:2] == (3, 9)  # 27 streams / (4 rows x 80%)
+    assert tight.size(10, 100, 60)[:2] == (3, 9)  # 4 rows at 0.043 s: 93 tokens/s a worker
 
 
 def test_pools_grow_at_once_and_shrink_one_at_a_time_after_hysteresis_and_cooldown():
@@ -112,10 +113,33 @@ def test_a_trace_has_the_shape_asked_for():
 def test_the_worker_removed_is_the_one_whose_loss_costs_least():
     from baton.planner.policy import WorkerLoad, choose_removals
 
-    workers = [WorkerLoad("a:1", rows=3), WorkerLoad("b:1", rows=1, cached_tokens=900),
-               WorkerLoad("c:1", rows=1, cached_tokens=100), WorkerLoad("d:1", rows=0, pinned_groups=1),
+    workers = [WorkerLoad("a:1", rows=3), WorkerLoad("b:1", rows=1, cached_bytes=900),
+               WorkerLoad("c:1", rows=1, cached_bytes=100), WorkerLoad("d:1", rows=0, pinned_groups=1),
                WorkerLoad("e:1", rows=5, draining=True)]
     assert choose_removals(workers, 1) == ["e:1"]  # already draining
     assert choose_removals(workers, 3) == ["e:1", "c:1", "b:1"]  # then fewest rows, then least cache
     assert choose_removals(workers, 9) == ["e:1", "c:1", "b:1", "a:1"]  # never one with a pinned group
     assert choose_removals(workers, 0) == []
+
+
+def test_an_interval_is_read_from_two_load_reports():
+    from baton.planner.observe import Reading, observe, worker_loads
+
+    before = Reading(100.0, {"p:1": {"requests_done": 10, "prompt_tokens_forwarded": 1000}},
+                     {"d:1": {"decode_tokens_forwarded": 500, "rows_in_use": 2}})
+    now = Reading(110.0, {"p:1": {"requests_done": 30, "prompt_tokens_forwarded": 3000, "queued_tokens": 40,
+                                  "prefix_cache_bytes": 7},
+                          "p:2": {"requests_done": 5, "prompt_tokens_forwarded": 400, "draining": True}},
+                  {"d:1": {"decode_tokens_forwarded": 900, "rows_in_use": 4, "kv_bytes_allocated": 30,
+                           "kv_budget_bytes": 100, "staged": 1},
+                   "d:2": {"decode_tokens_forwarded": 100, "rows_in_use": 0, "kv_bytes_allocated": 60,
+                           "kv_budget_bytes": 100}})
+    seen = observe(before, now)
+    assert (seen.seconds, seen.requests, seen.prompt_tokens, seen.output_tokens) == (10.0, 25, 2400, 500)
+    assert (seen.prefill_workers, seen.decode_workers, seen.prefill_backlog_tokens) == (1, 2, 40)
+    assert seen.itl_s == pytest.approx(10 * 4 / 400) and seen.kv_usage == pytest.approx(0.6)
+    restarted = Reading(120.0, {"p:1": {"requests_done": 3}}, {})  # its counters began again
+    assert observe(now, restarted).requests == 3
+    loads = worker_loads(now)
+    assert [(w.address, w.cached_bytes, w.draining) for w in loads["prefill"]] == [("p:1", 7, False), ("p:2", 0, True)]
+    assert [(w.address, w.rows) for w in loads["decode"]] == [("d:1", 5), ("d:2", 0)]

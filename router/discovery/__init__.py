@@ -28,7 +28,7 @@ class Discovery(Protocol):
 
 
 def discovery_from_settings(settings: RouterSettings) -> Discovery:
-    """The discovery the router's settings ask for: 'static' (the default) or 'kubernetes'."""
+    """The discovery the router's settings ask for: 'static' (the default), 'kubernetes' or 'file'."""
     if settings.discovery == "static":
         return StaticDiscovery(settings.prefill_workers, settings.decode_workers)
     if settings.discovery == "kubernetes":
@@ -36,8 +36,12 @@ def discovery_from_settings(settings: RouterSettings) -> Discovery:
             log.warning("router.prefill_workers/decode_workers are ignored with router.discovery=kubernetes")
         from baton.router.discovery.kubernetes_watch import KubernetesDiscovery
         return KubernetesDiscovery(namespace=settings.namespace, labels=settings.discovery_labels)
+    if settings.discovery == "file":
+        from baton.router.discovery.file import FileDiscovery
+        return FileDiscovery(settings.workers_file)
     raise ValueError(f"router.discovery is {settings.discovery!r}; set it to 'static' (addresses from "
-                     "router.prefill_workers/decode_workers) or 'kubernetes' (EndpointSlices)")
+                     "router.prefill_workers/decode_workers), 'kubernetes' (EndpointSlices) or 'file' "
+                     "(router.workers_file)")
 
 
 def __getattr__(name: str):

@@ -1,0 +1,122 @@
+"""The planner at work: every interval it reads the cluster through its router, asks the policy
+for each pool's workers, and has a scaler add or remove them (or, dry, only says what it would do).
+
+Scalers: `LocalScaler` for `baton up --planner` (worker processes of a dynamic LocalCluster: a
+worker removed is drained, so a decode worker's streams move to the others with their KV) and
+planner.kubernetes.KubernetesScaler (the scale subresource and the pod deletion cost). Every
+decision is a log line with its reasons and its inputs, and Prometheus metrics.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from baton.planner.observe import Reading, observe, worker_loads
+from baton.planner.policy import Decision, Planner, choose_removals
+
+log = logging.getLogger(__name__)
+
+POOLS = ("prefill", "decode")
+
+
+class Scaler(Protocol):
+    def replicas(self, pool: str) -> int: ...
+
+    def scale(self, pool: str, replicas: int, remove: list[str] = ()) -> None: ...
+
+
+class LocalScaler:
+    """The worker processes of a LocalCluster made with dynamic=True."""
+
+    def __init__(self, cluster) -> None:
+        self.cluster = cluster
+
+    def _addresses(self, pool: str) -> list[str]:
+        return self.cluster.prefill_addrs if pool == "prefill" else self.cluster.decode_addrs
+
+    def replicas(self, pool: str) -> int:
+        return len(self._addresses(pool))
+
+    def scale(self, pool: str, replicas: int, remove: list[str] = ()) -> None:
+        while self.replicas(pool) < replicas:
+            address = self.cluster.add_worker(pool)
+            log.info("%s worker %s started", pool, address, extra={"pool": pool, "worker": address})
+        present = self._addresses(pool)
+        going = [a for a in remove if a in present] + [a for a in reversed(present) if a not in remove]
+        while self.replicas(pool) > max(replicas, 1):
+            address = going.pop(0)
+            status = self.cluster.remove_worker(address)
+            log.info("%s worker %s drained and stopped (exit %s)", pool, address, status,
+                     extra={"pool": pool, "worker": address, "exit": status})
+
+
+def reading_from(status, at: float) -> Reading:
+    """A Reading of the SDK's ClusterStatus (healthy workers only)."""
+    return Reading(at, {w.address: w.prefill for w in status.workers if w.role == "prefill" and w.healthy and w.prefill},
+                   {w.address: w.decode for w in status.workers if w.role == "decode" and w.healthy and w.decode})
+
+
+class PlannerLoop:
+    """Runs `planner` every `planner.config.interval_s` on readings from `read()` (e.g. a BatonClient's
+    cluster_status through reading_from), applying its decisions through `scaler` unless dry_run."""
+
+    def __init__(self, planner: Planner, read: Callable[[], Reading], scaler: Scaler, dry_run: bool = False,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.planner, self.read, self.scaler, self.dry_run = planner, read, scaler, dry_run
+        self.registry = registry or CollectorRegistry()
+        self.decisions: list[Decision] = []
+        self._previous: Reading | None = None
+        self._desired = Gauge("baton_planner_desired_workers", "Workers the planner wants, by pool", ["pool"],
+                              registry=self.registry)
+        self._workers = Gauge("baton_planner_workers", "Workers serving when the planner last looked", ["pool"],
+                              registry=self.registry)
+        self._changes = Counter("baton_planner_changes", "Scalings the planner made (or, dry, would make)",
+                                ["pool", "direction"], registry=self.registry)
+        self._inputs = Gauge("baton_planner_input", "What the planner's last decision saw", ["name"],
+                             registry=self.registry)
+
+    def step(self) -> Decision | None:
+        """One interval: read, decide, scale. None for the first reading (nothing to compare yet)."""
+        reading = self.read()
+        previous, self._previous = self._previous, reading
+        if previous is None:
+            return None
+        seen = observe(previous, reading)
+        decision = self.planner.decide(seen, reading.at)
+        self.decisions.append(decision)
+        for name in ("requests", "prompt_tokens", "output_tokens", "prefill_backlog_tokens"):
+            self._inputs.labels(name).set(getattr(seen, name) / (1 if name.endswith("backlog_tokens") else seen.seconds))
+        self._inputs.labels("itl_s").set(seen.itl_s or 0.0)
+        self._inputs.labels("kv_usage").set(seen.kv_usage)
+        loads = worker_loads(reading)
+        for pool in POOLS:
+            want, have = getattr(decision, pool), getattr(seen, f"{pool}_workers")
+            self._desired.labels(pool).set(want)
+            self._workers.labels(pool).set(have)
+            current = self.scaler.replicas(pool)
+            if want == current:
+                continue
+            remove = choose_removals(loads[pool], current - want) if want < current else []
+            self._changes.labels(pool, "up" if want > current else "down").inc()
+            log.info("%s workers %d -> %d%s: %s", pool, current, want, " (dry run)" if self.dry_run else "",
+                     decision.reasons[pool], extra={"pool": pool, "from": current, "to": want, "remove": remove,
+                                                    "dry_run": self.dry_run, "observed": seen.__dict__})
+            if not self.dry_run:
+                self.scaler.scale(pool, want, remove)
+        return decision
+
+    def run(self, stop: threading.Event) -> None:
+        """Step every interval until `stop` is set. Run it in the thread that started the cluster's
+        processes: a worker process the kernel ties to the thread that spawned it (lifeline) must
+        not be drained because a planner thread ended."""
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                self.step()
+            except Exception:  # a failed reading or scaling must not end the planner
+                log.exception("planner interval failed")
+            stop.wait(max(0.0, self.planner.config.interval_s - (time.monotonic() - started)))
