@@ -329,6 +329,14 @@ def cmd_bench(args) -> int:
     return bench_main(args.bench_args)
 
 
+def cmd_planner(args) -> int:
+    from baton.planner.service import run_kubernetes
+
+    if args.router is None:
+        raise UsageError("baton planner needs --router HOST:PORT")
+    return run_kubernetes(args, connection_kwargs(args))
+
+
 def cmd_up(args) -> int:
     from baton.up import run_up
 
@@ -446,6 +454,29 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="SUITE [--quick] [--json] [--out DIR], or --list")
     bench.set_defaults(func=cmd_bench)
 
+    plan = sub.add_parser("planner", help="the SLO planner: scale a Kubernetes release's prefill and decode "
+                                           "Deployments apart, against TTFT and ITL targets")
+    plan.add_argument("--router", required=True, metavar="HOST:PORT", help="the release's router (its load reports)")
+    add_connection_args(plan)
+    plan.add_argument("--namespace", default="", help="the Deployments' namespace (default: the pod's own)")
+    plan.add_argument("--prefill-deployment", required=True, help="the prefill workers' Deployment")
+    plan.add_argument("--decode-deployment", required=True, help="the decode workers' Deployment")
+    plan.add_argument("--prefill-selector", required=True, help="label selector of the prefill pods")
+    plan.add_argument("--decode-selector", required=True, help="label selector of the decode pods")
+    plan.add_argument("--ttft-target", type=float, default=2.0, help="time to first token to meet, s (default 2)")
+    plan.add_argument("--itl-target", type=float, default=0.1, help="time between tokens to meet, s (default 0.1)")
+    plan.add_argument("--min-prefill", type=int, default=1, help="fewest prefill workers (default 1)")
+    plan.add_argument("--max-prefill", type=int, default=8, help="most prefill workers (default 8)")
+    plan.add_argument("--min-decode", type=int, default=1, help="fewest decode workers (default 1)")
+    plan.add_argument("--max-decode", type=int, default=8, help="most decode workers (default 8)")
+    plan.add_argument("--interval", type=float, default=30.0, help="seconds between decisions (default 30)")
+    plan.add_argument("--cooldown", type=float, default=120.0, help="seconds after a pool changed before it may "
+                                                                    "shrink (default 120)")
+    plan.add_argument("--profile", help="a JSON profile of one worker's costs on the cluster's hardware")
+    plan.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics of its decisions (0 = off)")
+    plan.add_argument("--dry-run", action="store_true", help="log the decisions, change nothing")
+    plan.set_defaults(func=cmd_planner)
+
     up = sub.add_parser("up", help="a local cluster as processes on loopback")
     up.add_argument("--port", type=int, default=50051, help="router port (default 50051)")
     up.add_argument("--http-port", type=int, default=8000,
@@ -456,6 +487,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="'default' (SmolLM2-135M-Instruct), 'tiny-random', or a Hugging Face model directory")
     up.add_argument("--max-rows", type=int, default=8, help="decode batch rows per decode worker (default 8)")
     up.add_argument("--demo", action="store_true", help="send a short demo workload through the SDK, then stop")
+    planner = up.add_argument_group("planner", "with --planner, workers are added and drained as the load asks "
+                                               "(--prefill and --decode are then the least of each)")
+    planner.add_argument("--planner", action="store_true", help="run the SLO planner over the workers")
+    planner.add_argument("--ttft-target", type=float, default=2.0, help="time to first token to meet, s (default 2)")
+    planner.add_argument("--itl-target", type=float, default=0.1, help="time between tokens to meet, s (default 0.1)")
+    planner.add_argument("--max-prefill", type=int, default=2, help="most prefill workers (default 2)")
+    planner.add_argument("--max-decode", type=int, default=2, help="most decode workers (default 2)")
+    planner.add_argument("--planner-interval", type=float, default=30.0, help="seconds between decisions (default 30)")
+    planner.add_argument("--planner-profile", help="a JSON profile of one worker's costs (default: the default "
+                                                   "model on the CPU Baton is developed on)")
+    planner.add_argument("--dry-run", action="store_true", help="log the planner's decisions, change nothing")
     up.set_defaults(func=cmd_up)
     for name, command in sub.choices.items():  # `baton router --log-level info` works as well
         if name != "bench":

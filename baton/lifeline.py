@@ -84,10 +84,14 @@ class StopSignals:
         for sig in signals:
             signal.signal(sig, lambda signum, _frame: self.received.append(signum))
 
-    def wait(self, poll_s: float = SIGNAL_POLL_S) -> int:
-        """The first signal's number, once one has come."""
+    def wait(self, poll_s: float = SIGNAL_POLL_S, timeout: float | None = None) -> int | None:
+        """The first signal's number, once one has come; None if `timeout` seconds pass first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not self.received:
-            if select.select([self._wakeup], [], [], poll_s)[0]:
+            left = poll_s if deadline is None else min(poll_s, deadline - time.monotonic())
+            if left <= 0:
+                return None
+            if select.select([self._wakeup], [], [], left)[0]:
                 self._wakeup.recv(64)  # the handler itself runs as this thread goes on in Python
         return self.received[0]
 

@@ -321,6 +321,38 @@ class LocalCluster:
         self.stop()
 
 
+def planner_settings(args):
+    """The planner's config and profile from `baton up`'s flags (ValueError for values it refuses)."""
+    import json
+
+    from baton.planner.policy import CPU_SMOLLM2_FP32, Objectives, PlannerConfig, profile_from_json
+
+    profile = CPU_SMOLLM2_FP32
+    if args.planner_profile:
+        with open(args.planner_profile, encoding="utf-8") as f:
+            profile = profile_from_json(json.load(f))
+    config = PlannerConfig(Objectives(ttft_s=args.ttft_target, itl_s=args.itl_target), min_prefill=args.prefill,
+                           max_prefill=args.max_prefill, min_decode=args.decode, max_decode=args.max_decode,
+                           interval_s=args.planner_interval)
+    return config, profile
+
+
+def run_planner(planner, dry_run: bool, cluster: LocalCluster, stop: StopSignals) -> None:
+    """The SLO planner over this cluster's workers, in this (the main) thread, until a stop signal."""
+    from baton.client import BatonClient
+    from baton.planner.policy import Planner
+    from baton.planner.service import LocalScaler, PlannerLoop, reading_from
+
+    config, profile = planner
+    print(f"planner: TTFT {config.objectives.ttft_s}s, ITL {config.objectives.itl_s}s; prefill workers "
+          f"{config.min_prefill}..{config.max_prefill}, decode {config.min_decode}..{config.max_decode}, every "
+          f"{config.interval_s}s{' (dry run)' if dry_run else ''}", flush=True)
+    with BatonClient(cluster.router_address, timeout=10) as client:
+        loop = PlannerLoop(Planner(config, profile), lambda: reading_from(client.cluster_status(), time.monotonic()),
+                           LocalScaler(cluster), dry_run=dry_run)
+        loop.run(lambda seconds: stop.wait(timeout=seconds) is not None)
+
+
 def _host(address: str) -> str:
     return address.rpartition(":")[0]
 
@@ -381,8 +413,10 @@ def run_http_demo(http_url: str, model: str, out=sys.stdout) -> None:
 
 
 def run_up(args) -> int:
+    planner = planner_settings(args) if getattr(args, "planner", False) else None  # bad values: before anything starts
     cluster = LocalCluster(port=args.port, prefill=args.prefill, decode=args.decode, model=args.model,
-                           max_rows=args.max_rows, share_cores=True, http_port=args.http_port)
+                           max_rows=args.max_rows, share_cores=True, http_port=args.http_port,
+                           dynamic=planner is not None)
     stop = StopSignals()  # from here on, Ctrl-C or SIGTERM ends the cluster in order
     print(f"starting {args.prefill} prefill and {args.decode} decode workers for model {args.model!r}...",
           flush=True)
@@ -399,6 +433,8 @@ def run_up(args) -> int:
                   f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'", flush=True)
         if args.demo:
             run_demo(cluster.router_address, http_url=cluster.http_url, model=args.model)
+        elif planner is not None:
+            run_planner(planner, args.dry_run, cluster, stop)
         else:
             stop.wait()
     finally:

@@ -239,3 +239,23 @@ def choose_removals(workers: list[WorkerLoad], count: int) -> list[str]:
     free = [w for w in workers if not w.pinned_groups]
     ranked = sorted(free, key=lambda w: (not w.draining, w.rows, w.cached_bytes, w.address))
     return [w.address for w in ranked[:count]]
+
+
+# SmolLM2-135M-Instruct in fp32 on one core of the 2-vCPU machine Baton is developed on (docs/bench.md:
+# `transfer`'s prefills, the decode steps of `structured` and `engine`): `baton up --planner`'s default.
+CPU_SMOLLM2_FP32 = Profile(prefill=((23, 0.078), (365, 0.896), (1457, 5.05), (4096, 36.0)),
+                           step=((1, 0.026), (8, 0.056)), max_rows=8, transfer_bytes_per_s=1.2e9,
+                           kv_bytes_per_token=46080)
+
+
+def profile_from_json(content: dict) -> Profile:
+    """A Profile from {"prefill": [[tokens, seconds], ...], "step": [[rows, seconds], ...],
+    "max_rows": N, "transfer_bytes_per_s": x, "kv_bytes_per_token": n} (the last two optional)."""
+    try:
+        return Profile(prefill=tuple((int(t), float(s)) for t, s in content["prefill"]),
+                       step=tuple((int(r), float(s)) for r, s in content["step"]), max_rows=int(content["max_rows"]),
+                       transfer_bytes_per_s=float(content.get("transfer_bytes_per_s", 1e9)),
+                       kv_bytes_per_token=int(content.get("kv_bytes_per_token", 0)))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"a planner profile needs prefill [[tokens, seconds], ...], step [[rows, seconds], ...] "
+                         f"and max_rows: {exc}") from None

@@ -9,8 +9,8 @@ decision is a log line with its reasons and its inputs, and Prometheus metrics.
 from __future__ import annotations
 
 import logging
-import threading
 import time
+from dataclasses import replace
 from typing import Callable, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -72,7 +72,7 @@ class PlannerLoop:
         self._previous: Reading | None = None
         self._desired = Gauge("baton_planner_desired_workers", "Workers the planner wants, by pool", ["pool"],
                               registry=self.registry)
-        self._workers = Gauge("baton_planner_workers", "Workers serving when the planner last looked", ["pool"],
+        self._workers = Gauge("baton_planner_workers", "Workers provisioned when the planner last looked", ["pool"],
                               registry=self.registry)
         self._changes = Counter("baton_planner_changes", "Scalings the planner made (or, dry, would make)",
                                 ["pool", "direction"], registry=self.registry)
@@ -85,7 +85,9 @@ class PlannerLoop:
         previous, self._previous = self._previous, reading
         if previous is None:
             return None
-        seen = observe(previous, reading)
+        # What is provisioned is the scaler's count (a pod still starting is not in the router's yet).
+        seen = replace(observe(previous, reading), prefill_workers=self.scaler.replicas("prefill"),
+                       decode_workers=self.scaler.replicas("decode"))
         decision = self.planner.decide(seen, reading.at)
         self.decisions.append(decision)
         for name in ("requests", "prompt_tokens", "output_tokens", "prefill_backlog_tokens"):
@@ -94,10 +96,9 @@ class PlannerLoop:
         self._inputs.labels("kv_usage").set(seen.kv_usage)
         loads = worker_loads(reading)
         for pool in POOLS:
-            want, have = getattr(decision, pool), getattr(seen, f"{pool}_workers")
+            want, current = getattr(decision, pool), getattr(seen, f"{pool}_workers")
             self._desired.labels(pool).set(want)
-            self._workers.labels(pool).set(have)
-            current = self.scaler.replicas(pool)
+            self._workers.labels(pool).set(current)
             if want == current:
                 continue
             remove = choose_removals(loads[pool], current - want) if want < current else []
@@ -109,14 +110,66 @@ class PlannerLoop:
                 self.scaler.scale(pool, want, remove)
         return decision
 
-    def run(self, stop: threading.Event) -> None:
-        """Step every interval until `stop` is set. Run it in the thread that started the cluster's
-        processes: a worker process the kernel ties to the thread that spawned it (lifeline) must
-        not be drained because a planner thread ended."""
-        while not stop.is_set():
+    def run(self, wait: Callable[[float], bool]) -> None:
+        """Step every interval until `wait(seconds)` says to stop (an Event's wait, say). Run it in
+        the thread that started the cluster's processes: the kernel ties a worker process to the
+        thread that spawned it (lifeline), and one a planner thread started would be drained when
+        that thread ended."""
+        while True:
             started = time.monotonic()
             try:
                 self.step()
             except Exception:  # a failed reading or scaling must not end the planner
                 log.exception("planner interval failed")
-            stop.wait(max(0.0, self.planner.config.interval_s - (time.monotonic() - started)))
+            if wait(max(0.0, self.planner.config.interval_s - (time.monotonic() - started))):
+                return
+
+
+def run_kubernetes(args, client_kwargs: dict) -> int:
+    """`baton planner`: the planner as a process of its own beside a Kubernetes release, scaling the
+    worker Deployments through their scale subresource (dry run: logging only)."""
+    import json
+
+    from kubernetes import client as kube_client, config as kube_config
+    from prometheus_client import start_http_server
+
+    from baton.client import BatonClient
+    from baton.lifeline import StopSignals
+    from baton.planner.kubernetes import KubernetesScaler
+    from baton.planner.policy import CPU_SMOLLM2_FP32, Objectives, PlannerConfig, profile_from_json
+
+    profile = CPU_SMOLLM2_FP32
+    if args.profile:
+        with open(args.profile, encoding="utf-8") as f:
+            profile = profile_from_json(json.load(f))
+    config = PlannerConfig(Objectives(ttft_s=args.ttft_target, itl_s=args.itl_target), min_prefill=args.min_prefill,
+                           max_prefill=args.max_prefill, min_decode=args.min_decode, max_decode=args.max_decode,
+                           interval_s=args.interval, cooldown_s=args.cooldown)
+    stop = StopSignals()
+    try:
+        kube_config.load_incluster_config()
+    except kube_config.ConfigException:
+        try:
+            kube_config.load_kube_config()
+        except kube_config.ConfigException as exc:
+            raise ValueError(f"no Kubernetes API to scale through: not in a pod, and no kubeconfig ({exc})") from None
+    namespace = args.namespace or _own_namespace()
+    scaler = KubernetesScaler(kube_client.ApiClient(), namespace,
+                              {"prefill": args.prefill_deployment, "decode": args.decode_deployment},
+                              {"prefill": args.prefill_selector, "decode": args.decode_selector})
+    with BatonClient(args.router, **client_kwargs) as client:
+        loop = PlannerLoop(Planner(config, profile), lambda: reading_from(client.cluster_status(), time.monotonic()),
+                           scaler, dry_run=args.dry_run)
+        if args.metrics_port:
+            start_http_server(args.metrics_port, registry=loop.registry)
+        log.info("planner watching %s in namespace %s%s", args.router, namespace, " (dry run)" if args.dry_run else "")
+        loop.run(lambda seconds: stop.wait(timeout=seconds) is not None)
+    return 0
+
+
+def _own_namespace() -> str:
+    try:
+        with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace", encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return "default"
