@@ -70,6 +70,7 @@ COPY client ./client
 COPY prefill_worker ./prefill_worker
 COPY decode_worker ./decode_worker
 COPY kvtransfer ./kvtransfer
+COPY planner ./planner
 # Convert the default model's GGUF to safetensors now, so pods start in seconds. Run from
 # outside the source tree: its ./baton folder would shadow the installed package.
 WORKDIR /opt/baton

@@ -60,6 +60,8 @@ API = {
     ("networking.k8s.io", "v1"): [("NetworkPolicy", "networkpolicies")],
     # The Prometheus Operator's CRDs, as on a cluster where it is installed.
     ("monitoring.coreos.com", "v1"): [("ServiceMonitor", "servicemonitors"), ("PodMonitor", "podmonitors")],
+    # KEDA's, as on a cluster that runs it.
+    ("keda.sh", "v1alpha1"): [("ScaledObject", "scaledobjects")],
 }
 SEVERITY = {0: "UNKNOWN", 1: "INFO", 2: "WARNING", 3: "ERROR"}
 

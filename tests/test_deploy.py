@@ -50,8 +50,9 @@ CONFIG_PATH = "/etc/baton/baton.yaml"
 DERIVED_KEYS = {
     "model": {"name"},
     "router": {"port", "http_port", "metrics_port", "discovery", "namespace", "discovery_labels", "prefix_index",
-               "redis_url", "redis_password", "prefill_workers", "decode_workers"},
-    "prefill": {"port", "metrics_port", "advertise", "discovery", "namespace", "discovery_labels", "decode_workers"},
+               "redis_url", "redis_password", "prefill_workers", "decode_workers", "workers_file"},
+    "prefill": {"port", "metrics_port", "advertise", "discovery", "namespace", "discovery_labels", "decode_workers",
+                "workers_file"},
     "decode": {"port", "metrics_port", "advertise"},
     "tls": {"cert_file", "key_file", "ca_file", "server_name"},
     "cluster": {"token", "token_file", "insecure"},  # BATON_CLUSTER_TOKEN from the cluster-token Secret: never open
@@ -85,9 +86,17 @@ EXTRA_CASES = {
                           "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
         "decode": {"autoscaling": {"enabled": True}, "image": {"repository": "registry.example/baton-decode"}},
     },
+    "planner-on": {"planner": {"enabled": True, "dryRun": True, "decode": {"min": 2, "max": 6},
+                               "profile": {"prefill": [[1, 0.01], [4096, 2.0]], "step": [[1, 0.02], [64, 0.05]],
+                                           "max_rows": 64}},
+                   "networkPolicy": {"clientsFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]}},
+    "keda-on": {"keda": {"enabled": True, "prometheusAddress": "http://prometheus.monitoring:9090"}},
+    "planner-and-keda": {"planner": {"enabled": True}, "keda": {"enabled": True, "prometheusAddress": "http://p:9090"}},
+    "keda-without-prometheus": {"keda": {"enabled": True}},
 }
 # Rendered on purpose with what the chart must refuse.
-FAILING_CASES = {"short-grace": "must exceed preStopSleepSeconds",
+FAILING_CASES = {"planner-and-keda": "choose one", "keda-without-prometheus": "needs keda.prometheusAddress",
+                 "short-grace": "must exceed preStopSleepSeconds",
                  "open-with-token": "auth.open serves the public API without a token",
                  "long-decode-drain": "decode.terminationGracePeriodSeconds (60) must exceed"}
 
@@ -261,9 +270,11 @@ def test_every_role_has_its_objects(helm_report, case):
         assert one(docs, "PodDisruptionBudget", role_name(role))["spec"]["selector"]["matchLabels"]["baton.io/role"] == role
         autoscaled = values.get(role, {}).get("autoscaling", {}).get("enabled", False)
         assert len(find(docs, "HorizontalPodAutoscaler", role_name(role))) == int(autoscaled)
-        assert ("replicas" in deployment["spec"]) != autoscaled  # the HPA owns replicas when on
+        scaled = role != "router" and any(values.get(k, {}).get("enabled") for k in ("planner", "keda"))
+        assert ("replicas" in deployment["spec"]) != (autoscaled or scaled)  # the HPA, planner or KEDA owns them
     dashboard = values.get("metrics", {}).get("dashboard", {}).get("enabled", False)
-    assert len(find(docs, "ConfigMap")) == 1 + dashboard
+    profile = bool(values.get("planner", {}).get("enabled") and values["planner"].get("profile"))
+    assert len(find(docs, "ConfigMap")) == 1 + dashboard + profile
     config = chart_config(docs)
     assert config["router"]["discovery_labels"] == config["prefill"]["discovery_labels"] == (
         f"app.kubernetes.io/instance={RELEASE}")
@@ -271,7 +282,7 @@ def test_every_role_has_its_objects(helm_report, case):
     assert len(find(docs, "StatefulSet", f"{RELEASE}-redis")) == int(redis)
     assert {d["kind"] for d in docs} <= {"Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",
                                          "PodDisruptionBudget", "HorizontalPodAutoscaler", "StatefulSet", "Secret",
-                                         "ServiceMonitor", "PodMonitor", "NetworkPolicy"}
+                                         "ServiceMonitor", "PodMonitor", "NetworkPolicy", "ScaledObject"}
 
 
 def test_gpu_2p4d_requests_one_gpu_per_worker(helm_report):
@@ -939,3 +950,41 @@ def test_health_check_reports_serving_only_when_serving():
         server.stop(None)
     gone = probe()
     assert gone.returncode == 1 and "UNAVAILABLE" in gone.stdout
+
+
+def test_the_planner_runs_with_least_privilege_and_owns_the_worker_replicas(helm_report):
+    docs = rendered(helm_report, "planner-on")
+    role = find(docs, "Role", f"{RELEASE}-planner")[0]
+    assert role["rules"] == [
+        {"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch"],
+         "resourceNames": [f"{RELEASE}-prefill", f"{RELEASE}-decode"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]}]  # tests/test_planner_kubernetes.py's ROLE
+    binding = find(docs, "RoleBinding", f"{RELEASE}-planner")[0]
+    assert binding["subjects"][0]["name"] == f"{RELEASE}-planner"
+    planner = find(docs, "Deployment", f"{RELEASE}-planner")[0]
+    pod = planner["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == f"{RELEASE}-planner"
+    args = pod["containers"][0]["args"]
+    flags = dict(zip(args[3::2], args[4::2]))
+    assert args[2] == "planner" and "--dry-run" in args and flags["--min-decode"] == "2" and flags["--max-decode"] == "6"
+    assert flags["--router"] == f"{RELEASE}-router:50051" and flags["--token-file"].endswith("/token")
+    assert json.loads(find(docs, "ConfigMap", f"{RELEASE}-planner-profile")[0]["data"]["profile.json"])["max_rows"] == 64
+    for role in ("prefill", "decode"):
+        assert "replicas" not in find(docs, "Deployment", f"{RELEASE}-{role}")[0]["spec"]
+    assert "replicas" in find(docs, "Deployment", f"{RELEASE}-router")[0]["spec"]
+    router_policy = find(docs, "NetworkPolicy", f"{RELEASE}-router")[0]
+    assert any(p.get("podSelector", {}).get("matchLabels", {}).get("baton.io/role") == "planner"
+               for p in router_policy["spec"]["ingress"][0]["from"])
+    assert not find(rendered(helm_report, "default"), "Deployment", f"{RELEASE}-planner")
+
+
+def test_keda_scaled_objects_scale_each_worker_deployment_on_its_query(helm_report):
+    docs = rendered(helm_report, "keda-on")
+    scaled = {d["metadata"]["name"]: d["spec"] for d in find(docs, "ScaledObject")}
+    assert set(scaled) == {f"{RELEASE}-prefill", f"{RELEASE}-decode"}
+    for name, spec in scaled.items():
+        assert spec["scaleTargetRef"]["name"] == name
+        trigger = spec["triggers"][0]
+        assert trigger["type"] == "prometheus" and trigger["metadata"]["serverAddress"] == "http://prometheus.monitoring:9090"
+        assert f'"{RELEASE}"' in trigger["metadata"]["query"] and "RELEASE" not in trigger["metadata"]["query"]
+        assert "replicas" not in find(docs, "Deployment", name)[0]["spec"]

@@ -252,6 +252,24 @@ Seconds a role drains on SIGTERM: its config's drain_timeout_s (20 unless set).
 {{- if and $v.tls.enabled (not $v.tls.secretName) }}
 {{- fail "tls.enabled=true needs tls.secretName: a Secret with tls.crt and tls.key (and ca.crt with tls.hasCA)" }}
 {{- end }}
+{{- if and $v.planner.enabled $v.keda.enabled }}
+{{- fail "planner.enabled and keda.enabled both scale the worker Deployments: choose one" }}
+{{- end }}
+{{- if and $v.keda.enabled (not $v.keda.prometheusAddress) }}
+{{- fail "keda.enabled needs keda.prometheusAddress: the Prometheus its ScaledObjects query" }}
+{{- end }}
+{{- if and $v.planner.enabled $v.tls.enabled }}
+{{- fail "planner.enabled with tls.enabled is not supported yet: the planner calls the router in plaintext" }}
+{{- end }}
+{{- range $role := list "prefill" "decode" }}
+{{- $bounds := index $v.planner $role }}
+{{- if and $v.planner.enabled (or (lt (int $bounds.min) 1) (gt (int $bounds.min) (int $bounds.max))) }}
+{{- fail (printf "planner.%s needs 1 <= min <= max (got %d..%d)" $role (int $bounds.min) (int $bounds.max)) }}
+{{- end }}
+{{- if and (or $v.planner.enabled $v.keda.enabled) (index $v $role).autoscaling.enabled }}
+{{- fail (printf "%s.autoscaling.enabled (CPU HPA) and the %s both scale the %s Deployment: choose one" $role (ternary "planner" "KEDA" $v.planner.enabled) $role) }}
+{{- end }}
+{{- end }}
 {{- range $role := splitList " " (include "baton.roles" $) }}
 {{- $r := index $v $role }}
 {{- if and $r.service.headless (ne $r.service.type "ClusterIP") }}
