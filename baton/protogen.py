@@ -13,6 +13,7 @@ import argparse
 import filecmp
 import importlib.resources
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,16 +29,20 @@ def proto_sources(repo_root: Path) -> list[Path]:
 
 
 def generate(repo_root: Path, out_root: Path) -> list[Path]:
-    """Run protoc on every source; return the generated files relative to out_root."""
-    from grpc_tools import protoc  # imported here so `--help` works without grpc_tools
+    """Run protoc on every source; return the generated files relative to out_root.
+
+    In a process of its own: its compiler links its own copy of protobuf and abseil, which must not
+    meet another one a library already loaded here (NIXL's UCX plugins load theirs globally, and
+    the compiler then crashed the process)."""
+    import grpc_tools  # imported here so `--help` works without grpc_tools
 
     sources = proto_sources(repo_root)
     if not sources:
         raise SystemExit(f"no .proto files under {repo_root / 'proto' / PROTO_PACKAGE_DIR}")
     proto_root = repo_root / "proto"
-    well_known_types = importlib.resources.files("grpc_tools") / "_proto"
+    well_known_types = importlib.resources.files(grpc_tools) / "_proto"
     args = [
-        "grpc_tools.protoc",
+        sys.executable, "-m", "grpc_tools.protoc",
         f"-I{proto_root}",
         f"-I{well_known_types}",
         f"--python_out={out_root}",
@@ -45,7 +50,7 @@ def generate(repo_root: Path, out_root: Path) -> list[Path]:
         f"--grpc_python_out={out_root}",
         *(str(source) for source in sources),
     ]
-    if protoc.main(args) != 0:
+    if subprocess.run(args).returncode != 0:
         raise SystemExit("protoc failed; see its messages above")
     return sorted(path.relative_to(out_root) for path in _generated_files(out_root / PROTO_PACKAGE_DIR))
 

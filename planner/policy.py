@@ -13,9 +13,10 @@ this hardware (DistServe's and Dynamo's planner's idea):
 
 The load comes from a Holt predictor (level and trend, smoothed) of arrivals and token counts.
 When an objective is missed the pool gains a worker even if the prediction says it has enough (the
-profile was optimistic); a pool shrinks only after `scale_down_after` intervals in a row asked for
-less and `cooldown_s` after its last change, one worker at a time; it grows at once, by as many as
-needed. Every decision carries its reasons, for the log line and the metrics.
+profile was optimistic; for TTFT, only while prompts wait: a long prompt alone is not sped up by
+more workers); a pool shrinks only after `scale_down_after` intervals in a row asked for
+less and `cooldown_s` after its last change, by a quarter of its workers at most (one from a small
+pool); it grows at once, by as many as needed. Every decision carries its reasons, for the log line and the metrics.
 """
 from __future__ import annotations
 
@@ -152,6 +153,7 @@ class Planner:
         self._rates = {k: _Holt(config.smoothing, config.trend_smoothing) for k in ("requests", "prompt", "output")}
         self._lower = {"prefill": 0, "decode": 0}  # intervals in a row that asked for fewer
         self._changed_at = {"prefill": -math.inf, "decode": -math.inf}
+        self._backlog = 0  # prompt tokens waiting at the last interval's end
 
     def decide(self, seen: Observation, now: float) -> Decision:
         if seen.seconds <= 0:
@@ -163,9 +165,15 @@ class Planner:
         output = self._rates["output"].next() / rate if rate > 0 else 0.0
         objectives = self.config.objectives
         want_prefill, want_decode, reasons = self.size(rate, prompt, output, seen.prefill_backlog_tokens)
-        if seen.ttft_s is not None and seen.ttft_s > objectives.ttft_s and want_prefill <= seen.prefill_workers:
-            want_prefill = seen.prefill_workers + 1
-            reasons["prefill"] += f"; TTFT {seen.ttft_s:.2f}s over {objectives.ttft_s:.2f}s: one more"
+        # A missed TTFT with prompts waiting is queueing: the pool does not shrink then, and gains a
+        # worker while the queue grows (a long prompt alone missing it is not helped by more workers).
+        backlog_grew = seen.prefill_backlog_tokens > self._backlog
+        self._backlog = seen.prefill_backlog_tokens
+        if seen.ttft_s is not None and seen.ttft_s > objectives.ttft_s and seen.prefill_backlog_tokens \
+                and want_prefill <= seen.prefill_workers:
+            want_prefill = seen.prefill_workers + (1 if backlog_grew else 0)
+            reasons["prefill"] += (f"; TTFT {seen.ttft_s:.2f}s over {objectives.ttft_s:.2f}s with prompts waiting"
+                                   f"{' and their queue growing: one more' if backlog_grew else ': holding'}")
         if ((seen.itl_s is not None and seen.itl_s > objectives.itl_s) or seen.kv_usage > 0.9) \
                 and want_decode <= seen.decode_workers:
             want_decode = seen.decode_workers + 1
@@ -200,7 +208,7 @@ class Planner:
 
     def _settle(self, pool: str, current: int, wanted: int, low: int, high: int, now: float,
                 reasons: dict[str, str]) -> int:
-        """Bounds, then: grow at once; shrink by one after enough intervals asking and the cooldown."""
+        """Bounds, then: grow at once; shrink (a quarter at most) after enough intervals asking and the cooldown."""
         wanted = min(max(wanted, low), high)
         if wanted >= current:
             self._lower[pool] = 0
@@ -216,7 +224,7 @@ class Planner:
             return current
         self._lower[pool] = 0
         self._changed_at[pool] = now
-        return current - 1
+        return max(wanted, current - max(1, current // 4))  # a quarter at most: each leaving worker drains
 
 
 @dataclass(frozen=True)

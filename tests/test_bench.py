@@ -375,3 +375,12 @@ def test_goodput_mixed_workload_is_batons_table_1_shapes():
     kinds = [q.kind for q in queries_for({"workload": "mixed", "max_tokens": 200})]
     assert len(kinds) == 24 and kinds.count("short-short") == 12 and kinds.count("long-short") == 6
     assert {q.kind for q in queries_for({"workload": "relay", "max_tokens": 200})} == {"short"}
+
+
+def test_planner_suite_runs_the_planner_on_a_simulated_day(tmp_path, capsys):
+    document, printed = run_suite("planner", tmp_path, capsys)
+    day = document["days"]["2.0"]  # JSON keys are strings
+    assert set(day["results"]) >= {"planner"} and day["requests"] > 1000
+    assert all(r["unfinished"] == 0 for r in day["results"].values())
+    assert "both met" in printed and "bound the workload allows" in printed
+    assert all(Path(p).is_file() for p in document["plots"])

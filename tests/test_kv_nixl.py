@@ -191,13 +191,18 @@ def test_pushes_in_parallel_each_land_their_own_kv(decode):
 
 def test_a_process_that_pushed_through_nixl_exits_cleanly(tmp_path):
     """UCX's InfiniBand modules, loaded on a host without such a device, crashed the process as it
-    exited (SIGSEGV in the libnl they bundle): a worker's exit status must stay its own."""
+    exited (SIGSEGV in the libnl they bundle): a worker's exit status must stay its own. And what
+    ran after NIXL in the same process must not crash either (the test run loads protoc later)."""
     code = ("import sys; sys.path.insert(0, %r)\n"
             "import test_kv_nixl as t\n"
             "from baton.kvtransfer.push import KVPusher\n"
             "d = t.Decode(); d.pool.expect('r', 'tok')\n"
             "assert t.push(KVPusher(shared_memory=False, library='nixl'), d, 'r', t.make_kv(8)) == 'nixl'\n"
-            "d.close()\n") % str(Path(__file__).parent)
+            "d.close()\n"
+            # protoc's compiler, loaded after NIXL in one process, crashed it (their abseils met):
+            # baton.protogen runs it in a process of its own
+            "from pathlib import Path; from baton.protogen import find_stale\n"
+            "assert find_stale(Path(%r)) == []\n") % (str(Path(__file__).parent), str(Path(__file__).parents[1]))
     env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
     done = subprocess.run([sys.executable, "-c", code], env={**env, "UCX_TLS": "tcp"}, capture_output=True,
                           text=True, timeout=120)

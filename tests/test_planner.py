@@ -68,10 +68,12 @@ def test_pools_grow_at_once_and_shrink_one_at_a_time_after_hysteresis_and_cooldo
 def test_a_missed_objective_adds_a_worker_and_bounds_hold():
     config = PlannerConfig(OBJECTIVES, max_prefill=4, max_decode=2, smoothing=1.0, trend_smoothing=0.0)
     planner = Planner(config, PROFILE)
-    calm = planner.decide(seen(1, 1, 1, ttft_s=5.0, itl_s=0.2), now=0)
+    alone = planner.decide(seen(1, 1, 1, ttft_s=5.0), now=0)  # a long prompt, nothing waiting: no help
+    assert alone.prefill == 1
+    calm = planner.decide(seen(1, 1, 1, ttft_s=5.0, itl_s=0.2, prefill_backlog_tokens=300), now=60)
     assert (calm.prefill, calm.decode) == (2, 2)  # the load alone asks for 1 and 1
     assert "TTFT 5.00s over" in calm.reasons["prefill"] and "ITL" in calm.reasons["decode"]
-    flood = planner.decide(seen(100, 2, 2), now=60)
+    flood = planner.decide(seen(100, 2, 2), now=120)
     assert (flood.prefill, flood.decode) == (4, 2)
     with pytest.raises(ValueError, match="positive time"):
         planner.decide(Observation(0, 0, 0, 0, 1, 1), now=0)

@@ -127,3 +127,23 @@ def token_batch_timeline(path: Path, title: str, series: dict[str, list[int]], b
     ax.legend(fontsize=8)
     ax.set_title(title)
     return _save(fig, path)
+
+
+def replicas_and_load(path: Path, title: str, hours: list[float], rate: list[float],
+                      pools: dict[str, list[int]], static: dict[str, int]) -> Path:
+    """Arrival rate (left axis) and each pool's workers (right axis) against the hour of the day."""
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    ax.plot(hours, rate, color="tab:gray", linewidth=0.8, label="arrivals per second")
+    ax.set_xlabel("hour")
+    ax.set_ylabel("requests per second")
+    workers = ax.twinx()
+    for (name, counts), color in zip(pools.items(), ("tab:blue", "tab:green")):
+        workers.step(hours, counts, where="post", color=color, linewidth=1.2, label=f"{name} workers (planner)")
+        workers.axhline(static[name], color=color, linestyle="--", linewidth=0.8, label=f"{name} workers (static)")
+    workers.set_ylabel("workers")
+    lines = ax.get_legend_handles_labels()
+    more = workers.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    return _save(fig, path)
