@@ -5,7 +5,7 @@ Each pool is sized apart, against its own objective, from a profile of what one 
 this hardware (DistServe's and Dynamo's planner's idea):
 
 - prefill: the prompt work predicted to arrive per second, in worker-seconds of prefill (the
-  profile's prefill time of the mean prompt), plus the backlog to clear within the TTFT target,
+  profile's prefill time of the mean prompt), plus the backlog to clear within the next interval,
   over a target utilisation; queueing behind each other is what TTFT loses first.
 - decode: the tokens per second predicted to be decoded over what one worker gives while its step
   stays within the ITL target (the rows it then holds, over that step's time), at the same target
@@ -190,10 +190,13 @@ class Planner:
              backlog_tokens: int = 0) -> tuple[int, int, dict[str, str]]:
         """The workers a steady load needs (before bounds and hysteresis): prefill, decode, why."""
         objectives, utilisation = self.config.objectives, self.config.utilisation
-        # Prefill: worker-seconds of prompt work per second, plus the backlog cleared within TTFT.
+        # Prefill: worker-seconds of prompt work per second, plus the backlog cleared within the next
+        # interval (a worker started now serves about then; sized to clear it within the TTFT, a
+        # burst's queue asked for workers that came when it was gone).
         work = rate * self.profile.prefill_seconds(prompt_tokens) if rate > 0 else 0.0
         backlog = self.profile.prefill_seconds(backlog_tokens) if backlog_tokens else 0.0
-        prefill = math.ceil((work + backlog / objectives.ttft_s) / utilisation - 1e-9)
+        horizon = max(objectives.ttft_s, self.config.interval_s)
+        prefill = math.ceil((work + backlog / horizon) / utilisation - 1e-9)
         # Decode: tokens per second over what one worker gives while its step stays within the ITL
         # target (its rows at that step time).
         rows = self.profile.rows_within(objectives.itl_s)
