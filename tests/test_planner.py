@@ -145,3 +145,14 @@ def test_an_interval_is_read_from_two_load_reports():
     loads = worker_loads(now)
     assert [(w.address, w.cached_bytes, w.draining) for w in loads["prefill"]] == [("p:1", 7, False), ("p:2", 0, True)]
     assert [(w.address, w.rows) for w in loads["decode"]] == [("d:1", 5), ("d:2", 0)]
+
+
+def test_a_large_pool_shrinks_by_a_quarter_at_a_time():
+    config = PlannerConfig(OBJECTIVES, scale_down_after=1, cooldown_s=0, smoothing=1.0, trend_smoothing=0.0,
+                           max_prefill=32, max_decode=32)
+    planner = Planner(config, PROFILE)
+    counts, decode = [], 20
+    for t in range(6):
+        decode = planner.decide(seen(0.1, 1, decode), now=60.0 * (t + 1)).decode
+        counts.append(decode)
+    assert counts == [15, 12, 9, 7, 6, 5]  # a quarter of what is left each time, each leaving worker drains
