@@ -77,12 +77,13 @@ class FileDiscovery:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
-    def _stamp(self) -> tuple | None:
+    def _stamp(self) -> bytes | None:
+        """The file's bytes: it is small, and a timestamp can miss a change made within its tick."""
         try:
-            stat = os.stat(self.path)
+            with open(self.path, "rb") as f:
+                return f.read()
         except OSError:
             return None
-        return stat.st_mtime_ns, stat.st_size, stat.st_ino
 
     def _watch(self, worker_set: WorkerSet) -> None:
         while not self._stop.wait(self.poll_s):
