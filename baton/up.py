@@ -323,14 +323,9 @@ class LocalCluster:
 
 def planner_settings(args):
     """The planner's config and profile from `baton up`'s flags (ValueError for values it refuses)."""
-    import json
+    from baton.planner.policy import Objectives, PlannerConfig, load_profile
 
-    from baton.planner.policy import CPU_SMOLLM2_FP32, Objectives, PlannerConfig, profile_from_json
-
-    profile = CPU_SMOLLM2_FP32
-    if args.planner_profile:
-        with open(args.planner_profile, encoding="utf-8") as f:
-            profile = profile_from_json(json.load(f))
+    profile = load_profile(args.planner_profile)
     config = PlannerConfig(Objectives(ttft_s=args.ttft_target, itl_s=args.itl_target), min_prefill=args.prefill,
                            max_prefill=args.max_prefill, min_decode=args.decode, max_decode=args.max_decode,
                            interval_s=args.planner_interval)

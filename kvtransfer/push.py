@@ -114,31 +114,25 @@ class KVPusher:
             raise KVPushFailed(err.code().name, err.details() or "") from None
 
     def _takes_library(self, target: str) -> bool:
-        if self._sender is None:
-            return False
+        return self._sender is not None and not self._recently_refused(self._no_library, target)
+
+    def _recently_refused(self, refused: dict[str, float], target: str) -> bool:
+        """Whether `target` refused a way (no listener, no library) within RECHECK_SHM_AFTER_S."""
         with self._lock:
-            since = self._no_library.get(target)
+            since = refused.get(target)
             if since is not None:
                 if time.monotonic() - since < RECHECK_SHM_AFTER_S:
-                    return False
-                del self._no_library[target]
-            if len(self._no_library) > 1024:
-                self._no_library.clear()
-        return True
+                    return True
+                del refused[target]
+            if len(refused) > 1024:  # decode workers come and go: bounded
+                refused.clear()
+        return False
 
     def uses_shared_memory(self, target: str) -> bool:
         """Whether a push to `target` would try shared memory first (a decode worker on this host)."""
         return self._shm_port(target) is not None
 
     def _shm_port(self, target: str) -> int | None:
-        if not self.shared_memory:
+        if not self.shared_memory or self._recently_refused(self._no_listener, target):
             return None
-        with self._lock:
-            since = self._no_listener.get(target)
-            if since is not None:
-                if time.monotonic() - since < RECHECK_SHM_AFTER_S:
-                    return None
-                del self._no_listener[target]
-            if len(self._no_listener) > 1024:  # decode workers come and go: bounded
-                self._no_listener.clear()
         return local_port(target)

@@ -259,6 +259,16 @@ CPU_SMOLLM2_FP32 = Profile(prefill=((23, 0.078), (365, 0.896), (1457, 5.05), (40
                            kv_bytes_per_token=46080)
 
 
+def load_profile(path: str = "") -> Profile:
+    """The profile in the JSON file at `path`; CPU_SMOLLM2_FP32 without one."""
+    if not path:
+        return CPU_SMOLLM2_FP32
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        return profile_from_json(json.load(f))
+
+
 def profile_from_json(content: dict) -> Profile:
     """A Profile from {"prefill": [[tokens, seconds], ...], "step": [[rows, seconds], ...],
     "max_rows": N, "transfer_bytes_per_s": x, "kv_bytes_per_token": n} (the last two optional)."""

@@ -128,20 +128,15 @@ class PlannerLoop:
 def run_kubernetes(args, client_kwargs: dict) -> int:
     """`baton planner`: the planner as a process of its own beside a Kubernetes release, scaling the
     worker Deployments through their scale subresource (dry run: logging only)."""
-    import json
-
     from kubernetes import client as kube_client, config as kube_config
     from prometheus_client import start_http_server
 
     from baton.client import BatonClient
     from baton.lifeline import StopSignals
     from baton.planner.kubernetes import KubernetesScaler
-    from baton.planner.policy import CPU_SMOLLM2_FP32, Objectives, PlannerConfig, profile_from_json
+    from baton.planner.policy import Objectives, PlannerConfig, load_profile
 
-    profile = CPU_SMOLLM2_FP32
-    if args.profile:
-        with open(args.profile, encoding="utf-8") as f:
-            profile = profile_from_json(json.load(f))
+    profile = load_profile(args.profile)
     config = PlannerConfig(Objectives(ttft_s=args.ttft_target, itl_s=args.itl_target), min_prefill=args.min_prefill,
                            max_prefill=args.max_prefill, min_decode=args.min_decode, max_decode=args.max_decode,
                            interval_s=args.interval, cooldown_s=args.cooldown)
