@@ -265,8 +265,11 @@ def load_profile(path: str = "") -> Profile:
         return CPU_SMOLLM2_FP32
     import json
 
-    with open(path, encoding="utf-8") as f:
-        return profile_from_json(json.load(f))
+    try:
+        with open(path, encoding="utf-8") as f:
+            return profile_from_json(json.load(f))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read the planner profile {path}: {exc}") from None
 
 
 def profile_from_json(content: dict) -> Profile:
