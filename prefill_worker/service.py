@@ -52,6 +52,8 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
             targets = self.loop.decode_targets
             if not targets.allows(request.decode_target):
                 # Not a port scanner: KV goes only to decode workers of this cluster.
+                log.warning("refused decode_target %s: not among %s", request.decode_target, targets.describe(),
+                            extra={"decode_target": request.decode_target})
                 context.abort(grpc.StatusCode.PERMISSION_DENIED,
                               f"decode_target {request.decode_target} is not one of this cluster's decode workers "
                               f"({targets.source})")

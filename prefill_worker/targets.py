@@ -55,6 +55,11 @@ class DecodeTargets:
             return not self.static or target in self.static
         return self.discovered.wait_for(lambda current: target in current["decode"], timeout=self.grace_s)
 
+    def describe(self) -> str:
+        """The decode workers this worker knows, for a log line."""
+        known = self.discovered.get("decode") if self.discovered is not None else self.static
+        return f"{self.source}: {sorted(known) or 'any'}"
+
     def stop(self) -> None:
         if self.discovery is not None:
             self.discovery.stop()

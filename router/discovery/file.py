@@ -27,11 +27,17 @@ POLL_S = 0.2
 def read_workers_file(path: str, roles: Iterable[str] = ROLES) -> dict[str, list[str]]:
     """The file's addresses per role; ValueError (saying what is wrong) for anything else."""
     try:
-        with open(path, encoding="utf-8") as f:
-            content = json.load(f)
+        with open(path, "rb") as f:
+            return parse_workers(f.read(), path, roles)
     except OSError as exc:
         raise ValueError(f"cannot read the workers file {path}: {exc}") from None
-    except json.JSONDecodeError as exc:
+
+
+def parse_workers(raw: bytes, path: str, roles: Iterable[str] = ROLES) -> dict[str, list[str]]:
+    """A workers file's bytes as addresses per role; ValueError (saying what is wrong) otherwise."""
+    try:
+        content = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"the workers file {path} is not JSON: {exc}") from None
     if not isinstance(content, dict):
         raise ValueError(f"the workers file {path} must hold an object of role -> [host:port, ...]")
@@ -67,8 +73,12 @@ class FileDiscovery:
         self._seen: tuple | None = None
 
     def start(self, worker_set: WorkerSet) -> None:
-        self._apply(worker_set, read_workers_file(self.path, self.roles))
+        # What is applied and what later reads compare with are the same bytes: read twice, a
+        # change between the reads would be taken as seen and never applied.
         self._seen = self._stamp()
+        if self._seen is None:
+            read_workers_file(self.path, self.roles)  # raises, saying why it cannot be read
+        self._apply(worker_set, parse_workers(self._seen, self.path, self.roles))
         self._thread = threading.Thread(target=self._watch, args=(worker_set,), name="file-discovery", daemon=True)
         self._thread.start()
 
@@ -92,7 +102,9 @@ class FileDiscovery:
                 continue
             self._seen = stamp
             try:
-                self._apply(worker_set, read_workers_file(self.path, self.roles))
+                if stamp is None:
+                    raise ValueError(f"cannot read the workers file {self.path}")
+                self._apply(worker_set, parse_workers(stamp, self.path, self.roles))
             except ValueError as exc:
                 log.warning("%s; keeping the workers known before", exc)
 
