@@ -472,6 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--interval", type=float, default=30.0, help="seconds between decisions (default 30)")
     plan.add_argument("--cooldown", type=float, default=120.0, help="seconds after a pool changed before it may "
                                                                     "shrink (default 120)")
+    plan.add_argument("--worker-startup", type=float, default=60.0, help="seconds from asking for a worker to its "
+                      "serving: image pull, model load (default 60); prompts queue meanwhile")
     plan.add_argument("--profile", help="a JSON profile of one worker's costs on the cluster's hardware")
     plan.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics of its decisions (0 = off)")
     plan.add_argument("--dry-run", action="store_true", help="log the decisions, change nothing")
@@ -495,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--max-prefill", type=int, default=2, help="most prefill workers (default 2)")
     planner.add_argument("--max-decode", type=int, default=2, help="most decode workers (default 2)")
     planner.add_argument("--planner-interval", type=float, default=30.0, help="seconds between decisions (default 30)")
+    planner.add_argument("--worker-startup", type=float, default=15.0, help="seconds a worker takes to start "
+                         "serving here (default 15); prompts queue meanwhile")
     planner.add_argument("--planner-profile", help="a JSON profile of one worker's costs (default: the default "
                                                    "model on the CPU Baton is developed on)")
     planner.add_argument("--dry-run", action="store_true", help="log the planner's decisions, change nothing")

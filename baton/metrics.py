@@ -102,6 +102,12 @@ class Metrics:
             start_http_server(port, addr=host, registry=self.served_registry())
 
 
+def cumulative_buckets(histogram: Histogram) -> list[tuple[float, int]]:
+    """(upper bound, requests at or under it) for each bucket of an unlabelled histogram, +Inf last."""
+    return [(float(sample.labels["le"]), int(sample.value)) for family in histogram.collect()
+            for sample in family.samples if sample.name.endswith("_bucket")]
+
+
 class _ReadCounter(Collector):
     def __init__(self, name: str, documentation: str, read: Callable[[], float]):
         self.name, self.documentation, self.read = name, documentation, read

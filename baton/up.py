@@ -328,7 +328,7 @@ def planner_settings(args):
     profile = load_profile(args.planner_profile)
     config = PlannerConfig(Objectives(ttft_s=args.ttft_target, itl_s=args.itl_target), min_prefill=args.prefill,
                            max_prefill=args.max_prefill, min_decode=args.decode, max_decode=args.max_decode,
-                           interval_s=args.planner_interval)
+                           interval_s=args.planner_interval, startup_s=args.worker_startup)
     return config, profile
 
 

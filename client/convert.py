@@ -164,7 +164,8 @@ def batch_item_from_proto(item: router_pb2.GenerateBatchResponse) -> GenerationR
 
 def message_fields(message: Any) -> dict[str, Any]:
     # Not json_format.MessageToDict: it turns uint64 counters into strings.
-    return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
+    return {f.name: list(getattr(message, f.name)) if f.is_repeated else getattr(message, f.name)
+            for f in message.DESCRIPTOR.fields}
 
 
 class ResultAssembler:

@@ -5,13 +5,17 @@ Each pool is sized apart, against its own objective, from a profile of what one 
 this hardware (DistServe's and Dynamo's planner's idea):
 
 - prefill: the prompt work predicted to arrive per second, in worker-seconds of prefill (the
-  profile's prefill time of the mean prompt), plus the backlog to clear within the next interval,
-  over a target utilisation; queueing behind each other is what TTFT loses first.
-- decode: the tokens per second predicted to be decoded over what one worker gives while its step
-  stays within the ITL target (the rows it then holds, over that step's time), at the same target
-  utilisation.
+  profile's prefill time of the mean prompt), plus the backlog to clear within the next interval
+  (what is queued, and what will queue until a worker asked for now serves: `startup_s`), over a
+  target utilisation; queueing behind each other is what TTFT loses first.
+- decode: the tokens per second predicted to arrive (requests times the tokens a request decodes)
+  over what one worker gives while its step stays within the ITL target (the rows it then holds,
+  over that step's time), at the same target utilisation; and at least the rows for the streams
+  already there.
 
-The load comes from a Holt predictor (level and trend, smoothed) of arrivals and token counts.
+The load comes from a Holt predictor (level and trend, smoothed) of arrivals and prompt tokens;
+the tokens a request decodes from the requests that finished (what a saturated pool decodes is its
+capacity, not the demand).
 When an objective is missed the pool gains a worker even if the prediction says it has enough (the
 profile was optimistic; for TTFT, only while prompts wait: a long prompt alone is not sped up by
 more workers); a pool shrinks only after `scale_down_after` intervals in a row asked for
@@ -91,6 +95,7 @@ class PlannerConfig:
     cooldown_s: float = 120.0  # after a pool changed, before it may shrink
     smoothing: float = 0.5  # Holt: weight of the newest interval in the level
     trend_smoothing: float = 0.3  # and in the trend
+    startup_s: float = 60.0  # from asking for a worker to its serving (image, model load, warm-up)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_prefill <= self.max_prefill or not 1 <= self.min_decode <= self.max_decode:
@@ -98,8 +103,8 @@ class PlannerConfig:
                              f"decode {self.min_decode}..{self.max_decode}")
         if not (0 < self.utilisation <= 1 and 0 < self.smoothing <= 1 and 0 <= self.trend_smoothing <= 1):
             raise ValueError("utilisation and smoothing must be in (0, 1]")
-        if self.interval_s <= 0 or self.cooldown_s < 0 or self.scale_down_after < 1:
-            raise ValueError("interval_s > 0, cooldown_s >= 0 and scale_down_after >= 1 are required")
+        if self.interval_s <= 0 or self.cooldown_s < 0 or self.scale_down_after < 1 or self.startup_s < 0:
+            raise ValueError("interval_s > 0, cooldown_s >= 0, startup_s >= 0 and scale_down_after >= 1 are required")
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,8 @@ class Observation:
     prefill_workers: int
     decode_workers: int
     prefill_backlog_tokens: int = 0  # queued, not yet prefilled, at the interval's end
+    finished: int = 0  # requests that finished decoding in the interval
+    decode_streams: int = 0  # at its end: streams decoding, plus those landed or landing that wait for a row
     ttft_s: float | None = None  # the interval's high percentile (None: no request finished one)
     itl_s: float | None = None
     kv_usage: float = 0.0  # decode KV pages in use, 0..1, the fullest worker
@@ -123,6 +130,9 @@ class Decision:
     prefill: int
     decode: int
     reasons: dict[str, str] = field(default_factory=dict)
+
+
+_MEMORY = 0.9  # weight of the past in the tokens-per-request ratio, per interval
 
 
 class _Holt:
@@ -151,6 +161,9 @@ class Planner:
     def __init__(self, config: PlannerConfig, profile: Profile) -> None:
         self.config, self.profile = config, profile
         self._rates = {k: _Holt(config.smoothing, config.trend_smoothing) for k in ("requests", "prompt", "output")}
+        # Tokens a request decodes, over the requests that finished: a ratio of totals, not of one
+        # interval's rates (a saturated decode pool decodes what it can, not what arrived).
+        self._decoded = self._finished = 0.0
         self._lower = {"prefill": 0, "decode": 0}  # intervals in a row that asked for fewer
         self._changed_at = {"prefill": -math.inf, "decode": -math.inf}
         self._backlog = 0  # prompt tokens waiting at the last interval's end
@@ -160,11 +173,17 @@ class Planner:
             raise ValueError(f"an observation covers a positive time, got {seen.seconds}")
         for key, count in (("requests", seen.requests), ("prompt", seen.prompt_tokens), ("output", seen.output_tokens)):
             self._rates[key].add(count / seen.seconds)
+        self._decoded = self._decoded * _MEMORY + seen.output_tokens
+        self._finished = self._finished * _MEMORY + seen.finished
         rate = self._rates["requests"].next()
         prompt = self._rates["prompt"].next() / rate if rate > 0 else 0.0
-        output = self._rates["output"].next() / rate if rate > 0 else 0.0
+        if self._finished >= 1:
+            output = self._decoded / self._finished
+        else:  # nothing finished yet: what was decoded per arrival
+            output = self._rates["output"].next() / rate if rate > 0 else 0.0
         objectives = self.config.objectives
-        want_prefill, want_decode, reasons = self.size(rate, prompt, output, seen.prefill_backlog_tokens)
+        want_prefill, want_decode, reasons = self.size(rate, prompt, output, seen.prefill_backlog_tokens,
+                                                       seen.prefill_workers, seen.decode_streams)
         # A missed TTFT with prompts waiting is queueing: the pool does not shrink then, and gains a
         # worker while the queue grows (a long prompt alone missing it is not helped by more workers).
         backlog_grew = seen.prefill_backlog_tokens > self._backlog
@@ -186,15 +205,21 @@ class Planner:
                               self.config.max_decode, now, reasons)
         return Decision(prefill, decode, reasons)
 
-    def size(self, rate: float, prompt_tokens: float, output_tokens: float,
-             backlog_tokens: int = 0) -> tuple[int, int, dict[str, str]]:
-        """The workers a steady load needs (before bounds and hysteresis): prefill, decode, why."""
+    def size(self, rate: float, prompt_tokens: float, output_tokens: float, backlog_tokens: int = 0,
+             prefill_workers: int | None = None, streams: int = 0) -> tuple[int, int, dict[str, str]]:
+        """The workers a load needs (before bounds and hysteresis): prefill, decode, why. With the
+        pools' present state (prompt tokens queued, prefill workers, decode streams held or waiting)
+        it also sizes for catching up, not only for keeping up."""
         objectives, utilisation = self.config.objectives, self.config.utilisation
         # Prefill: worker-seconds of prompt work per second, plus the backlog cleared within the next
-        # interval (a worker started now serves about then; sized to clear it within the TTFT, a
-        # burst's queue asked for workers that came when it was gone).
+        # interval (sized to clear it within the TTFT, a burst's queue asked for workers that came
+        # when it was gone). The backlog is what is queued now (at the mean prompt's cost per token:
+        # many prompts, not one long one) and what will queue until a worker asked for now serves.
         work = rate * self.profile.prefill_seconds(prompt_tokens) if rate > 0 else 0.0
-        backlog = self.profile.prefill_seconds(backlog_tokens) if backlog_tokens else 0.0
+        per_token = self.profile.prefill_seconds(max(prompt_tokens, 1)) / max(prompt_tokens, 1)
+        backlog = backlog_tokens * per_token
+        if prefill_workers is not None:
+            backlog += max(0.0, work - prefill_workers) * self.config.startup_s
         horizon = max(objectives.ttft_s, self.config.interval_s)
         prefill = math.ceil((work + backlog / horizon) / utilisation - 1e-9)
         # Decode: tokens per second over what one worker gives while its step stays within the ITL
@@ -203,11 +228,14 @@ class Planner:
         per_worker = rows / self.profile.step_seconds(rows)
         tokens = rate * output_tokens
         decode = math.ceil(tokens / (per_worker * utilisation) - 1e-9)
+        # and rows for every stream already there (a burst's prompts land faster than they finish)
+        decode = max(decode, math.ceil(streams / (rows * utilisation) - 1e-9))
         return prefill, decode, {
             "prefill": f"{rate:.2f} req/s x {prompt_tokens:.0f} prompt tokens = {work:.2f} prefill-s/s, backlog "
-                       f"{backlog_tokens} tokens, at {utilisation:.0%}: {prefill}",
+                       f"{backlog:.0f} prefill-s ({backlog_tokens} tokens queued), at {utilisation:.0%}: {prefill}",
             "decode": f"{rate:.2f} req/s x {output_tokens:.0f} tokens = {tokens:.0f} tokens/s; a worker gives "
-                      f"{per_worker:.0f} within ITL ({rows} rows), at {utilisation:.0%}: {decode}"}
+                      f"{per_worker:.0f} within ITL ({rows} rows; {streams} streams now), at {utilisation:.0%}: "
+                      f"{decode}"}
 
     def _settle(self, pool: str, current: int, wanted: int, low: int, high: int, now: float,
                 reasons: dict[str, str]) -> int:

@@ -55,9 +55,11 @@ class LocalScaler:
 
 
 def reading_from(status, at: float) -> Reading:
-    """A Reading of the SDK's ClusterStatus (healthy workers only)."""
+    """A Reading of the SDK's ClusterStatus (healthy workers only, and the router's TTFT histogram)."""
+    routing = status.routing or {}
     return Reading(at, {w.address: w.prefill for w in status.workers if w.role == "prefill" and w.healthy and w.prefill},
-                   {w.address: w.decode for w in status.workers if w.role == "decode" and w.healthy and w.decode})
+                   {w.address: w.decode for w in status.workers if w.role == "decode" and w.healthy and w.decode},
+                   tuple(zip(routing.get("ttft_bounds_s", ()), routing.get("ttft_counts", ()))))
 
 
 class PlannerLoop:
@@ -93,6 +95,7 @@ class PlannerLoop:
         for name in ("requests", "prompt_tokens", "output_tokens", "prefill_backlog_tokens"):
             self._inputs.labels(name).set(getattr(seen, name) / (1 if name.endswith("backlog_tokens") else seen.seconds))
         self._inputs.labels("itl_s").set(seen.itl_s or 0.0)
+        self._inputs.labels("ttft_s").set(seen.ttft_s or 0.0)
         self._inputs.labels("kv_usage").set(seen.kv_usage)
         loads = worker_loads(reading)
         for pool in POOLS:
@@ -139,7 +142,7 @@ def run_kubernetes(args, client_kwargs: dict) -> int:
     profile = load_profile(args.profile)
     config = PlannerConfig(Objectives(ttft_s=args.ttft_target, itl_s=args.itl_target), min_prefill=args.min_prefill,
                            max_prefill=args.max_prefill, min_decode=args.min_decode, max_decode=args.max_decode,
-                           interval_s=args.interval, cooldown_s=args.cooldown)
+                           interval_s=args.interval, cooldown_s=args.cooldown, startup_s=args.worker_startup)
     stop = StopSignals()
     try:
         kube_config.load_incluster_config()

@@ -88,6 +88,8 @@ class SimResult:
     timeline: list[tuple[float, float, int, int]]  # (time, arrivals per second, prefill, decode)
     moved: int  # decode streams moved with their KV by a scale-down
     unfinished: int
+    ttft_p50: float = 0.0
+    ttft_p90: float = 0.0
 
 
 class Simulation:
@@ -110,7 +112,7 @@ class Simulation:
                        "decode": [_Worker(0.0, 0.0) for _ in range(first[1])]}
         self._requests = [_Request(a, tokens_left=a.output_tokens) for a in trace]
         self._window: list[_Request] = []  # finished their first token in this interval
-        self._arrived = self._prompt = self._output = 0
+        self._arrived = self._prompt = self._output = self._finished = 0
         self.moved, timeline = 0, []
         for request in self._requests:
             self._at(request.arrival.at, self._arrive, request)
@@ -126,9 +128,10 @@ class Simulation:
         ttft_ok = [r.first_token_at - r.arrival.at <= self.objectives.ttft_s for r in done]
         itl_ok = [self._itl(r) <= self.objectives.itl_s for r in done]
         total = max(len(self._requests), 1)
+        ttfts = sorted(r.first_token_at - r.arrival.at for r in done)
         return SimResult(len(self._requests), sum(a and b for a, b in zip(ttft_ok, itl_ok)) / total,
                          sum(ttft_ok) / total, sum(itl_ok) / total, seconds, timeline, self.moved,
-                         len(self._requests) - len(done))
+                         len(self._requests) - len(done), ttft_p50=_quantile(ttfts, 0.5), ttft_p90=_quantile(ttfts, 0.9))
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -185,6 +188,7 @@ class Simulation:
             if request.tokens_left <= 0:
                 request.done_at = now
                 worker.rows.remove(request)
+                self._finished += 1
         if worker.stopped is not None:  # removed while stepping: what it holds moves on
             self._move_rows(now, worker)
             worker.stepping = False
@@ -199,13 +203,14 @@ class Simulation:
         seen = Observation(
             seconds=self.interval_s, requests=self._arrived, prompt_tokens=self._prompt, output_tokens=self._output,
             prefill_workers=len(live_p), decode_workers=len(live_d),
-            prefill_backlog_tokens=sum(r.arrival.prompt_tokens for r in self._queue),
+            prefill_backlog_tokens=sum(r.arrival.prompt_tokens for r in self._queue), finished=self._finished,
+            decode_streams=sum(len(w.rows) + len(w.waiting) for w in live_d),
             ttft_s=_p90([r.first_token_at - r.arrival.at for r in finished]),
             itl_s=_p90([self._itl(r) for r in finished if r.done_at is not None] or
                        [self.profile.step_seconds(len(w.rows)) for w in live_d if w.rows]),
             kv_usage=max((len(w.rows) + len(w.waiting)) / self.profile.max_rows for w in live_d) if live_d else 0.0)
         timeline.append((now, self._arrived / self.interval_s, len(live_p), len(live_d)))
-        self._window, self._arrived, self._prompt, self._output = [], 0, 0, 0
+        self._window, self._arrived, self._prompt, self._output, self._finished = [], 0, 0, 0, 0
         if self.planner is not None:
             decision = self.planner.decide(seen, now)
             self._resize("prefill", live_p, decision.prefill, now)
@@ -238,7 +243,8 @@ class Simulation:
 
 
 def _p90(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    return _quantile(sorted(values), 0.9) if values else None
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0

@@ -11,7 +11,7 @@ import grpc
 
 from baton.auth import BearerTokenInterceptor, load_token
 from baton.config import ClusterSettings, ModelSettings, RouterSettings, TLSSettings
-from baton.metrics import Metrics
+from baton.metrics import Metrics, cumulative_buckets
 from baton.server import GrpcServer, NotReady, cluster_token
 from baton.v1 import router_pb2, router_pb2_grpc
 from baton.engine.model import load_tokenizer_view
@@ -134,6 +134,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         status = router_pb2.ClusterStatus(routing=router_pb2.RoutingStats(
             requests=stats.requests, predicted_cached_tokens=stats.predicted_tokens,
             actual_cached_tokens=stats.actual_tokens, accuracy=stats.accuracy))
+        for bound, count in cumulative_buckets(self.metrics.vllm_ttft):
+            status.routing.ttft_bounds_s.append(bound)
+            status.routing.ttft_counts.append(count)
         for w in self.pool.all():
             entry = status.workers.add(address=w.view.address, role=w.role, healthy=w.view.healthy)
             if w.last_load is not None:

@@ -968,6 +968,7 @@ def test_the_planner_runs_with_least_privilege_and_owns_the_worker_replicas(helm
     flags = dict(zip(args[3::2], args[4::2]))
     assert args[2] == "planner" and "--dry-run" in args and flags["--min-decode"] == "2" and flags["--max-decode"] == "6"
     assert flags["--router"] == f"{RELEASE}-router:50051" and flags["--token-file"].endswith("/token")
+    assert flags["--worker-startup"] == "60"
     assert json.loads(find(docs, "ConfigMap", f"{RELEASE}-planner-profile")[0]["data"]["profile.json"])["max_rows"] == 64
     for role in ("prefill", "decode"):
         assert "replicas" not in find(docs, "Deployment", f"{RELEASE}-{role}")[0]["spec"]

@@ -2,6 +2,8 @@
 (planner/simulator.py): plain Python, milliseconds."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from baton.planner.policy import Objectives, Observation, Planner, PlannerConfig, Profile
@@ -37,7 +39,7 @@ def test_each_pool_is_sized_against_its_own_objective():
     # prefill: 10 req/s x 0.218 s of prefill = 2.18 worker-s/s at 80%; decode: 600 tokens/s over
     # 8 rows / 0.06 s = 133 tokens/s a worker, at 80%
     assert (prefill, decode) == (3, 6)
-    assert "prefill-s/s" in why["prefill"] and "(8 rows)" in why["decode"]
+    assert "prefill-s/s" in why["prefill"] and "(8 rows;" in why["decode"]
     # A tighter ITL leaves fewer rows a worker: more decode workers for the same load.
     tight = Planner(PlannerConfig(Objectives(ttft_s=2.0, itl_s=0.045), utilisation=0.8), PROFILE)
     assert tight.size(10, 100, 60)[:2] == (3, 9)  # 4 rows at 0.043 s: 93 tokens/s a worker
@@ -45,7 +47,7 @@ def test_each_pool_is_sized_against_its_own_objective():
 
 def test_pools_grow_at_once_and_shrink_one_at_a_time_after_hysteresis_and_cooldown():
     config = PlannerConfig(OBJECTIVES, utilisation=0.8, scale_down_after=3, cooldown_s=200, smoothing=1.0,
-                           trend_smoothing=0.0, max_prefill=8, max_decode=8)
+                           trend_smoothing=0.0, max_prefill=8, max_decode=8, startup_s=0)
     planner = Planner(config, PROFILE)
     decision = planner.decide(seen(10, 1, 1), now=0)
     assert (decision.prefill, decision.decode) == (3, 6)  # up at once, by as many as needed
@@ -63,6 +65,32 @@ def test_pools_grow_at_once_and_shrink_one_at_a_time_after_hysteresis_and_cooldo
     assert counts[4:7] == [(2, 5)] * 3 and counts[7] == (1, 4)
     assert counts[-1] == (1, 1)  # what the tenth of the load needs, reached one worker at a time
     assert all(a[1] - b[1] in (0, 1) for a, b in zip(counts, counts[1:]))
+
+
+def test_a_pool_behind_sizes_for_catching_up_not_only_for_keeping_up():
+    config = PlannerConfig(OBJECTIVES, utilisation=0.8, interval_s=30, startup_s=60, smoothing=1.0,
+                           trend_smoothing=0.0, max_prefill=32, max_decode=32)
+    planner = Planner(config, PROFILE)
+    keeping_up = planner.size(10, 100, 60)[:2]
+    assert keeping_up == (3, 6)  # 2.16 prefill-s/s and 600 tokens/s, at 80%
+    # One prefill worker for 2.16 prefill-s/s: 1.16 s of prompts queue each second until a worker
+    # asked for now serves (60 s), to be cleared within the interval (30 s): 2.16 + 69.6 / 30.
+    assert planner.size(10, 100, 60, prefill_workers=1)[0] == 6
+    assert planner.size(10, 100, 60, prefill_workers=3)[0] == 3  # keeping up: no more
+    # 2,000 tokens queued are 20 prompts of 100 (20 x 0.218 s), not one prompt of 2,000 (3.98 s)
+    assert planner.size(10, 100, 60, backlog_tokens=2000, prefill_workers=3)[0] == math.ceil((2.158 + 4.316 / 30) / 0.8)
+    # 100 streams decoding or waiting for a row need 100 / (8 rows at 80%) workers, whatever the rate
+    assert planner.size(1, 100, 60, streams=100)[1] == 16
+
+
+def test_decode_is_sized_by_the_tokens_requests_ask_for_not_by_what_a_saturated_pool_decodes():
+    config = PlannerConfig(OBJECTIVES, utilisation=0.8, smoothing=1.0, trend_smoothing=0.0, max_decode=32)
+    planner = Planner(config, PROFILE)
+    # 10 req/s of 60 tokens (600 tokens/s) on 2 workers that decode 266 tokens/s between them: what
+    # finished says 60 tokens a request, so 6 workers, not the 2 the decoded count alone would keep
+    saturated = Observation(seconds=60, requests=600, prompt_tokens=60000, output_tokens=16000, finished=266,
+                            prefill_workers=3, decode_workers=2)
+    assert planner.decide(saturated, now=0).decode == 6
 
 
 def test_a_missed_objective_adds_a_worker_and_bounds_hold():
@@ -128,23 +156,41 @@ def test_an_interval_is_read_from_two_load_reports():
     from baton.planner.observe import Reading, observe, worker_loads
 
     before = Reading(100.0, {"p:1": {"requests_done": 10, "prompt_tokens_forwarded": 1000}},
-                     {"d:1": {"decode_tokens_forwarded": 500, "rows_in_use": 2}})
+                     {"d:1": {"decode_tokens_forwarded": 500, "rows_in_use": 2, "requests_finished": 4}})
     now = Reading(110.0, {"p:1": {"requests_done": 30, "prompt_tokens_forwarded": 3000, "queued_tokens": 40,
-                                  "prefix_cache_bytes": 7},
+                                  "queued": 2, "prefix_cache_bytes": 7},
                           "p:2": {"requests_done": 5, "prompt_tokens_forwarded": 400, "draining": True}},
                   {"d:1": {"decode_tokens_forwarded": 900, "rows_in_use": 4, "kv_bytes_allocated": 30,
-                           "kv_budget_bytes": 100, "staged": 1},
+                           "kv_budget_bytes": 100, "staged": 1, "waiting_for_kv": 2, "requests_finished": 9},
                    "d:2": {"decode_tokens_forwarded": 100, "rows_in_use": 0, "kv_bytes_allocated": 60,
                            "kv_budget_bytes": 100}})
     seen = observe(before, now)
-    assert (seen.seconds, seen.requests, seen.prompt_tokens, seen.output_tokens) == (10.0, 25, 2400, 500)
+    # arrived: prefilled plus what the queue grew by (2 prompts, 40 tokens)
+    assert (seen.seconds, seen.requests, seen.prompt_tokens, seen.output_tokens) == (10.0, 27, 2440, 500)
+    assert (seen.finished, seen.decode_streams) == (5, 7)
     assert (seen.prefill_workers, seen.decode_workers, seen.prefill_backlog_tokens) == (1, 2, 40)
     assert seen.itl_s == pytest.approx(10 * 4 / 400) and seen.kv_usage == pytest.approx(0.6)
     restarted = Reading(120.0, {"p:1": {"requests_done": 3}}, {})  # its counters began again
     assert observe(now, restarted).requests == 3
     loads = worker_loads(now)
     assert [(w.address, w.cached_bytes, w.draining) for w in loads["prefill"]] == [("p:1", 7, False), ("p:2", 0, True)]
-    assert [(w.address, w.rows) for w in loads["decode"]] == [("d:1", 5), ("d:2", 0)]
+    assert [(w.address, w.rows) for w in loads["decode"]] == [("d:1", 7), ("d:2", 0)]  # rows, staged, landing
+
+
+def test_ttft_is_the_interval_s_percentile_of_the_router_s_histogram():
+    from baton.planner.observe import Reading, interval_quantile, observe
+
+    inf = float("inf")
+    before = ((1.0, 10), (2.5, 20), (5.0, 20), (inf, 20))
+    now = ((1.0, 10), (2.5, 30), (5.0, 110), (inf, 120))  # 100 more: 10 under 2.5 s, 80 to 5 s, 10 beyond
+    assert interval_quantile(before, now, 0.9) == pytest.approx(2.5 + 2.5 * (90 - 10) / 80)
+    assert interval_quantile(before, now, 0.05) == pytest.approx(1.0 + 1.5 * 5 / 10)
+    assert interval_quantile(before, now, 0.99) == 5.0  # past the last bound: that bound
+    assert interval_quantile(now, now, 0.9) is None  # nothing in the interval
+    assert interval_quantile(now, ((1.0, 1), (2.5, 1), (5.0, 2), (inf, 2)), 0.9) == pytest.approx(2.5 + 2.5 * 0.8)
+    seen = observe(Reading(0.0, {}, {}, before), Reading(10.0, {}, {}, now))
+    assert seen.ttft_s == pytest.approx(5.0)
+    assert observe(Reading(0.0, {}, {}), Reading(10.0, {}, {})).ttft_s is None
 
 
 def test_a_large_pool_shrinks_by_a_quarter_at_a_time():

@@ -80,7 +80,7 @@ def test_the_planner_adds_workers_as_load_rises_and_removes_them_as_it_falls(tin
     six streams at once need both pools' maximum, and an idle cluster their minimum."""
     profile = Profile(prefill=((1, 0.05), (64, 0.5)), step=((1, 0.05), (4, 0.2)), max_rows=4)
     config = PlannerConfig(Objectives(ttft_s=1.0, itl_s=0.05), max_prefill=2, max_decode=2, interval_s=1.0,
-                           scale_down_after=2, cooldown_s=2.0, smoothing=1.0, trend_smoothing=0.0)
+                           scale_down_after=2, cooldown_s=2.0, smoothing=1.0, trend_smoothing=0.0, startup_s=3.0)
     with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=4, dynamic=True) as cluster, \
             BatonClient(cluster.router_address, timeout=120) as client:
         loop = PlannerLoop(Planner(config, profile), lambda: reading_from(client.cluster_status(), time.monotonic()),
@@ -94,16 +94,18 @@ def test_the_planner_adds_workers_as_load_rises_and_removes_them_as_it_falls(tin
 
         load = threading.Thread(target=waves)
         load.start()
-        counts = []
+        counts, ttfts = [], []
         deadline = time.monotonic() + 120
         while (load.is_alive() or not counts or counts[-1] != (1, 1)) and time.monotonic() < deadline:
             loop.step()  # in this thread: it started the cluster's processes (lifeline)
             counts.append((len(cluster.prefill_addrs), len(cluster.decode_addrs)))
+            ttfts.append(loop.registry.get_sample_value("baton_planner_input", {"name": "ttft_s"}))
             time.sleep(config.interval_s)
         load.join()
     print(f"\nworkers (prefill, decode) each interval: {counts}")
     assert max(c[1] for c in counts) == 2, counts  # it grew under load ...
     assert counts[-1] == (1, 1), counts  # ... and shrank back when it ended
+    assert max(t or 0 for t in ttfts) > 0, ttfts  # it read TTFT from the router's histogram
     for i, prompt in enumerate(prompts):
         assert results[i] == tiny_reference.greedy(prompt, 64), f"request {i}: {results[i]!r}"[:300]
     assert cluster.procs == []

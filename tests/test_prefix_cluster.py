@@ -36,6 +36,9 @@ def test_two_routers_sharing_redis_send_a_repeated_prefix_to_its_holder(redis_se
                 holders.add(seen.trace.prefill_worker)
             routing = second.cluster_status().routing
             assert routing["accuracy"] == 1.0 and routing["requests"] == 4
+            # its TTFT histogram, cumulative (what the planner reads): the 4 requests it served
+            assert routing["ttft_bounds_s"][-1] == float("inf") and routing["ttft_counts"][-1] == 4
+            assert routing["ttft_counts"] == sorted(routing["ttft_counts"])
             # A client of both routers (what a headless Service resolves to) spreads its calls.
             both = "ipv4:" + ",".join(cluster.router_addresses)
             with BatonClient(both, timeout=60, load_balancing="round_robin") as spread:
