@@ -162,6 +162,8 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
                         help="CA certificate (PEM) that signed the router's certificate; implies --tls")
     parser.add_argument("--cert", metavar="FILE", help="client certificate (PEM) for mutual TLS; implies --tls")
     parser.add_argument("--key", metavar="FILE", help="private key (PEM) of --cert")
+    parser.add_argument("--server-name", metavar="NAME", help="check the router's certificate for this name "
+                        "instead of --router's host; implies --tls")
     token = parser.add_mutually_exclusive_group()
     token.add_argument("--token", help="bearer token the router requires (visible to `ps`; prefer --token-file)")
     token.add_argument("--token-file", metavar="FILE", help="a file holding the bearer token")
@@ -170,7 +172,7 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
 def connection_kwargs(args) -> dict:
     """BatonClient keywords from add_connection_args' flags."""
     given = [flag for flag, value in (("--tls", args.tls), ("--ca", args.ca), ("--cert", args.cert),
-                                      ("--key", args.key), ("--token", args.token),
+                                      ("--key", args.key), ("--server-name", args.server_name), ("--token", args.token),
                                       ("--token-file", args.token_file)) if value]
     if given and not args.router:
         raise UsageError(f"{', '.join(given)} configure the connection to --router HOST:PORT; add --router")
@@ -182,12 +184,14 @@ def connection_kwargs(args) -> dict:
             token = open(args.token_file, encoding="utf-8").read().strip()
         except OSError as exc:
             raise UsageError(f"cannot read --token-file {args.token_file}: {exc.strerror}") from None
-    tls = args.tls or any(v is not None for v in (args.ca, args.cert))
+    tls = args.tls or any(v is not None for v in (args.ca, args.cert, args.server_name))
     kwargs = {"tls": tls, "token": token or None, "timeout": getattr(args, "timeout", None)}
     if args.ca:
         kwargs["root_certificates"] = args.ca
     if args.cert:
         kwargs.update(client_cert=args.cert, client_key=args.key)
+    if args.server_name:
+        kwargs["tls_server_name"] = args.server_name
     return kwargs
 
 

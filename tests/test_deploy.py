@@ -62,12 +62,14 @@ DERIVED_KEYS = {
 EXTRA_CASES = {
     "tls-hostpath": {
         "tls": {"enabled": True, "secretName": "baton-tls", "probeServerName": "baton.internal"},
+        "planner": {"enabled": True},  # it reaches the router over mutual TLS
         "model": {"source": "hostPath", "hostPath": {"path": "/mnt/models"}, "subPath": "llama"},
         "redis": {"enabled": False, "externalUrlSecret": {"name": "redis-credentials"}},
         "prefill": {"logLevel": "DEBUG", "extraArgs": ["--max-batch-tokens", "8192"], "env": [{"name": "BATON_PREFILL_MAX_QUEUE", "value": "64"}]},
     },
     "tls-server-name": {
         "tls": {"enabled": True, "secretName": "baton-tls", "hasCA": False, "serverName": "workers.baton.internal"},
+        "planner": {"enabled": True},  # over TLS, the system's roots
     },
     "own-cluster-token": {"clusterAuth": {"tokenSecret": {"name": "my-cluster-token", "key": "secret"}}},
     "opened": {"auth": {"open": True}, "networkPolicy": {"enabled": False},  # what an operator opens on purpose
@@ -977,6 +979,27 @@ def test_the_planner_runs_with_least_privilege_and_owns_the_worker_replicas(helm
     assert any(p.get("podSelector", {}).get("matchLabels", {}).get("baton.io/role") == "planner"
                for p in router_policy["spec"]["ingress"][0]["from"])
     assert not find(rendered(helm_report, "default"), "Deployment", f"{RELEASE}-planner")
+    assert "--tls" not in args and "--ca" not in args  # no TLS in this case
+
+
+@pytest.mark.parametrize("case", ["tls-hostpath", "tls-server-name"])
+def test_the_planner_reaches_a_tls_router_with_the_release_s_certificates(helm_report, case):
+    pod = find(rendered(helm_report, case), "Deployment", f"{RELEASE}-planner")[0]["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["tls"] == "/etc/baton/tls" and pod["volumes"][-1]["secret"]["secretName"] == "baton-tls"
+    if case == "tls-hostpath":  # with the CA: verified, and a client certificate for mutual TLS
+        assert args[args.index("--ca") + 1] == "/etc/baton/tls/ca.crt"
+        assert args[args.index("--cert") + 1] == "/etc/baton/tls/tls.crt" and "--key" in args
+        assert args[args.index("--server-name") + 1] == "baton.internal"
+    else:
+        assert "--tls" in args and "--ca" not in args
+        assert args[args.index("--server-name") + 1] == "workers.baton.internal"
+    # every flag the chart passes is one `baton planner` parses
+    from baton.cli import build_parser
+
+    parsed = build_parser().parse_args(args)
+    assert parsed.server_name and parsed.func.__name__ == "cmd_planner"
 
 
 def test_keda_scaled_objects_scale_each_worker_deployment_on_its_query(helm_report):

@@ -258,9 +258,6 @@ Seconds a role drains on SIGTERM: its config's drain_timeout_s (20 unless set).
 {{- if and $v.keda.enabled (not $v.keda.prometheusAddress) }}
 {{- fail "keda.enabled needs keda.prometheusAddress: the Prometheus its ScaledObjects query" }}
 {{- end }}
-{{- if and $v.planner.enabled $v.tls.enabled }}
-{{- fail "planner.enabled with tls.enabled is not supported yet: the planner calls the router in plaintext" }}
-{{- end }}
 {{- range $role := list "prefill" "decode" }}
 {{- $bounds := index $v.planner $role }}
 {{- if and $v.planner.enabled (or (lt (int $bounds.min) 1) (gt (int $bounds.min) (int $bounds.max))) }}
