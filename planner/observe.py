@@ -79,8 +79,9 @@ def observe(before: Reading, now: Reading) -> Observation:
         requests=max(0, grown("prefill", "requests_done") + queue_grew("queued")),
         prompt_tokens=max(0, grown("prefill", "prompt_tokens_forwarded") + queue_grew("queued_tokens")),
         output_tokens=output, finished=grown("decode", "requests_finished"),
-        decode_streams=sum(load.get("rows_in_use", 0) + load.get("staged", 0) + load.get("waiting_for_kv", 0)
-                           for load in now.decode.values()),
+        # streams in rows and landed ones waiting for a row; not those whose KV is still to come (the
+        # router opens a stream before its prefill: they are the prefill pool's queue)
+        decode_streams=sum(load.get("rows_in_use", 0) + load.get("staged", 0) for load in now.decode.values()),
         prefill_workers=sum(not load.get("draining") for load in now.prefill.values()),
         decode_workers=sum(not load.get("draining") for load in now.decode.values()),
         prefill_backlog_tokens=sum(load.get("queued_tokens", 0) for load in now.prefill.values()),

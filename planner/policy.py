@@ -119,7 +119,7 @@ class Observation:
     decode_workers: int
     prefill_backlog_tokens: int = 0  # queued, not yet prefilled, at the interval's end
     finished: int = 0  # requests that finished decoding in the interval
-    decode_streams: int = 0  # at its end: streams decoding, plus those landed or landing that wait for a row
+    decode_streams: int = 0  # at its end: streams decoding, plus those landed that wait for a row
     ttft_s: float | None = None  # the interval's high percentile (None: no request finished one)
     itl_s: float | None = None
     kv_usage: float = 0.0  # decode KV pages in use, 0..1, the fullest worker
