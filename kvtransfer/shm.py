@@ -113,29 +113,35 @@ def push_kv_shm(port: int, request_id: str, fingerprint: str, kv: SequenceKV, me
     header = kv_header(request_id, fingerprint, kv, metadata, DEFAULT_CHUNK_BYTES, push_token)
     token = (cluster_token or "").encode()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
-        sock.settimeout(CONNECT_TIMEOUT_S)
-        try:
-            sock.connect(socket_name(port))
-        except (ConnectionRefusedError, FileNotFoundError) as exc:
-            raise NoSharedMemoryPeer(f"no decode worker takes shared-memory pushes for port {port} here") from exc
-        except OSError as exc:  # its backlog is full, say: gRPC may still get through
-            raise KVPushFailed("UNAVAILABLE", f"could not connect for the shared-memory push of {request_id!r}: "
-                               f"{exc}") from None
-        try:
-            fd, crc = _sealed_copy(kv, request_id)
-        except OSError as exc:  # no memory or descriptors for the file here: gRPC needs neither
-            raise KVPushFailed("UNAVAILABLE", f"no memory file for the shared-memory push of {request_id!r}: "
-                               f"{exc}") from None
-        try:
+    # The memory file first, then the connection: the receiver gives a connection a second for its
+    # frame, and copying a long prompt's KV on a busy host can take longer (it closed, the send
+    # broke, the copy was made again).
+    try:
+        fd, crc = _sealed_copy(kv, request_id)
+    except OSError as exc:  # no memory or descriptors for the file here: gRPC needs neither
+        raise KVPushFailed("UNAVAILABLE", f"no memory file for the shared-memory push of {request_id!r}: "
+                           f"{exc}") from None
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
+            sock.settimeout(CONNECT_TIMEOUT_S)
+            try:
+                sock.connect(socket_name(port))
+            except (ConnectionRefusedError, FileNotFoundError) as exc:
+                raise NoSharedMemoryPeer(f"no decode worker takes shared-memory pushes for port {port} here") from exc
+            except OSError as exc:  # its backlog is full, say: gRPC may still get through
+                raise KVPushFailed("UNAVAILABLE", f"could not connect for the shared-memory push of {request_id!r}: "
+                                   f"{exc}") from None
             frame = _PREFIX.pack(MAGIC, crc, len(token)) + token + header.SerializeToString()
             try:
                 socket.send_fds(sock, [frame], [fd])
             except OSError as exc:
                 raise KVPushFailed("UNAVAILABLE", f"the shared-memory push of {request_id!r} broke: {exc}") from None
-        finally:
-            os.close(fd)  # the receiver holds its own descriptor now (or none: the memory is freed)
-        return _await_reply(sock, request_id, deadline)
+            os.close(fd)  # the receiver holds its own descriptor now: the memory goes when it is done
+            fd = -1
+            return _await_reply(sock, request_id, deadline)
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _sealed_copy(kv: SequenceKV, request_id: str) -> tuple[int, int]:
