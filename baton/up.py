@@ -25,7 +25,7 @@ from baton.lifeline import PARENT_ENV, StopSignals  # the processes Baton starts
 from baton.server import channel
 from baton.engine.threads import split_cores
 from baton.netns import Hosts
-from baton.router.discovery.file import write_workers_file
+from baton.router.discovery.file import POLL_S, write_workers_file
 
 STARTUP_TIMEOUT_S = 600  # the first start converts the default model
 
@@ -247,6 +247,9 @@ class LocalCluster:
             raise ValueError(f"{address} is its role's last worker; a cluster keeps one of each")
         self._forget(address)
         self._write_workers()
+        # The router and the prefill workers read the file every POLL_S: a request routed there
+        # meanwhile would find the worker gone (Kubernetes' preStop sleep is the same wait).
+        time.sleep(3 * POLL_S)
         proc.send_signal(signal.SIGTERM)
         try:
             return proc.wait(timeout)

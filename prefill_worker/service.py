@@ -92,6 +92,8 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
                 # decode worker. Overload stays RESOURCE_EXHAUSTED.
                 code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.code == "RESOURCE_EXHAUSTED" else grpc.StatusCode.ABORTED
                 context.abort(code, f"KV transfer to {request.decode_target} failed: {exc}")
+            except ConnectionAbortedError as exc:  # stopped before its turn: another worker may take it
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             except Exception as exc:  # noqa: BLE001 - reported to the caller, worker stays up
                 if done.cancelled():
                     context.abort(grpc.StatusCode.CANCELLED, "prefill cancelled")

@@ -108,8 +108,8 @@ class PrefillChain(KVSource):
                 chosen = self.dispatcher.picker.pick_prefill(others, len(self.prompt))
                 worker = self.dispatcher.pool.get("prefill", chosen.address)
                 if worker is not None:
-                    log.warning("prefill on %s failed (%s); retrying on %s", failed.view.address, err.code().name,
-                                worker.view.address)
+                    log.warning("prefill on %s failed (%s: %s); retrying on %s", failed.view.address,
+                                err.code().name, (err.details() or "")[:300], worker.view.address)
                     self.route.prefill = worker
                     self.route.predicted_cached_tokens = chosen.predicted_cached_tokens  # what it holds, not the first
                     self._launch(worker)
