@@ -90,6 +90,7 @@ class SimResult:
     unfinished: int
     ttft_p50: float = 0.0
     ttft_p90: float = 0.0
+    itl_p50: float = 0.0
 
 
 class Simulation:
@@ -131,7 +132,8 @@ class Simulation:
         ttfts = sorted(r.first_token_at - r.arrival.at for r in done)
         return SimResult(len(self._requests), sum(a and b for a, b in zip(ttft_ok, itl_ok)) / total,
                          sum(ttft_ok) / total, sum(itl_ok) / total, seconds, timeline, self.moved,
-                         len(self._requests) - len(done), ttft_p50=_quantile(ttfts, 0.5), ttft_p90=_quantile(ttfts, 0.9))
+                         len(self._requests) - len(done), ttft_p50=_quantile(ttfts, 0.5), ttft_p90=_quantile(ttfts, 0.9),
+                         itl_p50=_quantile(sorted(self._itl(r) for r in done), 0.5))
 
     # -- events ---------------------------------------------------------------------------------
 

@@ -70,7 +70,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
                    "25 Gbit/s vs one host: long prompts' first and second token and transfer stage, KV pushed "
                    "after the prefill vs streamed while it runs (needs root)", "baton.bench.hosts"),
     Suite("planner", "issue 35: the SLO planner over a simulated day (diurnal, bursty) with the profile measured "
-                     "here, against static pools for the peak: objectives met and worker-hours", "baton.bench.planner"),
+                     "here, against static pools for the peak: objectives met and worker-hours; then a compressed "
+                     "day on real processes beside what the simulator predicts for it", "baton.bench.planner"),
     Suite("invariance", "issue 32 on CUDA: decode step (1-64 rows) and prefill with batch invariance on and off, "
                         "and whether a row keeps its bits beside 15 others (needs a CUDA GPU)",
           "baton.bench.invariance"),

@@ -140,6 +140,28 @@ def replicas_and_load(path: Path, title: str, hours: list[float], rate: list[flo
     for (name, counts), color in zip(pools.items(), ("tab:blue", "tab:green")):
         workers.step(hours, counts, where="post", color=color, linewidth=1.2, label=f"{name} workers (planner)")
         workers.axhline(static[name], color=color, linestyle="--", linewidth=0.8, label=f"{name} workers (static)")
+    return _finish_twin(fig, ax, workers, title, path)
+
+
+def replicas_measured_and_modelled(path: Path, title: str, measured: tuple[list[float], dict[str, list[int]]],
+                                   modelled: tuple[list[float], dict[str, list[int]]],
+                                   rate: tuple[list[float], list[float]]) -> Path:
+    """Each pool's workers over a run (minutes): the real cluster's (solid) and the simulator's (dashed),
+    with the arrival rate."""
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    ax.plot(*rate, color="tab:gray", linewidth=0.8, label="arrivals per second")
+    ax.set_xlabel("minute")
+    ax.set_ylabel("requests per second")
+    workers = ax.twinx()
+    for (name, counts), color in zip(measured[1].items(), ("tab:blue", "tab:green")):
+        workers.step(measured[0], counts, where="post", color=color, linewidth=1.4, label=f"{name} workers (real)")
+        workers.step(modelled[0], modelled[1][name], where="post", color=color, linestyle="--", linewidth=1.0,
+                     label=f"{name} workers (simulated)")
+    return _finish_twin(fig, ax, workers, title, path)
+
+
+def _finish_twin(fig, ax, workers, title: str, path: Path) -> Path:
+    """One legend for both axes, a grid and the title; saved."""
     workers.set_ylabel("workers")
     lines = ax.get_legend_handles_labels()
     more = workers.get_legend_handles_labels()
