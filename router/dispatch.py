@@ -41,6 +41,7 @@ class RoutingStats:
     actual_tokens: int = 0
     overlap_tokens: int = 0  # sum of min(predicted, actual)
     union_tokens: int = 0  # sum of max(predicted, actual)
+    prefilled_again: int = 0  # requests that lost their decode worker and were prefilled once more
 
     def record(self, predicted: int, actual: int) -> None:
         self.requests += 1
@@ -190,6 +191,7 @@ class Dispatcher:
                     raise lost.error from None
                 if lost.seed is not None and not sampling.HasField("seed"):
                     sampling.seed = lost.seed  # so the moved request keeps its random stream
+                self.stats.prefilled_again += 1
                 log.warning("request %s (%s) lost its decode worker %s after %d tokens (%s); prefilling it again",
                             request_id, key, lost.worker.view.address, len(sent), lost.error.message)
 

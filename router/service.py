@@ -133,7 +133,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         stats = self.dispatcher.stats
         status = router_pb2.ClusterStatus(routing=router_pb2.RoutingStats(
             requests=stats.requests, predicted_cached_tokens=stats.predicted_tokens,
-            actual_cached_tokens=stats.actual_tokens, accuracy=stats.accuracy))
+            actual_cached_tokens=stats.actual_tokens, accuracy=stats.accuracy, prefilled_again=stats.prefilled_again))
         for bound, count in cumulative_buckets(self.metrics.vllm_ttft):
             status.routing.ttft_bounds_s.append(bound)
             status.routing.ttft_counts.append(count)
@@ -190,6 +190,8 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
                   "(router.decode_queue_per_worker)", lambda: dispatcher.admission.waiting)
     metrics.gauge("baton_router_routing_accuracy", "Predicted vs actual cached prompt tokens",
                   lambda: front.dispatcher.stats.accuracy)
+    metrics.counter("baton_router_prefilled_again", "Requests that lost their decode worker and were prefilled "
+                    "once more (a drain moves them with their KV instead)", lambda: dispatcher.stats.prefilled_again)
     metrics.serve(settings.metrics_port, settings.host)
     http = None
     if settings.http_port:

@@ -58,6 +58,8 @@ def test_killing_a_decode_and_a_prefill_worker_loses_no_token(tiny_reference):
             for t in threads:
                 t.join(timeout=150)
             assert not any(t.is_alive() for t in threads), "a request hung"
+            again = client.cluster_status().routing["prefilled_again"]
+        assert 0 < again <= REQUESTS  # the killed decode worker's streams were prefilled once more
 
     exact = failed = 0
     for i in range(REQUESTS):

@@ -66,12 +66,13 @@ def test_workers_added_serve_and_a_busy_one_removed_moves_its_streams(tiny_refer
         done = prefilled(client)  # both prefill workers still there
         scaler.scale("prefill", 1)
         after = client.generate(token_ids=[7, 8, 9], max_tokens=8, ignore_eos=True)
+        again = client.cluster_status().routing["prefilled_again"]
         left = set(cluster.prefill_addrs + cluster.decode_addrs)
     for i, prompt in enumerate(prompts):
         assert results[i] == tiny_reference.greedy(prompt, 256), f"request {i}: {results[i]!r}"[:300]
     assert after.token_ids == tiny_reference.greedy([7, 8, 9], 8)
     assert status[cluster.decode_addrs[0]].decode["migrations_in"] > 0  # moved with their KV ...
-    assert done == len(prompts)  # ... and not prefilled again
+    assert done == len(prompts) and again == 0  # ... and not prefilled again
     assert len(left) == 2 and cluster.procs == []
 
 
@@ -102,7 +103,9 @@ def test_the_planner_adds_workers_as_load_rises_and_removes_them_as_it_falls(tin
             ttfts.append(loop.registry.get_sample_value("baton_planner_input", {"name": "ttft_s"}))
             time.sleep(config.interval_s)
         load.join()
+        again = client.cluster_status().routing["prefilled_again"]
     print(f"\nworkers (prefill, decode) each interval: {counts}")
+    assert again == 0  # no scale-down made a request prefill again
     assert max(c[1] for c in counts) == 2, counts  # it grew under load ...
     assert counts[-1] == (1, 1), counts  # ... and shrank back when it ended
     assert max(t or 0 for t in ttfts) > 0, ttfts  # it read TTFT from the router's histogram

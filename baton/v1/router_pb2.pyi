@@ -149,20 +149,22 @@ class WorkerStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., decode: _Optional[_Union[_common_pb2.DecodeLoad, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLoad, _Mapping]] = ...) -> None: ...
 
 class RoutingStats(_message.Message):
-    __slots__ = ("requests", "predicted_cached_tokens", "actual_cached_tokens", "accuracy", "ttft_bounds_s", "ttft_counts")
+    __slots__ = ("requests", "predicted_cached_tokens", "actual_cached_tokens", "accuracy", "ttft_bounds_s", "ttft_counts", "prefilled_again")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACTUAL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCURACY_FIELD_NUMBER: _ClassVar[int]
     TTFT_BOUNDS_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_AGAIN_FIELD_NUMBER: _ClassVar[int]
     requests: int
     predicted_cached_tokens: int
     actual_cached_tokens: int
     accuracy: float
     ttft_bounds_s: _containers.RepeatedScalarFieldContainer[float]
     ttft_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, requests: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., accuracy: _Optional[float] = ..., ttft_bounds_s: _Optional[_Iterable[float]] = ..., ttft_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefilled_again: int
+    def __init__(self, requests: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., accuracy: _Optional[float] = ..., ttft_bounds_s: _Optional[_Iterable[float]] = ..., ttft_counts: _Optional[_Iterable[int]] = ..., prefilled_again: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("workers", "routing")
