@@ -208,7 +208,7 @@ class Planner:
     def size(self, rate: float, prompt_tokens: float, output_tokens: float, backlog_tokens: int = 0,
              prefill_workers: int | None = None, streams: int = 0) -> tuple[int, int, dict[str, str]]:
         """The workers a load needs (before bounds and hysteresis): prefill, decode, why. With the
-        pools' present state (prompt tokens queued, prefill workers, decode streams held or waiting)
+        pools' present state (prompt tokens queued, prefill workers, decode streams in rows or landed)
         it also sizes for catching up, not only for keeping up."""
         objectives, utilisation = self.config.objectives, self.config.utilisation
         # Prefill: worker-seconds of prompt work per second, plus the backlog cleared within the next
