@@ -3,10 +3,11 @@ workers' load reports (the router's ClusterStatus: each worker's counters and ga
 
 The counters give the work done between the readings: prompts prefilled and their tokens computed
 (with what the queues grew by, what arrived: a saturated pool's throughput is not the demand),
-tokens decoded, requests finished. ITL is read
-from the decode workers as the time each spent per token of a row: the interval times its rows
-over the tokens it decoded (the mean gap between a stream's tokens while the worker is busy). TTFT
-is the 90th percentile of the router's own histogram over the interval (ClusterStatus carries it).
+tokens decoded, requests finished. ITL is read from the decode workers as the time each spent per
+token of a row: the interval times its rows over the tokens it decoded (the mean gap between a
+stream's tokens while the worker is busy). TTFT is the 90th percentile of the router's own
+histogram over the interval (ClusterStatus carries it; with several routers, the one the planner's
+connection reaches: a sample of the traffic).
 """
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ def observe(before: Reading, now: Reading) -> Observation:
         prefill_workers=sum(not load.get("draining") for load in now.prefill.values()),
         decode_workers=sum(not load.get("draining") for load in now.decode.values()),
         prefill_backlog_tokens=sum(load.get("queued_tokens", 0) for load in now.prefill.values()),
-        ttft_s=interval_quantile(before.ttft, now.ttft, 0.9), itl_s=max(gaps) if gaps else None, kv_usage=max(kv, default=0.0))
+        ttft_s=interval_quantile(before.ttft, now.ttft, 0.9), itl_s=max(gaps) if gaps else None,
+        kv_usage=max(kv, default=0.0))
 
 
 def worker_loads(reading: Reading) -> dict[str, list[WorkerLoad]]:
