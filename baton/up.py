@@ -347,7 +347,7 @@ def run_planner(planner, dry_run: bool, cluster: LocalCluster, stop: StopSignals
           f"{config.interval_s}s{' (dry run)' if dry_run else ''}", flush=True)
     with BatonClient(cluster.router_address, timeout=10) as client:
         loop = PlannerLoop(Planner(config, profile), lambda: reading_from(client.cluster_status(), time.monotonic()),
-                           LocalScaler(cluster), dry_run=dry_run)
+                           LocalScaler(cluster), dry_run=dry_run, say=lambda line: print(line, flush=True))
         loop.run(lambda seconds: stop.wait(timeout=seconds) is not None)
 
 

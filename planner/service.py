@@ -67,8 +67,9 @@ class PlannerLoop:
     cluster_status through reading_from), applying its decisions through `scaler` unless dry_run."""
 
     def __init__(self, planner: Planner, read: Callable[[], Reading], scaler: Scaler, dry_run: bool = False,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, say: Callable[[str], None] | None = None) -> None:
         self.planner, self.read, self.scaler, self.dry_run = planner, read, scaler, dry_run
+        self.say = say  # also tell each change here (baton up prints it), besides the log
         self.registry = registry or CollectorRegistry()
         self.decisions: list[Decision] = []
         self._previous: Reading | None = None
@@ -106,9 +107,11 @@ class PlannerLoop:
                 continue
             remove = choose_removals(loads[pool], current - want) if want < current else []
             self._changes.labels(pool, "up" if want > current else "down").inc()
-            log.info("%s workers %d -> %d%s: %s", pool, current, want, " (dry run)" if self.dry_run else "",
-                     decision.reasons[pool], extra={"pool": pool, "from": current, "to": want, "remove": remove,
-                                                    "dry_run": self.dry_run, "observed": seen.__dict__})
+            change = f"{pool} workers {current} -> {want}{' (dry run)' if self.dry_run else ''}: {decision.reasons[pool]}"
+            log.info("%s", change, extra={"pool": pool, "from": current, "to": want, "remove": remove,
+                                          "dry_run": self.dry_run, "observed": seen.__dict__})
+            if self.say is not None:
+                self.say(f"planner: {change}")
             if not self.dry_run:
                 self.scaler.scale(pool, want, remove)
         return decision

@@ -202,3 +202,45 @@ def test_a_large_pool_shrinks_by_a_quarter_at_a_time():
         decode = planner.decide(seen(0.1, 1, decode), now=60.0 * (t + 1)).decode
         counts.append(decode)
     assert counts == [15, 12, 9, 7, 6, 5]  # a quarter of what is left each time, each leaving worker drains
+
+
+class CountingScaler:
+    """A scaler that only counts (the real ones are tested against processes and the Kubernetes API)."""
+
+    def __init__(self, prefill: int, decode: int) -> None:
+        self.counts = {"prefill": prefill, "decode": decode}
+        self.calls: list[tuple[str, int, list[str]]] = []
+
+    def replicas(self, pool: str) -> int:
+        return self.counts[pool]
+
+    def scale(self, pool: str, replicas: int, remove=()) -> None:
+        self.calls.append((pool, replicas, list(remove)))
+        self.counts[pool] = replicas
+
+
+def busy_readings():
+    """Two load reports 10 s apart: 40 prompts of 100 tokens prefilled and 2,400 tokens decoded."""
+    from baton.planner.observe import Reading
+
+    yield Reading(0.0, {"p:1": {"requests_done": 0}}, {"d:1": {"decode_tokens_forwarded": 0}})
+    yield Reading(10.0, {"p:1": {"requests_done": 40, "prompt_tokens_forwarded": 4000}},
+                  {"d:1": {"decode_tokens_forwarded": 2400, "requests_finished": 40, "rows_in_use": 8}})
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_the_loop_applies_each_change_logs_and_tells_it_and_a_dry_run_changes_nothing(dry_run):
+    from baton.planner.service import PlannerLoop
+
+    scaler, said, readings = CountingScaler(1, 1), [], busy_readings()
+    loop = PlannerLoop(Planner(PlannerConfig(OBJECTIVES, startup_s=0), PROFILE), lambda: next(readings), scaler,
+                       dry_run=dry_run, say=said.append)
+    assert loop.step() is None  # the first reading only sets the start
+    decision = loop.step()
+    # 4 prompts/s of 0.22 s = 0.87 prefill-s/s; 240 tokens/s over 133 a worker; both at 80%
+    assert (decision.prefill, decision.decode) == (2, 3)
+    assert said == [line for line in said if line.startswith("planner: ")] and len(said) == 2
+    assert all(("(dry run)" in line) == dry_run for line in said)
+    assert scaler.calls == ([] if dry_run else [("prefill", 2, []), ("decode", 3, [])])
+    assert loop.registry.get_sample_value("baton_planner_desired_workers", {"pool": "decode"}) == 3
+    assert loop.registry.get_sample_value("baton_planner_changes_total", {"pool": "prefill", "direction": "up"}) == 1
