@@ -132,8 +132,8 @@ class Simulation:
         ttfts = sorted(r.first_token_at - r.arrival.at for r in done)
         return SimResult(len(self._requests), sum(a and b for a, b in zip(ttft_ok, itl_ok)) / total,
                          sum(ttft_ok) / total, sum(itl_ok) / total, seconds, timeline, self.moved,
-                         len(self._requests) - len(done), ttft_p50=_quantile(ttfts, 0.5), ttft_p90=_quantile(ttfts, 0.9),
-                         itl_p50=_quantile(sorted(self._itl(r) for r in done), 0.5))
+                         len(self._requests) - len(done), ttft_p50=quantile(ttfts, 0.5), ttft_p90=quantile(ttfts, 0.9),
+                         itl_p50=quantile(sorted(self._itl(r) for r in done), 0.5))
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -245,8 +245,9 @@ class Simulation:
 
 
 def _p90(values: list[float]) -> float | None:
-    return _quantile(sorted(values), 0.9) if values else None
+    return quantile(sorted(values), 0.9) if values else None
 
 
-def _quantile(ordered: list[float], q: float) -> float:
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+def quantile(ordered: list[float], q: float, empty: float = 0.0) -> float:
+    """The q-quantile of sorted values (the value at rank q * n), `empty` for none."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else empty

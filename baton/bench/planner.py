@@ -125,6 +125,7 @@ def _day(opts: BenchOptions, peak_rps: float) -> dict[str, Any]:
 
 def _real(opts: BenchOptions) -> dict[str, Any]:
     """A compressed day on real processes, and what the simulator predicted for it."""
+    import math
     import random
     import threading
     import time
@@ -133,7 +134,7 @@ def _real(opts: BenchOptions) -> dict[str, Any]:
     from baton.client import BatonClient
     from baton.planner.policy import CPU_SMOLLM2_FP32, Objectives, Planner, PlannerConfig
     from baton.planner.service import LocalScaler, PlannerLoop, reading_from
-    from baton.planner.simulator import Arrival, Simulation, diurnal_trace
+    from baton.planner.simulator import Arrival, Simulation, diurnal_trace, quantile
     from baton.up import LocalCluster
 
     objectives = Objectives(ttft_s=TTFT_S, itl_s=ITL_S)
@@ -213,9 +214,9 @@ def _real(opts: BenchOptions) -> dict[str, Any]:
     done = [r for r in records if r and "error" not in r]
     # The costs the run measured, over the profile's: prefill seconds (the trace's prefill stage) and
     # the time between tokens, each as a median ratio; the model again with the profile so scaled.
-    prefill_ratio = _median([r["prefill"] / CPU_SMOLLM2_FP32.prefill_seconds(trace[i].prompt_tokens)
-                             for i, r in enumerate(records) if r and r.get("prefill")]) or 1.0
-    step_ratio = _median([r["itl"] for r in done if r["itl"]]) / model.itl_p50 if model.itl_p50 else 1.0
+    prefill_ratio = quantile(sorted(r["prefill"] / CPU_SMOLLM2_FP32.prefill_seconds(trace[i].prompt_tokens)
+                                      for i, r in enumerate(records) if r and r.get("prefill")), 0.5) or 1.0
+    step_ratio = quantile(sorted(r["itl"] for r in done if r["itl"]), 0.5) / model.itl_p50 if model.itl_p50 else 1.0
     measured_profile = replace(CPU_SMOLLM2_FP32,
                                prefill=tuple((t, s * prefill_ratio) for t, s in CPU_SMOLLM2_FP32.prefill),
                                step=tuple((r, s * step_ratio) for r, s in CPU_SMOLLM2_FP32.step))
@@ -228,7 +229,7 @@ def _real(opts: BenchOptions) -> dict[str, Any]:
     itl_met = sum(r["itl"] <= ITL_S for r in done) / len(trace)
     both = sum(r["ttft"] <= TTFT_S and r["itl"] <= ITL_S for r in done) / len(trace)
     rows = [["real", f"{100 * both:.1f}%", f"{100 * ttft_met:.1f}%", f"{100 * itl_met:.1f}%",
-             f"{_pct(ttft, 0.5):.2f} / {_pct(ttft, 0.9):.2f}", measured_seconds["prefill"] / 60,
+             f"{quantile(ttft, 0.5, math.nan):.2f} / {quantile(ttft, 0.9, math.nan):.2f}", measured_seconds["prefill"] / 60,
              measured_seconds["decode"] / 60, len(trace) - len(done), moved],
             *[[name, f"{100 * m.met:.1f}%", f"{100 * m.ttft_met:.1f}%", f"{100 * m.itl_met:.1f}%",
                f"{m.ttft_p50:.2f} / {m.ttft_p90:.2f}", m.worker_seconds["prefill"] / 60, m.worker_seconds["decode"] / 60,
@@ -247,7 +248,7 @@ def _real(opts: BenchOptions) -> dict[str, Any]:
         ([t / 60 for t, *_ in model.timeline], [r for _, r, _, _ in model.timeline]))
     return {"requests": len(trace), "startup_s": startup, "errors": [r["error"] for r in records if r and "error" in r],
             "measured": {"met": both, "ttft_met": ttft_met, "itl_met": itl_met, "worker_seconds": measured_seconds,
-                         "ttft_p50": _pct(ttft, 0.5), "ttft_p90": _pct(ttft, 0.9), "moved": moved,
+                         "ttft_p50": quantile(ttft, 0.5, math.nan), "ttft_p90": quantile(ttft, 0.9, math.nan), "moved": moved,
                          "timeline": timeline},
             "simulated": _summary(model), "simulated_measured_costs": _summary(calibrated),
             "measured_cost_ratios": {"prefill": prefill_ratio, "step": step_ratio},
@@ -271,11 +272,3 @@ def _summary(result) -> dict[str, Any]:
     return {"met": result.met, "ttft_met": result.ttft_met, "itl_met": result.itl_met,
             "worker_seconds": result.worker_seconds, "ttft_p50": result.ttft_p50, "ttft_p90": result.ttft_p90,
             "moved": result.moved, "timeline": result.timeline}
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2] if values else 0.0
-
-
-def _pct(ordered: list[float], q: float) -> float:
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
