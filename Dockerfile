@@ -71,6 +71,9 @@ COPY prefill_worker ./prefill_worker
 COPY decode_worker ./decode_worker
 COPY kvtransfer ./kvtransfer
 COPY planner ./planner
+COPY launch ./launch
+COPY bench ./bench
+COPY cli ./cli
 # Convert the default model's GGUF to safetensors now, so pods start in seconds. Run from
 # outside the source tree: its ./baton folder would shadow the installed package.
 WORKDIR /opt/baton

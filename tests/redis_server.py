@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from baton.up import stop_process
+from baton.launch.up import stop_process
 
 START_TIMEOUT_S = 10.0
 

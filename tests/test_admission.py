@@ -79,7 +79,7 @@ def test_a_cluster_holds_requests_before_prefill_while_the_decode_rows_are_taken
     """One decode row and no queue: the decode worker never holds more than one request (none
     waits there with its first token), and every request still ends with generate's tokens."""
     from baton.client import BatonClient
-    from baton.up import LocalCluster
+    from baton.launch.up import LocalCluster
 
     prompts = [[20 + 7 * i + j for j in range(5 + i)] for i in range(4)]
     with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=1,

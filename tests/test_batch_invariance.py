@@ -18,7 +18,7 @@ from baton.engine.executors import make_runner
 from baton.engine.model import load_model
 from baton.engine.request import GenerationRequest
 from baton.kvtransfer.staging import StagingConfig, StagingPool
-from baton.local import LocalEngine
+from baton.launch.local import LocalEngine
 from baton.prefill_worker.core import PrefillCore
 from baton.sampling import SamplingParams
 

@@ -14,7 +14,7 @@ from redis_server import redis_server_fixture
 
 from baton.block_hash import BlockHasher
 from baton.config import ModelSettings, PrefillSettings
-from baton.up import free_port
+from baton.launch.up import free_port
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
 from baton.prefill_worker.cache_events import CacheEventLog
 from baton.prefill_worker.service import PrefillWorkerServicer, serve

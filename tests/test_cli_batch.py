@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-import baton.up
+import baton.launch.up
 from baton import cli
 
 
@@ -19,7 +19,7 @@ def no_cluster(monkeypatch):
         def __init__(self, *args, **kwargs):
             raise AssertionError("baton batch started a local cluster for an input file it should have refused")
 
-    monkeypatch.setattr(baton.up, "LocalCluster", NoCluster)
+    monkeypatch.setattr(baton.launch.up, "LocalCluster", NoCluster)
 
 
 @pytest.mark.parametrize("bad_line, message", [

@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from baton.up import LocalCluster
+from baton.launch.up import LocalCluster
 from baton.v1 import common_pb2, router_pb2, router_pb2_grpc
 from baton.client import BatonClient
 from baton.client.errors import DeadlineExceeded

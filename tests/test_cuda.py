@@ -12,7 +12,7 @@ import torch
 from baton.decode_worker.core import DecodeConfig
 from baton.decode_worker.scheduler import Status
 from baton.engine.model import load_model
-from baton.local import LocalEngine
+from baton.launch.local import LocalEngine
 from baton.sampling import SamplingParams
 from test_engine_exact import mixed_prompts, run_with_random_arrivals
 

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from baton.local import LocalEngine
+from baton.launch.local import LocalEngine
 from baton.decode_worker.core import DecodeConfig
 from baton.sampling import SamplingParams
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from baton.local import LocalEngine
+from baton.launch.local import LocalEngine
 from baton.decode_worker.core import DecodeConfig
 from baton.decode_worker.paged_rows import PagedRows
 from baton.engine import attention, threads
@@ -340,7 +340,7 @@ def test_core_lists_parse_and_split():
 
 
 def test_baton_up_gives_each_worker_its_cores_or_one_thread(monkeypatch):
-    from baton.up import LocalCluster
+    from baton.launch.up import LocalCluster
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = threads.usable_cores()

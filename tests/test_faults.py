@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from baton.server import channel as server_channel
-from baton.up import LocalCluster
+from baton.launch.up import LocalCluster
 from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
 from baton.client import BatonClient, BatonError
 from baton.engine.kv import SequenceKV
@@ -175,7 +175,7 @@ def test_twice_the_load_gets_resource_exhausted_not_timeouts():
 def test_every_process_serves_prometheus_metrics():
     import urllib.request
 
-    from baton.up import free_port
+    from baton.launch.up import free_port
 
     ports = {role: free_port() for role in ("router", "prefill", "decode")}
     with LocalCluster(prefill=1, decode=1, model="tiny-random",

@@ -41,7 +41,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from baton.server import channel
-from baton.up import LocalCluster, free_port, stop_process, wait_serving
+from baton.launch.up import LocalCluster, free_port, stop_process, wait_serving
 from baton.v1 import common_pb2, kvtransfer_pb2 as kv_pb, kvtransfer_pb2_grpc, router_pb2, router_pb2_grpc
 from baton.v1 import workers_pb2, workers_pb2_grpc
 from baton.client import BatonClient

@@ -1,4 +1,4 @@
-"""Several hosts on one machine (baton.netns): network namespaces joined by a bridge, links held to a
+"""Several hosts on one machine (baton.launch.netns): network namespaces joined by a bridge, links held to a
 rate by tbf, nothing left behind; and a LocalCluster across them, whose KV then travels over gRPC
 (shared memory stops at a network namespace) and still gives the exact greedy tokens, through a
 decode worker's drain too. Needs root: skipped with the reason otherwise."""
@@ -18,11 +18,11 @@ import pytest
 
 from test_migration import drain_one_mid_stream
 
-from baton import netns
+from baton.launch import netns
 from baton.client import BatonClient
 from baton.kvtransfer.nixl import nixl_installed
-from baton.netns import Hosts
-from baton.up import LocalCluster, free_port
+from baton.launch.netns import Hosts
+from baton.launch.up import LocalCluster, free_port
 
 pytestmark = pytest.mark.slow
 

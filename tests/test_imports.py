@@ -1,5 +1,7 @@
-"""The import graph keeps the architecture's floors: no circle, nothing on the bottom floor reaches
-up, and the policy modules stay plain Python (read from the source, nothing is imported)."""
+"""The import graph keeps the architecture's floors, by folder: the foundations (`baton/`), the
+services on them, and on top the launchers (`launch/`), the benchmarks (`bench/`) and the command
+line (`cli/`), in that order. No circle, nothing reaches up a floor, and the policy modules stay
+plain Python (read from the source, nothing is imported)."""
 from __future__ import annotations
 
 import ast
@@ -7,11 +9,8 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Shared by every process and imported by every part: they may import only each other.
-BOTTOM = {"baton", "baton.auth", "baton.block_hash", "baton.config", "baton.health_check", "baton.lifeline",
-          "baton.metrics", "baton.paths", "baton.protogen", "baton.sampling", "baton.server", "baton.transport"}
-# The commands and benchmarks: nothing below them imports them.
-TOP = ("baton.cli", "baton.up", "baton.local", "baton.bench", "baton.bench_kernels")
+# The top floor's rooms, lowest first: each imports the services and the rooms before it only.
+TOP = ("baton.launch", "baton.bench", "baton.cli")
 # Policy: plain Python over ints and lists (DESIGN.md).
 POLICY = ["baton.decode_worker.scheduler", "baton.decode_worker.kv_pages", "baton.router.admission",
           "baton.prefill_worker.batching", "baton.prefill_worker.prefix_cache",
@@ -44,6 +43,11 @@ def imports(path: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
     return names
+
+
+def folder_of() -> dict[str, str]:
+    """Each module's top-level folder (its room)."""
+    return {name: path.relative_to(REPO).parts[0] for name, path in modules().items()}
 
 
 def graph() -> dict[str, set[str]]:
@@ -100,18 +104,28 @@ def test_no_module_imports_itself_back_in_a_circle():
     assert cycles(graph()) == []
 
 
-def test_the_bottom_floor_imports_only_the_bottom_floor():
-    wrong = {name: sorted(dep for dep in deps if dep not in BOTTOM and not dep.startswith("baton.v1"))
-             for name, deps in graph().items() if name in BOTTOM}
+def test_the_foundations_import_only_the_foundations():
+    room = folder_of()
+    bottom = {name for name, folder in room.items() if folder == "baton"}
+    assert {"baton.config", "baton.auth", "baton.metrics", "baton.v1.common_pb2"} <= bottom
+    wrong = {name: sorted(dep for dep in deps if dep not in bottom) for name, deps in graph().items() if name in bottom}
     assert {name: deps for name, deps in wrong.items() if deps} == {}
 
 
-def test_nothing_below_the_commands_imports_them():
-    def top(name: str) -> bool:
-        return any(name == t or name.startswith(t + ".") for t in TOP)
+def rank(name: str) -> int:
+    """0 for the foundations and the services, then 1, 2, 3 up the top floor's rooms."""
+    return next((i + 1 for i, top in enumerate(TOP) if name == top or name.startswith(top + ".")), 0)
 
-    wrong = {name: sorted(filter(top, deps)) for name, deps in graph().items() if not top(name)}
+
+def test_nothing_imports_a_room_above_it():
+    wrong = {name: sorted(dep for dep in deps if rank(dep) > rank(name)) for name, deps in graph().items()}
     assert {name: deps for name, deps in wrong.items() if deps} == {}
+
+
+def test_the_top_floor_is_the_launchers_the_benchmarks_and_the_command_line():
+    room = folder_of()
+    assert {room[top] for top in TOP} == {"launch", "bench", "cli"}
+    assert "baton.cli.health_check" in room and "baton.launch.up" in room and "baton.bench.chaos" in room
 
 
 def test_policy_modules_import_no_torch_grpc_redis_or_kubernetes():

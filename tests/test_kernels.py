@@ -421,9 +421,9 @@ def test_kernels_compile_for_sm90_bf16():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
-@pytest.mark.skipif(CUDA, reason="with a GPU the benchmark really runs; see baton.bench_kernels")
+@pytest.mark.skipif(CUDA, reason="with a GPU the benchmark really runs; see baton.bench.decode_attention")
 def test_benchmark_says_it_needs_a_gpu(capsys):
-    from baton.bench_kernels import run
+    from baton.bench.decode_attention import run
 
     result = run(quick=True)
     assert "skipped" in result and "GPU" in result["skipped"]

@@ -24,7 +24,7 @@ from baton.kvtransfer import KVPushFailed, Receiver, ReceiverConfig, StagingConf
 from baton.kvtransfer.sender import kv_header
 from baton.kvtransfer.shm import (MAGIC, NoSharedMemoryPeer, ShmKVServer, _PREFIX, local_port, push_kv_shm,
                                   socket_name)
-from baton.up import free_port
+from baton.launch.up import free_port
 
 SHAPE = KVShape(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
@@ -246,7 +246,7 @@ def test_a_local_cluster_pushes_through_shared_memory_unless_told_grpc(transport
     from prometheus_client.parser import text_string_to_metric_families
 
     from baton.client import BatonClient
-    from baton.up import LocalCluster
+    from baton.launch.up import LocalCluster
 
     metrics_port = free_port()
     prompts = [[300 + 11 * i + j for j in range(6 + 5 * i)] for i in range(4)]

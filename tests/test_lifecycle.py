@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.up import LocalCluster, free_port, stop_process
+from baton.launch.up import LocalCluster, free_port, stop_process
 from baton.client import BatonClient, BatonError
 
 pytestmark = pytest.mark.slow
@@ -234,7 +234,7 @@ def test_a_sigterm_taken_by_any_thread_drains_the_process(role):
     worker of test_migration went on serving, never drained, armed no bound, and exited only when
     the test tore the cluster down (CI, now and then). Here the signal goes to a gRPC thread on
     purpose (kill(2) given a thread's id prefers that thread): the process drains and exits 0."""
-    from baton.up import wait_serving
+    from baton.launch.up import wait_serving
 
     port = free_port()
     args = ["--prefill-workers", f"127.0.0.1:{free_port()}", "--decode-workers", f"127.0.0.1:{free_port()}"] \

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from baton.local import LocalEngine
+from baton.launch.local import LocalEngine
 from baton.decode_worker.core import DecodeConfig
 from baton.engine.request import RequestError
 from baton.sampling import SamplingParams

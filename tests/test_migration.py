@@ -26,7 +26,7 @@ import torch
 from conftest import TEST_DTYPE
 from test_kv_shm import mapped_memfds
 
-from baton.up import LocalCluster
+from baton.launch.up import LocalCluster
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
 from baton.decode_worker.core import DecodeConfig, DecodeCore, Evicted
 from baton.decode_worker.loop import DecodeLoop, Moving, NotMoving
@@ -139,7 +139,7 @@ def test_penalties_go_on_unchanged_on_another_core(runner, tiny_reference):
 def stay_and_move(runner, prompt: list[int], params: SamplingParams, steps: int):
     """The request run in one engine, and its tokens when moved to another core after `steps`
     decode steps (the tokens before the move, then the target's)."""
-    from baton.local import LocalEngine
+    from baton.launch.local import LocalEngine
 
     stayed = LocalEngine(runner.loaded, DecodeConfig(max_rows=2), attention_backend="torch").generate([prompt],
                                                                                                      params)[0]

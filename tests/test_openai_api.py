@@ -16,7 +16,7 @@ import torch
 from baton.client import BatonClient
 from baton.client.errors import Unavailable
 from baton.server import channel as server_channel
-from baton.up import LocalCluster
+from baton.launch.up import LocalCluster
 from baton.v1 import common_pb2, workers_pb2_grpc
 
 openai = pytest.importorskip("openai")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.up import LocalCluster
+from baton.launch.up import LocalCluster
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -38,7 +38,8 @@ def test_the_wheel_puts_everything_under_one_namespace(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/")[0] for name in names}
     assert top == {"baton", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
-    for package in ("client", "engine", "router", "kvtransfer", "prefill_worker", "decode_worker"):
+    for package in ("client", "engine", "router", "kvtransfer", "prefill_worker", "decode_worker", "planner",
+                    "launch", "bench", "cli"):
         assert f"baton/{package}/__init__.py" in names
     assert {"baton/engine/cpu/kernels.c", "baton/engine/cpu/kernels_typed.h"} <= set(names)  # compiled at first use
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("/METADATA"))).decode()
@@ -46,7 +47,7 @@ def test_the_wheel_puts_everything_under_one_namespace(wheel):
     plain = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:") and "extra ==" not in line]
     assert sorted(plain) == ["Requires-Dist: grpcio>=1.85.1", "Requires-Dist: protobuf>=7.35.1"]
     scripts = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("/entry_points.txt"))).decode()
-    assert "baton = baton.cli:main" in scripts and "baton-health = baton.health_check:main" in scripts
+    assert "baton = baton.cli:main" in scripts and "baton-health = baton.cli.health_check:main" in scripts
 
 
 def test_the_sdk_installs_without_torch_and_talks_to_a_cluster(wheel, tmp_path):

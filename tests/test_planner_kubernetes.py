@@ -68,7 +68,7 @@ def test_baton_planner_scales_a_release_down_to_its_load_marking_the_pod_it_chos
 
     import yaml
 
-    from baton.up import LocalCluster
+    from baton.launch.up import LocalCluster
 
     with FakeKubeApi() as api, LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=2) as cluster:
         api.put_deployment("rel-prefill", PREFILL, ["10.0.0.1", "10.0.0.2", "10.0.0.3"])

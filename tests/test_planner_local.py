@@ -10,7 +10,7 @@ import pytest
 from baton.client import BatonClient
 from baton.planner.policy import Objectives, Planner, PlannerConfig, Profile
 from baton.planner.service import LocalScaler, PlannerLoop, reading_from
-from baton.up import LocalCluster
+from baton.launch.up import LocalCluster
 from test_migration import busy_decode_worker
 
 pytestmark = pytest.mark.slow

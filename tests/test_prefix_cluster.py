@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from baton.up import LocalCluster
+from baton.launch.up import LocalCluster
 from baton.client import BatonClient
 from redis_server import redis_server_fixture
 from baton.router.batch_planner import shared_document_batch, simulate_lru_prefix_cache, synthetic_batch

@@ -6,7 +6,7 @@ import threading
 import grpc
 import pytest
 
-from baton.up import free_port
+from baton.launch.up import free_port
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
 from baton.router.dispatch import Dispatcher, Route
 from baton.router.errors import DecodeLost

@@ -347,7 +347,7 @@ def test_penalised_greedy_decoding_equals_transformers_in_any_batch(tiny_model, 
     presence, frequency and a logit bias against a plain decoding loop over the same model; each
     row alone or beside other rows (plain and penalised) gives the same tokens."""
     from baton.decode_worker.core import DecodeConfig
-    from baton.local import LocalEngine
+    from baton.launch.local import LocalEngine
 
     prompts = [[300 + 11 * i + j for j in range(4 + 3 * i)] for i in range(4)]
     steps = 20
@@ -382,7 +382,7 @@ def _penalised_greedy(reference, prompt: list[int], params: SamplingParams) -> l
 
 def test_min_tokens_holds_eos_and_stop_strings_back(tiny_model):
     from baton.decode_worker.core import DecodeConfig
-    from baton.local import LocalEngine
+    from baton.launch.local import LocalEngine
 
     engine = LocalEngine(tiny_model, DecodeConfig(max_rows=2), attention_backend="torch")
     prompt = [500, 501, 502]

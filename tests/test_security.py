@@ -23,7 +23,7 @@ from baton.auth import CLUSTER_TOKEN_KEY, TOKEN_ENV, BearerTokenInterceptor, loa
 from baton.config import TLSSettings, load_settings
 from baton.server import channel
 from baton.transport import MAX_MESSAGE_BYTES
-from baton.up import LocalCluster, free_port, stop_process, wait_serving
+from baton.launch.up import LocalCluster, free_port, stop_process, wait_serving
 from baton.v1 import (common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc, router_pb2, router_pb2_grpc, workers_pb2,
                       workers_pb2_grpc)
 from baton.client import BatonClient, Unauthenticated, Unavailable

@@ -109,7 +109,7 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
 @pytest.mark.slow
 def test_one_request_is_one_trace_across_router_prefill_and_decode():
     from baton.client import BatonClient
-    from baton.up import LocalCluster, free_port
+    from baton.launch.up import LocalCluster, free_port
 
     collector = Collector()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))

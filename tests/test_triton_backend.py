@@ -7,7 +7,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import json
-    from baton.local import LocalEngine
+    from baton.launch.local import LocalEngine
     from baton.decode_worker.core import DecodeConfig
     from baton.engine.model import load_model
     from baton.sampling import SamplingParams
@@ -49,7 +49,7 @@ INVARIANT_SCRIPT = textwrap.dedent("""
     from baton.engine.llama import LlamaRunner
     from baton.engine.model import _finish, load_model, tiny_random_model
     from baton.engine.request import GenerationRequest
-    from baton.local import LocalEngine
+    from baton.launch.local import LocalEngine
     from baton.prefill_worker.core import PrefillCore
     from baton.sampling import SamplingParams
 

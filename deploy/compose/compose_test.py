@@ -181,7 +181,7 @@ def serve_wheelhouse() -> tuple[http.server.ThreadingHTTPServer, str]:
 
 def free_ports(count: int) -> list[int]:
     sys.path.insert(0, str(REPO))
-    from baton.up import free_port
+    from baton.launch.up import free_port
 
     return [free_port() for _ in range(count)]
 

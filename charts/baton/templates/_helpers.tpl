@@ -291,7 +291,7 @@ Seconds a role drains on SIGTERM: its config's drain_timeout_s (20 unless set).
 {{/*
 A probe of one kind (startup, readiness, liveness) for a role. Plaintext: the kubelet's own
 gRPC probe against grpc.health.v1.Health. TLS: the kubelet cannot speak TLS gRPC, so the
-probe runs baton-health (baton/health_check.py, in the image) with the pod's certificate.
+probe runs baton-health (cli/health_check.py, in the image) with the pod's certificate.
 */}}
 {{- define "baton.probe" -}}
 {{- $root := .root }}

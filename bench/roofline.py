@@ -34,7 +34,7 @@ def _time(fn) -> float:
 def run(opts: BenchOptions) -> dict[str, Any]:
     import torch
 
-    from baton.local import LocalEngine
+    from baton.launch.local import LocalEngine
     from baton.decode_worker.core import DecodeConfig
     from baton.decode_worker.paged_rows import PagedRows
     from baton.engine.model import load_model

@@ -8,7 +8,7 @@
 Each host has its own loopback, ports and abstract Unix sockets, so processes in two hosts talk
 only over the bridge, as on two machines (a KV push between them goes over gRPC, not shared
 memory). With a rate, each host's link is held to it by a `tbf` qdisc on both ends of its veth.
-Needs root and iproute2 (`ip`, `tc`); standard library only. `baton.up.LocalCluster(hosts=...)`
+Needs root and iproute2 (`ip`, `tc`); standard library only. `baton.launch.up.LocalCluster(hosts=...)`
 runs a cluster across them.
 """
 from __future__ import annotations

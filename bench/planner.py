@@ -135,7 +135,7 @@ def _real(opts: BenchOptions) -> dict[str, Any]:
     from baton.planner.policy import CPU_SMOLLM2_FP32, Objectives, Planner, PlannerConfig
     from baton.planner.service import LocalScaler, PlannerLoop, reading_from
     from baton.planner.simulator import Arrival, Simulation, diurnal_trace, quantile
-    from baton.up import LocalCluster
+    from baton.launch.up import LocalCluster
 
     objectives = Objectives(ttft_s=TTFT_S, itl_s=ITL_S)
     config = PlannerConfig(objectives, **REAL_CONFIG)

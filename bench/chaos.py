@@ -481,7 +481,7 @@ def references(model: str, dtype: str, seed: int) -> tuple[Any, list[list[int]],
 
 
 def run(opts: BenchOptions) -> dict[str, Any]:
-    from baton.up import LocalCluster
+    from baton.launch.up import LocalCluster
 
     duration = float(opts.extra.get("duration") or (25 if opts.quick else 300))
     seed = 7 if opts.extra.get("seed") is None else int(opts.extra["seed"])

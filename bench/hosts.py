@@ -1,5 +1,5 @@
 """hosts (issue 34): the router, the prefill and the decode worker each on a host of its own
-(network namespaces, `baton.netns`), their links held to 1, 10 and 25 Gbit/s (tbf), against
+(network namespaces, `baton.launch.netns`), their links held to 1, 10 and 25 Gbit/s (tbf), against
 the same three processes on one host, where the KV goes through shared memory.
 
 For long prompts (1k, 4k and 8k tokens, the last capped at the model's context), one request at
@@ -51,11 +51,11 @@ def _listed(value: str | None, default, kind=int) -> list:
 def run(opts: BenchOptions) -> dict[str, Any]:
     import torch
 
-    from baton import netns
+    from baton.launch import netns
     from baton.decode_worker.core import DecodeConfig
     from baton.kvtransfer.nixl import nixl_installed
     from baton.engine.model import DEFAULT_MODEL, TINY_MODEL, load_model
-    from baton.local import LocalEngine
+    from baton.launch.local import LocalEngine
     from baton.sampling import SamplingParams
 
     ok, why = netns.available()
@@ -151,7 +151,7 @@ def _pushes(netns, rates, sizes: list[int], repeats: int = 2) -> list[dict[str, 
 def _measure(opts: BenchOptions, model: str, env: dict[str, str], netns, rates, prompts, expected,
              setup: str) -> list[dict[str, Any]]:
     from baton.client import BatonClient
-    from baton.up import LocalCluster
+    from baton.launch.up import LocalCluster
 
     hosts = None
     if netns is not None:

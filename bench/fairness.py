@@ -123,7 +123,7 @@ def under_load(client, probes: list[dict], load, wait_busy) -> tuple[tuple[list[
 
 def run(opts: BenchOptions) -> dict[str, Any]:
     from baton.client import BatonClient
-    from baton.up import LocalCluster
+    from baton.launch.up import LocalCluster
 
     probes_n = int(opts.extra.get("probes") or (6 if opts.quick else 30))
     batch_n = 12 if opts.quick else BATCH_SIZE
