@@ -1,9 +1,9 @@
-"""The prefill worker's compute loop: queue prompts, prefill them in batches, push their KV.
+"""The prefill worker's compute loop: queue prompts and prefill them in batches.
 
 Prefill calls wait on a bounded queue; one compute thread takes the next batch (highest priority
 first, then prompts of similar length, bounded by tokens and count), runs it, samples each first
-token, and hands each KV to a sender pool so pushing to decode workers overlaps the next batch's
-compute. A prompt with more uncached tokens than `prefill.chunk_tokens` is prefilled a chunk per
+token, and hands each KV to the delivery (`KVDelivery`), whose threads push it to decode workers
+while the next batch computes. A prompt with more uncached tokens than `prefill.chunk_tokens` is prefilled a chunk per
 iteration instead (Sarathi's chunked prefill), each iteration running the queued prompts first:
 a short prompt arriving behind a long one waits for one chunk, not for the whole prompt. While a
 forward runs only batch members (below priority 0), interactive prompts that arrive do not wait
@@ -14,153 +14,26 @@ their KV, then the members' forward goes on. What a finished job reports is a pl
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-
-import grpc
 
 from baton.config import PrefillSettings, TLSSettings
 from baton.metrics import Metrics
-from baton.server import channel
-from baton.v1 import workers_pb2
 
-from baton.engine.kv import SequenceKV
-from baton.engine.request import GenerationRequest, RequestError
-from baton.messages import logprob_to_proto
+from baton.engine.request import RequestError
 from baton.engine.executors import Runner
-from baton.kvtransfer.errors import KVPushFailed
-from baton.kvtransfer.grpc_transport import PushRetry, push_kv_stream
-from baton.kvtransfer.push import KVPusher
-from baton.kvtransfer.sender import SpanSource
-from baton.kvtransfer.wire import grpc_push_channel_options
 from baton.prefill_worker.batching import BACKGROUND_BATCH_TOKENS, URGENT_PRIORITY, PrefillQueue
 from baton.prefill_worker.cache_events import CacheEventLog
 from baton.prefill_worker.core import Chunked, PrefillCore
+from baton.prefill_worker.delivery import KVDelivery
+from baton.prefill_worker.jobs import PrefillJob
 from baton.prefill_worker.targets import DecodeTargets
 
 log = logging.getLogger(__name__)
-
-# A KV push, retries included, never takes longer than this. It is only the backstop: a broken
-# push is noticed within about a second (kvtransfer.wire), and a receiver waiting for staging
-# room answers RESOURCE_EXHAUSTED after its own reserve timeout.
-PUSH_TIMEOUT_SECONDS = 30.0
-PUSH_RETRY = PushRetry(attempts=3, backoff_s=0.2)
-# Channels kept open to decode workers; far more than a deployment has, but not unbounded as
-# workers are replaced over days. The least recently used one is closed first.
-MAX_PUSH_CHANNELS = 64
-
-
-@dataclass
-class PrefillDone:
-    """A job whose KV landed on its decode worker."""
-
-    first_token: int
-    seed: int
-    cached_tokens: int
-    computed_tokens: int
-    queue_seconds: float
-    prefill_seconds: float
-    transfer_seconds: float = 0.0
-
-
-@dataclass
-class PrefillJob:
-    request: GenerationRequest
-    decode_target: str
-    push_token: str = ""  # presented with the KV push; the decode worker registered the same
-    kv_skip_tokens: int = 0  # leading prompt tokens whose KV the decode worker holds: not pushed
-    new_prefix: int | None = None  # while in chunks: its first block the cache lacked (see batching)
-    done: Future = field(default_factory=Future)
-    cancelled: bool = False
-    stream: "_StreamedPush | None" = None  # its KV streamed chunk by chunk while it prefills
-    sent: bool = False  # prefilled and handed to the push threads: they settle `done`
-
-
-class _StreamedPush:
-    """A chunked prompt's KV sent to its decode worker while the prompt is prefilled: each chunk's
-    tokens go as soon as they are computed (layout TOKEN_SPANS), so the transfer overlaps the next
-    chunks' compute and only the last chunk's KV is left to send when the prefill ends. One
-    attempt, on a thread of its own (it lasts as long as the prefill): should it break, the
-    whole KV is pushed after the prefill the usual way, with its retries."""
-
-    def __init__(self, loop: "PrefillLoop", job: PrefillJob, num_tokens: int) -> None:
-        self.source = SpanSource(num_tokens)
-        self.sent = job.kv_skip_tokens  # prompt tokens handed to the stream (or held by the decode worker)
-        self.outcome: Future = Future()
-        self._thread = threading.Thread(target=self._run, args=(loop, job), name=f"kv-stream-{job.request.request_id}",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, loop: "PrefillLoop", job: PrefillJob) -> None:
-        try:
-            push_kv_stream(loop._channel(job.decode_target), job.request.request_id, loop.fingerprint,
-                           loop.core.runner.loaded.kv_shape, self.source, loop.settings.kv_chunk_bytes,
-                           PUSH_TIMEOUT_SECONDS + 3600.0, job.push_token)  # bounded by the prefill, then the push
-            self.outcome.set_result(True)
-        except Exception as exc:  # noqa: BLE001 -- the KV goes the usual way instead
-            log.info("streamed KV push of request %s to %s broke off (%s); the whole KV is pushed after its prefill",
-                     job.request.request_id, job.decode_target, exc)
-            self.outcome.set_result(False)
-
-    def put(self, kv, end: int, start: int = 0) -> None:
-        """The prompt's KV of tokens [start, end) (`kv`): the tokens not yet sent go."""
-        if end > self.sent and not self.outcome.done():
-            # a copy of these tokens alone: a queued view would hold the whole KV so far alive
-            self.source.put(SequenceKV(kv.data[:, :, :, self.sent - start:end - start].contiguous()))
-            self.sent = end
-
-    def finish(self, metadata: bytes, timeout_s: float) -> bool:
-        """Close the stream with the metadata; whether the KV landed."""
-        self.source.finish(metadata)
-        try:
-            return self.outcome.result(timeout_s)
-        except TimeoutError:
-            self.abort("the streamed push did not end in time")
-            return False
-
-    def abort(self, why: str) -> None:
-        self.source.abort(why)
-
-
-class PushSenders:
-    """Threads that push prefilled KV, highest priority first: an interactive prompt's KV does not
-    queue behind a batch's members' (the order is FIFO within one priority)."""
-
-    def __init__(self, threads: int) -> None:
-        self._queue: "queue.PriorityQueue[tuple]" = queue.PriorityQueue()
-        self._order = itertools.count()
-        self._threads = [threading.Thread(target=self._run, name=f"kv-push-{i}", daemon=True) for i in range(threads)]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, priority: int, fn, *args) -> None:
-        self._queue.put((-priority, next(self._order), fn, args))
-
-    def shutdown(self) -> None:
-        """Drop the pushes not started; the threads end after the ones under way."""
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        for _ in self._threads:
-            self._queue.put((float("inf"), next(self._order), None, ()))
-
-    def _run(self) -> None:
-        while True:
-            _, _, fn, args = self._queue.get()
-            if fn is None:
-                return
-            try:
-                fn(*args)
-            except Exception:  # noqa: BLE001 - _push reports its own failures; a sender must outlive one
-                log.exception("a KV push failed unexpectedly")
 
 
 class PrefillLoop:
@@ -175,8 +48,6 @@ class PrefillLoop:
         self.core = PrefillCore(runner, prefix_cache_bytes=settings.prefix_cache_bytes, block_size=block_size,
                                 max_pins=settings.max_pins, pin_ttl_s=settings.pin_ttl_s)
         self.settings = settings
-        self.tls = tls
-        self.cluster_token = cluster_token
         self.decode_targets = decode_targets or DecodeTargets(settings.decode_workers)
         # Members' forwards are short only where urgent prompts cannot pause them between layers.
         self.pausable = hasattr(runner, "between_layers")
@@ -188,13 +59,9 @@ class PrefillLoop:
         self.cache_events = CacheEventLog()
         self.epoch = self.cache_events.epoch
         self.requests_done = 0
-        self._senders = PushSenders(4)
-        self._unpushed = 0  # bytes of prefilled KV handed to the senders, not yet pushed
-        self._pushed = threading.Event()  # a push ended: memory under the threshold may be free again
+        self.delivery = KVDelivery(self.fingerprint, runner.loaded.kv_shape, settings, self.metrics, tls,
+                                   cluster_token)
         self._kv_bytes_per_token = runner.loaded.kv_shape.bytes_per_token()
-        self._pusher = KVPusher(cluster_token, shared_memory=settings.kv_transport != "grpc",
-                                library="nixl" if settings.kv_transport == "nixl" else None)
-        self._channels: "OrderedDict[str, grpc.Channel]" = OrderedDict()  # most recently used last
         self._lock = threading.Lock()
         self._control: "queue.Queue[tuple]" = queue.Queue()
         self._stop = threading.Event()
@@ -230,9 +97,9 @@ class PrefillLoop:
             self._thread.join(timeout=10)
         while self._chunking and not self._thread.is_alive():
             job, _ = self._chunking.popleft()
-            self._end_stream(job, "the prefill worker stopped")
+            job.end_stream("the prefill worker stopped")
             job.done.set_exception(ConnectionAbortedError("this prefill worker stopped"))
-        self._senders.shutdown()
+        self.delivery.close()
         self.decode_targets.stop()
 
     def drain(self, timeout: float) -> bool:
@@ -315,8 +182,7 @@ class PrefillLoop:
                             self.core.pin_ttl_s)
         room, held = self._kv_room()
         if held and room is not None and room <= 0:
-            self._pushed.wait(0 if self._chunking else 0.05)  # the memory threshold: pushes free it
-            self._pushed.clear()
+            self.delivery.wait_for_a_push(0 if self._chunking else 0.05)  # the memory threshold: pushes free it
         else:
             self._run_jobs(self.queue.take_batch(timeout=0 if self._chunking else 0.05, key=self._new_prefix,
                                                  busy=self._prefixes_in_chunks(), max_tokens=room,
@@ -336,8 +202,7 @@ class PrefillLoop:
     @property
     def unpushed_kv_bytes(self) -> int:
         """KV prefilled here and not yet pushed (or given up)."""
-        with self._lock:
-            return self._unpushed
+        return self.delivery.unpushed_bytes
 
     def _new_prefix(self, job: PrefillJob) -> int | None:
         # Compute thread only (the cache is not thread-safe): take_batch runs here.
@@ -429,10 +294,9 @@ class PrefillLoop:
         job.new_prefix = self._new_prefix(job)
         chunked = self.core.begin_chunks(job.request, plan)
         self._chunking.append((job, chunked))
-        if self.settings.kv_stream and not self._pusher.uses_shared_memory(job.decode_target):
-            job.stream = _StreamedPush(self, job, len(prompt) - job.kv_skip_tokens)
-            if chunked.kv is not None:  # the cached prefix goes at once
-                job.stream.put(chunked.kv, chunked.done)
+        stream = self.delivery.open_stream(job, len(prompt) - job.kv_skip_tokens)
+        if stream is not None and chunked.kv is not None:  # the cached prefix goes at once
+            stream.put(chunked.kv, chunked.done)
         return True
 
     def _next_chunk(self) -> None:
@@ -442,7 +306,7 @@ class PrefillLoop:
         job, chunked = self._chunking[pick]
         if job.cancelled:
             del self._chunking[pick]
-            self._end_stream(job, "cancelled")
+            job.end_stream("cancelled")
             job.done.set_exception(RequestError("cancelled"))
             return
         try:
@@ -451,7 +315,7 @@ class PrefillLoop:
         except Exception as exc:  # this prompt alone fails
             log.exception("chunked prefill of request %s failed", job.request.request_id)
             del self._chunking[pick]
-            self._end_stream(job, "its prefill failed")
+            job.end_stream("its prefill failed")
             job.done.set_exception(exc)
             return
         self.chunks_done += 1
@@ -464,99 +328,13 @@ class PrefillLoop:
                 job.stream.put(prefilled.whole_kv(job.stream.sent), chunked.done, start=job.stream.sent)
             del self._chunking[pick]
             self._publish_cache_changes()
-            self._send(job, prefilled)
+            self.delivery.submit(job, prefilled)
             self.requests_done += 1
-
-    @staticmethod
-    def _end_stream(job: PrefillJob, why: str) -> None:
-        if job.stream is not None:
-            job.stream.abort(why)
 
     def _prefill(self, jobs: list[PrefillJob]) -> None:
         def finished(i: int, done) -> None:  # each prompt's KV leaves as soon as its first token is known
             self._publish_cache_changes()  # before its push: routers learn of the new blocks at once
-            self._send(jobs[i], done)
+            self.delivery.submit(jobs[i], done)
 
         self.core.prefill([j.request for j in jobs], on_finished=finished)
         self.requests_done += len(jobs)
-
-    def _send(self, job: PrefillJob, prefilled) -> None:
-        job.sent = True
-        with self._lock:  # its own KV: a group's shared prefix is one tensor for all its members
-            self._unpushed += prefilled.kv.nbytes
-        self._senders.submit(job.request.params.priority, self._push_counted, job, prefilled)
-
-    def _push_counted(self, job: PrefillJob, prefilled) -> None:
-        try:
-            self._push(job, prefilled)
-        finally:
-            with self._lock:
-                self._unpushed -= prefilled.kv.nbytes
-            self._pushed.set()
-
-    def _push(self, job: PrefillJob, prefilled) -> None:
-        trace = job.request.trace
-        meta = workers_pb2.KVMetadata(
-            first_token=prefilled.first_token, seed=prefilled.seed, cached_tokens=prefilled.cached_tokens,
-            queue_seconds=trace.marks["prefill_start"] - trace.marks["arrived"],
-            prefill_seconds=trace.marks["prefill_end"] - trace.marks["prefill_start"],
-        )
-        if prefilled.first_logprob is not None:
-            meta.first_logprob.CopyFrom(logprob_to_proto(prefilled.first_logprob))
-        done = PrefillDone(
-            first_token=prefilled.first_token, seed=prefilled.seed, cached_tokens=prefilled.cached_tokens,
-            computed_tokens=len(job.request.prompt_token_ids) - prefilled.cached_tokens,
-            queue_seconds=meta.queue_seconds, prefill_seconds=meta.prefill_seconds,
-        )
-
-        def retrying(attempt: int, failure: KVPushFailed) -> None:
-            self.metrics.transfers.labels("retried").inc()
-            log.warning("KV push of request %s to %s failed (attempt %d): %s; retrying", job.request.request_id,
-                        job.decode_target, attempt, failure)
-
-        prompt_tokens = len(job.request.prompt_token_ids)
-        self.metrics.vllm_queue.observe(meta.queue_seconds)
-        self.metrics.vllm_prefill.observe(meta.prefill_seconds)
-        self.metrics.vllm_prompt_tokens.inc(prompt_tokens)
-        self.metrics.vllm_prefix_queries.inc(prompt_tokens)
-        self.metrics.vllm_prefix_hits.inc(prefilled.cached_tokens)
-        try:
-            if job.cancelled:
-                self._end_stream(job, "cancelled")
-                raise RequestError("cancelled")
-            # The decode worker may hold the first tokens (kv_skip_tokens): only the rest travels.
-            metadata = meta.SerializeToString()
-            nbytes = (len(job.request.prompt_token_ids) - job.kv_skip_tokens) * prefilled.kv.shape.bytes_per_token()
-            if job.stream is not None and job.stream.finish(metadata, PUSH_TIMEOUT_SECONDS):
-                transport = "grpc_stream"
-            else:  # joined only for a whole push: a streamed one sent its spans as they came
-                transport = self._pusher.push(
-                    job.decode_target, lambda: self._channel(job.decode_target), job.request.request_id,
-                    self.fingerprint, prefilled.whole_kv(job.kv_skip_tokens), metadata,
-                    chunk_bytes=self.settings.kv_chunk_bytes, timeout_s=PUSH_TIMEOUT_SECONDS, retry=PUSH_RETRY,
-                    should_stop=lambda: job.cancelled, on_retry=retrying, push_token=job.push_token)
-            trace.mark("staged")  # the decode worker holds the KV now
-            done.transfer_seconds = trace.durations()["transfer"]
-            self.metrics.transfers.labels("ok").inc()
-            self.metrics.transfer_transports.labels(transport).inc()
-            self.metrics.transfer_bytes.inc(nbytes)
-            self.metrics.prefix_actual.inc(prefilled.cached_tokens)
-            job.done.set_result(done)
-        except Exception as exc:
-            self.metrics.transfers.labels("cancelled" if job.cancelled else "failed").inc()
-            # Its traceback's frames hold the KV; the Prefill call re-raises it and aborts, and
-            # gRPC keeps an aborted call's traceback: hand over the error alone.
-            exc.__traceback__ = exc.__context__ = exc.__cause__ = None
-            job.done.set_exception(exc)
-
-    def _channel(self, target: str) -> grpc.Channel:
-        with self._lock:
-            if target in self._channels:
-                self._channels.move_to_end(target)
-                return self._channels[target]
-            # Keepalive pings and a connect deadline: a push to a dead decode worker fails fast.
-            self._channels[target] = channel(target, self.tls, extra_options=grpc_push_channel_options(),
-                                             cluster_token=self.cluster_token)
-            while len(self._channels) > MAX_PUSH_CHANNELS:  # decode workers come and go (pod IPs): bounded
-                self._channels.popitem(last=False)[1].close()
-            return self._channels[target]

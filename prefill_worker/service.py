@@ -22,7 +22,8 @@ from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
 from baton.engine.request import GenerationRequest, RequestError, validate_prompt
 from baton.engine.executors import load_runner
 from baton.kvtransfer.errors import KVPushFailed
-from baton.prefill_worker.loop import PrefillDone, PrefillJob, PrefillLoop
+from baton.prefill_worker.jobs import PrefillDone, PrefillJob
+from baton.prefill_worker.loop import PrefillLoop
 from baton.prefill_worker.targets import DecodeTargets
 
 log = logging.getLogger(__name__)

@@ -134,3 +134,10 @@ def test_policy_modules_import_no_torch_grpc_redis_or_kubernetes():
     assert len(policy) >= len(POLICY)
     wrong = {name: sorted(dep for dep in imports(path) if dep.split(".")[0] in HEAVY) for name, path in policy.items()}
     assert {name: deps for name, deps in wrong.items() if deps} == {}
+
+
+def test_the_prefill_loop_computes_and_leaves_delivery_to_the_delivery():
+    """DESIGN.md: the loop schedules and computes; pushes, their threads and channels are KVDelivery's."""
+    deps = graph()["baton.prefill_worker.loop"] | imports(modules()["baton.prefill_worker.loop"])
+    assert not [d for d in deps if d.startswith(("baton.kvtransfer", "grpc", "baton.server"))]
+    assert "baton.prefill_worker.delivery" in deps

@@ -23,7 +23,8 @@ from baton.kvtransfer.wire import grpc_channel_options, grpc_server_ping_options
 from baton.engine.request import GenerationRequest
 from baton.engine.executors import make_runner
 from baton.sampling import SamplingParams
-from baton.prefill_worker.loop import PrefillJob, PrefillLoop
+from baton.prefill_worker.jobs import PrefillJob
+from baton.prefill_worker.loop import PrefillLoop
 from baton.prefill_worker.service import serve
 
 # 750 KiB of tiny-random KV (512 B a token) in 64 KiB chunks; the proxy breaks after 256 KiB.
@@ -126,20 +127,6 @@ def test_a_push_to_a_decode_worker_that_never_answers_is_aborted_within_seconds(
     print(f"\nsilent decode worker: Prefill answered {error.code().name} after {seconds:.2f}s")
     assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.ABORTED
     assert seconds < 15
-
-
-def test_push_channels_to_decode_workers_that_came_and_went_are_bounded(prefill_worker, monkeypatch):
-    import baton.prefill_worker.loop as service
-
-    _, loop = prefill_worker
-    monkeypatch.setattr(service, "MAX_PUSH_CHANNELS", 3)
-    first = loop._channel("127.0.0.1:1")
-    for port in range(2, 6):  # four more addresses: the least recently used ones are closed
-        loop._channel(f"127.0.0.1:{port}")
-        assert len(loop._channels) <= 3
-    assert "127.0.0.1:1" not in loop._channels
-    assert loop._channel("127.0.0.1:5") is loop._channels["127.0.0.1:5"]  # reused, not reopened
-    assert loop._channel("127.0.0.1:1") is not first
 
 
 def test_prompts_being_pushed_count_against_the_queue_bound(tiny_model):
@@ -311,24 +298,6 @@ def test_with_kubernetes_discovery_kv_goes_only_to_decode_workers_the_worker_dis
             loop.stop()
             server.stop(grace=None)
         assert not loop.decode_targets.discovery._threads[0].is_alive()  # the watch stopped with the worker
-
-
-def test_kv_pushes_go_highest_priority_first():
-    """An interactive prompt's push does not queue behind batch members' pushes."""
-    import threading
-
-    from baton.prefill_worker.loop import PushSenders
-
-    senders, gate, order = PushSenders(1), threading.Event(), []
-    senders.submit(0, gate.wait)  # occupies the only sender
-    for name, priority in (("member-1", -65536), ("member-2", -65536), ("interactive", 0), ("member-3", -65536)):
-        senders.submit(priority, order.append, name)
-    done = threading.Event()
-    senders.submit(-(1 << 20), done.set)
-    gate.set()
-    assert done.wait(5)
-    assert order == ["interactive", "member-1", "member-2", "member-3"]
-    senders.shutdown()
 
 
 def test_prefill_stops_at_the_kv_memory_threshold_until_pushes_free_memory(prefill_worker, grpc_server):

@@ -1,0 +1,40 @@
+"""A prompt's life on the prefill worker, as the compute loop and the delivery share it: the job
+it is queued as, and what a job whose KV landed reports (the servicer makes the reply)."""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.engine.request import GenerationRequest
+
+
+@dataclass
+class PrefillDone:
+    """A job whose KV landed on its decode worker."""
+
+    first_token: int
+    seed: int
+    cached_tokens: int
+    computed_tokens: int
+    queue_seconds: float
+    prefill_seconds: float
+    transfer_seconds: float = 0.0
+
+
+@dataclass
+class PrefillJob:
+    request: GenerationRequest
+    decode_target: str
+    push_token: str = ""  # presented with the KV push; the decode worker registered the same
+    kv_skip_tokens: int = 0  # leading prompt tokens whose KV the decode worker holds: not pushed
+    new_prefix: int | None = None  # while in chunks: its first block the cache lacked (see batching)
+    done: Future = field(default_factory=Future)
+    cancelled: bool = False
+    stream: Any = None  # delivery.StreamedPush: its KV streamed chunk by chunk while it prefills
+    sent: bool = False  # prefilled and handed to the delivery: it settles `done`
+
+    def end_stream(self, why: str) -> None:
+        """Abort its streamed push, if it has one (the prompt will not be sent that way)."""
+        if self.stream is not None:
+            self.stream.abort(why)
