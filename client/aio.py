@@ -18,11 +18,11 @@ import grpc
 import grpc.aio
 
 from baton.v1 import router_pb2, router_pb2_grpc
-from baton.client.channel import (DEFAULT_KEEPALIVE_S, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, ConnectionConfig,
-                            PemSource)
+from baton.client.channel import (DEFAULT_KEEPALIVE_S, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_READY_TIMEOUT_S,
+                                  DEFAULT_TIMEOUT_S, READY_POLL_S, ConnectionConfig, PemSource)
 from baton.client.convert import (ResultAssembler, build_request, chunk_from_proto, cluster_status_from_proto,
                             model_info_from_proto)
-from baton.client.errors import BatonError, Unavailable, error_from_rpc
+from baton.client.errors import BatonError, DeadlineExceeded, Unavailable, error_from_rpc
 from baton.client.many import BatchCollector, batch_request, finish_batch, prepare_batch
 from baton.client.types import BatchOutcome, ClusterStatus, GenerationResult, ModelInfo, StreamChunk
 
@@ -177,13 +177,27 @@ class AsyncBatonClient:
         return cluster_status_from_proto(
             await self._unary(self._stub.GetClusterStatus, router_pb2.ClusterStatusRequest(), timeout))
 
-    async def wait_ready(self, timeout: float = 10.0) -> None:
-        """Wait until the channel is connected; raise Unavailable after timeout seconds."""
+    async def wait_ready(self, timeout: float = DEFAULT_READY_TIMEOUT_S) -> None:
+        """Wait until the router can serve a request, as BatonClient.wait_ready."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout)
         except asyncio.TimeoutError:
             raise Unavailable("UNAVAILABLE", f"no connection to the router at {self.target} "
                               f"within {timeout} s; is it running and is tls= right?") from None
+        while True:
+            try:
+                status = await self.cluster_status(timeout=max(READY_POLL_S, deadline - loop.time()))
+                missing = status.waiting_for()
+            except (Unavailable, DeadlineExceeded) as exc:  # the router's own model is still loading
+                missing = exc.message
+            if missing is None:
+                return
+            if loop.time() >= deadline:
+                raise Unavailable("UNAVAILABLE", f"the router at {self.target} could not serve within {timeout} s: "
+                                  f"{missing}")
+            await asyncio.sleep(READY_POLL_S)
 
     async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:

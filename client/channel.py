@@ -19,6 +19,9 @@ DEFAULT_TIMEOUT_S = 600.0
 # noticed in seconds, not at the deadline. The router permits pings every 0.25 s.
 DEFAULT_KEEPALIVE_S = 10.0
 KEEPALIVE_TIMEOUT_S = 5.0
+# wait_ready: long enough for a large model's workers to load; it says what it still waits for.
+DEFAULT_READY_TIMEOUT_S = 300.0
+READY_POLL_S = 0.25
 
 PemSource = bytes | str | os.PathLike | None
 

@@ -9,6 +9,7 @@ A channel is thread-safe: share one client between threads (generate_many does).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,11 +17,11 @@ from typing import Any
 import grpc
 
 from baton.v1 import router_pb2, router_pb2_grpc
-from baton.client.channel import (DEFAULT_KEEPALIVE_S, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, ConnectionConfig,
-                            PemSource)
+from baton.client.channel import (DEFAULT_KEEPALIVE_S, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_READY_TIMEOUT_S,
+                                  DEFAULT_TIMEOUT_S, READY_POLL_S, ConnectionConfig, PemSource)
 from baton.client.convert import (ResultAssembler, build_request, chunk_from_proto, cluster_status_from_proto,
                             model_info_from_proto)
-from baton.client.errors import BatonError, Unavailable, error_from_rpc
+from baton.client.errors import BatonError, DeadlineExceeded, Unavailable, error_from_rpc
 from baton.client.many import BatchCollector, batch_request, finish_batch, prepare_batch
 from baton.client.types import BatchOutcome, ClusterStatus, GenerationResult, ModelInfo, StreamChunk
 
@@ -205,13 +206,27 @@ class BatonClient:
         return cluster_status_from_proto(
             self._unary(self._stub.GetClusterStatus, router_pb2.ClusterStatusRequest(), timeout))
 
-    def wait_ready(self, timeout: float = 10.0) -> None:
-        """Block until the channel is connected; raise Unavailable after timeout seconds."""
+    def wait_ready(self, timeout: float = DEFAULT_READY_TIMEOUT_S) -> None:
+        """Block until the router can serve a request: connected, its model loaded, and a healthy
+        prefill and decode worker behind it. Raise Unavailable, saying what is missing, after
+        `timeout` seconds; another refusal (a wrong token) is raised at once."""
+        deadline = time.monotonic() + timeout
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             raise Unavailable("UNAVAILABLE", f"no connection to the router at {self.target} "
                               f"within {timeout} s; is it running and is tls= right?") from None
+        while True:
+            try:
+                missing = self.cluster_status(timeout=max(READY_POLL_S, deadline - time.monotonic())).waiting_for()
+            except (Unavailable, DeadlineExceeded) as exc:  # the router's own model is still loading
+                missing = exc.message
+            if missing is None:
+                return
+            if time.monotonic() >= deadline:
+                raise Unavailable("UNAVAILABLE", f"the router at {self.target} could not serve within {timeout} s: "
+                                  f"{missing}")
+            time.sleep(READY_POLL_S)
 
     def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:

@@ -85,6 +85,16 @@ class ClusterStatus:
     workers: list[WorkerStatus]
     routing: dict[str, Any] = field(default_factory=dict)  # prefix-index predictions vs what workers reused
 
+    def waiting_for(self) -> str | None:
+        """Why the router cannot serve a request yet (as its /health says: it needs a healthy prefill
+        and a healthy decode worker), or None when it can."""
+        gaps = []
+        for role in ("prefill", "decode"):
+            known = [w for w in self.workers if w.role == role]
+            if not any(w.healthy for w in known):
+                gaps.append(f"no healthy {role} worker yet ({len(known)} known)")
+        return "; ".join(gaps) or None
+
 
 @dataclass(frozen=True)
 class BatchOutcome:

@@ -59,6 +59,8 @@ class ScriptedRouter(router_pb2_grpc.RouterServicer):
         self.in_flight = 0
         self.max_in_flight = 0
         self._ids = itertools.count()
+        self.loading = False  # answer GetClusterStatus as a router whose model is still loading does
+        self.decode_healthy = False
 
     def _check_token(self, context) -> str | None:
         authorization = dict(context.invocation_metadata()).get("authorization")
@@ -121,10 +123,12 @@ class ScriptedRouter(router_pb2_grpc.RouterServicer):
 
     def GetClusterStatus(self, request, context):
         self._check_token(context)
+        if self.loading:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
         return router_pb2.ClusterStatus(workers=[
             router_pb2.WorkerStatus(address="p0:1", role="prefill", healthy=True,
                                     prefill=common_pb2.PrefillLoad(queued=3, prompt_tokens_forwarded=2**40)),
-            router_pb2.WorkerStatus(address="d0:2", role="decode", healthy=False,
+            router_pb2.WorkerStatus(address="d0:2", role="decode", healthy=self.decode_healthy,
                                     decode=common_pb2.DecodeLoad(rows_in_use=2, max_rows=8)),
         ])
 
@@ -258,7 +262,6 @@ def test_generate_many_one_failure_does_not_hide_the_others(router):
 def test_model_info_and_cluster_status(router):
     _, target = router
     with BatonClient(target) as client:
-        client.wait_ready(5)
         info = client.model_info()
         status = client.cluster_status()
     assert (info.name, info.max_context, info.model_fingerprint, info.vocab_size) == ("scripted", 2048, "fp-1", 49152)
@@ -266,6 +269,54 @@ def test_model_info_and_cluster_status(router):
     assert (prefill.role, prefill.healthy, prefill.decode) == ("prefill", True, None)
     assert prefill.prefill["queued"] == 3 and prefill.prefill["prompt_tokens_forwarded"] == 2**40
     assert (decode.healthy, decode.decode["rows_in_use"], decode.decode["max_rows"]) == (False, 2, 8)
+
+
+def test_wait_ready_waits_until_the_router_can_serve_and_says_what_it_waited_for(router):
+    """Connected is not ready: the router's model loads, then it needs a healthy prefill and decode worker."""
+    servicer, target = router
+    servicer.loading = True
+    with BatonClient(target) as client:
+        with pytest.raises(Unavailable, match="still loading"):
+            client.wait_ready(timeout=0.6)
+        servicer.loading = False
+        with pytest.raises(Unavailable, match=r"no healthy decode worker yet \(1 known\)") as raised:
+            client.wait_ready(timeout=0.6)
+        assert "prefill" not in raised.value.message
+        threading.Timer(0.5, setattr, (servicer, "decode_healthy", True)).start()
+        started = time.monotonic()
+        client.wait_ready(timeout=10)
+        assert time.monotonic() - started >= 0.4  # it waited for the decode worker
+
+
+def test_async_wait_ready_waits_the_same_way(router):
+    servicer, target = router
+    servicer.loading = True
+
+    async def main():
+        async with AsyncBatonClient(target) as client:
+            with pytest.raises(Unavailable, match="still loading"):
+                await client.wait_ready(timeout=0.6)
+            servicer.loading = False
+            with pytest.raises(Unavailable, match="no healthy decode worker"):
+                await client.wait_ready(timeout=0.6)
+            threading.Timer(0.5, setattr, (servicer, "decode_healthy", True)).start()
+            await client.wait_ready(timeout=10)
+
+    asyncio.run(main())
+
+
+def test_wait_ready_raises_a_refusal_at_once():
+    """A wrong token will not heal by waiting."""
+    with serving(ScriptedRouter(required_token="right")) as target, BatonClient(target, token="wrong") as client:
+        started = time.monotonic()
+        with pytest.raises(Unauthenticated):
+            client.wait_ready(timeout=30)
+        assert time.monotonic() - started < 10
+
+
+def test_wait_ready_without_a_router_says_so():
+    with BatonClient("127.0.0.1:1") as client, pytest.raises(Unavailable, match="no connection to the router"):
+        client.wait_ready(timeout=0.5)
 
 
 # --- errors ---

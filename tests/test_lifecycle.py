@@ -74,11 +74,16 @@ def test_a_batch_takes_no_more_router_slots_than_it_has_members():
     assert all(len(r.token_ids) == 600 for r in outcome["result"].results)
 
 
-def test_sigkill_of_baton_up_leaves_no_process():
+def test_a_client_started_with_baton_up_waits_until_served_then_sigkill_leaves_no_process():
+    """A newcomer's script: start `baton up`, wait_ready(), generate: the first call succeeds (no
+    retry loop of its own). Then SIGKILL of `baton up` takes its processes with it."""
     port = free_port()
     up = subprocess.Popen([sys.executable, "-m", "baton.cli", "up", "--model", "tiny-random", "--port", str(port)],
                           stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
+        with BatonClient(f"127.0.0.1:{port}") as client:
+            client.wait_ready(timeout=240)
+            assert len(client.generate(token_ids=[5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == 3
         for line in up.stdout:
             if line.startswith("ready"):
                 break
