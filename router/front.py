@@ -68,9 +68,25 @@ class Front:
                 setattr(sampling, name, value)
 
     def validate(self, prompt: list[int], sampling) -> None:
-        """RequestError / ValueError with what to change; `sampling` is the wire message."""
+        """RequestError / ValueError with what to change; `sampling` is the wire message. What no
+        retry could ever serve is refused here, before any prefill: a prompt longer than the context
+        or whose KV no decode worker could stage."""
         validate_prompt(prompt, sampling_from_proto(sampling), max_context=self.max_context(),
                         vocab_size=self.model.vocab_size)
+        self._check_staging(len(prompt))
+
+    def _check_staging(self, tokens: int) -> None:
+        """The prompt's KV must fit some healthy decode worker's host staging pool, where it lands."""
+        loads = [w.last_load for w in self.pool.all() if w.role == "decode" and w.view.healthy
+                 and w.last_load is not None and w.last_load.staging_capacity_bytes and w.last_load.kv_bytes_per_token]
+        if not loads or any(tokens * load.kv_bytes_per_token <= load.staging_capacity_bytes for load in loads):
+            return
+        largest = max(loads, key=lambda load: load.staging_capacity_bytes)
+        raise RequestError(
+            f"the prompt's KV ({tokens} tokens x {largest.kv_bytes_per_token} bytes = "
+            f"{tokens * largest.kv_bytes_per_token} bytes) is larger than any decode worker's staging pool "
+            f"(at most {largest.staging_capacity_bytes} bytes); raise decode.staging_bytes (--staging-bytes) or "
+            f"send at most {largest.staging_capacity_bytes // largest.kv_bytes_per_token} prompt tokens")
 
     def max_context(self) -> int:
         """The context this cluster serves: the model's, or the smallest a decode worker reports

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 import torch
 
-from baton.client import BatonClient
+from baton.client import BatonClient, InvalidRequest
 from baton.client.errors import Unavailable
 from baton.server import channel as server_channel
 from baton.launch.up import LocalCluster
@@ -24,6 +24,9 @@ openai = pytest.importorskip("openai")
 TOKEN = "openai-api-test-token"
 MODEL = "tiny-random"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
+# The decode worker's host staging pool holds 1,500 tokens of tiny-random's fp32 KV (512 B a
+# token), less than the 2,048-token context: a longer prompt fits the context but never the pool.
+STAGED_TOKENS = 1500
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,8 @@ def cluster(tmp_path_factory):
     token_file = tmp_path_factory.mktemp("openai") / "token"
     token_file.write_text(TOKEN)
     with LocalCluster(prefill=1, decode=1, model=MODEL, max_rows=4, http_port=-1, auth_token_file=str(token_file),
-                      router_args=("--max-inflight", "6")) as running:
+                      router_args=("--max-inflight", "6"),
+                      decode_args=("--staging-bytes", str(STAGED_TOKENS * 512))) as running:
         yield running
 
 
@@ -330,6 +334,22 @@ def test_a_prompt_past_the_context_and_a_body_that_is_not_json_are_400(api, clus
     assert err.value.body["code"] == "context_length_exceeded"
     status, _, answer = http(cluster, "POST", "/v1/completions", b"{not json")
     assert status == 400 and "not JSON" in answer["error"]["message"]
+
+
+def test_a_prompt_whose_kv_no_decode_worker_can_stage_is_400_before_its_prefill(api, sdk):
+    """Retrying could never serve it: a 400 (INVALID_ARGUMENT) naming the setting to raise, not a
+    429 or RESOURCE_EXHAUSTED after a prefill whose KV then found no room."""
+    def forwarded() -> int:
+        return sum(w.prefill["prompt_tokens_forwarded"] for w in sdk.cluster_status().workers if w.role == "prefill")
+
+    before, prompt = forwarded(), [7 + j % 900 for j in range(STAGED_TOKENS + 100)]
+    with pytest.raises(openai.BadRequestError) as err:
+        api.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    assert "staging pool" in err.value.message and "decode.staging_bytes" in err.value.message
+    with pytest.raises(InvalidRequest, match=f"send at most {STAGED_TOKENS} prompt tokens"):
+        sdk.generate(token_ids=prompt, max_tokens=4)
+    assert forwarded() == before, "nothing was prefilled"
+    assert len(sdk.generate(token_ids=prompt[:STAGED_TOKENS], max_tokens=2, ignore_eos=True).token_ids) == 2
 
 
 def test_an_unknown_model_is_404_and_a_wrong_token_401(cluster, api):
