@@ -5,6 +5,7 @@ through a queue drained by the loop that calls `step`.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -18,6 +19,9 @@ from baton.engine.executors import Runner
 from baton.engine.sampling import INVALID_TOKEN, RequestSampler, SamplingParams, ending_ids, sample, token_logprobs
 from baton.engine.stopping import FinishReason, StopChecker
 from baton.sampling import TokenLogprob
+
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -106,7 +110,14 @@ class DecodeCore:
         loaded = runner.loaded
         shape = loaded.kv_shape
         per_token = shape.bytes_per_token()
-        self.kv_budget_bytes = config.kv_budget_bytes or default_kv_budget(loaded.device)
+        if config.kv_budget_bytes:
+            self.kv_budget_bytes, how = config.kv_budget_bytes, "decode.kv_budget_bytes"
+        else:
+            chosen = default_kv_budget(loaded.device)
+            self.kv_budget_bytes, how = chosen.value, chosen.source
+        log.info("KV budget %d bytes (%s): %d tokens of %d bytes", self.kv_budget_bytes, how,
+                 self.kv_budget_bytes // per_token, per_token,
+                 extra={"kv_budget_bytes": self.kv_budget_bytes, "chosen_by": how})
         self.kv = PagedKV.within(shape, self.kv_budget_bytes, config.page_size, device=loaded.device)
         page_bytes = self.kv.page_bytes
         self.scheduler = DecodeScheduler(SchedulerConfig(

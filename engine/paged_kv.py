@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 from dataclasses import dataclass
 
 import torch
+
+from baton.resources import Amount, memory_available
 
 from baton.engine.kv import KVShape, SequenceKV, to_host
 
@@ -28,18 +29,15 @@ CPU_KV_SHARE = 0.25  # of the host's available memory, for a CPU decode worker's
 CUDA_KV_SHARE = 0.5
 
 
-def default_kv_budget(device: torch.device | str) -> int:
-    """The batch KV budget when none is configured: a share of what the device has free now."""
+def default_kv_budget(device: torch.device | str) -> Amount:
+    """The batch KV budget when none is configured: a share of what the device has free now (on
+    CPU, within the container's memory limit), and how it was chosen."""
     device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(CUDA_KV_SHARE * free)
-    try:
-        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo", encoding="ascii"))
-        available = int(meminfo["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(CPU_KV_SHARE * available)
+        return Amount(int(CUDA_KV_SHARE * free), f"{CUDA_KV_SHARE:g} of the {free} bytes free on {device}")
+    available = memory_available()
+    return Amount(int(CPU_KV_SHARE * available.value), f"{CPU_KV_SHARE:g} of {available.value} bytes: {available.source}")
 
 
 @dataclass

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 
+from baton.resources import cpus_usable
+
 log = logging.getLogger(__name__)
 
 
@@ -44,12 +46,16 @@ def configure(threads: int = 0, cpu_cores: str = "") -> int:
         if missing:
             raise ValueError(f"cpu cores {missing} do not exist on this machine ({os.cpu_count()} cores)")
         os.sched_setaffinity(0, cores)
+    how = "as asked"
     if threads == 0:
-        threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or len(usable_cores())
+        omp = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+        usable = cpus_usable()  # the container's CPU quota too: a thread per core past it only waits
+        threads, how = (omp, "OMP_NUM_THREADS") if omp else (usable.value, usable.source)
     import torch  # here, so that picking cores for other processes does not load torch
 
     torch.set_num_threads(threads)
-    log.info("torch threads %d on cores %s", threads, ",".join(map(str, usable_cores())))
+    log.info("torch threads %d (%s) on cores %s", threads, how, ",".join(map(str, usable_cores())),
+             extra={"threads": threads, "chosen_by": how})
     return threads
 
 
