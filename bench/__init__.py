@@ -1,7 +1,7 @@
 """`baton bench SUITE [--quick] [--json] [--out DIR]`: measured figures against the papers' results.
 
 Every suite prints a table of figures measured in that run, writes DIR/SUITE.json and PNG plots
-into DIR (default bench-results/). `--quick` shrinks a suite to a CI smoke test; `--list`
+into DIR (default bench-results/). `--quick` shrinks a suite to a CI smoke test (the tiny random model unless --model says otherwise); `--list`
 names the suites. Ratios are from one run on whatever machine this is: no timing is asserted.
 """
 from __future__ import annotations
@@ -88,7 +88,8 @@ def suite_parser(suite: Suite) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads in this process and in every worker it starts (default 1: steadiest "
                              "on a small shared machine; 0 = torch's default)")
-    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a model directory")
+    parser.add_argument("--model", help="'default' (SmolLM2-135M-Instruct, the default), 'tiny-random' (the default "
+                                         "with --quick: a smoke test's seconds) or a model directory")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
                         help="model dtype here and in every worker (default %(default)s; float32 is the only one "
                              "whose tokens can be checked exactly against transformers on every CPU)")
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(rest)
     if args.threads < 0:
         parser.error(f"--threads must be >= 0 (got {args.threads})")
-    opts = BenchOptions(quick=args.quick, out_dir=Path(args.out), threads=args.threads, model=args.model,
+    model = args.model or ("tiny-random" if args.quick else "default")
+    opts = BenchOptions(quick=args.quick, out_dir=Path(args.out), threads=args.threads, model=model,
                         dtype=args.dtype,
                         out=sys.stderr if args.json else sys.stdout,
                         extra={k: v for k, v in vars(args).items() if k not in _COMMON})

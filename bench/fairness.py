@@ -128,7 +128,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     probes_n = int(opts.extra.get("probes") or (6 if opts.quick else 30))
     batch_n = 12 if opts.quick else BATCH_SIZE
     max_tokens = 16 if opts.quick else 64
-    model = "tiny-random" if opts.quick and opts.model == "default" else opts.model
+    model = opts.model
     requests = batch_requests(batch_n, max_tokens)
     with LocalCluster(prefill=1, decode=1, model=model, max_rows=8, extra_env=opts.worker_env(),
                       share_cores=True) as cluster, BatonClient(cluster.router_address, timeout=600) as client:

@@ -167,12 +167,10 @@ def summarize(requests: list[dict[str, Any]], s: dict[str, Any]) -> dict[str, An
 
 def run(opts: BenchOptions) -> dict[str, Any]:
     from baton.bench.residency import Unavailable, _serving, _warm_up
-    from baton.engine.model import DEFAULT_MODEL, TINY_MODEL
     from baton.router.openai_api.protocol import served_names
 
     s = _settings(opts)
-    # --quick runs the tiny random model, as the other suites' smoke tests do
-    model = TINY_MODEL if opts.quick and opts.model == DEFAULT_MODEL else opts.model
+    model = opts.model
     served = served_names(model, "")[0]
     runs = []
     systems = [("baton", rule) for rule in s["rules"] if "baton" in s["servers"]]

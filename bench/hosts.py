@@ -54,7 +54,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     from baton.launch import netns
     from baton.decode_worker.core import DecodeConfig
     from baton.kvtransfer.nixl import nixl_installed
-    from baton.engine.model import DEFAULT_MODEL, TINY_MODEL, load_model
+    from baton.engine.model import load_model
     from baton.launch.local import LocalEngine
     from baton.sampling import SamplingParams
 
@@ -62,7 +62,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     if not ok:
         opts.say(f"hosts: skipped: {why}")
         return {"skipped": why, "plots": []}
-    model = TINY_MODEL if opts.quick and opts.model == DEFAULT_MODEL else opts.model
+    model = opts.model
     loaded = load_model(model, dtype=opts.dtype)
     longest = loaded.max_context - OUTPUT_TOKENS
     lengths = [600] if opts.quick else [min(n, longest) for n in _listed(opts.extra.get("prompts"), PROMPTS)]

@@ -205,7 +205,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     from baton.router.prefix_index import InMemoryPrefixIndex, RedisPrefixIndex
 
     quick = opts.quick
-    model = "tiny-random" if quick and opts.model == "default" else opts.model
+    model = opts.model
     n = int(opts.extra.get("requests") or (40 if quick else REQUESTS))
     prompts = workload(n, 4 if quick else PREFIXES)
     optimum = optimum_saved_tokens(prompts)

@@ -225,12 +225,12 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     from baton.bench.residency import Unavailable, _serving
     from baton.bench.workloads import relay_queries
     from baton.config import DecodeSettings
-    from baton.engine.model import DEFAULT_MODEL, TINY_MODEL, resolve_dtype
+    from baton.engine.model import resolve_dtype
     from baton.router.openai_api.protocol import served_names
 
     s = _settings(opts)
     # --quick runs the tiny random model, as the other suites' smoke tests do
-    model = TINY_MODEL if opts.quick and opts.model == DEFAULT_MODEL else opts.model
+    model = opts.model
     served = served_names(model, "")[0]
     queries = relay_queries(s["queries"], s["max_tokens"])
     here = str(resolve_dtype(opts.dtype)).removeprefix("torch.")

@@ -100,10 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(opts: BenchOptions) -> dict[str, Any]:
     from baton.bench.residency import Unavailable, _serving
-    from baton.engine.model import DEFAULT_MODEL, TINY_MODEL
     from baton.router.openai_api.protocol import served_names
 
-    model = TINY_MODEL if opts.quick and opts.model == DEFAULT_MODEL else opts.model
+    model = opts.model
     served = served_names(model, "")[0]
     cases = _cases(opts.quick)
     servers = [s for s in str(opts.extra.get("servers") or "baton,vllm").split(",") if s]
