@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from baton.engine.kv import SequenceKV, joined
 from baton.sampling import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:  # the router validates requests with this module, without torch
+    from baton.engine.kv import SequenceKV
 
 # Stages in the order a request passes them; the trace says how long each took.
 STAGES = ("queue", "prefill", "transfer", "staging", "admission", "decode")
@@ -71,6 +74,8 @@ class PrefilledRequest:
 
     def whole_kv(self, start: int = 0) -> SequenceKV:
         """The prompt's KV from token `start` on."""
+        from baton.engine.kv import joined
+
         return joined(self.shared_prefix, self.kv, start)
 
 

@@ -14,7 +14,7 @@ from baton.config import ClusterSettings, ModelSettings, RouterSettings, TLSSett
 from baton.metrics import Metrics, cumulative_buckets
 from baton.server import GrpcServer, NotReady, cluster_token
 from baton.v1 import router_pb2, router_pb2_grpc
-from baton.engine.model import load_tokenizer_view
+from baton.engine.model_files import load_tokenizer_view
 from baton.engine.request import RequestError
 from baton.router.admission import DecodeAdmission
 from baton.router.batch import BatchRunner

@@ -5,6 +5,8 @@ plain Python (read from the source, nothing is imported)."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -141,3 +143,13 @@ def test_the_prefill_loop_computes_and_leaves_delivery_to_the_delivery():
     deps = graph()["baton.prefill_worker.loop"] | imports(modules()["baton.prefill_worker.loop"])
     assert not [d for d in deps if d.startswith(("baton.kvtransfer", "grpc", "baton.server"))]
     assert "baton.prefill_worker.delivery" in deps
+
+
+def test_a_router_starts_without_torch():
+    """The router tokenizes and routes: importing torch and transformers' model classes would cost
+    every router start seconds of CPU for nothing (the built-in models' tokenizers included)."""
+    code = ("import sys\nimport baton.router.service\nfrom baton.engine.model_files import load_tokenizer_view\n"
+            "view = load_tokenizer_view('tiny-random')\nassert view.max_context == 2048 and view.vocab_size == 49152\n"
+            "heavy = sorted(m for m in ('torch', 'transformers.models.llama') if m in sys.modules)\n"
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
