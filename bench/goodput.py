@@ -166,7 +166,7 @@ def summarize(requests: list[dict[str, Any]], s: dict[str, Any]) -> dict[str, An
 
 
 def run(opts: BenchOptions) -> dict[str, Any]:
-    from baton.bench.residency import Unavailable, _serving, _warm_up
+    from baton.bench.openai_servers import Unavailable, serving, warm_up
     from baton.router.openai_api.protocol import served_names
 
     s = _settings(opts)
@@ -180,8 +180,8 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         opts.progress(f"goodput: {label}: {s['clients']} clients, {s['rows']} rows, {s['seconds']:g} s")
         settings = dict(s, env={"BATON_ROUTER_DECODE_QUEUE_PER_WORKER": str(rule)} if rule is not None else {})
         try:
-            with _serving(server, opts, model, served, settings) as (base, _poll):
-                _warm_up(base, served, s["rows"])
+            with serving(server, opts, model, served, settings) as (base, _poll):
+                warm_up(base, served, s["rows"])
                 runs.append({"system": label, "rule": rule, **summarize(drive(base, served, s), s)})
         except Unavailable as exc:
             runs.append({"system": label, "rule": rule, "unavailable": str(exc)})

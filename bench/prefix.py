@@ -235,7 +235,6 @@ def shape_figures(opts: BenchOptions, problems: dict[str, str]) -> dict[str, Any
     cases.append(("shared documents 12x7", lambda seed: shared_document_batch(
         3 if opts.quick else 12, 7, header_len=30, document_len=60 if opts.quick else 200, question_len=12, seed=seed,
         vocab=vocab)))
-    bytes_per_token = None
     rows, results = [], []
     try:
         with LocalCluster(prefill=1, decode=1, model=opts.model, max_rows=8, extra_env=opts.worker_env(),

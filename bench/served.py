@@ -193,10 +193,10 @@ def drive_set(base: str, served: str, queries, concurrency: int,
 
 def _measure(server: str, base: str, served: str, queries, s: dict[str, Any], rows: int,
              opts: BenchOptions) -> dict[str, Any]:
-    from baton.bench.residency import _warm_up
+    from baton.bench.openai_servers import warm_up
 
     opts.progress(f"served: {server}: warm-up ({rows} short requests at once, then the set with max_tokens 1)")
-    _warm_up(base, served, rows)
+    warm_up(base, served, rows)
     drive_set(base, served, queries, max(s["concurrency"]), max_tokens=1)
     runs = []
     for c in s["concurrency"]:
@@ -222,7 +222,7 @@ def determinism(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(opts: BenchOptions) -> dict[str, Any]:
-    from baton.bench.residency import Unavailable, _serving
+    from baton.bench.openai_servers import Unavailable, serving
     from baton.bench.workloads import relay_queries
     from baton.config import DecodeSettings
     from baton.engine.model import resolve_dtype
@@ -248,7 +248,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
             rows["vllm"] = n_rows = rows["baton"]
             server_opts = dataclasses.replace(opts, dtype=dtype["vllm"])
         try:
-            with _serving(server, server_opts, model, served,
+            with serving(server, server_opts, model, served,
                           {"rows": n_rows, "kv_gib": s["kv_gib"], "suite": "served"}) as (base, poll):
                 results[server] = _measure(server, base, served, queries, s, n_rows, opts)
                 if server == "baton":

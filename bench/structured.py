@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(opts: BenchOptions) -> dict[str, Any]:
-    from baton.bench.residency import Unavailable, _serving
+    from baton.bench.openai_servers import Unavailable, serving
     from baton.router.openai_api.protocol import served_names
 
     model = opts.model
@@ -117,7 +117,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
                                                                              "disable_any_whitespace": True}),
                                   "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]}
         try:
-            with _serving(server, opts, model, served, settings) as (base, _poll):
+            with serving(server, opts, model, served, settings) as (base, _poll):
                 answers[server] = [_ask(base, served, case, stream) for case in cases for stream in (False, True)]
                 served_cost[server] = _served_cost(opts, base, served, server)
         except Unavailable as exc:

@@ -270,7 +270,8 @@ def test_residency_skips_vllm_without_its_python(tmp_path, capsys, monkeypatch):
 
 
 def test_residency_counts_a_stream_decoding_by_its_tokens_after_the_first():
-    from baton.bench.residency import summarize, vllm_metrics
+    from baton.bench.openai_servers import vllm_metrics
+    from baton.bench.residency import summarize
 
     streams = [{"chunk_s": [0.5, 0.6, 1.5, 2.9], "finish_reason": None},  # decodes through the count
                {"chunk_s": [0.7], "finish_reason": None},  # its first token only: waiting for a row
