@@ -13,7 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # The top floor's rooms, lowest first: each imports the services and the rooms before it only.
 TOP = ("baton.launch", "baton.bench", "baton.cli")
-# Policy: plain Python over ints and lists (DESIGN.md).
+# Policy: plain Python over ints and lists (docs/architecture.md).
 POLICY = ["baton.decode_worker.scheduler", "baton.decode_worker.kv_pages", "baton.router.admission",
           "baton.prefill_worker.batching", "baton.prefill_worker.prefix_cache",
           "baton.router.policy", "baton.router.openai_api.protocol",
@@ -139,7 +139,7 @@ def test_policy_modules_import_no_torch_grpc_redis_or_kubernetes():
 
 
 def test_the_prefill_loop_computes_and_leaves_delivery_to_the_delivery():
-    """DESIGN.md: the loop schedules and computes; pushes, their threads and channels are KVDelivery's."""
+    """The loop schedules and computes; pushes, their threads and channels are KVDelivery's."""
     deps = graph()["baton.prefill_worker.loop"] | imports(modules()["baton.prefill_worker.loop"])
     assert not [d for d in deps if d.startswith(("baton.kvtransfer", "grpc", "baton.server"))]
     assert "baton.prefill_worker.delivery" in deps
