@@ -91,6 +91,25 @@ static inline void hsum16x16(const v16 *x, float scale, float *out, int64_t coun
   const v16 scaled = (v16)r * scale;
   memcpy(out, &scaled, sizeof(float) * count);
 }
+
+/* Rows r[0..15] of a 16 x 16 block of floats become its columns: r[j][i] = the old r[i][j]. */
+static inline void transpose16(v16 *r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) { /* per 128-bit lane: elements 0, 1 (lo) and 2, 3 (hi) of rows i, i + 1 */
+    t[i] = _mm512_unpacklo_ps((__m512)r[i], (__m512)r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps((__m512)r[i], (__m512)r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) /* u[i + c], lane L: element 4L + c of rows i..i + 3 */
+    for (int c = 0; c < 4; ++c)
+      u[i + c] = _mm512_shuffle_ps(t[i + c / 2], t[i + 2 + c / 2], c % 2 ? 0xee : 0x44);
+  for (int c = 0; c < 4; ++c) { /* then the 128-bit lanes: column c, 4 + c, 8 + c, 12 + c */
+    const __m512 a = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), b = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd);
+    const __m512 e = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 f = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = (v16)_mm512_shuffle_f32x4(a, e, 0x88), r[8 + c] = (v16)_mm512_shuffle_f32x4(a, e, 0xdd);
+    r[4 + c] = (v16)_mm512_shuffle_f32x4(b, f, 0x88), r[12 + c] = (v16)_mm512_shuffle_f32x4(b, f, 0xdd);
+  }
+}
 #endif
 
 /* e^x for 16 lanes, x <= 88 (scores minus their maximum, SiLU's capped arguments): 2^n e^r with
@@ -118,12 +137,24 @@ static inline v16 exp16(v16 x) {
 
 /* Softmax of one head's scores in place (probabilities), returns its log-sum-exp. Softmax in fp32
  * with the running maximum subtracted, as SDPA does, its exponentials 16 lanes at a time (a scalar
- * expf per score was a third of attention's time). */
+ * expf per score was a third of attention's time). The maximum is taken 16 lanes at a time too (a
+ * scalar chain of compares was three quarters of the softmax): a maximum is the same whatever the
+ * order, but for its sign when it is zero, and x - 0 and x + 0 are equal for every x but -0, whose
+ * exponential is 1 either way. */
 static NOIPA float softmax(float *s, int64_t n) {
-  float top = -__builtin_inff();
-  for (int64_t t = 0; t < n; ++t) top = s[t] > top ? s[t] : top;
-  v16 sum = {0};
+  v16 tops = (v16){0} - __builtin_inff();
   int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    v16 x;
+    memcpy(&x, s + t, sizeof(v16));
+    const v16i above = x > tops; /* never NaN: a NaN score compares false, as below */
+    tops = (v16)(((v16i)x & above) | ((v16i)tops & ~above));
+  }
+  float top = -__builtin_inff();
+  for (int i = 0; i < 16; ++i) top = tops[i] > top ? tops[i] : top;
+  for (; t < n; ++t) top = s[t] > top ? s[t] : top;
+  v16 sum = {0};
+  t = 0;
   for (; t + 16 <= n; t += 16) {
     v16 x;
     memcpy(&x, s + t, sizeof(v16));

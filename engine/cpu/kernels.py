@@ -127,7 +127,8 @@ def prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
                       prefix_keys: torch.Tensor | None, prefix_values: torch.Tensor | None,
                       scale: float) -> torch.Tensor:
     """Causal attention of B prompts' new tokens, each token computed exactly as a decode step
-    computes it (the same kernel over the same tokens in the same order). query: [B * T, Hq, D]
+    computes it (the same operations over the same tokens in the same order; tiles of consecutive
+    tokens share each read of the keys and values). query: [B * T, Hq, D]
     float32 (rows may be strided, heads contiguous); keys, values: [B, Hkv, T, D] the prompts' own
     tokens; prefix_keys, prefix_values: [Hkv, C, D], a cached prefix every prompt continues (or
     None) -> [B * T, Hq, D] float32."""

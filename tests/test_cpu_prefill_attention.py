@@ -1,0 +1,120 @@
+"""Prefill attention on the CPU kernels (`prefill_attention`, tiled over query tokens): every
+token's output is the very bits that decode attention gives that token over the same tokens, laid
+out in pages, so a token's KV and logits do not depend on whether prefill or decode computed it,
+nor on how a prompt was split into chunks; and it is attention, against float64."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.engine.cpu import kernels as cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for Baton's CPU kernels")
+
+PAGE = 16
+
+
+def case(batch: int, new: int, cached: int, dim: int, dtype: torch.dtype, seed: int = 0, heads: int = 9,
+         kv_heads: int = 3):
+    """query [B * T, Hq, D] float32; own keys, values [B, Hkv, T, D]; prefix [Hkv, C, D] or None."""
+    g = torch.Generator().manual_seed(seed * 1000 + batch * 100 + new + cached + dim)
+    query = torch.randn(batch * new, heads, dim, generator=g)
+    keys, values = (torch.randn(2, batch, kv_heads, new, dim, generator=g) * 2).to(dtype)
+    prefix_k, prefix_v = (torch.randn(2, kv_heads, cached, dim, generator=g) * 2).to(dtype)
+    return query, keys, values, (prefix_k if cached else None), (prefix_v if cached else None)
+
+
+def decoded(query, keys, values, prefix_k, prefix_v, scale) -> torch.Tensor:
+    """Each query row alone through decode_attention over its tokens (the prefix, then its prompt's
+    own up to itself) in shuffled pages whose unused slots hold NaN."""
+    batch, kv_heads, new, dim = keys.shape
+    out = torch.empty_like(query)
+    for b in range(batch):
+        whole_k, whole_v = keys[b], values[b]
+        if prefix_k is not None:
+            whole_k, whole_v = torch.cat([prefix_k, whole_k], 1), torch.cat([prefix_v, whole_v], 1)
+        n = whole_k.shape[1]
+        pages = -(-n // PAGE)
+        pool = torch.full((2, pages + 1, kv_heads, PAGE, dim), float("nan"), dtype=keys.dtype)
+        table = (torch.randperm(pages, generator=torch.Generator().manual_seed(b)) + 1)[None]  # page 0: never read
+        for i in range(pages):
+            count = min(PAGE, n - i * PAGE)
+            pool[0, table[0, i], :, :count] = whole_k[:, i * PAGE:i * PAGE + count]
+            pool[1, table[0, i], :, :count] = whole_v[:, i * PAGE:i * PAGE + count]
+        for t in range(new):
+            row = b * new + t
+            out[row] = cpu_kernels.decode_attention(query[row:row + 1], pool[0], pool[1], table,
+                                                    torch.tensor([n - new + t + 1]), scale)[0]
+    return out
+
+
+def reference(query, keys, values, prefix_k, prefix_v, scale) -> torch.Tensor:
+    """Causal attention in float64 over the stored (rounded) keys and values."""
+    batch, kv_heads, new, dim = keys.shape
+    group = query.shape[1] // kv_heads
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for b in range(batch):
+        k, v = keys[b].double(), values[b].double()
+        if prefix_k is not None:
+            k, v = torch.cat([prefix_k.double(), k], 1), torch.cat([prefix_v.double(), v], 1)
+        n = k.shape[1]
+        q = query[b * new:(b + 1) * new].double().transpose(0, 1)  # [Hq, T, D]
+        scores = q @ k.repeat_interleave(group, 0).transpose(1, 2) * scale  # [Hq, T, n]
+        visible = torch.arange(n)[None, :] <= torch.arange(new)[:, None] + (n - new)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[b * new:(b + 1) * new] = (scores.softmax(-1) @ v.repeat_interleave(group, 0)).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 48])  # 48: the kernel for any head_dim
+@pytest.mark.parametrize("cached", [0, 37])
+def test_each_prefill_token_is_the_bits_decode_gives_it(dtype, dim, cached):
+    for batch in (1, 2):
+        for new in (1, 5, 16, 33, 100):  # within a tile, one tile, and tiles with a part-filled last one
+            inputs = case(batch, new, cached, dim, dtype)
+            scale = dim ** -0.5
+            got = cpu_kernels.prefill_attention(*inputs, scale)
+            expected = decoded(*inputs, scale)
+            for row in range(batch * new):
+                assert torch.equal(got[row], expected[row]), (batch, new, row)
+            torch.testing.assert_close(got.double(), reference(*inputs, scale), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 6), (16, 2), (10, 2)])  # groups of 1, 8 and 5
+@pytest.mark.parametrize("dim", [64, 128])
+def test_every_head_layout(heads, kv_heads, dim):
+    inputs = case(2, 40, 21, dim, torch.float32, seed=3, heads=heads, kv_heads=kv_heads)
+    got = cpu_kernels.prefill_attention(*inputs, 0.1)
+    assert torch.equal(got, decoded(*inputs, 0.1))
+    torch.testing.assert_close(got.double(), reference(*inputs, 0.1), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_read_in_place_from_the_fused_qkv_projection(dtype):
+    batch, new, dim = 2, 45, 64
+    query, keys, values, prefix_k, prefix_v = case(batch, new, 20, dim, dtype, seed=1)
+    qkv = torch.randn(batch * new, (9 + 2 * 3) * dim)
+    qkv[:, :9 * dim] = query.view(batch * new, -1)
+    strided = qkv[:, :9 * dim].view(batch * new, 9, dim)
+    assert not strided.is_contiguous()
+    got = cpu_kernels.prefill_attention(strided, keys, values, prefix_k, prefix_v, 0.125)
+    assert torch.equal(got, cpu_kernels.prefill_attention(query, keys, values, prefix_k, prefix_v, 0.125))
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_a_prompt_in_chunks_gives_the_bits_of_the_whole_and_threads_change_nothing(dim):
+    query, keys, values, _, _ = case(1, 150, 0, dim, torch.bfloat16, seed=2)
+    whole = cpu_kernels.prefill_attention(query, keys, values, None, None, 0.1)
+    at = 0
+    for end in (40, 41, 150):  # chunks that start mid-block and mid-tile
+        chunk = cpu_kernels.prefill_attention(query[at:end], keys[:, :, at:end], values[:, :, at:end],
+                                              keys[0, :, :at], values[0, :, :at], 0.1)
+        assert torch.equal(chunk, whole[at:end])
+        at = end
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_kernels.prefill_attention(query, keys, values, None, None, 0.1), whole)
+    finally:
+        torch.set_num_threads(threads)
