@@ -77,8 +77,7 @@ class Front:
 
     def _check_staging(self, tokens: int) -> None:
         """The prompt's KV must fit some healthy decode worker's host staging pool, where it lands."""
-        loads = [w.last_load for w in self.pool.all() if w.role == "decode" and w.view.healthy
-                 and w.last_load is not None and w.last_load.staging_capacity_bytes and w.last_load.kv_bytes_per_token]
+        loads = [load for load in self._decode_loads() if load.staging_capacity_bytes and load.kv_bytes_per_token]
         if not loads or any(tokens * load.kv_bytes_per_token <= load.staging_capacity_bytes for load in loads):
             return
         largest = max(loads, key=lambda load: load.staging_capacity_bytes)
@@ -91,9 +90,12 @@ class Front:
     def max_context(self) -> int:
         """The context this cluster serves: the model's, or the smallest a decode worker reports
         (its KV budget may buy fewer columns); what both APIs advertise and hold prompts to."""
-        served = [w.last_load.max_context for w in self.pool.all()
-                  if w.role == "decode" and w.view.healthy and w.last_load is not None and w.last_load.max_context]
+        served = [load.max_context for load in self._decode_loads() if load.max_context]
         return min([self.model.max_context, *served])
+
+    def _decode_loads(self) -> list:
+        """The last load report of each healthy decode worker that has sent one."""
+        return [w.last_load for w in self.pool.all() if w.role == "decode" and w.view.healthy and w.last_load is not None]
 
     def ready(self) -> bool:
         """Not draining, and at least one healthy prefill and decode worker to send work to."""
