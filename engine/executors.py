@@ -22,15 +22,18 @@ def make_runner(loaded: LoadedModel, executor: str = "auto", attention_backend: 
     batch_invariant: on CUDA in bf16/fp16, the Baton executor's fixed-order kernels (`engine.llama`)."""
     if executor not in EXECUTORS:
         raise ValueError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
-    if executor == "transformers":
-        return TransformersRunner(loaded, attention_backend)
     reason = unsupported_reason(loaded)
-    if reason is None:
-        return LlamaRunner(loaded, attention_backend, cuda_graphs, batch_invariant)
-    if executor == "baton":
+    if executor == "baton" and reason:
         raise ValueError(f"the Baton executor cannot run {loaded.name}: {reason}; use --executor transformers")
-    log.warning("the Baton executor cannot run %s (%s); serving it with the transformers executor", loaded.name, reason)
-    return TransformersRunner(loaded, attention_backend)
+    if executor == "transformers" or reason:
+        if loaded.model is None:
+            raise ValueError(f"{loaded.name} was read without transformers' module (load_model(module=False)); "
+                             "the transformers executor needs it")
+        if reason:
+            log.warning("the Baton executor cannot run %s (%s); serving it with the transformers executor",
+                        loaded.name, reason)
+        return TransformersRunner(loaded, attention_backend)
+    return LlamaRunner(loaded, attention_backend, cuda_graphs, batch_invariant)
 
 
 def load_runner(settings) -> Runner:
@@ -39,7 +42,12 @@ def load_runner(settings) -> Runner:
     from baton.engine import threads
 
     threads.configure(settings.threads, settings.cpu_cores)
-    loaded = load_model(settings.name, dtype=settings.dtype, device=settings.device)
+    # Baton's executor needs the weights alone: read straight from the files where it can run the
+    # model; transformers' module where the reference executor may serve it
+    loaded = load_model(settings.name, dtype=settings.dtype, device=settings.device, module=False) \
+        if settings.executor != "transformers" else None
+    if loaded is None or (settings.executor == "auto" and unsupported_reason(loaded) is not None):
+        loaded = load_model(settings.name, dtype=settings.dtype, device=settings.device)
     if loaded.tokenizer is not None:  # structured outputs' grammar tokenizer, off the serving path
         loaded.grammars.warm_up()
     return make_runner(loaded, settings.executor, settings.attention_backend, settings.cuda_graphs,

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from baton.engine import attention
+from baton.engine import attention, checkpoint
 from baton.engine.attention import DecodeAttention, PrefillAttention
 from baton.engine.cpu import kernels as cpu_kernels
 from baton.engine.cuda_graphs import StepGraphs
@@ -64,14 +64,18 @@ def unsupported_reason(loaded: LoadedModel) -> str | None:
     return None
 
 
-def _fused(projections) -> torch.Tensor:
-    """One weight for several projections of the same input; the modules' own weights become views
-    of it, so the reference executor still runs and the weights are held once."""
-    fused = torch.cat([p.weight.detach() for p in projections])
-    at = 0
-    for p in projections:
-        p.weight = torch.nn.Parameter(fused[at:at + p.out_features], requires_grad=False)
-        at += p.out_features
+def _fused(loaded: LoadedModel, names: list[str]) -> torch.Tensor:
+    """One weight for several projections of the same input. Where transformers' module holds
+    them too, its weights become views of the fused one: the reference executor still runs and
+    the weights are held once."""
+    parts = [loaded.tensors[name].detach() for name in names]
+    fused = torch.cat(parts)
+    if loaded.model is not None:
+        at = 0
+        for name, part in zip(names, parts):
+            projection = loaded.model.get_submodule(name.removesuffix(".weight"))
+            projection.weight = torch.nn.Parameter(fused[at:at + part.shape[0]], requires_grad=False)
+            at += part.shape[0]
     return fused
 
 
@@ -114,13 +118,16 @@ class LlamaRunner:
         self.splits = 1 if self.layout == "triton" else None
         # Baton's CPU kernels compute in fp32 whatever the stored dtype; elsewhere the model's dtype
         self.compute_dtype = torch.float32 if self.layout == "panels" else self.dtype
-        decoder = model.get_decoder()
-        self.scale = decoder.layers[0].self_attn.scaling
-        self.embed = decoder.embed_tokens.weight  # [vocab, hidden]
-        self.layers = [self._fuse(layer, self.layout, self.compute_dtype) for layer in decoder.layers]
-        self.norm = decoder.norm.weight.to(self.compute_dtype)
-        head = model.get_output_embeddings()
-        self.lm_head = Linear(head.weight, head.bias, layout=self.layout)
+        tensors = loaded.tensors
+        self.scale = self.head_dim ** -0.5
+        self.embed = tensors["model.embed_tokens.weight"]  # [vocab, hidden]
+        self.layers = [self._fuse(loaded, f"model.layers.{i}.", self.layout, self.compute_dtype)
+                       for i in range(cfg.num_hidden_layers)]
+        self.norm = tensors["model.norm.weight"].to(self.compute_dtype)
+        head = tensors.get("lm_head.weight", self.embed if getattr(cfg, "tie_word_embeddings", False) else None)
+        if head is None:
+            raise ValueError(f"{loaded.name} has no lm_head.weight and does not tie it to its embeddings")
+        self.lm_head = Linear(head, tensors.get("lm_head.bias"), layout=self.layout)
         # Baton's C attention (and a decode step's layers as one C call) unless the Triton kernels
         # were asked for by name: tests run those on CPU in Triton's interpreter
         self.c_attention = self.layout == "panels" and self.backend != "triton"
@@ -130,11 +137,16 @@ class LlamaRunner:
                 self.layers, dtype=self.dtype, hidden=cfg.hidden_size, heads=self.num_heads,
                 kv_heads=self.num_kv_heads, head_dim=self.head_dim, intermediate=cfg.intermediate_size, eps=self.eps,
                 scale=self.scale)
-        # cos, sin: [max_context, head_dim], from the model's own rotary module (any RoPE scaling)
-        positions = torch.arange(loaded.max_context, device=loaded.device)[None]
-        probe = torch.zeros(1, dtype=self.compute_dtype, device=loaded.device)
-        cos, sin = decoder.rotary_emb(probe, positions)
-        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        # cos, sin: [max_context, head_dim]: transformers' own module where there is one (any RoPE
+        # scaling), else the same tables computed here (engine.checkpoint reads only those it can)
+        if model is not None:
+            positions = torch.arange(loaded.max_context, device=loaded.device)[None]
+            probe = torch.zeros(1, dtype=self.compute_dtype, device=loaded.device)
+            cos, sin = model.get_decoder().rotary_emb(probe, positions)
+            cos, sin = cos[0], sin[0]
+        else:
+            cos, sin = checkpoint.rotary_tables(cfg, loaded.max_context, loaded.device, self.compute_dtype)
+        self.cos, self.sin = cos.contiguous(), sin.contiguous()
         # CUDA: decode steps replay captured graphs (engine.cuda_graphs); None: launched op by op
         self.graphs = StepGraphs(self._captured_step, loaded.device, loaded.max_context) if cuda_graphs and loaded.device.type == "cuda" \
             else None
@@ -148,23 +160,25 @@ class LlamaRunner:
         self.between_layers: Callable[[], None] | None = None
 
     @staticmethod
-    def _fuse(layer, layout: str, compute_dtype: torch.dtype) -> _Layer:
-        attn, mlp = layer.self_attn, layer.mlp
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    def _fuse(loaded: LoadedModel, prefix: str, layout: str, compute_dtype: torch.dtype) -> _Layer:
+        """One layer's weights (named `prefix`...) fused for Baton's layouts."""
+        tensors = loaded.tensors
+        qkv_names = [f"{prefix}self_attn.{p}_proj" for p in "qkv"]
         qkv_bias = None
-        if any(p.bias is not None for p in projections):
-            qkv_bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=p.weight.dtype,
-                                                                                 device=p.weight.device)
-                                  for p in projections])
-        if qkv_bias is not None:
-            qkv_bias = qkv_bias.to(compute_dtype)
+        if any(f"{name}.bias" in tensors for name in qkv_names):
+            qkv_bias = torch.cat([tensors[f"{name}.bias"] if f"{name}.bias" in tensors else
+                                  torch.zeros(tensors[f"{name}.weight"].shape[0], dtype=tensors[f"{name}.weight"].dtype,
+                                              device=tensors[f"{name}.weight"].device)
+                                  for name in qkv_names]).to(compute_dtype)
         return _Layer(  # norms (and the bias) in the dtype activations are computed in
-            input_norm=layer.input_layernorm.weight.to(compute_dtype),
-            qkv=Linear(_fused(projections), qkv_bias, layout=layout),
-            o=Linear(attn.o_proj.weight, attn.o_proj.bias, layout=layout),
-            post_norm=layer.post_attention_layernorm.weight.to(compute_dtype),
-            gate_up=Linear(_fused((mlp.gate_proj, mlp.up_proj)), layout=layout),
-            down=Linear(mlp.down_proj.weight, layout=layout),
+            input_norm=tensors[f"{prefix}input_layernorm.weight"].to(compute_dtype),
+            qkv=Linear(_fused(loaded, [f"{name}.weight" for name in qkv_names]), qkv_bias, layout=layout),
+            o=Linear(tensors[f"{prefix}self_attn.o_proj.weight"], tensors.get(f"{prefix}self_attn.o_proj.bias"),
+                     layout=layout),
+            post_norm=tensors[f"{prefix}post_attention_layernorm.weight"].to(compute_dtype),
+            gate_up=Linear(_fused(loaded, [f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"]),
+                           layout=layout),
+            down=Linear(tensors[f"{prefix}mlp.down_proj.weight"], layout=layout),
         )
 
     @property

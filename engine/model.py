@@ -2,15 +2,23 @@
 or a tiny random-weight model for tests. Every loaded model carries a fingerprint."""
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
+import importlib.metadata
+import json
 import logging
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from baton.engine.kv import KVShape
 from baton.config import DTYPE_CHOICES
+from baton.engine import checkpoint
+from baton.engine.kv import KVShape
+from baton.paths import cache_root
 # What needs no torch lives in model_files (the router imports it alone); named here as before.
 from baton.engine.model_files import (DEFAULT_MODEL, DEFAULT_MODEL_SAMPLING, TINY_CONFIG, TINY_MODEL,  # noqa: F401
                                       ModelLoadError, TokenizerView, _quiet_progress, default_model_dir,
@@ -36,22 +44,25 @@ class ModelFingerprint:
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    """A model's weights, tokenizer and fingerprint. `model` is transformers' module where the
+    model was loaded through transformers (the reference executor, `generate`); None where its
+    weights were read straight from the files for Baton's executor (`engine.checkpoint`)."""
+
+    model: torch.nn.Module | None
     tokenizer: object
     fingerprint: ModelFingerprint
     name: str
-
-    @property
-    def config(self):
-        return self.model.config
+    config: object
+    tensors: dict[str, torch.Tensor]  # every weight by its checkpoint name (the module's, where there is one)
+    generation_eos: object = None  # generation_config's eos_token_id: an id, a list of ids or None
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return next(iter(self.tensors.values())).device
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        return next(iter(self.tensors.values())).dtype
 
     @property
     def kv_shape(self) -> KVShape:
@@ -66,8 +77,7 @@ class LoadedModel:
     @property
     def eos_token_ids(self) -> frozenset[int]:
         ids = set()
-        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
-        for value in (gen_eos, getattr(self.tokenizer, "eos_token_id", None)):
+        for value in (self.generation_eos, getattr(self.tokenizer, "eos_token_id", None)):
             if isinstance(value, int):
                 ids.add(value)
             elif value:
@@ -122,30 +132,54 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto") -> LoadedModel:
-    """Load `default` (SmolLM2-135M-Instruct), `tiny-random[:seed]`, or a Hugging Face model directory."""
+def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto",
+               module: bool = True) -> LoadedModel:
+    """Load `default` (SmolLM2-135M-Instruct), `tiny-random[:seed]`, or a Hugging Face model directory.
+    module=False: the weights alone, for Baton's executor, read straight from the files where
+    `engine.checkpoint` can read them (seconds sooner: no transformers model classes), else loaded
+    through transformers as with module=True."""
     torch_dtype = resolve_dtype(dtype, resolve_device(device))
     if name == DEFAULT_MODEL:
-        path = default_model_dir()
+        path, tokenizer, shown = default_model_dir(), default_tokenizer(), "SmolLM2-135M-Instruct"
     elif name == TINY_MODEL or name.startswith(TINY_MODEL + ":"):
         seed = int(name.split(":", 1)[1]) if ":" in name else 0
-        return _finish(tiny_random_model(seed), default_tokenizer(), name, torch_dtype, device)
+        path, tokenizer, shown = tiny_model_dir(seed), default_tokenizer(), name
     else:
-        path = model_dir(name)
+        path, tokenizer, shown = model_dir(name), None, name
+    if not module and checkpoint.unreadable_reason(path) is None:
+        return _read(path, tokenizer, shown, torch_dtype, resolve_device(device))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with _quiet_progress():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    return _finish(model, tokenizer, name if name != DEFAULT_MODEL else "SmolLM2-135M-Instruct", torch_dtype, device)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
+    return _finish(model, tokenizer, shown, torch_dtype, device, path)
 
 
-def _finish(model, tokenizer, name: str, dtype: torch.dtype, device: str) -> LoadedModel:
+def _read(path: Path, tokenizer, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        with _quiet_progress():
+            tokenizer = AutoTokenizer.from_pretrained(path)
+    cfg = checkpoint.read_config(path)
+    tensors = checkpoint.read_weights(path, dtype, device)
+    generation = path / "generation_config.json"
+    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else getattr(cfg, "eos_token_id", None)
+    fingerprint = ModelFingerprint(cfg.architectures[0], checkpoint.fingerprint(path), str(dtype).removeprefix("torch."))
+    return LoadedModel(None, tokenizer, fingerprint, name, cfg, tensors, eos)
+
+
+def _finish(model, tokenizer, name: str, dtype: torch.dtype, device: str, path: Path | None = None) -> LoadedModel:
+    """path: the directory the weights came from, whose files fingerprint them (None: hash them)."""
     model = model.to(device=resolve_device(device), dtype=dtype).eval()
     model.requires_grad_(False)
     arch = (model.config.architectures or [type(model).__name__])[0]
     dtype_name = str(dtype).removeprefix("torch.")
-    return LoadedModel(model, tokenizer, ModelFingerprint(arch, weights_hash(model), dtype_name), name)
+    digest = checkpoint.fingerprint(path) if path is not None else weights_hash(model)
+    tensors = {key: p for key, p in model.named_parameters(remove_duplicate=False)}
+    return LoadedModel(model, tokenizer, ModelFingerprint(arch, digest, dtype_name), name, model.config, tensors,
+                       getattr(model.generation_config, "eos_token_id", None))
 
 
 def weights_hash(model: torch.nn.Module) -> str:
@@ -166,3 +200,23 @@ def tiny_random_model(seed: int = 0, vocab_size: int = 49152):
     return LlamaForCausalLM(config)
 
 
+
+
+def tiny_model_dir(seed: int = 0) -> Path:
+    """tiny-random as a model directory, saved once per machine (and per torch and transformers,
+    whose initialisation draws the weights): workers read it like any checkpoint."""
+    versions = f"{torch.__version__}-{importlib.metadata.version('transformers')}-{sorted(TINY_CONFIG.items())}"
+    target = cache_root() / "models" / f"tiny-random-{seed}-{hashlib.blake2b(versions.encode(), digest_size=6).hexdigest()}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:  # workers starting at once: one writes
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").is_file():
+            staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
+            try:
+                tiny_random_model(seed).save_pretrained(staging)
+                staging.rename(target)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    return target

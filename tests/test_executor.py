@@ -4,6 +4,7 @@ its kernels against torch, its fallbacks, and the thread and core settings worke
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import subprocess
@@ -165,9 +166,9 @@ def test_executors_agree_on_prefill_kv_and_logits_with_a_cached_prefix(tiny_mode
 
 
 def test_an_unsupported_model_falls_back_to_transformers_with_one_log_line(tiny_model, caplog):
-    odd = copy.copy(tiny_model)
-    odd.model = copy.deepcopy(tiny_model.model)
-    odd.model.config.hidden_act = "gelu"
+    module = copy.deepcopy(tiny_model.model)
+    module.config.hidden_act = "gelu"
+    odd = dataclasses.replace(tiny_model, model=module, config=module.config)
     with caplog.at_level(logging.WARNING, logger="baton.engine.executors"):
         runner = make_runner(odd)
     assert isinstance(runner, TransformersRunner)

@@ -1,0 +1,138 @@
+"""A Llama-family checkpoint read straight from its files, as serving engines load one: the config
+from config.json, each safetensors tensor read onto the device in the dtype served, and a
+fingerprint from the files' headers and a sample of their bytes. No `transformers` model classes:
+importing them costs a worker seconds at every start (they pull in torch's compiler and
+distributed packages), and Baton's executor needs only the tensors.
+
+What this reader cannot take exactly as `transformers` would (another architecture, a RoPE variant
+without its formula here, weights in another format) says why, and the worker loads through
+`transformers` instead (`engine.model.load_model`)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# transformers' defaults for the fields Baton reads, where config.json leaves them out
+_DEFAULTS = dict(rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu", mlp_bias=False,
+                 attention_bias=False, sliding_window=None, use_sliding_window=False, head_dim=None)
+_DEFAULT_THETA = 10_000.0
+ROPE_TYPES = ("default", "linear", "llama3")  # the ones whose inverse frequencies are computed here
+SAMPLES_PER_FILE, SAMPLE_BYTES = 16, 4096
+
+
+def read_config(path: Path) -> SimpleNamespace:
+    """config.json as attributes, with transformers' defaults for what Baton reads and it leaves out."""
+    raw = json.loads((path / "config.json").read_text())
+    cfg = SimpleNamespace(**{**_DEFAULTS, **raw})
+    if cfg.head_dim is None:
+        cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+    if getattr(cfg, "num_key_value_heads", None) is None:
+        cfg.num_key_value_heads = cfg.num_attention_heads
+    return cfg
+
+
+def rope_parameters(cfg) -> dict:
+    """RoPE's type, base and scaling from either config format: v5's `rope_parameters`, or the
+    older `rope_theta` beside `rope_scaling`."""
+    params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(cfg, "rope_theta", None) or _DEFAULT_THETA)
+    return params
+
+
+def rotary_tables(cfg, max_context: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_context, head_dim], the same bits as transformers' rotary module gives (its
+    formulas, its fp32 arithmetic, its cast last; the frequencies computed on the CPU, as it does)."""
+    params = rope_parameters(cfg)
+    kind, base = params["rope_type"], params["rope_theta"]
+    if kind not in ROPE_TYPES or params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"RoPE {kind!r} is not computed here")
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if kind == "linear":
+        inv_freq /= params["factor"]
+    elif kind == "llama3":
+        inv_freq = _llama3_frequencies(inv_freq, params, cfg)
+    positions = torch.arange(max_context, device=device)
+    freqs = positions[..., None].float() * inv_freq.to(device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, params: dict, cfg) -> torch.Tensor:
+    """Llama 3.1's wavelength-dependent scaling, as its reference computes it."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params.get("original_max_position_embeddings", cfg.max_position_embeddings)
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a directory, sharded (an index names them) or not."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / name for name in names]
+    return sorted(path.glob("*.safetensors"))
+
+
+def unreadable_reason(path: Path) -> str | None:
+    """Why this reader cannot load the directory as transformers would (None: it can)."""
+    cfg = read_config(path)
+    arch = (getattr(cfg, "architectures", None) or ["?"])[0]
+    if arch not in ARCHITECTURES:
+        return f"architecture {arch}"
+    if getattr(cfg, "quantization_config", None):
+        return "quantized weights"
+    params = rope_parameters(cfg)
+    if params["rope_type"] not in ROPE_TYPES or params.get("partial_rotary_factor", 1.0) != 1.0:
+        return f"RoPE {params['rope_type']!r}"
+    if not weight_files(path):
+        return "no safetensors files"
+    return None
+
+
+def read_weights(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor by its checkpoint name, read file by file straight onto `device` and cast
+    there: on a GPU no full copy of the weights passes through host memory."""
+    from safetensors import safe_open
+
+    target = "cpu" if device.type == "cpu" else str(device)
+    tensors = {}
+    for file in weight_files(path):
+        with safe_open(file, framework="pt", device=target) as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name).to(dtype)
+    return tensors
+
+
+def fingerprint(path: Path) -> str:
+    """Identifies a checkpoint's weights without reading them all: config.json, each file's
+    header (every tensor's name, dtype, shape and offsets), its size and SAMPLES_PER_FILE windows
+    of its bytes. Copies of the same files agree on any host; other weights differ in their
+    header or in the sampled bytes (of random or trained weights alike)."""
+    digest = hashlib.blake2b(digest_size=12)
+    digest.update((path / "config.json").read_bytes())
+    for file in weight_files(path):
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            digest.update(f.read(header_len))
+            data_start, data_len = 8 + header_len, size - 8 - header_len
+            digest.update(size.to_bytes(8, "little"))
+            for i in range(SAMPLES_PER_FILE):
+                f.seek(data_start + data_len * i // SAMPLES_PER_FILE)
+                digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
