@@ -51,6 +51,9 @@ class PagePool:
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, NULL_PAGE, -1))  # a stack: low page ids go first
         self._refs = [0] * num_pages
+        # Kept as holds change: a load report (5 a second) must not scan a million pages.
+        self._shared = 0  # pages held by more than one request
+        self._extra_holders = 0  # holds beyond each shared page's first
         self._tables: dict[str, list[int]] = {}
         self._tokens: dict[str, int] = {}
         self._known: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent page, its tokens) -> page
@@ -114,6 +117,8 @@ class PagePool:
             if self._refs[page] < 1:
                 raise ValueError(f"page {page} is free: only held pages can be shared")
             self._refs[page] += 1
+            self._extra_holders += 1
+            self._shared += self._refs[page] == 2
         self._tables[request_id] = list(shared_pages)
         self._tokens[request_id] = len(shared_pages) * self.page_size
 
@@ -121,7 +126,10 @@ class PagePool:
         """The request left: each of its pages whose last holder it was is free again."""
         for page in self._tables.pop(request_id, ()):
             self._refs[page] -= 1
-            if self._refs[page] == 0:
+            if self._refs[page] >= 1:
+                self._extra_holders -= 1
+                self._shared -= self._refs[page] == 1
+            elif self._refs[page] == 0:
                 key = self._key_of.pop(page, None)
                 if key is not None:
                     del self._known[key]
@@ -169,7 +177,5 @@ class PagePool:
         return pages
 
     def usage(self) -> PageUsage:
-        extra_holders = sum(refs - 1 for refs in self._refs if refs > 1)  # shared pages are full
-        tokens = sum(self._tokens.values()) - extra_holders * self.page_size
-        shared = sum(1 for refs in self._refs if refs > 1)
-        return PageUsage(self.total_pages, self.total_pages - len(self._free), shared, tokens, self.page_size)
+        tokens = sum(self._tokens.values()) - self._extra_holders * self.page_size  # shared pages are full
+        return PageUsage(self.total_pages, self.total_pages - len(self._free), self._shared, tokens, self.page_size)

@@ -80,6 +80,29 @@ def wait_serving(address: str, proc: subprocess.Popen, timeout: float, tls: TLSS
     raise TimeoutError(f"{address} did not become ready within {timeout:.0f}s")
 
 
+def wait_routed(address: str, proc: subprocess.Popen, workers: list[str], timeout: float,
+                tls: TLSSettings | None = None, token_file: str = "") -> None:
+    """Poll the router's cluster status until its load poll has found every one of `workers`
+    healthy: a router started beside its workers polled them before they served."""
+    from baton.v1 import router_pb2, router_pb2_grpc
+
+    metadata = (("authorization", f"Bearer {open(token_file).read().strip()}"),) if token_file else ()
+    deadline = time.monotonic() + timeout
+    with channel(address, tls) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the process for {address} exited with status {proc.returncode}")
+            try:
+                status = stub.GetClusterStatus(router_pb2.ClusterStatusRequest(), timeout=1, metadata=metadata)
+                if set(workers) <= {w.address for w in status.workers if w.healthy}:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"the router at {address} did not find its workers healthy within {timeout:.0f}s")
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int:
     """SIGTERM (the process drains), then SIGKILL if it is still there after timeout; its status."""
     proc.terminate()
@@ -126,6 +149,7 @@ class LocalCluster:
             security += ("--tls-server-name", self.tls.server_name) if self.tls.server_name else ()
         prefill_args, decode_args = security + tuple(prefill_args), security + tuple(decode_args)
         auth = ("--auth-token-file", auth_token_file) if auth_token_file else ()
+        self.auth_token_file = auth_token_file
         router_args = security + auth + tuple(router_args)
         # Each address's host; free_port() probes the root namespace, and in a host of its own any port is free.
         self.host_of: dict[str, str] = {}
@@ -280,11 +304,11 @@ class LocalCluster:
         return proc
 
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> "LocalCluster":
+        """Routers start beside the workers (their start-up overlaps the workers' model loading);
+        ready once every process serves and every router has found every worker healthy."""
         try:
             for addr in self.prefill_addrs + self.decode_addrs:
                 self.procs.append((addr, self._spawn(addr, *self.worker_command(addr))))
-            for addr, proc in self.procs:
-                wait_serving(addr, proc, timeout, self.tls)
             routers = []
             for i, address in enumerate(self.router_addresses):
                 workers = (("--discovery", "file", "--workers-file", self.workers_file) if self.workers_file else
@@ -295,8 +319,11 @@ class LocalCluster:
                                      "--http-port", str(self.http_port if i == 0 else 0), *self.router_args)
                 self.procs.append((address, router))
                 routers.append((address, router))
+            for addr, proc in self.procs:
+                wait_serving(addr, proc, timeout, self.tls)
             for address, router in routers:
-                wait_serving(address, router, timeout, self.tls)
+                wait_routed(address, router, self.prefill_addrs + self.decode_addrs, timeout, self.tls,
+                            self.auth_token_file)
         except BaseException:
             self.stop()
             raise

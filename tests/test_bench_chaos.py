@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_chaos_quick_classifies_every_request_and_loses_none(tmp_path, capsys):
-    code = main(["chaos", "--quick", "--duration", "25", "--out", str(tmp_path)])
+    code = main(["chaos", "--quick", "--duration", "15", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     document = json.loads((tmp_path / "chaos.json").read_text())
     outcomes = document["outcomes"]

@@ -17,10 +17,7 @@ pytestmark = pytest.mark.slow
 QUESTIONS = [
     "What is the capital of France?", "Name three colors.", "Write a haiku about rain.", "What is 7 times 8?",
     "Give me one tip for sleeping well.", "Why do cats purr?", "Translate 'good morning' to Spanish.",
-    "What is a prime number?", "Say hello in French.", "List two planets.", "What does a bee make?",
-    "Describe the moon in one sentence.", "What is the boiling point of water?", "Name a famous painter.",
-    "How many legs does a spider have?", "What color is the sky at noon?", "Suggest a name for a dog.",
-    "What is the opposite of cold?", "Count from one to five.", "What is the largest ocean?",
+    "What is a prime number?", "Say hello in French.", "List two planets.",
 ]
 
 
@@ -42,10 +39,10 @@ def cluster_loads(client) -> dict[str, object]:
 
 def test_concurrent_prompts_match_generate_and_spread_over_workers(cluster, client, default_reference):
     # Greedy asked for: the default model's own default sampling is temperature 0.2, top_p 0.9.
-    results = client.generate_many([{"prompt": q, "max_tokens": 24, "temperature": 0} for q in QUESTIONS],
-                                   max_concurrency=20)
+    results = client.generate_many([{"prompt": q, "max_tokens": 16, "temperature": 0} for q in QUESTIONS],
+                                   max_concurrency=len(QUESTIONS))
     for question, result in zip(QUESTIONS, results):
-        expected = default_reference.greedy(result.prompt_token_ids, 24)
+        expected = default_reference.greedy(result.prompt_token_ids, 16)
         assert result.token_ids == expected, question
         assert result.finish_reason in ("stop", "length")
         assert result.usage.completion_tokens == len(result.token_ids)

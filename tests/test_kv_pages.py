@@ -353,3 +353,26 @@ def test_pages_held_by_a_staged_request_do_not_stall_the_queue():
     # got: c grows to 3 pages, is parked (2 free), and stays first in the queue; b, behind it,
     # would run with the 1 page it lacks, but is never tried: no row runs again
     assert not sched.requests
+
+
+def test_usage_kept_as_holds_change_equals_a_recount():
+    """usage() keeps its shared-page counts as pages are held and freed (a load report must not
+    scan the pool); after any sequence of holds and frees they equal a count over every page."""
+    import random
+
+    rng = random.Random(3)
+    pool = PagePool(num_pages=64, page_size=4)
+    live: list[str] = []
+    for step in range(400):
+        if live and rng.random() < 0.4:
+            pool.free(live.pop(rng.randrange(len(live))))
+        else:
+            request_id = f"r{step}"
+            donor = rng.choice(live) if live and rng.random() < 0.6 else None
+            shared = pool.page_table(donor)[:rng.randint(0, 3)] if donor else []
+            if pool.allocate_slots(request_id, rng.randint(1, 9), shared_pages=shared) is not None:
+                live.append(request_id)
+        refs = pool._refs
+        usage = pool.usage()
+        assert usage.shared == sum(1 for r in refs if r > 1)
+        assert usage.tokens == sum(pool._tokens.values()) - sum(r - 1 for r in refs if r > 1) * pool.page_size
