@@ -33,7 +33,7 @@ SECONDS = 60.0
 MAX_TOKENS = 200
 TTFT_S, ITL_S = 2.0, 0.150
 WORKLOADS = ("relay", "mixed")
-QUICK = {"rows": 2, "clients": 4, "seconds": 8.0, "max_tokens": 24, "rules": (-1, 2)}
+QUICK = {"rows": 2, "clients": 4, "seconds": 4.0, "max_tokens": 24, "rules": (-1, 2)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

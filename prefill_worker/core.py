@@ -44,13 +44,24 @@ class _Pin:
 
 @dataclass
 class Chunked:
-    """A prompt being prefilled a chunk per iteration: its KV so far covers `done` tokens."""
+    """A prompt being prefilled a chunk per iteration: its KV so far covers `done` tokens of one
+    tensor sized for the whole prompt, which each chunk continues and writes on: no chunk copies
+    the KV before it (joining it anew each chunk moved O(n^2) bytes for an n-token prompt)."""
 
     request: GenerationRequest
     plan: Reuse
-    kv: SequenceKV | None = field(repr=False)
+    buffer: torch.Tensor = field(repr=False)  # [layers, 2, kv_heads, prompt tokens, head_dim]
     done: int
     chunks: int = 0
+
+    @property
+    def kv(self) -> SequenceKV | None:
+        """The KV so far (a view of the buffer), None before any."""
+        return SequenceKV(self.buffer[:, :, :, :self.done]) if self.done else None
+
+    @property
+    def held_bytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
 
 
 DEFAULT_MAX_PINS = 256
@@ -153,7 +164,13 @@ class PrefillCore:
         stays locked between chunks."""
         request.trace.mark("prefill_start")
         plan = plan or self.reuse_for(request.prompt_token_ids)
-        return Chunked(request, plan, self._cached_prefix(plan), plan.tokens)
+        shape, runner = self.runner.loaded.kv_shape, self.runner
+        buffer = torch.empty(shape.num_layers, 2, shape.num_kv_heads, len(request.prompt_token_ids), shape.head_dim,
+                             dtype=shape.dtype, device=runner.device)
+        prefix = self._cached_prefix(plan)
+        if prefix is not None:
+            buffer[:, :, :, :plan.tokens].copy_(prefix.data)
+        return Chunked(request, plan, buffer, plan.tokens)
 
     def advance(self, chunked: "Chunked", budget: int) -> PrefilledRequest | None:
         """Prefill the next `budget` tokens of the prompt on top of the KV so far; once the last
@@ -162,17 +179,18 @@ class PrefillCore:
         if budget < 1:
             raise ValueError(f"a chunk needs at least one token (got a budget of {budget})")
         prompt = chunked.request.prompt_token_ids
-        end = min(len(prompt), chunked.done + budget)
+        start, end = chunked.done, min(len(prompt), chunked.done + budget)
         out = self.runner.prefill_batch([prompt[:end]], chunked.kv)[0]
+        chunked.buffer[:, :, :, start:end].copy_(joined(out.prefix, out.own, start).data)  # a view for Baton's executor
         chunked.done = end
         chunked.chunks += 1
+        whole = PrefillOutput(out.logits, SequenceKV(chunked.buffer[:, :, :, :end]), out.computed_tokens)
         if end < len(prompt):
-            chunked.kv = out.kv
             # Its whole blocks so far are cached at once: a prompt sharing them need not wait for
             # the last chunk, nor compute them again (SGLang caches unfinished requests alike).
-            self._remember(chunked.plan.hashes[:end // self.block_size], out)
+            self._remember(chunked.plan.hashes[:end // self.block_size], whole)
             return None
-        return self._finish(chunked.request, chunked.plan, out)
+        return self._finish(chunked.request, chunked.plan, whole)
 
     def _run_on_prefix(self, prompts: list[list[int]], plan: Reuse) -> list[PrefillOutput]:
         """Prefill prompts that share `plan`'s cached blocks and pinned partial block; with

@@ -194,8 +194,9 @@ class PrefillLoop:
     def _kv_room(self) -> tuple[int | None, int]:
         """(prompt tokens the next batch may prefill within prefill.kv_memory_bytes, None without
         a limit; KV bytes held now): BatchLLM's M_threshold over the KV prefilled and not yet
-        pushed plus the chunked prompts' KV so far. With nothing held, a lone prompt always goes."""
-        held = self.unpushed_kv_bytes + sum(c.kv.nbytes for _, c in self._chunking if c.kv is not None)
+        pushed plus the chunked prompts' KV (each allocated for its whole prompt). With nothing
+        held, a lone prompt always goes."""
+        held = self.unpushed_kv_bytes + sum(c.held_bytes for _, c in self._chunking)
         limit = self.settings.kv_memory_bytes
         return (None if not limit else (limit - held) // self._kv_bytes_per_token), held
 

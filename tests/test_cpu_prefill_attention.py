@@ -118,3 +118,16 @@ def test_a_prompt_in_chunks_gives_the_bits_of_the_whole_and_threads_change_nothi
         assert torch.equal(cpu_kernels.prefill_attention(query, keys, values, None, None, 0.1), whole)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefix_read_in_place_from_a_longer_buffer(dtype):
+    """A chunked prompt's KV so far is a view of one buffer sized for the whole prompt: its heads
+    lie further apart than a contiguous prefix's, and it is read where it lies, to the same bits."""
+    query, keys, values, prefix_k, prefix_v = case(1, 33, 50, 64, dtype, seed=4)
+    buffer = torch.zeros(2, 3, 200, 64, dtype=dtype)
+    buffer[0, :, :50], buffer[1, :, :50] = prefix_k, prefix_v
+    view_k, view_v = buffer[0, :, :50], buffer[1, :, :50]
+    assert not view_k.is_contiguous()
+    got = cpu_kernels.prefill_attention(query, keys, values, view_k, view_v, 0.125)
+    assert torch.equal(got, cpu_kernels.prefill_attention(query, keys, values, prefix_k, prefix_v, 0.125))

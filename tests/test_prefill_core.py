@@ -127,6 +127,27 @@ def test_chunked_prefill_gives_the_kv_and_first_token_of_one_forward(tiny_model,
         assert core.cache.match(core.hasher.hash_prompt(prompt)) == len(prompt) // core.block_size  # cached after
 
 
+def test_each_chunk_continues_the_kv_so_far_where_it_lies(tiny_model, monkeypatch):
+    """No chunk copies the KV before it: each continues a view of the one buffer the prompt's KV
+    is written into (joining it anew each chunk moved O(n^2) bytes for an n-token prompt)."""
+    runner = make_runner(tiny_model)
+    core = PrefillCore(runner, prefix_cache_bytes=0)
+    prompt = [(7 * i) % 500 + 5 for i in range(100)]
+    chunked = core.begin_chunks(GenerationRequest("long", prompt, SamplingParams(max_tokens=1)))
+    seen, prefill_batch = [], runner.prefill_batch
+
+    def recording(prompts, prefix=None):
+        seen.append(None if prefix is None else prefix.data.data_ptr())
+        return prefill_batch(prompts, prefix)
+
+    monkeypatch.setattr(runner, "prefill_batch", recording)
+    while (done := core.advance(chunked, 30)) is None:
+        pass
+    assert seen == [None] + [chunked.buffer.data_ptr()] * 3
+    assert done.kv.data.data_ptr() == chunked.buffer.data_ptr() and done.shared_prefix is None
+    assert chunked.held_bytes == len(prompt) * tiny_model.kv_shape.bytes_per_token()
+
+
 def test_a_chunked_prompt_s_blocks_are_cached_chunk_by_chunk(tiny_model):
     """Another prompt sharing its first part need not wait for the last chunk: it reuses what the
     chunks so far computed, and its KV is what a forward alone gives."""

@@ -131,7 +131,7 @@ def prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     tokens share each read of the keys and values). query: [B * T, Hq, D]
     float32 (rows may be strided, heads contiguous); keys, values: [B, Hkv, T, D] the prompts' own
     tokens; prefix_keys, prefix_values: [Hkv, C, D], a cached prefix every prompt continues (or
-    None) -> [B * T, Hq, D] float32."""
+    None; heads may be strided, tokens contiguous) -> [B * T, Hq, D] float32."""
     b, kv_heads, t, dim = keys.shape
     rows, heads, _ = query.shape
     if (query.dtype != torch.float32 or rows != b * t or query.stride(2) != 1 or query.stride(1) != dim
@@ -141,7 +141,10 @@ def prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
                          "[B, Hkv, T, D] with contiguous tokens")
     cached, prefix_stride = 0, 0
     if prefix_keys is not None and prefix_keys.shape[1]:
-        prefix_keys, prefix_values = prefix_keys.contiguous(), prefix_values.contiguous()
+        # a view of a longer buffer (a chunked prompt's KV so far) is read in place: each head's
+        # tokens must be contiguous rows, the heads may be any stride apart
+        if prefix_keys.stride(2) != 1 or prefix_keys.stride(1) != dim or prefix_values.stride() != prefix_keys.stride():
+            prefix_keys, prefix_values = prefix_keys.contiguous(), prefix_values.contiguous()
         if prefix_keys.dtype != keys.dtype or prefix_keys.shape != prefix_values.shape \
                 or prefix_keys.shape[0] != kv_heads or prefix_keys.shape[2] != dim:
             raise ValueError("prefill_attention: the prefix must be [Hkv, C, D] in the keys' dtype")
