@@ -144,7 +144,8 @@ def model_info_from_proto(info: router_pb2.ModelInfo) -> ModelInfo:
 def cluster_status_from_proto(status: router_pb2.ClusterStatus) -> ClusterStatus:
     workers = [WorkerStatus(address=w.address, role=w.role, healthy=w.healthy,
                             decode=message_fields(w.decode) if w.HasField("decode") else None,
-                            prefill=message_fields(w.prefill) if w.HasField("prefill") else None)
+                            prefill=message_fields(w.prefill) if w.HasField("prefill") else None,
+                            cache_synced=w.cache_synced)
                for w in status.workers]
     return ClusterStatus(workers=workers, routing=message_fields(status.routing))
 

@@ -78,6 +78,8 @@ class WorkerStatus:
     healthy: bool
     decode: dict[str, Any] | None = None  # DecodeLoad fields by name, decode workers only
     prefill: dict[str, Any] | None = None  # PrefillLoad fields by name, prefill workers only
+    # prefill: the router's prefix index follows this worker's cache (routing by prefix sees it)
+    cache_synced: bool = False
 
 
 @dataclass(frozen=True)

@@ -63,44 +63,49 @@ def _ephemeral_ports_start() -> int:
         return 32768  # Linux's default; elsewhere a port is drawn from below it all the same
 
 
-def wait_serving(address: str, proc: subprocess.Popen, timeout: float, tls: TLSSettings | None = None) -> None:
-    """Poll the process's health service (over TLS with tls's certificate) until it is SERVING."""
+def _poll(address: str, proc: subprocess.Popen, timeout: float, tls: TLSSettings | None, ready, not_ready: str,
+          every_s: float) -> None:
+    """Call ready(channel) every every_s seconds until it is true; the process exiting or the
+    timeout passing first raise, saying which."""
     deadline = time.monotonic() + timeout
     with channel(address, tls) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"the process for {address} exited with status {proc.returncode}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                if ready(ch):
                     return
             except grpc.RpcError:
                 pass
-            time.sleep(0.2)
-    raise TimeoutError(f"{address} did not become ready within {timeout:.0f}s")
+            time.sleep(every_s)
+    raise TimeoutError(f"{not_ready} within {timeout:.0f}s")
+
+
+def wait_serving(address: str, proc: subprocess.Popen, timeout: float, tls: TLSSettings | None = None) -> None:
+    """Poll the process's health service (over TLS with tls's certificate) until it is SERVING."""
+    def serving(ch) -> bool:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status
+        return status == health_pb2.HealthCheckResponse.SERVING
+
+    _poll(address, proc, timeout, tls, serving, f"{address} did not become ready", 0.2)
 
 
 def wait_routed(address: str, proc: subprocess.Popen, workers: list[str], timeout: float,
                 tls: TLSSettings | None = None, token_file: str = "") -> None:
     """Poll the router's cluster status until its load poll has found every one of `workers`
-    healthy: a router started beside its workers polled them before they served."""
+    healthy and its prefix index follows every prefill worker's cache: a router started beside its
+    workers first reached them before they served."""
     from baton.v1 import router_pb2, router_pb2_grpc
 
     metadata = (("authorization", f"Bearer {open(token_file).read().strip()}"),) if token_file else ()
-    deadline = time.monotonic() + timeout
-    with channel(address, tls) as ch:
-        stub = router_pb2_grpc.RouterStub(ch)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the process for {address} exited with status {proc.returncode}")
-            try:
-                status = stub.GetClusterStatus(router_pb2.ClusterStatusRequest(), timeout=1, metadata=metadata)
-                if set(workers) <= {w.address for w in status.workers if w.healthy}:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    raise TimeoutError(f"the router at {address} did not find its workers healthy within {timeout:.0f}s")
+
+    def routed(ch) -> bool:
+        status = router_pb2_grpc.RouterStub(ch).GetClusterStatus(router_pb2.ClusterStatusRequest(), timeout=1,
+                                                                 metadata=metadata)
+        return set(workers) <= {w.address for w in status.workers
+                                 if w.healthy and (w.role != "prefill" or w.cache_synced)}
+
+    _poll(address, proc, timeout, tls, routed, f"the router at {address} did not find its workers healthy", 0.1)
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int:

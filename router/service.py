@@ -34,8 +34,10 @@ MAX_BATCH_REQUESTS = 10_000
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """gRPC's translation of the router's front: wire messages in, statuses out."""
 
-    def __init__(self, front: Front):
+    def __init__(self, front: Front, cache_synced=lambda address: False):
+        """cache_synced(address): whether the prefix index follows that prefill worker's cache."""
         self.front = front
+        self.cache_synced = cache_synced
         self.model = front.model
         self.metrics = front.metrics
         self.dispatcher = front.dispatcher
@@ -138,7 +140,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             status.routing.ttft_bounds_s.append(bound)
             status.routing.ttft_counts.append(count)
         for w in self.pool.all():
-            entry = status.workers.add(address=w.view.address, role=w.role, healthy=w.view.healthy)
+            entry = status.workers.add(address=w.view.address, role=w.role, healthy=w.view.healthy,
+                                       cache_synced=w.role == "prefill" and self.cache_synced(w.view.address))
             if w.last_load is not None:
                 (entry.decode if w.role == "decode" else entry.prefill).CopyFrom(w.last_load)
         return status
@@ -184,7 +187,7 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
                             admission=DecodeAdmission(settings.decode_queue_per_worker))
     sync.on_lost = dispatcher.pending.forget  # what we sent a worker that died is not being computed
     front = Front(view, dispatcher, settings, metrics)
-    api.target = RouterServicer(front)
+    api.target = RouterServicer(front, sync.synced)
     metrics.gauge("baton_router_inflight", "Requests in flight through this router", lambda: front.inflight)
     metrics.gauge("baton_router_waiting_for_decode", "Requests waiting, before their prefill, for a decode row "
                   "(router.decode_queue_per_worker)", lambda: dispatcher.admission.waiting)

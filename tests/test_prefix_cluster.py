@@ -25,6 +25,10 @@ def test_two_routers_sharing_redis_send_a_repeated_prefix_to_its_holder(redis_se
                       router_args=("--prefix-index", "redis", "--redis-url", redis_server.url)) as cluster:
         first, second = (BatonClient(a, timeout=60) for a in cluster.router_addresses)
         with first, second:
+            # ready means each router's index follows both prefill workers' caches already
+            for client in (first, second):
+                prefill = [w for w in client.cluster_status().workers if w.role == "prefill"]
+                assert len(prefill) == 2 and all(w.cache_synced for w in prefill)
             holders = set()
             for _ in range(4):
                 prefix = [rng.randrange(100, 40000) for _ in range(5 * BLOCK)]

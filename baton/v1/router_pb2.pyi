@@ -135,18 +135,20 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "role", "healthy", "decode", "prefill")
+    __slots__ = ("address", "role", "healthy", "decode", "prefill", "cache_synced")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SYNCED_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: str
     healthy: bool
     decode: _common_pb2.DecodeLoad
     prefill: _common_pb2.PrefillLoad
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., decode: _Optional[_Union[_common_pb2.DecodeLoad, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLoad, _Mapping]] = ...) -> None: ...
+    cache_synced: bool
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., decode: _Optional[_Union[_common_pb2.DecodeLoad, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLoad, _Mapping]] = ..., cache_synced: _Optional[bool] = ...) -> None: ...
 
 class RoutingStats(_message.Message):
     __slots__ = ("requests", "predicted_cached_tokens", "actual_cached_tokens", "accuracy", "ttft_bounds_s", "ttft_counts", "prefilled_again")
