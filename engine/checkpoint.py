@@ -47,12 +47,17 @@ def rope_parameters(cfg) -> dict:
     return params
 
 
+def rope_computed_here(params: dict) -> bool:
+    """Whether rotary_tables computes this RoPE (its type, on the whole head)."""
+    return params["rope_type"] in ROPE_TYPES and params.get("partial_rotary_factor", 1.0) == 1.0
+
+
 def rotary_tables(cfg, max_context: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [max_context, head_dim], the same bits as transformers' rotary module gives (its
     formulas, its fp32 arithmetic, its cast last; the frequencies computed on the CPU, as it does)."""
     params = rope_parameters(cfg)
     kind, base = params["rope_type"], params["rope_theta"]
-    if kind not in ROPE_TYPES or params.get("partial_rotary_factor", 1.0) != 1.0:
+    if not rope_computed_here(params):
         raise ValueError(f"RoPE {kind!r} is not computed here")
     dim = cfg.head_dim
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -97,7 +102,7 @@ def unreadable_reason(path: Path) -> str | None:
     if getattr(cfg, "quantization_config", None):
         return "quantized weights"
     params = rope_parameters(cfg)
-    if params["rope_type"] not in ROPE_TYPES or params.get("partial_rotary_factor", 1.0) != 1.0:
+    if not rope_computed_here(params):
         return f"RoPE {params['rope_type']!r}"
     if not weight_files(path):
         return "no safetensors files"

@@ -45,7 +45,7 @@ from baton.engine.paged_kv import DecodeStep, PagedKV
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = checkpoint.ARCHITECTURES  # the Llama family: what the reader reads is what this runs
 
 
 def unsupported_reason(loaded: LoadedModel) -> str | None:

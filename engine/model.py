@@ -146,22 +146,21 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
         path, tokenizer, shown = tiny_model_dir(seed), default_tokenizer(), name
     else:
         path, tokenizer, shown = model_dir(name), None, name
-    if not module and checkpoint.unreadable_reason(path) is None:
-        return _read(path, tokenizer, shown, torch_dtype, resolve_device(device))
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    with _quiet_progress():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
-    return _finish(model, tokenizer, shown, torch_dtype, device, path)
-
-
-def _read(path: Path, tokenizer, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     if tokenizer is None:
         from transformers import AutoTokenizer
 
         with _quiet_progress():
             tokenizer = AutoTokenizer.from_pretrained(path)
+    if not module and checkpoint.unreadable_reason(path) is None:
+        return _read(path, tokenizer, shown, torch_dtype, resolve_device(device))
+    from transformers import AutoModelForCausalLM
+
+    with _quiet_progress():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    return _finish(model, tokenizer, shown, torch_dtype, device, path)
+
+
+def _read(path: Path, tokenizer, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     cfg = checkpoint.read_config(path)
     tensors = checkpoint.read_weights(path, dtype, device)
     generation = path / "generation_config.json"

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -97,7 +98,7 @@ def wait_routed(address: str, proc: subprocess.Popen, workers: list[str], timeou
     workers first reached them before they served."""
     from baton.v1 import router_pb2, router_pb2_grpc
 
-    metadata = (("authorization", f"Bearer {open(token_file).read().strip()}"),) if token_file else ()
+    metadata = (("authorization", f"Bearer {Path(token_file).read_text().strip()}"),) if token_file else ()
 
     def routed(ch) -> bool:
         status = router_pb2_grpc.RouterStub(ch).GetClusterStatus(router_pb2.ClusterStatusRequest(), timeout=1,
@@ -310,7 +311,8 @@ class LocalCluster:
 
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> "LocalCluster":
         """Routers start beside the workers (their start-up overlaps the workers' model loading);
-        ready once every process serves and every router has found every worker healthy."""
+        ready once every process serves and every router has found every worker healthy and
+        follows every prefill worker's cache (wait_routed)."""
         try:
             for addr in self.prefill_addrs + self.decode_addrs:
                 self.procs.append((addr, self._spawn(addr, *self.worker_command(addr))))
