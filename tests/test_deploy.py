@@ -675,6 +675,15 @@ def test_schema_refuses_unknown_and_derived_keys(schema, bad, key):
     assert errors and key in errors[0]
 
 
+@pytest.mark.parametrize("role, gpus", [("prefill", 2), ("decode", 8), ("router", 1)])
+def test_schema_refuses_gpus_a_pod_could_not_use(schema, role, gpus):
+    """A worker serves its model on one GPU (no tensor parallelism yet) and the router on none: a
+    larger count would hold GPUs nothing uses."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    errors = schema_errors(schema, merge_values(defaults, {role: {"gpus": gpus}}))
+    assert errors == [f"{role}.gpus: {gpus} is greater than the maximum of {0 if role == 'router' else 1}"]
+
+
 def test_schema_config_blocks_cover_every_config_key(schema):
     """Each key a process accepts is settable in its role's `config` block or derived by the chart."""
     blocks = {"model": schema["definitions"]["modelConfig"], "router": schema["definitions"]["routerConfig"],
