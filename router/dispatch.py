@@ -191,9 +191,10 @@ class Dispatcher:
                     raise lost.error from None
                 if lost.seed is not None and not sampling.HasField("seed"):
                     sampling.seed = lost.seed  # so the moved request keeps its random stream
-                self.stats.prefilled_again += 1
-                log.warning("request %s (%s) lost its decode worker %s after %d tokens (%s); prefilling it again",
-                            request_id, key, lost.worker.view.address, len(sent), lost.error.message)
+                self.stats.prefilled_again += lost.prefilled
+                log.warning("request %s (%s) lost its decode worker %s after %d tokens (%s); prefilling it %s",
+                            request_id, key, lost.worker.view.address, len(sent), lost.error.message,
+                            "again" if lost.prefilled else "for another")
 
     def _attempt(self, request_id, prompt, sent: list[int], sampling, deadline, route: Route, on_done, arrived,
                  metadata=()):

@@ -14,13 +14,15 @@ class DispatchError(Exception):
 
 
 class DecodeLost(Exception):
-    """The request must go on elsewhere: `worker`, its decode worker, failed or could not hand it off."""
+    """The request must go on elsewhere: `worker`, its decode worker, failed or could not hand it off.
+    prefilled: whether its prompt was prefilled for that worker (going on elsewhere prefills it again)."""
 
-    def __init__(self, error: DispatchError, seed: int | None, worker: Worker):
+    def __init__(self, error: DispatchError, seed: int | None, worker: Worker, prefilled: bool = True):
         super().__init__(error.message)
         self.error = error
         self.seed = seed
         self.worker = worker
+        self.prefilled = prefilled
 
 
 def cause(err) -> DispatchError:

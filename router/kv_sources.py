@@ -117,10 +117,14 @@ class PrefillChain(KVSource):
         self._failed(err)
 
     def lost(self) -> DecodeLost | None:
-        """ABORTED: the prompt was prefilled but its KV could not be delivered to the decode worker."""
+        """The request must go on with another decode worker. ABORTED: the prompt was prefilled but
+        its KV could not be delivered to the decode worker. PERMISSION_DENIED: the prefill worker
+        does not count that decode worker among its targets (no longer, or not yet: its discovery
+        and this router's disagree while a worker leaves or joins)."""
         failure = self._failure
-        if failure is not None and failure.code() == grpc.StatusCode.ABORTED:
-            return DecodeLost(cause(failure), self.seed(), self.route.decode)
+        if failure is not None and failure.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.PERMISSION_DENIED):
+            return DecodeLost(cause(failure), self.seed(), self.route.decode,
+                              prefilled=failure.code() == grpc.StatusCode.ABORTED)
         return None
 
     def reply(self) -> workers_pb2.PrefillReply:

@@ -128,6 +128,24 @@ def _wait_for_rows(client: BatonClient, address: str, timeout: float = 60) -> No
     raise AssertionError(f"{address} never took a request")
 
 
+def test_a_decode_worker_the_prefill_worker_does_not_know_costs_no_request(tiny_reference, capfd):
+    """The router and a prefill worker discover decode workers apart, so for a moment (one leaving
+    or joining) the router may pick one the prefill worker refuses to push to. The request goes on
+    with another decode worker: here the prefill worker knows only the first of two, always."""
+    cluster = LocalCluster(prefill=1, decode=2, model="tiny-random", max_rows=4)
+    known, unknown = cluster.decode_addrs
+    cluster.env["BATON_PREFILL_DECODE_WORKERS"] = known
+    prompts = [[40 + 5 * i + j for j in range(4 + i)] for i in range(8)]
+    with cluster, BatonClient(cluster.router_address, timeout=120) as client:
+        results = client.generate_many([{"token_ids": p, "max_tokens": 8, "ignore_eos": True} for p in prompts])
+        again = client.cluster_status().routing["prefilled_again"]
+    for prompt, result in zip(prompts, results):
+        assert not isinstance(result, BatonError), result
+        assert result.token_ids == tiny_reference.greedy(prompt, 8) and result.trace.decode_worker == known
+    # the router did pick the unknown one, and moved on; nothing was prefilled twice (it was refused first)
+    assert f"refused decode_target {unknown}" in capfd.readouterr().err and again == 0
+
+
 def test_sigterm_drains_workers_without_failing_requests(tiny_reference):
     prompts = [[300 + 11 * i + j for j in range(4 + i % 17)] for i in range(20)]
     with LocalCluster(prefill=2, decode=2, model="tiny-random", max_rows=4) as cluster:
