@@ -259,14 +259,16 @@ class PrefillSettings:
 class DecodeSettings:
     host: str = "0.0.0.0"
     port: int = 50071
-    max_rows: int = 8  # decode batch rows
+    max_rows: int = 0  # decode batch rows at most; 0: sized at start (baton/sizing.py)
     # The decode KV in pages, allocated once: rows join while what they hold (plus a growth
     # reserve) fits, never by max_tokens, so max_rows is a cap; when pages run out the latest
     # lowest-priority row is parked in the host pool. 0: a share of the device's free memory.
     kv_budget_bytes: int = 0
     page_size: int = 8  # tokens a KV page holds
     growth_reserve_tokens: int = 32  # free room a joining row must find beyond its own KV
-    staging_bytes: int = 512 << 20  # the host KV pool: landed KV waiting for a row and parked rows' KV
+    # The host KV pool: landed KV waiting for a row and parked rows' KV; 0: sized at start from the
+    # longest prompt served and the memory the host (or container) has left (baton/sizing.py).
+    staging_bytes: int = 0
     # Requests waiting for KV before RESOURCE_EXHAUSTED; with max_rows it also bounds every request
     # held here (waiting for KV or a row, or decoding), each holding a server thread.
     max_pending: int = 256
@@ -293,6 +295,9 @@ class DecodeSettings:
             raise ValueError(f"decode.share_min_tokens must be >= 0 (got {self.share_min_tokens}; 0 turns sharing off)")
         if not 1 <= self.page_size <= 4096:
             raise ValueError(f"decode.page_size must be 1..4096 tokens (got {self.page_size}; the default is 8)")
+        for key in ("max_rows", "staging_bytes"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"decode.{key} must be >= 0 (got {getattr(self, key)}; 0 sizes it at start)")
         if self.growth_reserve_tokens < 0:
             raise ValueError(f"decode.growth_reserve_tokens must be >= 0 (got {self.growth_reserve_tokens})")
         if not self.drain_move_after_s >= 0:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from baton.v1 import common_pb2
+from baton.resources import Amount
 from baton.sampling import Guide, SamplingParams, TokenLogprob
 
 _DEFAULTS = SamplingParams()
@@ -55,3 +56,7 @@ def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
 def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(msg.token_id, msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)))
 
+
+def settings_to_proto(chosen: dict[str, Amount]) -> list[common_pb2.Setting]:
+    """A worker's sizes chosen at start, for its load report."""
+    return [common_pb2.Setting(name=name, value=amount.value, chosen_by=amount.source) for name, amount in chosen.items()]

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from baton.resources import Amount
+
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), so its dashboards' quantiles line up.
 VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                      20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -90,6 +92,14 @@ class Metrics:
     def counter(self, name: str, documentation: str, read: Callable[[], float]) -> None:
         """A counter its owner keeps (it only grows), read at scrape time; served as `name_total`."""
         self.registry.register(_ReadCounter(name, documentation, read))
+
+    def settings(self, chosen: dict[str, Amount]) -> None:
+        """`baton_setting{setting, chosen_by}`: each size this process chose at start (or was given),
+        with how, as /metrics shows them to a dashboard."""
+        family = Gauge("baton_setting", "A size this worker chose at start where its config left it at 0, or was "
+                       "given; chosen_by says how", ["setting", "chosen_by"], registry=self.registry)
+        for name, amount in chosen.items():
+            family.labels(setting=name, chosen_by=amount.source).set(amount.value)
 
     def served_registry(self) -> CollectorRegistry:
         """What `serve` exposes: every series of `registry` with the `model_name` label added."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import threading
 import time
 from typing import Any, Sequence
@@ -225,6 +226,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     from baton.bench.openai_servers import Unavailable, serving
     from baton.bench.workloads import relay_queries
     from baton.config import DecodeSettings
+    from baton.sizing import decode_rows
     from baton.engine.model import resolve_dtype
     from baton.router.openai_api.protocol import served_names
 
@@ -235,7 +237,9 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     queries = relay_queries(s["queries"], s["max_tokens"])
     here = str(resolve_dtype(opts.dtype)).removeprefix("torch.")
     dtype: dict[str, Any] = {"requested": opts.dtype, "resolved_here": here, "baton": None, "vllm": None}
-    rows: dict[str, Any] = {"baton": DecodeSettings().max_rows, "vllm": None}
+    # what a CPU decode worker at its defaults sizes with the suite's threads (read back once it serves)
+    rows: dict[str, Any] = {"baton": DecodeSettings().max_rows or
+                            decode_rows(0, "cpu", opts.threads or os.cpu_count() or 1, 1 << 40).value, "vllm": None}
     opts.say(f"served: {len(queries)} relay chat queries (temperature 0, max_tokens {s['max_tokens']}, streamed) at "
              f"concurrency {','.join(map(str, s['concurrency']))}; model {served}, dtype {opts.dtype} (here: {here}), "
              f"{rows['baton']} decode rows, KV {s['kv_gib']:g} GiB; servers: {', '.join(s['servers'])}")

@@ -17,7 +17,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="Disaggregated prefill/decode LLM serving.",
                                      epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="warning", type=level_name, metavar="{" + ",".join(LEVELS) + "}",
-                        help="JSON log lines on stderr at this level and above (default warning)")
+                        help="JSON log lines on stderr at this level and above (default warning; a process's few "
+                             "start-up lines, what it loads and the sizes it chooses, show at info unless this is error)")
+    parser.add_argument("--quiet-start", action="store_true",
+                        help="leave out the start-up lines (what is loaded, the sizes chosen) below --log-level")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for prompts, locally or through a router")
@@ -92,13 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     decode = sub.add_parser("decode", help="run a decode worker")
     add_serve_args(decode, "decode", 50071)
-    decode.add_argument("--max-rows", type=int, help="decode batch rows at most (default 8)")
+    decode.add_argument("--max-rows", type=int, help="decode batch rows at most (default 0: 256 on a GPU, 4 per "
+                                                     "thread on a CPU, fewer where the KV budget holds fewer)")
     decode.add_argument("--kv-budget-bytes", type=int,
                         help="the paged decode KV, allocated once: rows join while what they hold fits, and all "
                              "of it bounds the context served (default 0: a share of the device's free memory)")
     decode.add_argument("--page-size", type=int, help="tokens a KV page holds (default 8)")
     decode.add_argument("--staging-bytes", type=int,
-                        help="the host KV pool: landed KV and parked rows (default 512 MiB)")
+                        help="the host KV pool: landed KV and parked rows (default 0: two longest prompts' KV, at "
+                             "least 512 MiB, within a quarter of the memory left)")
     decode.add_argument("--drain-move-after-s", type=float,
                         help="on SIGTERM, seconds before running requests move with their KV to another decode worker "
                              "(default 5)")
@@ -157,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     up.add_argument("--model", default="default",
                     help="'default' (SmolLM2-135M-Instruct), 'tiny-random', or a Hugging Face model directory")
-    up.add_argument("--max-rows", type=int, default=8, help="decode batch rows per decode worker (default 8)")
+    up.add_argument("--max-rows", type=int, default=0,
+                    help="decode batch rows per decode worker (default 0: sized from the device, as a worker does)")
     up.add_argument("--demo", action="store_true", help="send a short demo workload through the SDK, then stop")
     planner = up.add_argument_group("planner", "with --planner, workers are added and drained as the load asks "
                                                "(--prefill and --decode are then the least of each)")
@@ -190,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     from baton.lifeline import die_with_parent
 
     die_with_parent()
-    configure(args.log_level)
+    configure(args.log_level, start_lines=not args.quiet_start)
     try:
         return args.func(args)
     except (UsageError, ValueError) as exc:  # engine.request.RequestError is a ValueError

@@ -9,8 +9,8 @@ from typing import Any
 
 from baton.v1 import common_pb2, router_pb2
 from baton.client.errors import BatonError, error_for_code
-from baton.client.types import (UINT32_MAX, ClusterStatus, GenerationResult, ModelInfo, SamplingOptions,
-                          StreamChunk, TokenLogprob, Trace, Usage, WorkerStatus)
+from baton.client.types import (UINT32_MAX, ClusterStatus, GenerationResult, ModelInfo, SamplingOptions, Setting,
+                                StreamChunk, TokenLogprob, Trace, Usage, WorkerStatus)
 from baton.messages import logprob_from_proto
 from baton.sampling import DEFAULTABLE
 
@@ -138,7 +138,9 @@ def model_info_from_proto(info: router_pb2.ModelInfo) -> ModelInfo:
     return ModelInfo(name=info.name, max_context=info.max_context,
                      model_fingerprint=info.model_fingerprint, vocab_size=info.vocab_size,
                      sampling_defaults={k: int(v) if k in ("max_tokens", "top_k") else v
-                                        for k, v in sorted(info.sampling_defaults.items())})
+                                        for k, v in sorted(info.sampling_defaults.items())},
+                     worker_settings={w.address: [Setting(s.name, s.value, s.chosen_by) for s in w.settings]
+                                      for w in info.workers})
 
 
 def cluster_status_from_proto(status: router_pb2.ClusterStatus) -> ClusterStatus:
@@ -165,8 +167,11 @@ def batch_item_from_proto(item: router_pb2.GenerateBatchResponse) -> GenerationR
 
 def message_fields(message: Any) -> dict[str, Any]:
     # Not json_format.MessageToDict: it turns uint64 counters into strings.
-    return {f.name: list(getattr(message, f.name)) if f.is_repeated else getattr(message, f.name)
-            for f in message.DESCRIPTOR.fields}
+    def plain(f, value):
+        return message_fields(value) if f.message_type is not None else value
+
+    return {f.name: [plain(f, v) for v in getattr(message, f.name)] if f.is_repeated else
+            plain(f, getattr(message, f.name)) for f in message.DESCRIPTOR.fields}
 
 
 class ResultAssembler:

@@ -69,6 +69,16 @@ class ModelInfo:
     vocab_size: int
     # What a request leaving max_tokens, temperature, top_k or top_p unset gets from this router
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # By worker address: the sizes each chose at start (max_rows, kv_budget_bytes, staging_bytes,
+    # threads) or was given, and how
+    worker_settings: dict[str, list["Setting"]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    value: float
+    chosen_by: str  # e.g. "0.25 of 6442450944 bytes: the cgroup memory limit ...", or the config key that set it
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,14 @@ through a queue drained by the loop that calls `step`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
+
+from baton.logs import STARTUP_LOGGER
+from baton.resources import Amount
+from baton.sizing import decode_rows
 
 from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
 from baton.engine.kv import SequenceKV, to_host
@@ -21,11 +25,14 @@ from baton.engine.stopping import FinishReason, StopChecker
 from baton.sampling import TokenLogprob
 
 log = logging.getLogger(__name__)
+started_log = logging.getLogger(STARTUP_LOGGER)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    max_rows: int = 8  # a cap: how many rows run is what kv_budget_bytes allows
+    # A cap: how many rows run is what kv_budget_bytes allows. 0: sized from the device, the
+    # threads and the KV budget (baton.sizing.decode_rows).
+    max_rows: int = 8
     # The paged decode KV, allocated once (engine.paged_kv); 0: derived from the device's free
     # memory. Rows join while what they hold (plus a growth reserve) fits; when pages run out,
     # the latest lowest-priority row is parked in the host pool.
@@ -44,8 +51,8 @@ class DecodeConfig:
     share_min_tokens: int = 64
 
     def __post_init__(self):
-        if self.max_rows < 1:
-            raise ValueError(f"max_rows must be >= 1 (got {self.max_rows})")
+        if self.max_rows < 0:
+            raise ValueError(f"max_rows must be >= 0 (got {self.max_rows}; 0 sizes it from the device)")
         if self.kv_budget_bytes < 0:
             raise ValueError(f"kv_budget_bytes must be >= 0 (got {self.kv_budget_bytes}; 0 derives it from the "
                              "device's memory)")
@@ -115,10 +122,18 @@ class DecodeCore:
         else:
             chosen = default_kv_budget(loaded.device)
             self.kv_budget_bytes, how = chosen.value, chosen.source
-        log.info("KV budget %d bytes (%s): %d tokens of %d bytes", self.kv_budget_bytes, how,
-                 self.kv_budget_bytes // per_token, per_token,
-                 extra={"kv_budget_bytes": self.kv_budget_bytes, "chosen_by": how})
+        started_log.info("KV budget %d bytes (%s): %d tokens of %d bytes", self.kv_budget_bytes, how,
+                         self.kv_budget_bytes // per_token, per_token,
+                         extra={"setting": "kv_budget_bytes", "value": self.kv_budget_bytes, "chosen_by": how})
         self.kv = PagedKV.within(shape, self.kv_budget_bytes, config.page_size, device=loaded.device)
+        rows = decode_rows(config.max_rows, loaded.device.type, torch.get_num_threads(),
+                           (self.kv.num_pages - 1) * config.page_size)
+        if not config.max_rows:
+            started_log.info("decode rows %d (%s)", rows.value, rows.source,
+                             extra={"setting": "max_rows", "value": rows.value, "chosen_by": rows.source})
+        config = self.config = replace(config, max_rows=rows.value)
+        # what this worker chose at start, and how: its /metrics and the router's GetModelInfo show them
+        self.chosen = {"kv_budget_bytes": Amount(self.kv_budget_bytes, how), "max_rows": rows}
         page_bytes = self.kv.page_bytes
         self.scheduler = DecodeScheduler(SchedulerConfig(
             config.max_rows, self.kv.num_pages, config.page_size,

@@ -13,8 +13,11 @@ import grpc
 
 from baton import tracing
 from baton.config import ClusterSettings, DecodeSettings, ModelSettings, TLSSettings
-from baton.messages import logprob_to_proto, sampling_from_proto
+from baton.messages import logprob_to_proto, sampling_from_proto, settings_to_proto
+from baton.logs import STARTUP_LOGGER
 from baton.metrics import Metrics
+from baton.resources import Amount, memory_available
+from baton.sizing import GPU_ROWS, staging_bytes
 from baton.server import GrpcServer, NotReady, channel, cluster_token
 from baton.transport import check_address
 from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
@@ -22,6 +25,7 @@ from baton.decode_worker.core import DecodeConfig, DecodeCore
 from baton.decode_worker.loop import DecodeLoop, Failure, Moving, NotMoving
 
 from baton.engine.request import GenerationRequest, RequestError, validate_prompt
+from baton.engine import threads
 from baton.engine.executors import load_runner
 from baton.kvtransfer.errors import KVPushFailed
 from baton.kvtransfer.grpc_transport import KVTransferServicer, PushRetry
@@ -33,6 +37,7 @@ from baton.kvtransfer.shm import ShmKVServer
 from baton.kvtransfer.wire import grpc_push_channel_options
 
 log = logging.getLogger(__name__)
+started_log = logging.getLogger(STARTUP_LOGGER)
 
 HANDOFF_SECONDS = 30.0  # longest a Handoff's KV push may take
 # How a target's refusal of a handed-off KV reads to the Handoff caller.
@@ -44,8 +49,10 @@ _HANDOFF_STATUS = {"RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
 
 class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, loop: DecodeLoop, address: str, tls: TLSSettings | None = None,
-                 cluster_token: str | None = None, shared_memory: bool = True, library: str | None = None):
+                 cluster_token: str | None = None, shared_memory: bool = True, library: str | None = None,
+                 chosen: dict[str, Amount] | None = None):
         self.loop = loop
+        self.settings = settings_to_proto(chosen or {})  # the sizes chosen at start, for load reports
         self.address = address
         self.tls = tls
         self.cluster_token = cluster_token
@@ -158,15 +165,15 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             parked_bytes=core.parked_bytes(), migrations_out=self.loop.migrations["sent"],
             migrations_failed=self.loop.migrations["failed"], migrations_in=self.loop.migrations["received"],
             max_context=core.max_context, kv_budget_bytes=core.kv_budget_bytes,
-            kv_bytes_per_token=core.kv.shape.bytes_per_token(),
+            kv_bytes_per_token=core.kv.shape.bytes_per_token(), settings=self.settings,
         )
 
 
 def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | None = None, *,
           cluster: ClusterSettings | None = None, block: bool = True):
     token = cluster_token(cluster, "decode", settings.host)
-    server = GrpcServer(settings.host, settings.port, tls=tls, long_calls=settings.max_pending + settings.max_rows,
-                        cluster_token=token)
+    server = GrpcServer(settings.host, settings.port, tls=tls,
+                        long_calls=settings.max_pending + (settings.max_rows or GPU_ROWS), cluster_token=token)
     decode_api, kv_api = NotReady(), NotReady()
     workers_pb2_grpc.add_DecodeWorkerServicer_to_server(decode_api, server.server)
     kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(kv_api, server.server)
@@ -183,11 +190,18 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
                                            low_watermark_bytes=settings.kv_low_watermark_bytes,
                                            max_waiting=settings.max_pending,
                                            share_min_tokens=settings.share_min_tokens))
-    pool = StagingPool(StagingConfig(capacity_bytes=settings.staging_bytes, require_expected=True,
-                                     max_entries=settings.max_pending + settings.max_rows),
+    staging = staging_bytes(settings.staging_bytes, memory_available(), loaded.kv_shape.bytes_per_token(),
+                            core.max_row_tokens)
+    if not settings.staging_bytes:
+        started_log.info("host KV pool %d bytes (%s)", staging.value, staging.source,
+                         extra={"setting": "staging_bytes", "value": staging.value, "chosen_by": staging.source})
+    pool = StagingPool(StagingConfig(capacity_bytes=staging.value, require_expected=True,
+                                     max_entries=settings.max_pending + core.config.max_rows),
                        on_landed=lambda request_id: loop.on_landed(request_id))
     metrics = Metrics("decode", model.name)
     loop = DecodeLoop(core, pool, metrics).start()
+    chosen = {**core.chosen, "staging_bytes": staging, "threads": threads.chosen()}
+    metrics.settings(chosen)
     kv_usage, page_bytes, token_bytes = core.scheduler.kv_usage, core.kv.page_bytes, core.kv.shape.bytes_per_token()
     metrics.gauge("baton_decode_rows_in_use", "Decode batch rows occupied", lambda: core.scheduler.num_running)
     metrics.gauge("baton_decode_kv_pages_total", "KV pages rows can hold (decode.kv_budget_bytes / page bytes)",
@@ -229,7 +243,8 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
                                              pin_memory=loaded.device.type == "cuda"))
     decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}", tls, token,
                                              shared_memory=settings.kv_transport != "grpc",
-                                             library="nixl" if settings.kv_transport == "nixl" else None)
+                                             library="nixl" if settings.kv_transport == "nixl" else None,
+                                             chosen=chosen)
     # The agent starts on the first write, or now where this worker is told to use the library.
     writes = NixlWrites(receiver) if settings.kv_transport != "grpc" else None
     kv_api.target = KVTransferServicer(receiver, writes=writes)
@@ -243,8 +258,8 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
         except OSError as exc:
             log.warning("shared-memory KV pushes are off (%s); KV arrives over gRPC only", exc)
     server.set_serving()
-    log.info("decode worker serving on port %d (model %s loaded in %.1fs)", server.port, loaded.fingerprint,
-             time.monotonic() - started)
+    started_log.info("decode worker serving on port %d, %.1fs after start (model %s)", server.port,
+                     time.monotonic() - started, loaded.fingerprint)
     if not block:
         return server, loop
     server.wait_for_signal(on_stop=loop.stop,

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -109,9 +110,11 @@ def unreadable_reason(path: Path) -> str | None:
     return None
 
 
-def read_weights(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+def read_weights(path: Path, dtype: torch.dtype, device: torch.device,
+                 progress: Callable[[int], None] = lambda nbytes: None) -> dict[str, torch.Tensor]:
     """Every tensor by its checkpoint name, read file by file straight onto `device` and cast
-    there: on a GPU no full copy of the weights passes through host memory."""
+    there: on a GPU no full copy of the weights passes through host memory. progress(n) is told
+    the bytes of each tensor read (out of weight_bytes(path), about)."""
     from safetensors import safe_open
 
     target = "cpu" if device.type == "cpu" else str(device)
@@ -119,8 +122,15 @@ def read_weights(path: Path, dtype: torch.dtype, device: torch.device) -> dict[s
     for file in weight_files(path):
         with safe_open(file, framework="pt", device=target) as f:
             for name in f.keys():
-                tensors[name] = f.get_tensor(name).to(dtype)
+                tensor = f.get_tensor(name)
+                progress(tensor.nbytes)
+                tensors[name] = tensor.to(dtype)
     return tensors
+
+
+def weight_bytes(path: Path) -> int:
+    """The bytes of the checkpoint's weight files (their headers a rounding error)."""
+    return sum(file.stat().st_size for file in weight_files(path))
 
 
 def fingerprint(path: Path) -> str:

@@ -10,12 +10,14 @@ import json
 import logging
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from baton.config import DTYPE_CHOICES
+from baton.logs import STARTUP_LOGGER, Progress
 from baton.engine import checkpoint
 from baton.engine.kv import KVShape
 from baton.paths import cache_root
@@ -25,6 +27,7 @@ from baton.engine.model_files import (DEFAULT_MODEL, DEFAULT_MODEL_SAMPLING, TIN
                                       default_tokenizer, load_tokenizer_view, model_dir, model_sampling_defaults)
 
 log = logging.getLogger(__name__)
+started_log = logging.getLogger(STARTUP_LOGGER)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 assert DTYPE_CHOICES == ("auto", *DTYPES)  # the command line offers them without importing torch
@@ -151,18 +154,32 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
 
         with _quiet_progress():
             tokenizer = AutoTokenizer.from_pretrained(path)
-    if not module and checkpoint.unreadable_reason(path) is None:
-        return _read(path, tokenizer, shown, torch_dtype, resolve_device(device))
-    from transformers import AutoModelForCausalLM
+    started = time.monotonic()
+    on = resolve_device(device)
+    size = checkpoint.weight_bytes(path)
+    reader = not module and checkpoint.unreadable_reason(path) is None
+    started_log.info("loading %s from %s onto %s as %s%s%s", shown, path, on, str(torch_dtype).removeprefix("torch."),
+                     f": {size} bytes of weights" if size else "", "" if reader else ", through transformers",
+                     extra={"model": shown, "device": str(on), "weight_bytes": size})
+    if reader:
+        progress = Progress(started_log, f"loading {shown}", size)
+        loaded = _read(path, tokenizer, shown, torch_dtype, on, progress.advance)
+    else:
+        from transformers import AutoModelForCausalLM
 
-    with _quiet_progress():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-    return _finish(model, tokenizer, shown, torch_dtype, device, path)
+        with _quiet_progress():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        loaded = _finish(model, tokenizer, shown, torch_dtype, device, path)
+    held = sum(t.nbytes for t in {id(t): t for t in loaded.tensors.values()}.values())
+    started_log.info("loaded %s in %.1fs: %d bytes on %s (fingerprint %s)", shown, time.monotonic() - started, held,
+                     on, loaded.fingerprint, extra={"model": shown, "seconds": time.monotonic() - started,
+                                                    "bytes": held, "device": str(on)})
+    return loaded
 
 
-def _read(path: Path, tokenizer, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _read(path: Path, tokenizer, name: str, dtype: torch.dtype, device: torch.device, progress) -> LoadedModel:
     cfg = checkpoint.read_config(path)
-    tensors = checkpoint.read_weights(path, dtype, device)
+    tensors = checkpoint.read_weights(path, dtype, device, progress)
     generation = path / "generation_config.json"
     eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else getattr(cfg, "eos_token_id", None)
     fingerprint = ModelFingerprint(cfg.architectures[0], checkpoint.fingerprint(path), str(dtype).removeprefix("torch."))

@@ -9,9 +9,11 @@ from __future__ import annotations
 import logging
 import os
 
-from baton.resources import cpus_usable
+from baton.logs import STARTUP_LOGGER
+from baton.resources import Amount, cpus_usable
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(STARTUP_LOGGER)
+_chosen: Amount | None = None  # torch's threads are the process's: so is what configure chose
 
 
 def parse_cores(text: str) -> list[int]:
@@ -55,8 +57,18 @@ def configure(threads: int = 0, cpu_cores: str = "") -> int:
 
     torch.set_num_threads(threads)
     log.info("torch threads %d (%s) on cores %s", threads, how, ",".join(map(str, usable_cores())),
-             extra={"threads": threads, "chosen_by": how})
+             extra={"setting": "threads", "value": threads, "chosen_by": how})
+    global _chosen
+    _chosen = Amount(threads, how)
     return threads
+
+
+def chosen() -> Amount:
+    """This process's torch threads and how configure() chose them (torch's own count if it was
+    never called)."""
+    import torch
+
+    return _chosen if _chosen is not None else Amount(torch.get_num_threads(), "torch's default")
 
 
 def split_cores(count: int, cores: list[int] | None = None) -> list[str]:

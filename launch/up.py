@@ -134,12 +134,15 @@ class LocalCluster:
 
     def __init__(self, *, port: int = 0, prefill: int = 1, decode: int = 1, model: str = "default",
                  max_rows: int = 8, extra_env: dict | None = None, log_level: str = "WARNING", routers: int = 1,
+                 start_lines: bool = False,
                  router_args: tuple[str, ...] = (), prefill_args: tuple[str, ...] = (),
                  decode_args: tuple[str, ...] = (), tls: TLSSettings | None = None, auth_token_file: str = "",
                  share_cores: bool = False, http_port: int = 0, hosts: Hosts | None = None,
                  dynamic: bool = False):
         if prefill < 1 or decode < 1:
             raise ValueError(f"need at least one prefill and one decode worker (got {prefill}, {decode})")
+        if max_rows < 0:
+            raise ValueError(f"max_rows must be >= 0 (got {max_rows}; 0: each decode worker sizes it at start)")
         self.hosts = hosts
         names = self.host_names(prefill, decode)
         if hosts is not None and set(names) - set(hosts.names):
@@ -198,6 +201,7 @@ class LocalCluster:
             self.worker_args = [("--cpu-cores", cores) if cores else ("--threads", "1")
                                  for cores in split_cores(prefill + decode)]
         self.log_level = log_level
+        self.start_lines = start_lines  # the workers' start-up lines (loading, sizes chosen), as `baton up` shows
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     @staticmethod
@@ -222,7 +226,8 @@ class LocalCluster:
 
     def _spawn(self, address: str, *args: str) -> subprocess.Popen:
         """Start the process serving `address`, in that address's host if the cluster has hosts."""
-        cmd = [sys.executable, "-m", "baton.cli", "--log-level", self.log_level, *args]
+        cmd = [sys.executable, "-m", "baton.cli", "--log-level", self.log_level,
+               *(() if self.start_lines else ("--quiet-start",)), *args]
         if self.hosts is not None:
             cmd = self.hosts.command(self.host_of[address], cmd)  # execs in place: the PID is the process's
         return subprocess.Popen(cmd, env=dict(self.env, **{PARENT_ENV: str(os.getpid())}), start_new_session=True)
@@ -233,7 +238,7 @@ class LocalCluster:
         index = workers.index(address)
         role = "prefill" if index < len(self.prefill_addrs) else "decode"
         args = [role, "--host", _host(address), "--port", address.split(":")[1], "--model", self.model]
-        if role == "decode":
+        if role == "decode" and self.max_rows:  # else the worker sizes its rows
             args += ["--max-rows", str(self.max_rows)]
         return args + [*self.worker_args[index], *(self.prefill_args if role == "prefill" else self.decode_args)]
 
@@ -448,7 +453,7 @@ def run_up(args) -> int:
     planner = planner_settings(args) if getattr(args, "planner", False) else None  # bad values: before anything starts
     cluster = LocalCluster(port=args.port, prefill=args.prefill, decode=args.decode, model=args.model,
                            max_rows=args.max_rows, share_cores=True, http_port=args.http_port,
-                           dynamic=planner is not None)
+                           dynamic=planner is not None, log_level=args.log_level, start_lines=True)
     stop = StopSignals()  # from here on, Ctrl-C or SIGTERM ends the cluster in order
     print(f"starting {args.prefill} prefill and {args.decode} decode workers for model {args.model!r}...",
           flush=True)

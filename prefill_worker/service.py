@@ -13,13 +13,16 @@ import grpc
 
 from baton import tracing
 from baton.config import ClusterSettings, ModelSettings, PrefillSettings, TLSSettings
-from baton.messages import sampling_from_proto
+from baton.logs import STARTUP_LOGGER
+from baton.messages import sampling_from_proto, settings_to_proto
 from baton.metrics import Metrics
+from baton.resources import Amount
 from baton.server import GrpcServer, NotReady, cluster_token
 from baton.transport import check_address
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
 
 from baton.engine.request import GenerationRequest, RequestError, validate_prompt
+from baton.engine import threads
 from baton.engine.executors import load_runner
 from baton.kvtransfer.errors import KVPushFailed
 from baton.prefill_worker.jobs import PrefillDone, PrefillJob
@@ -27,6 +30,7 @@ from baton.prefill_worker.loop import PrefillLoop
 from baton.prefill_worker.targets import DecodeTargets
 
 log = logging.getLogger(__name__)
+started_log = logging.getLogger(STARTUP_LOGGER)
 
 
 def reply_from(request_id: str, done: PrefillDone) -> workers_pb2.PrefillReply:
@@ -40,8 +44,9 @@ MAX_CACHE_WATCHERS = 16  # routers following the prefix cache at once (each hold
 
 
 class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, loop: PrefillLoop):
+    def __init__(self, loop: PrefillLoop, chosen: dict[str, Amount] | None = None):
         self.loop = loop
+        self.settings = settings_to_proto(chosen or {})  # the sizes chosen at start, for load reports
         self._watchers = threading.BoundedSemaphore(MAX_CACHE_WATCHERS)
 
     def Prefill(self, request, context):
@@ -137,7 +142,7 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
             prompt_tokens_forwarded=loop.runner.prompt_tokens_forwarded, requests_done=loop.requests_done,
             model_fingerprint=loop.fingerprint, block_size=loop.core.block_size,
             cached_tokens_total=loop.core.cached_tokens_total, prefix_cache_bytes=loop.settings.prefix_cache_bytes,
-            draining=loop.draining.is_set(), epoch=loop.epoch,
+            draining=loop.draining.is_set(), epoch=loop.epoch, settings=self.settings,
         )
 
 
@@ -172,11 +177,13 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
     metrics.gauge("vllm:num_requests_running", "Prompts being prefilled or pushed", lambda: loop.running)
     metrics.gauge("vllm:kv_cache_usage_perc", "Share of the prefix cache in use (1 = full)",
                   lambda: loop.core.cache.used_bytes / max(1, loop.core.cache.capacity_bytes) if loop.core.cache else 0)
+    chosen = {"threads": threads.chosen()}
+    metrics.settings(chosen)
     metrics.serve(settings.metrics_port, settings.host)
-    api.target = PrefillWorkerServicer(loop)
+    api.target = PrefillWorkerServicer(loop, chosen)
     server.set_serving()
-    log.info("prefill worker serving on port %d (model %s loaded in %.1fs)", server.port, loaded.fingerprint,
-             time.monotonic() - started)
+    started_log.info("prefill worker serving on port %d, %.1fs after start (model %s)", server.port,
+                     time.monotonic() - started, loaded.fingerprint)
     if not block:
         return server, loop
     server.wait_for_signal(on_stop=loop.stop, drain=lambda: loop.drain(settings.drain_timeout_s),

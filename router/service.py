@@ -11,6 +11,7 @@ import grpc
 
 from baton.auth import BearerTokenInterceptor, load_token
 from baton.config import ClusterSettings, ModelSettings, RouterSettings, TLSSettings
+from baton.logs import STARTUP_LOGGER
 from baton.metrics import Metrics, cumulative_buckets
 from baton.server import GrpcServer, NotReady, cluster_token
 from baton.v1 import router_pb2, router_pb2_grpc
@@ -127,9 +128,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def GetModelInfo(self, request, context):
         fingerprints = {w.fingerprint for w in self.pool.all() if w.fingerprint}
-        return router_pb2.ModelInfo(name=self.model.name, max_context=self.front.max_context(),
+        info = router_pb2.ModelInfo(name=self.model.name, max_context=self.front.max_context(),
                                     model_fingerprint=",".join(sorted(fingerprints)), vocab_size=self.model.vocab_size,
                                     sampling_defaults=self.front.sampling_defaults)
+        for w in self.pool.all():
+            if w.last_load is not None and w.last_load.settings:
+                info.workers.add(address=w.view.address, role=w.role, settings=w.last_load.settings)
+        return info
 
     def GetClusterStatus(self, request, context):
         stats = self.dispatcher.stats
@@ -209,9 +214,9 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
         server.extra_stops.append(http.stop)
     server.extra_stops.append(sync.stop)  # however it stops (signal, or a caller of block=False)
     server.set_serving()
-    log.info("router serving on port %d (%s, %s)%s", server.port,
-             "TLS" if tls is not None and tls.enabled else "plaintext", "bearer token" if token else "no auth",
-             f", OpenAI API on port {http.port}" if http else "")
+    logging.getLogger(STARTUP_LOGGER).info(
+        "router serving on port %d (%s, %s)%s", server.port, "TLS" if tls is not None and tls.enabled else "plaintext",
+        "bearer token" if token else "no auth", f", OpenAI API on port {http.port}" if http else "")
     if not block:
         return server, pool
     server.wait_for_signal(on_stop=lambda: (discovery.stop(), sync.stop(), pool.stop()),

@@ -36,8 +36,11 @@ def test_a_checkpoint_read_without_transformers_serves_the_same_bits(tiny_model)
 def test_a_sharded_checkpoint_reads_every_shard(tmp_path, tiny_model):
     tiny_random_model(0).save_pretrained(tmp_path, max_shard_size="2MB")
     assert (tmp_path / "model.safetensors.index.json").is_file() and len(checkpoint.weight_files(tmp_path)) == 2
-    tensors = checkpoint.read_weights(tmp_path, torch.bfloat16, torch.device("cpu"))
+    read = []
+    tensors = checkpoint.read_weights(tmp_path, torch.bfloat16, torch.device("cpu"), read.append)
     assert set(tensors) == set(tiny_model.tensors) - {"lm_head.weight"}
+    # progress is told every tensor's bytes: all of the files but their headers
+    assert len(read) == len(tensors) and 0.99 < sum(read) / checkpoint.weight_bytes(tmp_path) <= 1
     for name, tensor in tensors.items():
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, tiny_model.tensors[name].to(torch.bfloat16))
 

@@ -196,12 +196,14 @@ def test_every_process_serves_prometheus_metrics():
     from baton.launch.up import free_port
 
     ports = {role: free_port() for role in ("router", "prefill", "decode")}
-    with LocalCluster(prefill=1, decode=1, model="tiny-random",
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=0,  # rows and the rest sized at start
                       router_args=("--metrics-port", str(ports["router"])),
                       prefill_args=("--metrics-port", str(ports["prefill"])),
                       decode_args=("--metrics-port", str(ports["decode"]))) as cluster:
         with BatonClient(cluster.router_address, timeout=60) as client:
             client.generate(token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True)
+            chosen = {address: {s.name: s for s in settings}
+                      for address, settings in client.model_info().worker_settings.items()}
         scraped = {role: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
                    for role, port in ports.items()}
     from prometheus_client.parser import text_string_to_metric_families
@@ -216,6 +218,16 @@ def test_every_process_serves_prometheus_metrics():
         return out
 
     router, prefill, decode = series("router"), series("prefill"), series("decode")
+    # The sizes each worker chose at start, and how: in GetModelInfo and in /metrics alike
+    decoded, prefilled = chosen[cluster.decode_addrs[0]], chosen[cluster.prefill_addrs[0]]
+    assert set(decoded) == {"max_rows", "kv_budget_bytes", "staging_bytes", "threads"} and set(prefilled) == {"threads"}
+    assert decoded["max_rows"].value >= 8 and "per torch thread" in decoded["max_rows"].chosen_by
+    assert "MemAvailable" in decoded["kv_budget_bytes"].chosen_by or "cgroup" in decoded["kv_budget_bytes"].chosen_by
+    assert decoded["staging_bytes"].value >= 512 << 20 and "prompts of" in decoded["staging_bytes"].chosen_by
+    for role, workers_chosen in (("decode", decoded), ("prefill", prefilled)):
+        served = {dict(labels)["setting"]: (value, dict(labels)["chosen_by"])
+                  for (name, labels), value in series(role).items() if name == "baton_setting"}
+        assert served == {name: (s.value, s.chosen_by) for name, s in workers_chosen.items()}, role
     assert router["baton_time_to_first_token_seconds_count", ()] == 1.0
     assert router["baton_requests_total", (("reason", "length"),)] == 1.0
     assert prefill["baton_kv_transfers_total", (("outcome", "ok"),)] == 1.0

@@ -3,6 +3,7 @@ workers with it even when killed, a batch cannot take every router slot, and lis
 host they were given. Real processes on loopback, the tiny random model."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -74,12 +75,14 @@ def test_a_batch_takes_no_more_router_slots_than_it_has_members():
     assert all(len(r.token_ids) == 600 for r in outcome["result"].results)
 
 
-def test_a_client_started_with_baton_up_waits_until_served_then_sigkill_leaves_no_process():
+def test_a_client_started_with_baton_up_waits_until_served_then_sigkill_leaves_no_process(tmp_path):
     """A newcomer's script: start `baton up`, wait_ready(), generate: the first call succeeds (no
-    retry loop of its own). Then SIGKILL of `baton up` takes its processes with it."""
+    retry loop of its own); meanwhile `baton up` showed, at the default log level, what each
+    worker loaded and the sizes it chose. Then SIGKILL of `baton up` takes its processes with it."""
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "baton.cli", "up", "--model", "tiny-random", "--port", str(port)],
-                          stdout=subprocess.PIPE, text=True, start_new_session=True)
+    with open(tmp_path / "stderr", "w") as stderr:
+        up = subprocess.Popen([sys.executable, "-m", "baton.cli", "up", "--model", "tiny-random", "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
     try:
         with BatonClient(f"127.0.0.1:{port}") as client:
             client.wait_ready(timeout=240)
@@ -87,6 +90,11 @@ def test_a_client_started_with_baton_up_waits_until_served_then_sigkill_leaves_n
         for line in up.stdout:
             if line.startswith("ready"):
                 break
+        shown = [json.loads(line)["message"] for line in (tmp_path / "stderr").read_text().splitlines()
+                 if line.startswith("{") and '"baton.startup"' in line]
+        for start in ("loading tiny-random from", "loaded tiny-random in", "torch threads", "KV budget", "decode rows",
+                      "host KV pool", "decode worker serving", "prefill worker serving", "router serving"):
+            assert any(message.startswith(start) for message in shown), (start, shown)
         children = descendants(up.pid)
         assert len(children) == 3, f"expected router, prefill and decode processes, found {children}"
         up.kill()

@@ -339,8 +339,13 @@ def test_a_prompt_past_the_context_and_a_body_that_is_not_json_are_400(api, clus
 def test_a_prompt_whose_kv_no_decode_worker_can_stage_is_400_before_its_prefill(api, sdk):
     """Retrying could never serve it: a 400 (INVALID_ARGUMENT) naming the setting to raise, not a
     429 or RESOURCE_EXHAUSTED after a prefill whose KV then found no room."""
-    def forwarded() -> int:
-        return sum(w.prefill["prompt_tokens_forwarded"] for w in sdk.cluster_status().workers if w.role == "prefill")
+    def forwarded() -> int:  # as the router's load polls (5 a second) last saw it, once it stands still
+        seen = None
+        while (now := sum(w.prefill["prompt_tokens_forwarded"] for w in sdk.cluster_status().workers
+                          if w.role == "prefill")) != seen:
+            seen = now
+            time.sleep(0.5)
+        return seen
 
     before, prompt = forwarded(), [7 + j % 900 for j in range(STAGED_TOKENS + 100)]
     with pytest.raises(openai.BadRequestError) as err:

@@ -1,7 +1,7 @@
 """Defaults within the container's limits: the cgroup's memory limit and CPU quota (v1 and v2,
 the tightest from the process's cgroup up), read from cgroup trees written here; then a real
-decode worker started inside a real cgroup of 2 GiB and one CPU, whose KV budget and threads stay
-within them and whose start-up lines say so."""
+decode worker started inside a real cgroup of 2 GiB and one CPU, whose KV budget, host KV pool and
+threads stay within them and whose start-up lines say so."""
 from __future__ import annotations
 
 import json
@@ -99,7 +99,7 @@ def test_a_decode_worker_in_a_2_gib_one_cpu_cgroup_sizes_itself_within_it():
         pytest.skip("needs writable cgroup v1 memory and cpu hierarchies (root)")
     memory, cpu = made
     script = (f"echo $$ > {memory}/cgroup.procs && echo $$ > {cpu}/cgroup.procs && "
-              f"exec {sys.executable} -m baton.cli --log-level info decode --host 127.0.0.1 --port 0 "
+              f"exec {sys.executable} -m baton.cli decode --host 127.0.0.1 --port 0 "
               "--model tiny-random")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     proc = subprocess.Popen(["sh", "-c", script], stderr=subprocess.PIPE, text=True, env=env)
@@ -108,17 +108,21 @@ def test_a_decode_worker_in_a_2_gib_one_cpu_cgroup_sizes_itself_within_it():
         for line in proc.stderr:
             record = json.loads(line) if line.startswith("{") else {}
             message = record.get("message", "")
-            for key in ("KV budget", "torch threads"):
+            for key in ("KV budget", "torch threads", "host KV pool", "decode rows"):
                 if message.startswith(key):
                     lines[key] = record
-            if len(lines) == 2:
+            if len(lines) == 4:
                 break
     finally:
         proc.kill()
         proc.wait(timeout=30)
         for folder in (memory, cpu):
             folder.rmdir()
-    assert set(lines) == {"KV budget", "torch threads"}, lines
-    budget, threads = lines["KV budget"], lines["torch threads"]
-    assert budget["kv_budget_bytes"] <= 2 * GIB // 4 and "cgroup memory limit" in budget["chosen_by"], budget
-    assert threads["threads"] == 1 and "cgroup CPU quota 1 CPUs" in threads["chosen_by"], threads
+    # at the default log level: a worker's start-up lines show unless --log-level error
+    assert set(lines) == {"KV budget", "torch threads", "host KV pool", "decode rows"}, lines
+    budget, threads, staging = lines["KV budget"], lines["torch threads"], lines["host KV pool"]
+    assert budget["value"] <= 2 * GIB // 4 and "cgroup memory limit" in budget["chosen_by"], budget
+    assert threads["value"] == 1 and "cgroup CPU quota 1 CPUs" in threads["chosen_by"], threads
+    # its 512 MiB floor would pass a quarter of what the cgroup leaves
+    assert staging["value"] <= 2 * GIB // 4 and "cgroup memory limit" in staging["chosen_by"], staging
+    assert lines["decode rows"]["value"] == 8, lines["decode rows"]  # 4 per thread, at least 8

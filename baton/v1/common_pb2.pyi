@@ -111,7 +111,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeLoad(_message.Message):
-    __slots__ = ("rows_in_use", "max_rows", "kv_bytes_allocated", "kv_bytes_useful", "staged_bytes", "staging_capacity_bytes", "waiting_for_kv", "staged", "prompt_tokens_forwarded", "decode_tokens_forwarded", "requests_finished", "model_fingerprint", "draining", "preemptions", "parked_bytes", "migrations_out", "migrations_failed", "migrations_in", "max_context", "kv_budget_bytes", "kv_bytes_per_token")
+    __slots__ = ("rows_in_use", "max_rows", "kv_bytes_allocated", "kv_bytes_useful", "staged_bytes", "staging_capacity_bytes", "waiting_for_kv", "staged", "prompt_tokens_forwarded", "decode_tokens_forwarded", "requests_finished", "model_fingerprint", "draining", "preemptions", "parked_bytes", "migrations_out", "migrations_failed", "migrations_in", "max_context", "kv_budget_bytes", "kv_bytes_per_token", "settings")
     ROWS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_ALLOCATED_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,7 @@ class DecodeLoad(_message.Message):
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     rows_in_use: int
     max_rows: int
     kv_bytes_allocated: int
@@ -154,10 +155,11 @@ class DecodeLoad(_message.Message):
     max_context: int
     kv_budget_bytes: int
     kv_bytes_per_token: int
-    def __init__(self, rows_in_use: _Optional[int] = ..., max_rows: _Optional[int] = ..., kv_bytes_allocated: _Optional[int] = ..., kv_bytes_useful: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., staging_capacity_bytes: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., staged: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., decode_tokens_forwarded: _Optional[int] = ..., requests_finished: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., draining: _Optional[bool] = ..., preemptions: _Optional[int] = ..., parked_bytes: _Optional[int] = ..., migrations_out: _Optional[int] = ..., migrations_failed: _Optional[int] = ..., migrations_in: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
+    settings: _containers.RepeatedCompositeFieldContainer[Setting]
+    def __init__(self, rows_in_use: _Optional[int] = ..., max_rows: _Optional[int] = ..., kv_bytes_allocated: _Optional[int] = ..., kv_bytes_useful: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., staging_capacity_bytes: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., staged: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., decode_tokens_forwarded: _Optional[int] = ..., requests_finished: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., draining: _Optional[bool] = ..., preemptions: _Optional[int] = ..., parked_bytes: _Optional[int] = ..., migrations_out: _Optional[int] = ..., migrations_failed: _Optional[int] = ..., migrations_in: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., settings: _Optional[_Iterable[_Union[Setting, _Mapping]]] = ...) -> None: ...
 
 class PrefillLoad(_message.Message):
-    __slots__ = ("queued", "max_queue", "queued_tokens", "prompt_tokens_forwarded", "requests_done", "model_fingerprint", "block_size", "cached_tokens_total", "prefix_cache_bytes", "draining", "epoch")
+    __slots__ = ("queued", "max_queue", "queued_tokens", "prompt_tokens_forwarded", "requests_done", "model_fingerprint", "block_size", "cached_tokens_total", "prefix_cache_bytes", "draining", "epoch", "settings")
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +171,7 @@ class PrefillLoad(_message.Message):
     PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     queued: int
     max_queue: int
     queued_tokens: int
@@ -180,7 +183,18 @@ class PrefillLoad(_message.Message):
     prefix_cache_bytes: int
     draining: bool
     epoch: str
-    def __init__(self, queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., requests_done: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., draining: _Optional[bool] = ..., epoch: _Optional[str] = ...) -> None: ...
+    settings: _containers.RepeatedCompositeFieldContainer[Setting]
+    def __init__(self, queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., requests_done: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., draining: _Optional[bool] = ..., epoch: _Optional[str] = ..., settings: _Optional[_Iterable[_Union[Setting, _Mapping]]] = ...) -> None: ...
+
+class Setting(_message.Message):
+    __slots__ = ("name", "value", "chosen_by")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_BY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: float
+    chosen_by: str
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ..., chosen_by: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

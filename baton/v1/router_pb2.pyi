@@ -110,7 +110,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "max_context", "model_fingerprint", "vocab_size", "sampling_defaults")
+    __slots__ = ("name", "max_context", "model_fingerprint", "vocab_size", "sampling_defaults", "workers")
     class SamplingDefaultsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -123,12 +123,24 @@ class ModelInfo(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     max_context: int
     model_fingerprint: str
     vocab_size: int
     sampling_defaults: _containers.ScalarMap[str, float]
-    def __init__(self, name: _Optional[str] = ..., max_context: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., sampling_defaults: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerSettings]
+    def __init__(self, name: _Optional[str] = ..., max_context: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., sampling_defaults: _Optional[_Mapping[str, float]] = ..., workers: _Optional[_Iterable[_Union[WorkerSettings, _Mapping]]] = ...) -> None: ...
+
+class WorkerSettings(_message.Message):
+    __slots__ = ("address", "role", "settings")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    role: str
+    settings: _containers.RepeatedCompositeFieldContainer[_common_pb2.Setting]
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., settings: _Optional[_Iterable[_Union[_common_pb2.Setting, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatusRequest(_message.Message):
     __slots__ = ()
