@@ -25,6 +25,7 @@ from baton.config import TLSSettings
 from baton.lifeline import PARENT_ENV, StopSignals  # the processes Baton starts die with it
 from baton.server import channel
 from baton.engine.threads import split_cores
+from baton.launch.forkserver import FORKSERVER_ENV, ForkedProcess, forkserver
 from baton.launch.netns import Hosts
 from baton.router.discovery.file import POLL_S, write_workers_file
 
@@ -224,10 +225,13 @@ class LocalCluster:
             return ""
         return f"{'https' if self.tls else 'http'}://{_host(self.router_address)}:{self.http_port}/v1"
 
-    def _spawn(self, address: str, *args: str) -> subprocess.Popen:
-        """Start the process serving `address`, in that address's host if the cluster has hosts."""
-        cmd = [sys.executable, "-m", "baton.cli", "--log-level", self.log_level,
-               *(() if self.start_lines else ("--quiet-start",)), *args]
+    def _spawn(self, address: str, *args: str) -> subprocess.Popen | ForkedProcess:
+        """Start the process serving `address`: forked from the fork server (launch/forkserver.py),
+        or, in a host of its own (another network namespace), a fresh interpreter in that host."""
+        argv = ["--log-level", self.log_level, *(() if self.start_lines else ("--quiet-start",)), *args]
+        if self.hosts is None and os.environ.get(FORKSERVER_ENV, "1") != "0":
+            return forkserver().start(argv, self.env)
+        cmd = [sys.executable, "-m", "baton.cli", *argv]
         if self.hosts is not None:
             cmd = self.hosts.command(self.host_of[address], cmd)  # execs in place: the PID is the process's
         return subprocess.Popen(cmd, env=dict(self.env, **{PARENT_ENV: str(os.getpid())}), start_new_session=True)

@@ -95,8 +95,8 @@ def test_a_client_started_with_baton_up_waits_until_served_then_sigkill_leaves_n
         for start in ("loading tiny-random from", "loaded tiny-random in", "torch threads", "KV budget", "decode rows",
                       "host KV pool", "decode worker serving", "prefill worker serving", "router serving"):
             assert any(message.startswith(start) for message in shown), (start, shown)
-        children = descendants(up.pid)
-        assert len(children) == 3, f"expected router, prefill and decode processes, found {children}"
+        children = descendants(up.pid)  # the fork server and, forked from it, router, prefill and decode
+        assert len(children) == 4, f"expected the fork server, router, prefill and decode processes, found {children}"
         up.kill()
         up.wait(timeout=10)
         deadline = time.monotonic() + 30
