@@ -49,14 +49,15 @@ class ForkServer:
                                       pass_fds=[child.fileno()], stdin=subprocess.DEVNULL)
         child.close()
 
-    def start(self, argv: list[str], env: dict[str, str]) -> "ForkedProcess":
+    def start(self, argv: list[str], env: dict[str, str], netns: str = "") -> "ForkedProcess":
+        """Fork `baton.cli argv` with `env` (in network namespace `netns`, as `ip netns exec` runs it)."""
         mine, theirs = socket.socketpair()
         try:
             with self._lock:
                 if self._proc.poll() is not None:
                     raise OSError(f"the fork server exited with status {self._proc.returncode}")
                 # this process's own stdout and stderr (what a Popen child inherits), whatever sys.stdout is now
-                socket.send_fds(self._socket, [json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()],
+                socket.send_fds(self._socket, [json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "netns": netns}).encode()],
                                 [1, 2, theirs.fileno()])
         finally:
             theirs.close()
@@ -193,6 +194,8 @@ def _child(request: dict, fds: list[int], *server_sockets) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.setsid()  # its own session, as start_new_session: a Ctrl-C at a terminal reaches baton up alone
+        if request["netns"]:  # a host of its own (launch/netns.py): its network, as `ip netns exec` gives
+            _enter_netns(request["netns"])
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
         os.close(fds[0])
@@ -220,6 +223,21 @@ def _child(request: dict, fds: list[int], *server_sockets) -> None:
     import runpy
 
     runpy.run_module("baton.cli", run_name="__main__", alter_sys=True)
+
+
+def _enter_netns(name: str) -> None:
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if hasattr(os, "setns"):  # Python 3.12
+            os.setns(fd, os.CLONE_NEWNET)
+        else:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+                raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
+    finally:
+        os.close(fd)
 
 
 if __name__ == "__main__":

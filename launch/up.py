@@ -226,11 +226,12 @@ class LocalCluster:
         return f"{'https' if self.tls else 'http'}://{_host(self.router_address)}:{self.http_port}/v1"
 
     def _spawn(self, address: str, *args: str) -> subprocess.Popen | ForkedProcess:
-        """Start the process serving `address`: forked from the fork server (launch/forkserver.py),
-        or, in a host of its own (another network namespace), a fresh interpreter in that host."""
+        """Start the process serving `address` (in that address's host if the cluster has hosts):
+        forked from the fork server (launch/forkserver.py), or a fresh interpreter."""
         argv = ["--log-level", self.log_level, *(() if self.start_lines else ("--quiet-start",)), *args]
-        if self.hosts is None and os.environ.get(FORKSERVER_ENV, "1") != "0":
-            return forkserver().start(argv, self.env)
+        if os.environ.get(FORKSERVER_ENV, "1") != "0":
+            netns = self.hosts.namespaces[self.host_of[address]] if self.hosts is not None else ""
+            return forkserver().start(argv, self.env, netns)
         cmd = [sys.executable, "-m", "baton.cli", *argv]
         if self.hosts is not None:
             cmd = self.hosts.command(self.host_of[address], cmd)  # execs in place: the PID is the process's

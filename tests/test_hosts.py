@@ -188,14 +188,16 @@ def namespace_of(pid: int) -> str:
 
 
 def assert_each_process_in_its_host(cluster: LocalCluster, hosts: Hosts) -> None:
-    """`ip netns exec` ran each process in place: the PID started is the server's own, a child of
-    this process (what die_with_parent checks), in its host's namespace."""
+    """Each process serves in its host's network namespace: forked from the fork server, it
+    entered the namespace itself; started fresh (BATON_FORKSERVER=0), `ip netns exec` ran it in
+    place, so the PID started is the server's own, a child of this process."""
     for address, proc in cluster.procs:
-        assert namespace_of(proc.pid) == hosts.namespaces[cluster.host_of[address]], address
-        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
-            assert f.read().split(b"\0")[:3] == [sys.executable.encode(), b"-m", b"baton.cli"]
-        with open(f"/proc/{proc.pid}/stat") as f:
-            assert int(f.read().rpartition(")")[2].split()[1]) == os.getpid()
+        assert proc.poll() is None and namespace_of(proc.pid) == hosts.namespaces[cluster.host_of[address]], address
+        if isinstance(proc, subprocess.Popen):
+            with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+                assert f.read().split(b"\0")[:3] == [sys.executable.encode(), b"-m", b"baton.cli"]
+            with open(f"/proc/{proc.pid}/stat") as f:
+                assert int(f.read().rpartition(")")[2].split()[1]) == os.getpid()
 
 
 @pytest.mark.parametrize("transport", ["grpc", "nixl"])
