@@ -171,9 +171,9 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         loaded = _finish(model, tokenizer, shown, torch_dtype, device, path)
     held = sum(t.nbytes for t in {id(t): t for t in loaded.tensors.values()}.values())
-    started_log.info("loaded %s in %.1fs: %d bytes on %s (fingerprint %s)", shown, time.monotonic() - started, held,
-                     on, loaded.fingerprint, extra={"model": shown, "seconds": time.monotonic() - started,
-                                                    "bytes": held, "device": str(on)})
+    seconds = time.monotonic() - started
+    started_log.info("loaded %s in %.1fs: %d bytes on %s (fingerprint %s)", shown, seconds, held, on,
+                     loaded.fingerprint, extra={"model": shown, "seconds": seconds, "bytes": held, "device": str(on)})
     return loaded
 
 

@@ -157,7 +157,7 @@ def _serve(control: socket.socket) -> None:
             status = socket.socket(fileno=fds[2])
             pid = os.fork()
             if pid == 0:
-                _child(request, fds, control, waker_r, waker_w, *children.values())
+                _child(request, fds, control, waker_r, waker_w, status, *children.values())
             os.close(fds[0])
             os.close(fds[1])
             status.sendall(_STATUS.pack(pid))
@@ -185,11 +185,12 @@ def _reap(children: dict[int, socket.socket]) -> None:
 
 def _child(request: dict, fds: list[int], *server_sockets) -> None:
     """In the forked child: become what `python -m baton.cli argv` with `env` would be, then run
-    it; its SystemExit leaves through the interpreter's own exit (threads joined, atexit run)."""
+    it; its SystemExit leaves through the interpreter's own exit (threads joined, atexit run).
+    server_sockets: the server's, its own status socket among them, closed through their objects
+    (closing a number under one would close whatever later reused it when the object went)."""
     try:
         for s in server_sockets:
             s.close()
-        os.close(fds[2])
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
