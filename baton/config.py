@@ -142,6 +142,10 @@ class RouterSettings:
     pending_max_blocks: int = 65_536
     load_weight: float = 1.0  # routing cost per queued prompt token on a prefill worker
     cache_weight: float = 1.0  # routing credit per prompt token a worker already holds
+    # Conditional disaggregation: a decode worker that holds a prompt's prefix (a conversation's
+    # earlier turns) prefills the rest itself, with no prefill worker and no KV transfer, when
+    # that rest is at most this many tokens; 0 = never (docs/conversations.md: how it was measured).
+    local_prefill_max_tokens: int = 512
     max_inflight: int = 1024  # requests in flight before RESOURCE_EXHAUSTED (also sizes the server's threads)
     # Requests wait here, before their prefill, while the decode workers hold their rows' worth of
     # requests plus this many each (router/admission.py): they queue before their first token
@@ -172,6 +176,9 @@ class RouterSettings:
                              f"(got {self.decode_queue_per_worker})")
         if self.pending_max_blocks < 1:
             raise ValueError(f"router.pending_max_blocks must be >= 1 (got {self.pending_max_blocks})")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"router.local_prefill_max_tokens must be >= 0 (got {self.local_prefill_max_tokens}; "
+                             "0 never prefills on a decode worker)")
         if not self.index_ttl_s >= 0:
             raise ValueError(f"router.index_ttl_s must be >= 0 seconds (0 = never; got {self.index_ttl_s})")
         if not 0 <= self.http_port <= 65535:
@@ -277,6 +284,13 @@ class DecodeSettings:
     # Rows whose prompts begin with at least this many equal tokens share those full pages (a
     # system prompt, a batch group's document); 0 turns sharing off.
     share_min_tokens: int = 64
+    # A finished request's KV pages stay until pages are needed, so a conversation's next turn
+    # finds its prompt and answer here (the router sends it here: conditional disaggregation).
+    retain_kv: bool = True
+    # Prompt tokens a decode step's time admits of a prompt prefilled here (the rows decoding
+    # meanwhile wait at most this chunk).
+    local_prefill_chunk_tokens: int = 128
+    block_size: int = 16  # the KV events' blocks; must equal the router's and prefill workers'
     # On SIGTERM (drain): seconds to let running requests finish before their KV moves to another
     # decode worker that has room (the router re-prefills a request when none takes it). At or past
     # drain_timeout_s, nothing moves and what is left is re-prefilled.
@@ -300,6 +314,10 @@ class DecodeSettings:
                 raise ValueError(f"decode.{key} must be >= 0 (got {getattr(self, key)}; 0 sizes it at start)")
         if self.growth_reserve_tokens < 0:
             raise ValueError(f"decode.growth_reserve_tokens must be >= 0 (got {self.growth_reserve_tokens})")
+        if self.local_prefill_chunk_tokens < 1:
+            raise ValueError(f"decode.local_prefill_chunk_tokens must be >= 1 (got {self.local_prefill_chunk_tokens})")
+        if not 1 <= self.block_size <= 4096:
+            raise ValueError(f"decode.block_size must be 1..4096 tokens (got {self.block_size}; the default is 16)")
         if not self.drain_move_after_s >= 0:
             raise ValueError(f"decode.drain_move_after_s must be >= 0 seconds (got {self.drain_move_after_s})")
         if not self.drain_timeout_s >= 0:

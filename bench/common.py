@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
 DEFAULT_OUT_DIR = "bench-results"
+# A cluster's environment where every prompt is prefilled on a prefill worker and its whole KV
+# pushed: suites measuring that path (transfers, prefill routing) repeat prompts, which a decode
+# worker would otherwise find retained and prefill itself (docs/conversations.md).
+NO_LOCAL_PREFILL = {"BATON_DECODE_RETAIN_KV": "false", "BATON_ROUTER_LOCAL_PREFILL_MAX_TOKENS": "0"}
 
 
 @dataclass

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from baton.bench.common import BenchOptions, table
+from baton.bench.common import NO_LOCAL_PREFILL, BenchOptions, table
 
 PROMPTS = (1024, 4096, 8192)
 RATES_GBIT = (1, 10, 25)
@@ -93,7 +93,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
              f"{', '.join(f'{r} Gbit/s' for r in rates)}")
 
     cells: list[dict[str, Any]] = []
-    env = {**opts.worker_env(), "BATON_PREFILL_PREFIX_CACHE_BYTES": "0"}
+    env = {**opts.worker_env(), "BATON_PREFILL_PREFIX_CACHE_BYTES": "0", **NO_LOCAL_PREFILL}  # every KV crosses
     for name in [name for name in setups if name != "push"]:
         label, extra_env = SETUPS[name]
         opts.progress(f"hosts: {label}")

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from baton.bench.common import BenchOptions, median, ratio, table
+from baton.bench.common import NO_LOCAL_PREFILL, BenchOptions, median, ratio, table
 
 PREFIXES = 12
 PREFIX_TOKENS = 256
@@ -117,7 +117,9 @@ def run_cluster(opts: BenchOptions, model: str, prompts, router_config: dict, ro
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "router.yaml"
         config.write_text(yaml.safe_dump({"router": router_config}))
-        with LocalCluster(prefill=2, decode=1, model=model, max_rows=CONCURRENCY, extra_env=opts.worker_env(),
+        # the prefill workers' routing is measured: no prompt is prefilled on the decode worker
+        env = {**opts.worker_env(), **NO_LOCAL_PREFILL}
+        with LocalCluster(prefill=2, decode=1, model=model, max_rows=CONCURRENCY, extra_env=env,
                           share_cores=True, log_level="ERROR", router_args=("--config", str(config), *router_args)) as cluster, \
                 BatonClient(cluster.router_address, timeout=600) as client:
             results: list[Any] = [None] * len(prompts)

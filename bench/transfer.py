@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from baton.bench import plots
-from baton.bench.common import BenchOptions, best_of, table
+from baton.bench.common import NO_LOCAL_PREFILL, BenchOptions, best_of, table
 
 MIB = 1 << 20
 
@@ -95,7 +95,9 @@ def _served_share(opts: BenchOptions) -> dict[str, Any]:
 
     queries = relay_queries(4 if opts.quick else 12, 16)
     rounds = 1 if opts.quick else 2
-    env = {**opts.worker_env(), "BATON_PREFILL_PREFIX_CACHE_BYTES": "0"}  # each prompt prefilled whole
+    # each prompt prefilled whole, on the prefill worker, and its whole KV pushed (nothing kept on
+    # the decode worker for a repeat to find)
+    env = {**opts.worker_env(), "BATON_PREFILL_PREFIX_CACHE_BYTES": "0", **NO_LOCAL_PREFILL}
     opts.progress(f"transfer: {len(queries)} short chat prompts through a cluster on this host")
     measured = {}
     with LocalCluster(model=opts.model, max_rows=8, share_cores=True, http_port=-1, extra_env=env) as cluster, \

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "this many each (default 2; -1: prefill every request at once)")
     router.add_argument("--index-namespace", help="Redis key prefix of this deployment's prefix index (default baton)")
     router.add_argument("--block-size", type=int, help="prefix block tokens, equal to the prefill workers' (default 16)")
+    router.add_argument("--local-prefill-max-tokens", type=int, metavar="N",
+                        help="a decode worker holding a prompt's prefix (a conversation's earlier turns) prefills a "
+                             "rest of at most N tokens itself, no prefill worker, no transfer (default 512; 0: never)")
     router.add_argument("--auth-token-file", metavar="FILE",
                         help="a file holding the bearer token every API call must send (default: no token)")
     router.add_argument("--require-client-cert", action=argparse.BooleanOptionalAction, default=None,

@@ -149,7 +149,8 @@ def load_role_settings(args):
     for key in ("max_rows", "kv_budget_bytes", "page_size", "staging_bytes", "max_queue", "max_batch_tokens", "chunk_tokens", "prefix_cache_bytes",
                 "block_size", "prefill_workers", "decode_workers", "discovery", "workers_file", "prefix_index", "redis_url",
                 "index_namespace", "max_inflight", "decode_queue_per_worker", "auth_token_file", "require_client_cert", "drain_move_after_s",
-                "http_port", "served_model_name", "chat_template", "kv_transport", "kv_memory_bytes"):
+                "http_port", "served_model_name", "chat_template", "kv_transport", "kv_memory_bytes",
+                "local_prefill_max_tokens"):
         if getattr(args, key, None) is not None:
             section[key] = getattr(args, key)
     model = {"name": args.model_name, "dtype": args.dtype, "device": args.device,

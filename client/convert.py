@@ -131,7 +131,7 @@ def usage_from_proto(usage: common_pb2.Usage) -> Usage:
 def trace_from_proto(trace: common_pb2.Trace) -> Trace:
     return Trace(stage_seconds=dict(trace.stage_seconds), cached_tokens=trace.cached_tokens,
                  predicted_cached_tokens=trace.predicted_cached_tokens,
-                 prefill_worker=trace.prefill_worker, decode_worker=trace.decode_worker)
+                 prefill_worker=trace.prefill_worker, decode_worker=trace.decode_worker, route=trace.route)
 
 
 def model_info_from_proto(info: router_pb2.ModelInfo) -> ModelInfo:

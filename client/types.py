@@ -26,8 +26,9 @@ class Trace:
     stage_seconds: dict[str, float] = field(default_factory=dict)  # queue, prefill, transfer, ...
     cached_tokens: int = 0
     predicted_cached_tokens: int = 0  # what the router's prefix index expected
-    prefill_worker: str = ""
+    prefill_worker: str = ""  # empty where the decode worker prefilled the prompt itself
     decode_worker: str = ""
+    route: str = ""  # why the router sent the request where it did
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class WorkerStatus:
     healthy: bool
     decode: dict[str, Any] | None = None  # DecodeLoad fields by name, decode workers only
     prefill: dict[str, Any] | None = None  # PrefillLoad fields by name, prefill workers only
-    # prefill: the router's prefix index follows this worker's cache (routing by prefix sees it)
+    # the router's prefix index follows this worker's KV events (routing by prefix sees what it holds)
     cache_synced: bool = False
 
 

@@ -15,8 +15,8 @@ from baton.logs import STARTUP_LOGGER
 from baton.resources import Amount
 from baton.sizing import decode_rows
 
-from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, SchedulerConfig, Status
-from baton.engine.kv import SequenceKV, to_host
+from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, KVListener, SchedulerConfig, Status
+from baton.engine.kv import SequenceKV, joined, to_host
 from baton.engine.paged_kv import DecodeStep, PagedKV, default_kv_budget
 from baton.engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput, effective_max_tokens
 from baton.engine.executors import Runner
@@ -49,6 +49,12 @@ class DecodeConfig:
     # Rows whose prompts begin with at least this many equal tokens share those full pages; 0
     # turns sharing off.
     share_min_tokens: int = 64
+    # A finished request's pages stay (its prompt's and answer's KV) until pages are needed: the
+    # next turn of a conversation finds them. Needs sharing (share_min_tokens > 0).
+    retain: bool = True
+    # Prompts computed here (conditional disaggregation): tokens run per decode step, so rows
+    # decoding meanwhile wait at most one such chunk.
+    local_chunk_tokens: int = 128
 
     def __post_init__(self):
         if self.max_rows < 0:
@@ -63,6 +69,8 @@ class DecodeConfig:
             raise ValueError(f"max_waiting must be >= 0 (got {self.max_waiting})")
         if self.share_min_tokens < 0:
             raise ValueError(f"share_min_tokens must be >= 0 (got {self.share_min_tokens}; 0 turns sharing off)")
+        if self.local_chunk_tokens < 1:
+            raise ValueError(f"local_chunk_tokens must be >= 1 (got {self.local_chunk_tokens})")
 
 
 @dataclass
@@ -78,6 +86,18 @@ class _Live:
     kv_start: int = 0  # the first token `kv` holds (the prefill sends none of the held shared pages)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked for
     evicted: "Evicted | None" = None  # while moving
+    computing: "_Computing | None" = None  # its prompt's rest being prefilled here
+
+
+@dataclass
+class _Computing:
+    """A prompt prefilled here on top of the KV this worker holds: `buffer` has the KV of its first
+    `done` tokens (held pages and a retained tail, copied; then each chunk run)."""
+
+    buffer: torch.Tensor  # [layers, 2, kv heads, prompt tokens, head dim], host
+    held: int  # tokens of held pages: the KV written into the row starts there
+    done: int
+    cached: int  # tokens whose KV was found here (held pages and the tail)
 
 
 @dataclass
@@ -104,7 +124,7 @@ class DecodeCore:
     everything else is the decode loop's."""
 
     def __init__(self, runner: Runner, config: DecodeConfig = DecodeConfig(),
-                 on_kv_consumed: Callable[[str], None] | None = None):
+                 on_kv_consumed: Callable[[str], None] | None = None, listener: KVListener | None = None):
         self.runner = runner
         self.config = config
         # Told when a request's staged KV is no longer needed (embedded or dropped), so the
@@ -143,8 +163,12 @@ class DecodeCore:
             high_watermark_pages=config.high_watermark_bytes // page_bytes,
             low_watermark_pages=config.low_watermark_bytes // page_bytes, max_waiting=config.max_waiting,
             max_requests=config.max_waiting + config.max_rows if config.max_waiting else 0,
-            share_min_tokens=config.share_min_tokens),
-            can_park=lambda seq: self.hold_parked(seq.request_id, seq.num_kv_tokens * per_token))
+            share_min_tokens=config.share_min_tokens, retain=config.retain and config.share_min_tokens > 0),
+            can_park=lambda seq: self.hold_parked(seq.request_id, seq.num_kv_tokens * per_token), listener=listener)
+        self.computing: list[DecodeSequence] = []  # prompts prefilled here, first come first served (loop thread)
+        self.local_prefills_total = 0
+        self.local_tokens_total = 0  # prompt tokens computed here
+        self.local_cached_tokens_total = 0  # and found here (held pages, retained tails)
         self.recomputed_total = 0  # rows whose KV was computed again (dropped when the host pool was full)
 
     @property
@@ -176,16 +200,80 @@ class DecodeCore:
                 f"the prompt has {prompt_len} tokens but this deployment serves a context of {self.max_context} "
                 f"tokens (prompt plus output); shorten it to at most {self.max_context - 1} tokens")
 
-    def register(self, request: GenerationRequest) -> None:
-        """Expect `request`, whose KV is on its way (any thread). RequestError or ValueError if it
-        cannot be served here, OverflowError while this worker is full."""
+    def register(self, request: GenerationRequest, local: bool = False) -> None:
+        """Expect `request`, whose KV is on its way (any thread); `local`: its KV is computed here
+        instead, on top of what this worker holds of its prompt (`compute`). RequestError or
+        ValueError if it cannot be served here, OverflowError while this worker is full."""
         prompt_len = len(request.prompt_token_ids)
         self.check_fits(prompt_len, request.params)
         seq = DecodeSequence(request.request_id, prompt_len,
                              effective_max_tokens(prompt_len, request.params, self.max_context), [],
                              priority=request.params.priority, engine=_Live(request),
-                             prompt_ids=request.prompt_token_ids)
+                             prompt_ids=request.prompt_token_ids, local=local)
         self.scheduler.register(seq)
+
+    # -- conditional disaggregation: a prompt's short rest prefilled here ----------------------
+
+    def compute(self, request_id: str) -> None:
+        """Start prefilling a request registered `local` (the loop thread): the KV this worker holds
+        of its prompt is copied out now, then `advance_local` runs a chunk per step."""
+        seq = self.scheduler.find(request_id)
+        if seq is None or not seq.local or seq.status is not Status.WAITING or seq.engine.computing is not None:
+            return  # cancelled meanwhile
+        live: _Live = seq.engine
+        prompt = live.request.prompt_token_ids
+        shape = self.runner.loaded.kv_shape
+        buffer = torch.empty(shape.num_layers, 2, shape.num_kv_heads, len(prompt), shape.head_dim,
+                             dtype=shape.dtype, device=self.runner.device)
+        held = seq.held_tokens
+        done = held
+        if held:
+            buffer[:, :, :, :held].copy_(self.kv.read(self.scheduler.pages.page_table(request_id), held).data)
+        if seq.tail is not None:
+            page, count = seq.tail
+            buffer[:, :, :, held:held + count].copy_(self.kv.read([page], count).data)
+            done += count
+            self.scheduler.untail(seq)
+        live.computing = _Computing(buffer, held, done, done)
+        live.request.trace.mark("prefill_start")
+        self.computing.append(seq)
+
+    def advance_local(self) -> list[RequestOutput]:
+        """One chunk of the oldest prompt being prefilled here; its first output once it is done."""
+        while self.computing and self.computing[0].status is not Status.WAITING:
+            self.computing.pop(0)  # cancelled
+        if not self.computing:
+            return []
+        seq = self.computing[0]
+        live: _Live = seq.engine
+        work, request = live.computing, live.request
+        prompt = request.prompt_token_ids
+        end = min(len(prompt), work.done + self.config.local_chunk_tokens)
+        prefix = SequenceKV(work.buffer[:, :, :, :work.done]) if work.done else None
+        out = self.runner.prefill_batch([prompt[:end]], prefix)[0]
+        work.buffer[:, :, :, work.done:end].copy_(joined(out.prefix, out.own, work.done).data)
+        self.local_tokens_total += end - work.done
+        work.done = end
+        if end < len(prompt):
+            return []
+        self.computing.pop(0)
+        live.computing = None
+        self.local_prefills_total += 1
+        self.local_cached_tokens_total += work.cached
+        request.trace.cached_tokens = work.cached
+        request.trace.mark("prefill_end")
+        loaded = self.runner.loaded
+        sampler = RequestSampler.for_request(request.params, prompt, request.resume_step,
+                                             ending_ids(request.params, loaded.eos_token_ids),
+                                             grammars=loaded.grammars if request.params.guide else None)
+        first = sample(out.logits[None], [sampler])[0]
+        logprob = token_logprobs(out.logits[None], [first], [request.params])[0]
+        prefilled = PrefilledRequest(request, SequenceKV(work.buffer[:, :, :, work.held:]), first, sampler.seed,
+                                     work.cached, logprob)
+        output = self.land(prefilled)
+        if not output.finished:
+            self.stage(seq.request_id)
+        return [output]
 
     def waiting(self, request_id: str) -> GenerationRequest | None:
         """The registered request still waiting for its KV, if any (any thread)."""
@@ -273,7 +361,7 @@ class DecodeCore:
         return live.evicted
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.computing)
 
     def step(self) -> list[RequestOutput]:
         """One BATON iteration: park rows and write admitted rows' KV into their pages, decode every

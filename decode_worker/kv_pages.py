@@ -11,16 +11,26 @@ held one refers to the same pages (reference counted; a page is free when its la
 leaves). A page is known by its parent page and its tokens, so a match is exact, never a hash
 collision. Only full pages are shared: every holder writes its own tokens past them.
 
+A finished request's pages can be retained (`retain`): kept under a key of their own, their
+tokens (prompt and answer) findable by `matching`, so a conversation's next turn finds the KV of
+everything said before. Retained pages are the first to go when pages are needed: `reclaim`
+frees the least recently used entries (an entry whose pages a request also holds frees nothing
+until that request leaves, but stops being findable as its own). A retained entry's last page
+may be partly filled: `tail` finds those tokens, to copy, never to share (whoever shared it would
+write its own tokens over the entry's).
+
 Page 0 is never given out: padded page tables and captured graphs point there.
 
 Not thread-safe on its own: the decode scheduler calls it under its lock.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Sequence
 
 NULL_PAGE = 0
+RETAINED = "retained:"  # a retained entry's key is this and the request id it came from
 
 
 @dataclass(frozen=True)
@@ -30,9 +40,11 @@ class PageUsage:
     shared: int  # held by more than one
     tokens: int  # tokens of KV the held pages have room for, a shared page's once
     page_size: int
+    retained: int = 0  # held by retained entries alone: free for the taking (not in `used`)
 
     @property
     def free(self) -> int:
+        """Pages a request can take: free, or retained only."""
         return self.total - self.used
 
     @property
@@ -58,6 +70,11 @@ class PagePool:
         self._tokens: dict[str, int] = {}
         self._known: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent page, its tokens) -> page
         self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
+        # Retained entries, least recently used first, and the pages only they hold.
+        self._retained: OrderedDict[str, _Entry] = OrderedDict()
+        self._retained_refs = [0] * num_pages
+        self._retained_only = 0
+        self._tail_after: dict[int, set[str]] = {}  # the page before an entry's last page -> those entries
 
     def reverse_order(self) -> None:
         """Give out high page ids first (tests and benchmarks: pages not in address order)."""
@@ -114,27 +131,43 @@ class PagePool:
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} already holds pages")
         for page in shared_pages:
-            if self._refs[page] < 1:
+            if self._refs[page] < 1 and self._retained_refs[page] < 1:
                 raise ValueError(f"page {page} is free: only held pages can be shared")
-            self._refs[page] += 1
-            self._extra_holders += 1
-            self._shared += self._refs[page] == 2
+        for page in shared_pages:
+            self._take(page)
         self._tables[request_id] = list(shared_pages)
         self._tokens[request_id] = len(shared_pages) * self.page_size
 
     def free(self, request_id: str) -> None:
         """The request left: each of its pages whose last holder it was is free again."""
         for page in self._tables.pop(request_id, ()):
-            self._refs[page] -= 1
-            if self._refs[page] >= 1:
-                self._extra_holders -= 1
-                self._shared -= self._refs[page] == 1
-            elif self._refs[page] == 0:
-                key = self._key_of.pop(page, None)
-                if key is not None:
-                    del self._known[key]
-                self._free.append(page)
+            self._drop(page)
         self._tokens.pop(request_id, None)
+
+    def _take(self, page: int) -> None:
+        """One more request holds `page` (held already, by a request or a retained entry)."""
+        if self._refs[page] == 0:
+            self._retained_only -= 1
+        else:
+            self._extra_holders += 1
+            self._shared += self._refs[page] == 1
+        self._refs[page] += 1
+
+    def _drop(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] >= 1:
+            self._extra_holders -= 1
+            self._shared -= self._refs[page] == 1
+        elif self._retained_refs[page]:
+            self._retained_only += 1
+        else:
+            self._give_back(page)
+
+    def _give_back(self, page: int) -> None:
+        key = self._key_of.pop(page, None)
+        if key is not None:
+            del self._known[key]
+        self._free.append(page)
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._tables
@@ -176,6 +209,110 @@ class PagePool:
             parent = page
         return pages
 
+    # -- retained entries: finished requests' KV, kept while nobody needs the pages ------------
+
+    def retain(self, request_id: str, tokens: Sequence[int]) -> tuple[str | None, list[str]]:
+        """Keep a leaving request's pages for the KV of `tokens` (its prompt and answer, as far as
+        it has KV) instead of freeing them, findable by `matching` and `tail`; the request itself
+        is gone from the pool. Entries this one continues (an earlier turn of its conversation)
+        are dropped: everything they held is findable through this one. Returns the entry's key
+        (None: nothing to keep) and the keys of the entries dropped."""
+        table = self._tables.get(request_id)
+        count = min(len(tokens), self._tokens.get(request_id, 0))
+        if not table or not count:
+            self.free(request_id)
+            return None, []
+        self.publish(request_id, tokens[:count])
+        entry = _Entry(table[:self.pages_for(count)], tuple(tokens[:count]))
+        key = RETAINED + request_id
+        dropped = [key] if self.release(key) else []
+        for page in entry.table:
+            self._retained_refs[page] += 1
+        self.free(request_id)
+        for other in {k for page in entry.table for k in self._tail_after.get(page, ())}:
+            if self._continues(entry, self._retained[other]):
+                self.release(other)
+                dropped.append(other)
+        self._retained[key] = entry
+        if len(entry.table) >= 2:
+            self._tail_after.setdefault(entry.table[-2], set()).add(key)
+        return key, dropped
+
+    @staticmethod
+    def _continues(entry: "_Entry", earlier: "_Entry") -> bool:
+        return (len(earlier.tokens) <= len(entry.tokens) and entry.tokens[:len(earlier.tokens)] == earlier.tokens
+                and entry.table[:len(earlier.table) - 1] == earlier.table[:-1])
+
+    def release(self, key: str) -> "_Entry | None":
+        """Forget a retained entry; its pages no one else holds are free again."""
+        entry = self._retained.pop(key, None)
+        if entry is None:
+            return None
+        if len(entry.table) >= 2:
+            after = self._tail_after[entry.table[-2]]
+            after.discard(key)
+            if not after:
+                del self._tail_after[entry.table[-2]]
+        for page in entry.table:
+            self._retained_refs[page] -= 1
+            if not self._retained_refs[page] and not self._refs[page]:
+                self._retained_only -= 1
+                self._give_back(page)
+        return entry
+
+    def reclaim(self, num_pages: int) -> list[tuple[str, "_Entry"]]:
+        """Release retained entries, least recently used first, until `num_pages` pages are free
+        (or none is left). Returns the released entries."""
+        released = []
+        while len(self._free) < num_pages and self._retained:
+            key = next(iter(self._retained))
+            released.append((key, self.release(key)))
+        return released
+
+    def touch(self, key: str) -> None:
+        """A request found this entry's KV: it is the last to go."""
+        if key in self._retained:
+            self._retained.move_to_end(key)
+
+    def tail(self, prompt: Sequence[int], pages: Sequence[int]) -> tuple[str, int, int] | None:
+        """After `prompt`'s matching full `pages`, the retained entry whose last page holds its next
+        tokens: (the entry's key, that page, how many of them), the most such tokens; None if none."""
+        if not pages:
+            return None
+        start, best = len(pages) * self.page_size, None
+        for key in self._tail_after.get(pages[-1], ()):
+            entry = self._retained[key]
+            if len(entry.table) != len(pages) + 1:
+                continue
+            same = 0
+            for ours, theirs in zip(prompt[start:start + self.page_size], entry.tokens[start:]):
+                if ours != theirs:
+                    break
+                same += 1
+            if same and (best is None or same > best[2]):
+                best = (key, entry.table[-1], same)
+        return best
+
+    def num_available_pages(self) -> int:
+        """Pages free now or once every retained entry is released."""
+        return len(self._free) + self._retained_only
+
+    @property
+    def num_retained(self) -> int:
+        return len(self._retained)
+
+    def retained_entries(self) -> list[tuple[str, "_Entry"]]:
+        return list(self._retained.items())
+
     def usage(self) -> PageUsage:
         tokens = sum(self._tokens.values()) - self._extra_holders * self.page_size  # shared pages are full
-        return PageUsage(self.total_pages, self.total_pages - len(self._free), self._shared, tokens, self.page_size)
+        return PageUsage(self.total_pages, self.total_pages - len(self._free) - self._retained_only, self._shared,
+                         tokens, self.page_size, self._retained_only)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A retained entry: the pages holding the KV of `tokens`, the last one maybe partly filled."""
+
+    table: list[int] = field(default_factory=list)
+    tokens: tuple[int, ...] = ()

@@ -68,11 +68,18 @@ class EvictAll:
 
 
 @dataclass(frozen=True)
+class Compute:
+    """A request registered to be prefilled here (conditional disaggregation): start it."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class Wake:
     """Look again: at the stop flag, or at a request just staged."""
 
 
-Command = Cancel | EvictAll | Wake
+Command = Cancel | EvictAll | Compute | Wake
 Outputs = "queue.Queue[RequestOutput | Failure | Moving | object]"
 
 _WHERE = {Status.WAITING: "waiting for KV", Status.STAGED: "waiting for a row", Status.PARKED: "parked on the host",
@@ -115,6 +122,9 @@ class DecodeLoop:
         worker (Handoff); a request whose KV lands later goes the same way. Whatever is still here
         at timeout is cut off, and the router prefills it again elsewhere."""
         self.draining.set()
+        dropped = self.core.scheduler.release_retained()  # its KV events tell the routers at once
+        if dropped:
+            log.info("draining: released %d retained conversations' KV", dropped)
         started = time.monotonic()
         evicting = False
         while (now := time.monotonic()) < started + timeout:
@@ -134,15 +144,20 @@ class DecodeLoop:
         statuses = self.core.scheduler.statuses()
         return {rid: _WHERE.get(statuses.get(rid), "being handed off") for rid in streams}
 
-    def register(self, request: GenerationRequest, push_token: str = "") -> Outputs:
+    def register(self, request: GenerationRequest, push_token: str = "", local: bool = False) -> Outputs:
+        """`local`: its prompt is prefilled here, on top of the KV this worker holds of it; else its
+        KV is pushed here."""
         if self.draining.is_set():
             raise ConnectionAbortedError("this decode worker is draining; send the request elsewhere")
         with self._lock:
             if request.request_id in self._streams:  # also while its KV is being handed off
                 raise RequestError(f"request id {request.request_id!r} is already being decoded here")
-            self.core.register(request)
+            self.core.register(request, local=local)
             outputs = self._streams[request.request_id] = queue.Queue()
-        self.pool.expect(request.request_id, push_token)  # only the push carrying it takes staging room
+        if local:
+            self._inbox.put(Compute(request.request_id))
+        else:
+            self.pool.expect(request.request_id, push_token)  # only the push carrying it takes staging room
         return outputs
 
     def on_landed(self, request_id: str) -> None:
@@ -196,12 +211,16 @@ class DecodeLoop:
             try:
                 if self._evicting:
                     self._evict_all()
+                if self.core.computing:  # a chunk of a prompt prefilled here, then the step
+                    self._deliver(self.core.advance_local())
                 if self.core.has_work():
                     self._deliver(self.core.step())
             except Exception:  # a bug must not silently hang every stream
                 log.exception("decode step failed; aborting running requests")
                 for request_id in self.core.scheduler.ids(Status.STAGED, Status.PARKED, Status.RUNNING):
                     self._end(request_id)
+                for seq in self.core.computing:
+                    self._end(seq.request_id)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -214,6 +233,8 @@ class DecodeLoop:
                     self._end(request_id, outputs)
                 case EvictAll():
                     self._evicting = True
+                case Compute(request_id):
+                    self.core.compute(request_id)
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:

@@ -22,7 +22,12 @@ to have it computed again (`recompute`), so nothing is failed or lost.
 
 Rows whose prompts begin with the same tokens share those full pages (`share_min_tokens`): a
 request registered while such pages are held keeps them (`held_tokens`), and its prefill sends
-only the KV after them.
+only the KV after them. With `retain`, a request that finishes leaves its pages behind, holding
+its prompt's and answer's KV (`kv_pages.PagePool.retain`): the next turn of its conversation finds
+them the same way, and may have the decode worker compute the short rest itself (`local`: no
+prefill worker, no transfer). Retained pages go first whenever pages are needed, least recently
+used first; `listener` hears of every prompt or entry whose KV pages begin or stop holding here,
+for the worker's KV events.
 
 Thread-safety: registration, lookups, counts and taking a moving request may come from any
 thread (RPC threads); the rest is the decode loop's. One lock keeps each call atomic, and no
@@ -74,6 +79,10 @@ class DecodeSequence:
     # it lands covers only the tokens after them.
     held_tokens: int = 0
     recompute: bool = False  # its KV was dropped for memory (the host pool was full): compute it again
+    # Its KV is computed here (conditional disaggregation), not pushed by a prefill worker; `tail`:
+    # a retained page's leading tokens it continues, (page, tokens), pinned until they are copied.
+    local: bool = False
+    tail: tuple[int, int] | None = None
 
     @property
     def num_kv_tokens(self) -> int:
@@ -114,6 +123,9 @@ class SchedulerConfig:
     # Rows whose prompts begin with at least this many equal tokens share those full pages; 0
     # turns sharing off.
     share_min_tokens: int = 0
+    # Finished requests' pages stay, retained, until pages are needed (their KV serves a
+    # conversation's next turn).
+    retain: bool = False
 
     def __post_init__(self):
         if self.max_rows < 1:
@@ -162,9 +174,24 @@ class SchedulerOutput:
     lengths: list[int] = field(default_factory=list)
 
 
+class KVListener:
+    """Told whose tokens' KV begins or stops being held here: a running row's prompt (keyed by its
+    request id) or a retained entry (its own key). Called under the scheduler's lock: no waiting."""
+
+    def held(self, key: str, tokens: Sequence[int]) -> None: ...
+
+    def dropped(self, key: str) -> None: ...
+
+
+TAIL = "tail:"  # pins the retained page whose leading tokens a local prefill copies
+
+
 class DecodeScheduler:
-    def __init__(self, config: SchedulerConfig, can_park: Callable[[DecodeSequence], bool] = lambda seq: True):
+    def __init__(self, config: SchedulerConfig, can_park: Callable[[DecodeSequence], bool] = lambda seq: True,
+                 listener: KVListener | None = None):
         self.config = config
+        self.listener = listener or KVListener()
+        self.retaining = config.retain
         self.can_park = can_park  # asked before a row is parked: host room for its KV, claimed if True
         self.pages = PagePool(config.num_pages, config.page_size)
         self.max_row_tokens = config.max_row_tokens or self.pages.total_pages * config.page_size
@@ -177,6 +204,8 @@ class DecodeScheduler:
         self.resumed_total = 0
         self.rows_sharing_total = 0  # rows admitted onto pages another request holds
         self.finished_total = 0  # ended here: stopped, length or aborted (not moved, not cancelled while waiting)
+        self.retained_total = 0  # finished requests whose pages stayed
+        self.reclaimed_total = 0  # retained entries released because pages were needed
         self._lock = threading.RLock()
 
     def fits_ever(self, seq: DecodeSequence) -> bool:
@@ -209,16 +238,33 @@ class DecodeScheduler:
             self.requests[seq.request_id] = seq
             # Shared pages held now stay until this request's KV lands or it ends: its prefill
             # need send only the rest (a prefill computes at least the prompt's last token).
-            shared = self._shared_pages(seq, len(seq.prompt_ids) - 1)
+            # what a local prefill finds here is worth any whole page: it is not computed again
+            shared = self._shared_pages(seq, len(seq.prompt_ids) - 1, least=1 if seq.local else None)
             if shared:
                 self.pages.hold(seq.request_id, shared)
                 seq.held_tokens = len(shared) * self.config.page_size
+            if seq.local and self.config.retain:
+                tail = self.pages.tail(seq.prompt_ids[:len(seq.prompt_ids) - 1], shared)
+                if tail is not None:
+                    key, page, count = tail
+                    self.pages.touch(key)
+                    self.pages.hold(TAIL + seq.request_id, [page])
+                    seq.tail = (page, count)
 
-    def _shared_pages(self, seq: DecodeSequence, max_tokens: int) -> list[int]:
+    def untail(self, seq: DecodeSequence) -> None:
+        """The tail's tokens are copied: its page need not stay for this request."""
+        with self._lock:
+            seq.tail = None
+            self.pages.free(TAIL + seq.request_id)
+
+    def _shared_pages(self, seq: DecodeSequence, max_tokens: int, least: int | None = None) -> list[int]:
+        """Held pages holding the prompt's leading tokens, if they hold at least `least` tokens
+        (None: share_min_tokens)."""
         if not self.config.share_min_tokens or not seq.prompt_ids:
             return []
         pages = self.pages.matching(seq.prompt_ids, max_tokens)
-        return pages if len(pages) * self.config.page_size >= self.config.share_min_tokens else []
+        least = self.config.share_min_tokens if least is None else least
+        return pages if len(pages) * self.config.page_size >= least else []
 
     def held_tokens(self, request_id: str) -> int:
         """Leading prompt tokens of a waiting request whose KV this worker holds already (any thread)."""
@@ -258,15 +304,16 @@ class DecodeScheduler:
         needed = seq.num_kv_tokens + 1
         reserve = self.config.growth_reserve_tokens if self.rows else 0
         new_pages = pool.pages_for(needed + reserve) - held
-        if new_pages > pool.num_free_pages():
-            return False
+        if shared:  # held before counting and reclaiming: retained pages it shares must stay
+            pool.hold(rid, shared)
         # below the low watermark, or the high one when no low one is set (else a row parked above
         # high would be admitted again at once)
         low = self.config.low_watermark_pages or self.config.high_watermark_pages
-        if low and self.rows and pool.total_pages - pool.num_free_pages() + new_pages > low:
+        if new_pages > pool.num_available_pages() or (low and self.rows and self._used_pages() + new_pages > low):
+            if shared:
+                pool.free(rid)
             return False
-        if shared:
-            pool.hold(rid, shared)
+        self._reclaim(new_pages)
         shared_tokens = pool.tokens(rid)
         self.rows_sharing_total += shared_tokens > 0
         taken = pool.allocate_slots(rid, needed - shared_tokens)
@@ -283,7 +330,29 @@ class DecodeScheduler:
             # Shareable at once: the core writes every admitted row's KV before the step, in
             # order, and a request matching them now is admitted at a later step.
             pool.publish(rid, seq.prompt_ids)
+            self.listener.held(rid, seq.prompt_ids)
         return True
+
+    def _used_pages(self) -> int:
+        """Pages requests hold (retained ones are free for the taking)."""
+        return self.pages.total_pages - self.pages.num_available_pages()
+
+    def _reclaim(self, num_free: int) -> None:
+        """Release retained entries until `num_free` pages are free."""
+        for key, _ in self.pages.reclaim(num_free):
+            self.reclaimed_total += 1
+            self.listener.dropped(key)
+
+    def release_retained(self) -> int:
+        """Forget every retained entry and retain no more (a draining worker); returns how many
+        there were."""
+        with self._lock:
+            self.retaining = False
+            keys = [key for key, _ in self.pages.retained_entries()]
+            for key in keys:
+                self.pages.release(key)
+                self.listener.dropped(key)
+            return len(keys)
 
     def schedule(self) -> SchedulerOutput:
         """Park for priority and memory, give every running row room for this step's token, then
@@ -296,9 +365,11 @@ class DecodeScheduler:
                 if self.staged[0].priority <= victim.priority or not self._park(victim, out):
                     break
             high = self.config.high_watermark_pages
-            while high and len(self.rows) > 1 and pool.total_pages - pool.num_free_pages() > high:
+            while high and len(self.rows) > 1 and self._used_pages() > high:
                 self._park(self._lowest_priority_row(), out, for_memory=True)
             for seq in list(self.rows):
+                if pool.new_pages_for(seq.request_id, pool.tokens(seq.request_id) + 1):
+                    self._reclaim(1)
                 while seq.status is Status.RUNNING and pool.allocate_slots(seq.request_id, 1) is None:
                     self._park(self._lowest_priority_row(), out, for_memory=True)
             while self.staged and self._admit(self.staged[0], out):
@@ -353,6 +424,8 @@ class DecodeScheduler:
         with self._lock:
             if self.requests.get(seq.request_id) is not seq:
                 raise LookupError(f"request {seq.request_id!r} already ended here ({seq.status.name.lower()})")
+            if status in (Status.FINISHED_STOPPED, Status.FINISHED_LENGTH) and self.retaining and seq.prompt_ids:
+                self._retain(seq)
             self._leave(seq)
             if status is not Status.MOVED and not (status is Status.FINISHED_ABORTED and seq.status is Status.WAITING):
                 self.finished_total += 1
@@ -381,12 +454,32 @@ class DecodeScheduler:
             self.finish(seq, Status.MOVED)
             return seq
 
+    def _retain(self, seq: DecodeSequence) -> None:
+        """A finished row's pages stay, holding the KV of its prompt and every token but the last."""
+        if seq.row is None:
+            return  # it never had a row (one token was enough)
+        tokens = list(seq.prompt_ids) + seq.output_ids[:-1]
+        self.rows.pop(seq.row)
+        for index in range(seq.row, len(self.rows)):
+            self.rows[index].row = index
+        seq.row = None
+        key, dropped = self.pages.retain(seq.request_id, tokens)
+        for other in dropped:
+            self.listener.dropped(other)
+        if key is not None:
+            self.retained_total += 1
+            self.listener.held(key, tokens)
+
     def _leave(self, seq: DecodeSequence) -> None:
         if seq.row is not None:
             self._release(seq)
         if seq in self.staged:
             self.staged.remove(seq)
         self.pages.free(seq.request_id)  # a waiting request may hold shared pages
+        if seq.tail is not None:
+            seq.tail = None
+            self.pages.free(TAIL + seq.request_id)
+        self.listener.dropped(seq.request_id)
 
     def _release(self, seq: DecodeSequence) -> None:
         """Out of its row, its pages given back; the rows after it move up one."""

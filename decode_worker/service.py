@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 
 import grpc
@@ -21,8 +22,12 @@ from baton.sizing import GPU_ROWS, staging_bytes
 from baton.server import GrpcServer, NotReady, channel, cluster_token
 from baton.transport import check_address
 from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
+from baton.block_hash import BlockHasher
 from baton.decode_worker.core import DecodeConfig, DecodeCore
+from baton.decode_worker.kv_events import HeldBlocks
 from baton.decode_worker.loop import DecodeLoop, Failure, Moving, NotMoving
+from baton.prefill_worker.cache_events import CacheEventLog
+from baton.prefill_worker.service import MAX_CACHE_WATCHERS, watch_cache
 
 from baton.engine.request import GenerationRequest, RequestError, validate_prompt
 from baton.engine import threads
@@ -50,8 +55,10 @@ _HANDOFF_STATUS = {"RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
 class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, loop: DecodeLoop, address: str, tls: TLSSettings | None = None,
                  cluster_token: str | None = None, shared_memory: bool = True, library: str | None = None,
-                 chosen: dict[str, Amount] | None = None):
+                 chosen: dict[str, Amount] | None = None, events: CacheEventLog | None = None):
         self.loop = loop
+        self.events = events or CacheEventLog()  # the blocks of KV held here, for routers to follow
+        self._watchers = threading.BoundedSemaphore(MAX_CACHE_WATCHERS)
         self.settings = settings_to_proto(chosen or {})  # the sizes chosen at start, for load reports
         self.address = address
         self.tls = tls
@@ -68,7 +75,7 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             validate_prompt(prompt, params, max_context=loaded.max_context, vocab_size=loaded.config.vocab_size)
             gen = GenerationRequest(request.request_id, prompt, params, resume_step=request.resume_step)
             gen.trace.mark("arrived")
-            outputs = self.loop.register(gen, request.push_token)
+            outputs = self.loop.register(gen, request.push_token, local=request.prefill_here)
         except (RequestError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OverflowError as exc:
@@ -99,12 +106,19 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             sent = len(item.token_ids)
             if item.finished:
                 msg.finish_reason = item.finish_reason
-                msg.stage_seconds.update(item.trace.durations())
+                durations = item.trace.durations()
+                msg.stage_seconds.update(durations)
+                if request.prefill_here:
+                    msg.cached_tokens = item.trace.cached_tokens
+                    msg.prefill_seconds = durations.get("prefill", 0.0)
                 tracing.record_stages(context.invocation_metadata(), item.trace, request_id=request_id,
                                       completion_tokens=len(item.token_ids), finish_reason=item.finish_reason)
             yield msg
             if item.finished:
                 return
+
+    def WatchCache(self, request, context):
+        yield from watch_cache(self.events, self._watchers, request, context)
 
     def Handoff(self, request, context):
         request_id, target, target_id = request.request_id, request.target, request.target_request_id
@@ -183,13 +197,16 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     started = time.monotonic()
     runner = load_runner(model)
     loaded = runner.loaded
+    events = CacheEventLog()
     core = DecodeCore(runner, DecodeConfig(max_rows=settings.max_rows, kv_budget_bytes=settings.kv_budget_bytes,
                                            page_size=settings.page_size,
                                            growth_reserve_tokens=settings.growth_reserve_tokens,
                                            high_watermark_bytes=settings.kv_high_watermark_bytes,
                                            low_watermark_bytes=settings.kv_low_watermark_bytes,
                                            max_waiting=settings.max_pending,
-                                           share_min_tokens=settings.share_min_tokens))
+                                           share_min_tokens=settings.share_min_tokens, retain=settings.retain_kv,
+                                           local_chunk_tokens=settings.local_prefill_chunk_tokens),
+                      listener=HeldBlocks(BlockHasher(str(loaded.fingerprint), settings.block_size), events))
     staging = staging_bytes(settings.staging_bytes, memory_available(), loaded.kv_shape.bytes_per_token(),
                             core.max_row_tokens)
     if not settings.staging_bytes:
@@ -211,6 +228,17 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
                   lambda: kv_usage().shared)
     metrics.counter("baton_decode_rows_sharing", "Rows admitted onto prompt pages another request holds",
                     lambda: core.scheduler.rows_sharing_total)
+    metrics.gauge("baton_decode_kv_pages_retained", "KV pages only finished requests' retained KV holds (free for "
+                  "the taking)", lambda: kv_usage().retained)
+    metrics.counter("baton_decode_retained", "Finished requests whose KV pages stayed for a next turn",
+                    lambda: core.scheduler.retained_total)
+    metrics.counter("baton_decode_retained_reclaimed", "Retained KV released because pages were needed",
+                    lambda: core.scheduler.reclaimed_total)
+    metrics.counter("baton_decode_local_prefills", "Prompts prefilled here on top of KV held here (conditional "
+                    "disaggregation)", lambda: core.local_prefills_total)
+    metrics.counter("baton_decode_local_prefill_tokens", "Prompt tokens prefilled here", lambda: core.local_tokens_total)
+    metrics.counter("baton_decode_local_cached_tokens", "Prompt tokens of local prefills whose KV was held here",
+                    lambda: core.local_cached_tokens_total)
     metrics.gauge("baton_decode_kv_allocated_bytes", "KV bytes of the pages in use", lambda: kv_usage().used * page_bytes)
     metrics.gauge("baton_decode_kv_useful_bytes", "KV bytes holding real tokens (a shared page once)",
                   lambda: kv_usage().tokens * token_bytes)
@@ -244,7 +272,7 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     decode_api.target = DecodeWorkerServicer(loop, settings.advertise or f"{settings.host}:{server.port}", tls, token,
                                              shared_memory=settings.kv_transport != "grpc",
                                              library="nixl" if settings.kv_transport == "nixl" else None,
-                                             chosen=chosen)
+                                             chosen=chosen, events=events)
     # The agent starts on the first write, or now where this worker is told to use the library.
     writes = NixlWrites(receiver) if settings.kv_transport != "grpc" else None
     kv_api.target = KVTransferServicer(receiver, writes=writes)

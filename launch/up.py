@@ -105,7 +105,7 @@ def wait_routed(address: str, proc: subprocess.Popen, workers: list[str], timeou
         status = router_pb2_grpc.RouterStub(ch).GetClusterStatus(router_pb2.ClusterStatusRequest(), timeout=1,
                                                                  metadata=metadata)
         return set(workers) <= {w.address for w in status.workers
-                                 if w.healthy and (w.role != "prefill" or w.cache_synced)}
+                                 if w.healthy and w.cache_synced}
 
     _poll(address, proc, timeout, tls, routed, f"the router at {address} did not find its workers healthy", 0.1)
 

@@ -25,6 +25,7 @@ from baton.engine.request import GenerationRequest, RequestError, validate_promp
 from baton.engine import threads
 from baton.engine.executors import load_runner
 from baton.kvtransfer.errors import KVPushFailed
+from baton.prefill_worker.cache_events import CacheEventLog
 from baton.prefill_worker.jobs import PrefillDone, PrefillJob
 from baton.prefill_worker.loop import PrefillLoop
 from baton.prefill_worker.targets import DecodeTargets
@@ -41,6 +42,19 @@ def reply_from(request_id: str, done: PrefillDone) -> workers_pb2.PrefillReply:
 
 
 MAX_CACHE_WATCHERS = 16  # routers following the prefix cache at once (each holds a thread)
+
+
+def watch_cache(events: CacheEventLog, watchers: threading.BoundedSemaphore, request, context):
+    """WatchCache's stream (a prefill or decode worker's): `events` from the follower's point on."""
+    if not watchers.acquire(blocking=False):
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"{MAX_CACHE_WATCHERS} routers already follow this worker's KV events")
+    try:
+        for event in events.follow(request.epoch, request.after_seq, should_stop=lambda: not context.is_active()):
+            yield workers_pb2.CacheEvent(epoch=event.epoch, seq=event.seq, snapshot=event.snapshot,
+                                         stored=event.stored, evicted=event.evicted)
+    finally:
+        watchers.release()
 
 
 class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
@@ -121,16 +135,7 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
         return workers_pb2.UnpinPrefixReply(found=self.loop.call(lambda core: core.unpin(request.group_id)))
 
     def WatchCache(self, request, context):
-        if not self._watchers.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{MAX_CACHE_WATCHERS} routers already follow this worker's prefix cache")
-        try:
-            for event in self.loop.cache_events.follow(request.epoch, request.after_seq,
-                                                       should_stop=lambda: not context.is_active()):
-                yield workers_pb2.CacheEvent(epoch=event.epoch, seq=event.seq, snapshot=event.snapshot,
-                                             stored=event.stored, evicted=event.evicted)
-        finally:
-            self._watchers.release()
+        yield from watch_cache(self.loop.cache_events, self._watchers, request, context)
 
     def Cancel(self, request, context):
         return workers_pb2.CancelReply(found=self.loop.cancel(request.request_id))

@@ -5,6 +5,11 @@ PrefillWorker.Prefill naming that decode worker (the KV is pushed there) -> rela
 failed prefill cancels the decode stream at once; a cancelled or expired request cancels both.
 A decode worker that drains hands its requests' KV to other decode workers (Handoff); one that
 fails loses them, and they are prefilled again elsewhere.
+
+Conditional disaggregation: a decode worker that holds most of a prompt (its KV events are in the
+prefix index: a conversation's earlier turns, kept after they finished) gets the request with no
+prefill worker when the rest is at most `local_prefill_max_tokens`; it prefills that rest itself
+(`LocalPrefill`) and nothing is transferred. The route's reason is in the trace.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from baton.block_hash import BlockHasher
 from baton.v1 import common_pb2, router_pb2, workers_pb2
 from baton.router.admission import AdmissionCancelled, AdmissionTimeout, DecodeAdmission
 from baton.router.errors import DecodeLost, DispatchError, cause
-from baton.router.kv_sources import Handoff, KVSource, PrefillChain
+from baton.router.kv_sources import Handoff, KVSource, LocalPrefill, PrefillChain
 from baton.router.policy import NoWorkers, PendingPrefixes, Picker
 from baton.router.prefix_index import PrefixIndex
 from baton.router.workers import Worker, WorkerPool
@@ -58,17 +63,24 @@ class RoutingStats:
 
 @dataclass
 class Route:
-    prefill: Worker
+    prefill: Worker | None  # None: the decode worker prefills the prompt itself (`local`)
     decode: Worker
     predicted_cached_tokens: int
     seconds: float = 0.0  # the router's own time choosing
+    reason: str = ""
+
+    @property
+    def local(self) -> bool:
+        return self.prefill is None
 
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, index: PrefixIndex, block_size: int, picker: Picker | None = None,
                  on_route: Callable[[float], None] = lambda seconds: None, pending_max_blocks: int = 65_536,
-                 admission: DecodeAdmission | None = None):
+                 admission: DecodeAdmission | None = None, local_prefill_max_tokens: int = 0):
         self.pool = pool
+        # A decode worker holding a prompt's prefix prefills a rest this short itself (0: never).
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         # Requests wait here, before their prefill, while the decode workers' rows are taken
         # (router.admission); None: every request is prefilled at once.
         self.admission = admission or DecodeAdmission(-1)
@@ -78,7 +90,8 @@ class Dispatcher:
         self.picker = picker or Picker()
         # Prefixes sent to a prefill worker, not yet in its events (router.pending_max_blocks).
         self.pending = PendingPrefixes(max_entries=pending_max_blocks)
-        self.stats = RoutingStats()
+        self.stats = RoutingStats()  # requests routed to a prefill worker
+        self.local_stats = RoutingStats()  # requests prefilled on the decode worker holding their prefix
         self._stats_lock = threading.Lock()
         self._hashers: dict[str, BlockHasher] = {}
 
@@ -96,23 +109,47 @@ class Dispatcher:
         # The prefill worker always computes the prompt's last token (it needs its logits).
         return min(blocks, (prompt_len - 1) // self.block_size) * self.block_size
 
-    def prefill_views(self, prompt: list[int], hashes: list[int] | None = None, exclude: str = "") -> list:
+    def prefill_views(self, prompt: list[int], hashes: list[int] | None = None, exclude: str = "",
+                      matches: dict[str, int] | None = None) -> list:
         """The prefill workers' views, each with the prompt tokens the index (or a pending prefix)
         says it holds cached."""
         hashes = self.block_hashes(prompt) if hashes is None else hashes
-        matches = self.index.match(hashes)
+        matches = dict(self.index.match(hashes) if matches is None else matches)
         for address, blocks in self.pending.match(hashes).items():
             matches[address] = max(matches.get(address, 0), blocks)
-        return [dataclasses.replace(v, predicted_cached_tokens=self.usable_tokens(matches.get(v.address, 0), len(prompt)))
-                for v in self.pool.views("prefill") if v.address != exclude]
+        return self._predicted(self.pool.views("prefill"), matches, len(prompt), exclude)
 
-    def route(self, prompt: list[int], prefill_address: str | None = None, avoid: set[str] = frozenset()) -> Route:
+    def _predicted(self, views, matches: dict[str, int], prompt_len: int, exclude: str = "") -> list:
+        return [dataclasses.replace(v, predicted_cached_tokens=self.usable_tokens(matches.get(v.address, 0), prompt_len))
+                for v in views if v.address != exclude]
+
+    def route(self, prompt: list[int], prefill_address: str | None = None, avoid: set[str] = frozenset(),
+              allow_local: bool = False) -> Route:
+        """allow_local: the request may be prefilled on a decode worker that holds most of it."""
         started = time.perf_counter()
         hashes = self.block_hashes(prompt)
-        views = self.prefill_views(prompt, hashes)
+        matches = self.index.match(hashes) if hashes else {}
+        decode_views = self._predicted([v for v in self.pool.views("decode") if v.address not in avoid], matches,
+                                       len(prompt))
+        holder = self.picker.pick_holder(decode_views, len(prompt))
+        if holder is not None and prefill_address is None:
+            rest = len(prompt) - holder.predicted_cached_tokens
+            decode = self.pool.get("decode", holder.address)
+            if decode is not None and allow_local and rest <= self.local_prefill_max_tokens:
+                seconds = time.perf_counter() - started
+                self.on_route(seconds)
+                return Route(None, decode, holder.predicted_cached_tokens, seconds,
+                             f"decode worker holds {holder.predicted_cached_tokens} of {len(prompt)} prompt tokens: "
+                             f"prefills the other {rest} there (at most {self.local_prefill_max_tokens})")
+        views = self.prefill_views(prompt, hashes, matches=matches)
+        reason = "least loaded decode worker; prefill worker by cached prefix and queue"
         try:
-            decode_view = self.picker.pick_decode([v for v in self.pool.views("decode") if v.address not in avoid],
-                                                  len(prompt))
+            if holder is not None and prefill_address is None:
+                decode_view = holder
+                reason = (f"decode worker holds {holder.predicted_cached_tokens} of {len(prompt)} prompt tokens: "
+                          "the prefill pushes only the rest")
+            else:
+                decode_view = self.picker.pick_decode(decode_views, len(prompt))
             if prefill_address is not None:
                 prefill_view = next(v for v in views if v.address == prefill_address)
             else:
@@ -127,7 +164,7 @@ class Dispatcher:
         self.pending.add(prefill_view.address, hashes[:(len(prompt) - 1) // self.block_size])
         seconds = time.perf_counter() - started
         self.on_route(seconds)
-        return Route(prefill, decode, prefill_view.predicted_cached_tokens, seconds)
+        return Route(prefill, decode, prefill_view.predicted_cached_tokens, seconds, reason)
 
     def run(self, request_id: str, prompt: list[int], sampling, timeout: float | None, on_done,
             prefill_address: str | None = None, pinned_tokens: int = 0, span=tracing.NO_SPAN):
@@ -172,9 +209,11 @@ class Dispatcher:
                   pinned_tokens, span):
         for attempt in range(MAX_ATTEMPTS):
             routing = time.monotonic()
-            route = self.route(prompt + sent, prefill_address if attempt == 0 else None, avoid)
-            span.stage("route", routing, time.monotonic(), prefill_worker=route.prefill.view.address,
-                       decode_worker=route.decode.view.address, predicted_cached_tokens=route.predicted_cached_tokens)
+            pinned = prefill_address if attempt == 0 else None
+            route = self.route(prompt + sent, pinned, avoid, allow_local=pinned is None)
+            span.stage("route", routing, time.monotonic(), prefill_worker=route.prefill.view.address if route.prefill else "",
+                       decode_worker=route.decode.view.address, predicted_cached_tokens=route.predicted_cached_tokens,
+                       reason=route.reason)
             if pinned_tokens and attempt == 0 and len(prompt) - 1 >= pinned_tokens:
                 route.predicted_cached_tokens = max(route.predicted_cached_tokens, pinned_tokens)
             attempt_id = key if attempt == 0 else f"{key}~{attempt}"
@@ -204,13 +243,13 @@ class Dispatcher:
         A decode worker that drains says `moving` on the stream: the request then continues on
         another decode worker, opened for prompt + sent[:-1] at step len(sent) - 1, and fed by the
         draining worker pushing the request's KV there (`Handoff`) instead of by a prefill."""
-        prefill = PrefillChain(self, route, request_id, prompt + sent, _left(sampling, len(sent)), len(sent),
-                                _until(deadline), metadata)
+        prefill = LocalPrefill() if route.local else PrefillChain(
+            self, route, request_id, prompt + sent, _left(sampling, len(sent)), len(sent), _until(deadline), metadata)
         leg = _Leg(route.decode, request_id, prompt + sent, len(sent), prefill)
         sources = [prefill]  # kept until the end: the prefill reply gives the usage and trace
 
         def finish(out, msg, decode: Worker) -> None:
-            self._finish(out, msg, prefill.reply(), route, decode, len(prompt), len(sent), arrived)
+            self._finish(out, msg, prefill.reply(msg), route, decode, len(prompt), len(sent), arrived)
 
         try:
             for handoffs in itertools.count(1):
@@ -237,7 +276,8 @@ class Dispatcher:
             call = leg.worker.stub.Decode(
                 workers_pb2.DecodeRequest(request_id=leg.request_id, prompt_token_ids=leg.prompt,
                                           sampling=_left(sampling, leg.resume_step), resume_step=leg.resume_step,
-                                          push_token=leg.source.push_token),
+                                          push_token=leg.source.push_token,
+                                          prefill_here=isinstance(leg.source, LocalPrefill)),
                 timeout=_until(deadline), metadata=metadata or None)
             registered = next(call)  # its KV will be accepted
             leg.source.start(on_give_up=call.cancel, held_tokens=registered.held_prefix_tokens)
@@ -298,7 +338,7 @@ class Dispatcher:
     def _finish(self, out, msg, reply, route: Route, decode: Worker, prompt_len: int, completion: int,
                 arrived: float) -> None:
         with self._stats_lock:
-            self.stats.record(route.predicted_cached_tokens, reply.cached_tokens)
+            (self.local_stats if route.local else self.stats).record(route.predicted_cached_tokens, reply.cached_tokens)
         stages = dict(msg.stage_seconds)
         stages.update(route=route.seconds, queue=reply.queue_seconds, prefill=reply.prefill_seconds, transfer=reply.transfer_seconds,
                       total=time.monotonic() - arrived)
@@ -307,7 +347,8 @@ class Dispatcher:
         out.trace.CopyFrom(common_pb2.Trace(
             stage_seconds=stages, cached_tokens=reply.cached_tokens,
             predicted_cached_tokens=route.predicted_cached_tokens,
-            prefill_worker=route.prefill.view.address, decode_worker=decode.view.address))
+            prefill_worker=route.prefill.view.address if route.prefill else "", decode_worker=decode.view.address,
+            route=route.reason))
 
     _cause = staticmethod(cause)
 

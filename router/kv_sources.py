@@ -1,5 +1,6 @@
-"""What feeds a decode worker a request's KV: a prefill (retried once on another prefill worker)
-or a draining decode worker handing it over. The router's dispatch opens the Decode call, then
+"""What feeds a decode worker a request's KV: a prefill (retried once on another prefill worker),
+the decode worker itself (it holds most of the prompt and prefills the rest), or a draining decode
+worker handing it over. The router's dispatch opens the Decode call, then
 starts the source; a source that fails for good stops that call (`on_give_up`)."""
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ class PrefillChain(KVSource):
                               prefilled=failure.code() == grpc.StatusCode.ABORTED)
         return None
 
-    def reply(self) -> workers_pb2.PrefillReply:
+    def reply(self, last=None) -> workers_pb2.PrefillReply:
         """The prefill's reply, for the usage, trace and prefix index; an empty one when the KV
         arrived but no reply will (its worker died right after the push)."""
         try:
@@ -154,6 +155,30 @@ class PrefillChain(KVSource):
 
 # How long a finished request waits for its prefill's reply; it normally comes with the KV.
 REPLY_WAIT_S = 10.0
+
+
+class LocalPrefill(KVSource):
+    """The decode worker prefills the prompt itself, on top of the KV it holds of it (the Decode
+    call says `prefill_here`): nothing to start, push or retry. If that worker fails, the request
+    is routed again like any other whose decode worker was lost."""
+
+    def start(self, on_give_up, held_tokens: int = 0) -> None:
+        self._give_up = on_give_up
+
+    def lost(self) -> DecodeLost | None:
+        return None
+
+    def reply(self, last=None) -> workers_pb2.PrefillReply:
+        """The prefill's figures, from the decode stream's last message."""
+        if last is None:
+            return workers_pb2.PrefillReply()
+        return workers_pb2.PrefillReply(cached_tokens=last.cached_tokens, prefill_seconds=last.prefill_seconds)
+
+    def seed(self) -> int | None:
+        return None
+
+    def cancel(self) -> None:
+        self._cancelled = True
 
 
 class Handoff(KVSource):

@@ -4,6 +4,10 @@ A decode worker is chosen by how full it would be: the larger of its rows' fill 
 waiting, and the requests this router already sent but the last load poll did not yet see) and
 its KV budget's once the prompt's KV lands there. A prefill worker is chosen by its queued prompt
 tokens less the prompt tokens it holds cached. Ties go round-robin, so idle workers share the work.
+
+A decode worker that holds a prompt's prefix (a conversation's earlier turns, kept after they
+finished) and has room is chosen over the others (`pick_holder`): its KV need not travel again,
+and when the rest is short it prefills that rest itself (conditional disaggregation).
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ class WorkerView:
     active: int = 0  # decode: rows in use + staged + waiting for KV; prefill: queued prompts
     capacity: int = 1  # decode: max rows; prefill: max queue
     queued_tokens: int = 0  # prefill only
-    predicted_cached_tokens: int = 0  # prefill only: prefix blocks the index says it holds, in tokens
+    predicted_cached_tokens: int = 0  # prefix blocks the index says it holds, in tokens
     kv_used_bytes: int = 0  # decode only: KV of its rows plus landed KV waiting for one
     kv_capacity_bytes: int = 0  # decode only: its KV budget (0: not reported, rows alone decide)
     kv_bytes_per_token: int = 0  # decode only
@@ -46,14 +50,14 @@ class Picker:
         self._turns = {"decode": itertools.count(), "prefill": itertools.count()}  # one rotation per role
 
     def pick_decode(self, workers: list[WorkerView], prompt_tokens: int = 0) -> WorkerView:
-        def cost(w: WorkerView) -> float:
-            rows = max(w.active, w.inflight) / max(1, w.capacity)
-            if not w.kv_capacity_bytes:
-                return rows
-            kv = (w.kv_used_bytes + prompt_tokens * w.kv_bytes_per_token) / w.kv_capacity_bytes
-            return max(rows, kv)
+        return self._cheapest(workers, lambda w: decode_fill(w, prompt_tokens), "decode")
 
-        return self._cheapest(workers, cost, "decode")
+    def pick_holder(self, workers: list[WorkerView], prompt_tokens: int) -> WorkerView | None:
+        """The healthy decode worker holding the most of the prompt (`predicted_cached_tokens`) with
+        a row and KV room for the rest; None if none holds any."""
+        holders = [w for w in workers if w.healthy and w.predicted_cached_tokens > 0
+                   and decode_fill(w, prompt_tokens - w.predicted_cached_tokens, joining=True) <= 1.0]
+        return max(holders, key=lambda w: (w.predicted_cached_tokens, -decode_fill(w, prompt_tokens)), default=None)
 
     def pick_prefill(self, workers: list[WorkerView], prompt_tokens: int) -> WorkerView:
         w_load, w_cache = self.weights.load, self.weights.cached_tokens
@@ -72,6 +76,16 @@ class Picker:
         turn = next(self._turns[role])
         rotated = healthy[turn % len(healthy):] + healthy[:turn % len(healthy)]
         return min(rotated, key=cost)
+
+
+def decode_fill(w: WorkerView, prompt_tokens: int = 0, joining: bool = False) -> float:
+    """How full a decode worker would be with a prompt of `prompt_tokens` more KV tokens (1.0: its
+    rows or KV are full); `joining` counts the request's own row."""
+    rows = (max(w.active, w.inflight) + joining) / max(1, w.capacity)
+    if not w.kv_capacity_bytes:
+        return rows
+    kv = (w.kv_used_bytes + prompt_tokens * w.kv_bytes_per_token) / w.kv_capacity_bytes
+    return max(rows, kv)
 
 
 class PendingPrefixes:

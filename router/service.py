@@ -138,15 +138,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def GetClusterStatus(self, request, context):
         stats = self.dispatcher.stats
+        local = self.dispatcher.local_stats
         status = router_pb2.ClusterStatus(routing=router_pb2.RoutingStats(
             requests=stats.requests, predicted_cached_tokens=stats.predicted_tokens,
-            actual_cached_tokens=stats.actual_tokens, accuracy=stats.accuracy, prefilled_again=stats.prefilled_again))
+            actual_cached_tokens=stats.actual_tokens, accuracy=stats.accuracy, prefilled_again=stats.prefilled_again,
+            local_requests=local.requests, local_predicted_cached_tokens=local.predicted_tokens,
+            local_actual_cached_tokens=local.actual_tokens, local_accuracy=local.accuracy))
         for bound, count in cumulative_buckets(self.metrics.vllm_ttft):
             status.routing.ttft_bounds_s.append(bound)
             status.routing.ttft_counts.append(count)
         for w in self.pool.all():
             entry = status.workers.add(address=w.view.address, role=w.role, healthy=w.view.healthy,
-                                       cache_synced=w.role == "prefill" and self.cache_synced(w.view.address))
+                                       cache_synced=self.cache_synced(w.view.address))
             if w.last_load is not None:
                 (entry.decode if w.role == "decode" else entry.prefill).CopyFrom(w.last_load)
         return status
@@ -179,7 +182,7 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
     sync = CacheSync(index, refresh_s=settings.index_ttl_s / 3 if settings.index_ttl_s else None,
                      on_event=lambda address, kind: metrics.cache_events.labels(kind).inc()).start()
     pool = WorkerPool(tls, settings.load_poll_seconds, cluster_token(cluster, "router"))
-    pool.on_prefill_joined, pool.on_prefill_left = sync.follow, sync.forget
+    pool.on_joined, pool.on_left = sync.follow, sync.forget
     workers = WorkerSet()
     workers.subscribe(lambda role, added, removed: pool.set_workers(role, workers.get(role)))
     discovery = discovery_from_settings(settings)
@@ -189,17 +192,23 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
     picker = Picker(RoutingWeights(load=settings.load_weight, cached_tokens=settings.cache_weight))
     dispatcher = Dispatcher(pool, index, settings.block_size, picker, on_route=metrics.route_seconds.observe,
                             pending_max_blocks=settings.pending_max_blocks,
-                            admission=DecodeAdmission(settings.decode_queue_per_worker))
+                            admission=DecodeAdmission(settings.decode_queue_per_worker),
+                            local_prefill_max_tokens=settings.local_prefill_max_tokens)
     sync.on_lost = dispatcher.pending.forget  # what we sent a worker that died is not being computed
     front = Front(view, dispatcher, settings, metrics)
     api.target = RouterServicer(front, sync.synced)
     metrics.gauge("baton_router_inflight", "Requests in flight through this router", lambda: front.inflight)
     metrics.gauge("baton_router_waiting_for_decode", "Requests waiting, before their prefill, for a decode row "
                   "(router.decode_queue_per_worker)", lambda: dispatcher.admission.waiting)
-    metrics.gauge("baton_router_routing_accuracy", "Predicted vs actual cached prompt tokens",
+    metrics.gauge("baton_router_routing_accuracy", "Predicted vs actual cached prompt tokens of requests routed to "
+                  "a prefill worker",
                   lambda: front.dispatcher.stats.accuracy)
     metrics.counter("baton_router_prefilled_again", "Requests that lost their decode worker and were prefilled "
                     "once more (a drain moves them with their KV instead)", lambda: dispatcher.stats.prefilled_again)
+    metrics.counter("baton_router_local_prefills", "Requests prefilled on the decode worker holding most of their "
+                    "prompt (conditional disaggregation)", lambda: dispatcher.local_stats.requests)
+    metrics.gauge("baton_router_local_routing_accuracy", "Predicted vs actual cached prompt tokens of requests "
+                  "prefilled on their decode worker", lambda: dispatcher.local_stats.accuracy)
     metrics.serve(settings.metrics_port, settings.host)
     http = None
     if settings.http_port:

@@ -52,10 +52,10 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll_forever, name="load-poll", daemon=True)
-        # Told of prefill workers joining (address, stub) and leaving (address): the router follows
-        # their prefix caches (CacheSync), and forgets what a worker that left held.
-        self.on_prefill_joined: Callable[[str, object], None] = lambda address, stub: None
-        self.on_prefill_left: Callable[[str], None] = lambda address: None
+        # Told of workers joining (address, stub) and leaving (address): the router follows the KV
+        # events of prefill and decode workers alike (CacheSync), and forgets what one that left held.
+        self.on_joined: Callable[[str, object], None] = lambda address, stub: None
+        self.on_left: Callable[[str], None] = lambda address: None
 
     def start(self) -> "WorkerPool":
         self._thread.start()
@@ -84,8 +84,7 @@ class WorkerPool:
                 joined.append(current[address])
                 log.info("worker joined role=%s address=%s", role, address)
         for worker in gone:
-            if role == "prefill":
-                self._notify(self.on_prefill_left, worker.view.address)
+            self._notify(self.on_left, worker.view.address)
             with self._lock:
                 open_calls = worker.view.inflight
                 if open_calls:
@@ -93,9 +92,8 @@ class WorkerPool:
             if not open_calls:
                 worker.channel.close()
             log.info("worker left role=%s address=%s open_calls=%d", role, worker.view.address, open_calls)
-        if role == "prefill":
-            for worker in joined:
-                self._notify(self.on_prefill_joined, worker.view.address, worker.stub)
+        for worker in joined:
+            self._notify(self.on_joined, worker.view.address, worker.stub)
 
     def views(self, role: str) -> list[WorkerView]:
         with self._lock:

@@ -61,7 +61,7 @@ def router():
         index = index or InMemoryPrefixIndex()
         sync = CacheSync(index, check_s=0.1).start()
         pool = WorkerPool()
-        pool.on_prefill_joined, pool.on_prefill_left = sync.follow, sync.forget
+        pool.on_joined, pool.on_left = sync.follow, sync.forget
         made.append((pool, sync))
         return pool, sync, index
 

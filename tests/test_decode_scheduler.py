@@ -459,3 +459,98 @@ def test_a_high_watermark_alone_also_bounds_admission():
         out = step(sched)  # a holds 2 pages; b's 2 more would be 4 > 3
         assert ids(out.running) == ["a"] and out.parked == [] and out.resumed == []
     assert ids(sched.staged) == ["b"]
+
+
+# -- retained pages: a finished request's KV serves its conversation's next turn -------------------
+
+
+class Heard:
+    """The scheduler's KV listener: which keys hold which tokens here now."""
+
+    def __init__(self):
+        self.keys: dict[str, tuple] = {}
+
+    def held(self, key, tokens):
+        self.keys[key] = tuple(tokens)
+
+    def dropped(self, key):
+        self.keys.pop(key, None)
+
+
+def talk(rid: str, prompt: list[int], max_new: int = 3, local: bool = False) -> DecodeSequence:
+    return DecodeSequence(rid, len(prompt), max_new, [], prompt_ids=prompt, local=local)
+
+
+def run_to_end(sched: DecodeScheduler, s: DecodeSequence, answer: list[int]) -> None:
+    """Land `s` (first token answer[0]), decode the rest of `answer`, finish it (stop)."""
+    s.output_ids.append(answer[0])
+    sched.add_staged(s)
+    for token in answer[1:]:
+        out = sched.schedule()
+        check(sched, out)
+        sched.append_tokens([token if r is s else 0 for r in out.running])
+    sched.finish(s, Status.FINISHED_STOPPED)
+
+
+def test_a_finished_turns_pages_stay_and_its_next_turn_holds_them():
+    heard = Heard()
+    sched = DecodeScheduler(config(retain=True, share_min_tokens=4), listener=heard)
+    first = list(range(100, 110))  # 10 prompt tokens
+    run_to_end(sched, talk("t1", first), [1, 2, 3, 4, 5, 6])  # KV of 10 + 5 tokens: 3 full pages and 3 tokens
+    assert sched.kv_usage().used == 0 and sched.kv_usage().retained == 4 and sched.retained_total == 1
+    assert heard.keys == {"retained:t1": tuple(first + [1, 2, 3, 4, 5])}
+    second = first + [1, 2, 3, 4, 5, 6, 50, 51, 52]
+    turn = talk("t2", second, local=True)
+    sched.register(turn)
+    assert turn.held_tokens == 12  # three full pages; the fourth holds the answer's 3, 4, 5 to copy
+    assert turn.tail is not None and turn.tail[1] == 3
+    sched.untail(turn)
+    run_to_end(sched, turn, [7, 8])
+    # the second turn's entry continues the first's: that one is dropped, nothing is held twice
+    assert list(heard.keys) == ["retained:t2"] and sched.pages.num_retained == 1
+    assert sched.kv_usage().used == 0
+
+
+def test_retained_pages_go_first_when_a_row_needs_them():
+    heard = Heard()
+    sched = DecodeScheduler(config(retain=True, share_min_tokens=4, num_pages=9, max_rows=1), listener=heard)
+    for n in range(3):  # each leaves 2 pages (6 prompt + 2 answer tokens of KV)
+        run_to_end(sched, talk(f"r{n}", [n * 10 + i for i in range(6)]), [1, 2, 3])
+    assert sched.kv_usage().retained == 6 and sched.pages.num_free_pages() == 2
+    big = talk("big", list(range(200, 220)), max_new=2)  # 20 tokens + 1: 6 pages
+    big.output_ids.append(1)
+    sched.add_staged(big)
+    out = step(sched)
+    assert [a.seq.request_id for a in out.admitted] == ["big"] and not out.parked
+    # the least recently used went first: r0 and r1, then r2 stayed
+    assert list(heard.keys) == ["retained:r2", "big"] and sched.reclaimed_total == 2
+    sched.finish(big, Status.FINISHED_ABORTED)
+    assert sched.kv_usage().used == 0 and "big" not in heard.keys
+
+
+def test_retained_pages_never_park_a_row_nor_count_as_used():
+    sched = DecodeScheduler(config(retain=True, share_min_tokens=4, num_pages=7, max_rows=2,
+                                   high_watermark_pages=4))
+    run_to_end(sched, talk("old", list(range(12))), [1, 2, 3, 4, 5])  # 4 pages retained
+    assert sched.kv_usage().used == 0 and sched.kv_usage().free == 6
+    a = talk("a", list(range(50, 58)), max_new=8)
+    a.output_ids.append(1)
+    sched.add_staged(a)
+    for _ in range(6):
+        out = step(sched)
+        assert not out.parked and not out.dropped
+    assert sched.kv_usage().retained < 4  # taken as the row grew
+
+
+def test_a_drained_worker_forgets_its_retained_pages_with_events():
+    heard = Heard()
+    sched = DecodeScheduler(config(retain=True, share_min_tokens=4), listener=heard)
+    run_to_end(sched, talk("x", list(range(9))), [1, 2])
+    assert sched.release_retained() == 1
+    assert heard.keys == {} and sched.pages.num_free_pages() == sched.pages.total_pages
+
+
+def test_without_retain_a_finished_request_frees_everything():
+    sched = DecodeScheduler(config(share_min_tokens=4))
+    run_to_end(sched, talk("x", list(range(9))), [1, 2])
+    assert sched.pages.num_free_pages() == sched.pages.total_pages and sched.pages.num_retained == 0

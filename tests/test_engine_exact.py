@@ -12,7 +12,7 @@ import random
 import pytest
 
 from baton.launch.local import LocalEngine
-from baton.decode_worker.core import DecodeConfig
+from baton.decode_worker.core import DecodeConfig, DecodeCore
 from baton.sampling import SamplingParams
 
 WORDS = ("river stone lantern quiet harbor engine violet market thunder paper garden orbit copper "
@@ -322,3 +322,55 @@ def test_rows_outgrowing_the_kv_pages_park_and_resume_exactly(tiny_model, tiny_r
     assert roomy.decode.recomputed_total == 0
     tight, _ = serve(host_tokens=1)  # no parked row fits
     assert tight.decode.scheduler.park_refused_total >= 1 and tight.decode.recomputed_total >= 1
+
+
+def test_a_conversations_next_turn_prefilled_where_its_kv_is_answers_exactly(tiny_model, tiny_reference):
+    """Conditional disaggregation: a finished turn's pages stay on the decode worker (prompt and
+    answer), and the next turn, prompt = everything said so far + a new message, is prefilled there
+    on top of them, in chunks between decode steps, while another row decodes. No token of earlier
+    turns is computed again, and every turn's tokens equal generate's."""
+    from baton.engine.executors import make_runner
+    from baton.engine.request import GenerationRequest
+    from baton.prefill_worker.core import PrefillCore
+
+    rng = random.Random(5)
+    runner = make_runner(tiny_model)
+    decode = DecodeCore(runner, DecodeConfig(max_rows=2, page_size=8, share_min_tokens=8, local_chunk_tokens=16))
+    prefill = PrefillCore(runner, prefix_cache_bytes=0)
+    finals: dict[str, list[int]] = {}
+
+    def run_until(name: str, local: bool) -> None:
+        while name not in finals:
+            for out in (decode.advance_local() if local else []) + decode.step():
+                if out.finished:
+                    finals[out.request_id] = out.token_ids
+
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    said = [rng.randrange(50, 40000) for _ in range(70)]
+    first = GenerationRequest("turn-1", said, params)
+    decode.register(first)
+    decode.add(prefill.prefill([first])[0])  # turn 1 the usual way: prefilled elsewhere, KV pushed
+    run_until("turn-1", local=False)
+    assert finals["turn-1"] == tiny_reference.greedy(said, 12)
+    for turn in (2, 3):
+        said = said + finals[f"turn-{turn - 1}"] + [rng.randrange(50, 40000) for _ in range(30)]
+        other = GenerationRequest(f"other-{turn}", [rng.randrange(50, 40000) for _ in range(20)], params)
+        decode.register(other)
+        decode.add(prefill.prefill([other])[0])  # decoding beside the prefill done here
+        name = f"turn-{turn}"
+        request = GenerationRequest(name, said, params)
+        decode.register(request, local=True)
+        seq = decode.scheduler.find(name)
+        kv_before = len(said) - 30 - 1  # the earlier prompt and answer, but the answer's last token
+        assert seq.held_tokens == kv_before // 8 * 8 and seq.tail == (seq.tail[0], kv_before % 8)
+        decode.compute(name)
+        run_until(name, local=True)
+        run_until(f"other-{turn}", local=False)
+        assert request.trace.cached_tokens == kv_before
+        assert finals[name] == tiny_reference.greedy(said, 12), name
+        assert finals[f"other-{turn}"] == tiny_reference.greedy(other.prompt_token_ids, 12)
+    assert decode.local_prefills_total == 2 and decode.local_tokens_total == 2 * 31
+    usage = decode.scheduler.kv_usage()
+    assert usage.used == 0 and usage.retained > 0  # what is left is retained, free for the taking
+    # turn 3's entry continues turn 2's, which continued turn 1's: one entry per conversation left
+    assert decode.scheduler.pages.num_retained == 3  # the conversation, other-2 and other-3

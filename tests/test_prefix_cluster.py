@@ -21,8 +21,11 @@ TINY_BYTES_PER_TOKEN = 512  # tiny-random: 2 layers x 2 (K, V) x 2 heads x 16 di
 
 def test_two_routers_sharing_redis_send_a_repeated_prefix_to_its_holder(redis_server):
     rng = random.Random(1)
+    # the decode worker holds each prefix too, after the first request: never prefilled there, so
+    # that prefill workers are routed to by what they hold
     with LocalCluster(prefill=2, decode=1, model="tiny-random", routers=2,
-                      router_args=("--prefix-index", "redis", "--redis-url", redis_server.url)) as cluster:
+                      router_args=("--prefix-index", "redis", "--redis-url", redis_server.url,
+                                   "--local-prefill-max-tokens", "0")) as cluster:
         first, second = (BatonClient(a, timeout=60) for a in cluster.router_addresses)
         with first, second:
             # ready means each router's index follows both prefill workers' caches already
@@ -145,7 +148,10 @@ def test_requests_continuing_a_prefix_held_in_the_decode_batch_push_only_their_o
     long_ones = [document + [rng.randrange(100, 40000) for _ in range(5)] for _ in range(2)]
     short_ones = [document + [rng.randrange(100, 40000) for _ in range(rng.randint(2, 8))] for _ in range(3)]
     metrics_port = free_port()
+    # a short rest would be prefilled on the decode worker itself (tests/test_conversations.py):
+    # here every prompt goes through the prefill worker, to see what its pushes carry
     with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=8,
+                      router_args=("--local-prefill-max-tokens", "0"),
                       prefill_args=("--metrics-port", str(metrics_port))) as cluster:
         with BatonClient(cluster.router_address, timeout=120) as client:
             streams = [client.stream(token_ids=p, max_tokens=1200, ignore_eos=True) for p in long_ones]

@@ -121,3 +121,27 @@ def test_pending_prefixes_validate_their_bounds():
         PendingPrefixes(ttl_s=0)
     with pytest.raises(ValueError):
         PendingPrefixes(max_entries=0)
+
+
+def holding(view: WorkerView, tokens: int) -> WorkerView:
+    view.predicted_cached_tokens = tokens
+    return view
+
+
+def test_a_decode_worker_holding_the_prompts_prefix_is_chosen_while_it_has_room():
+    picker = Picker()
+    a, b = decode("a"), holding(decode("b", active=5), 96)
+    assert picker.pick_holder([a, b], 120).address == "b"  # busier, but it holds the conversation so far
+    assert picker.pick_holder([a, holding(decode("c"), 32), b], 120).address == "b"  # the most held wins
+    assert picker.pick_holder([a, decode("d")], 120) is None  # nobody holds any of it
+
+
+def test_a_holder_without_a_free_row_or_kv_for_the_rest_is_passed_over():
+    picker = Picker()
+    assert picker.pick_holder([holding(decode("full", active=8), 96)], 120) is None
+    # its KV budget holds what it has, not the prompt's rest on top
+    tight = holding(decode("tight", active=1, used=90 * MB, budget=100 * MB, per_token=MB), 96)
+    assert picker.pick_holder([tight], 96 + 24) is None
+    assert picker.pick_holder([holding(decode("roomy", active=1, used=10 * MB, budget=100 * MB, per_token=MB), 96)],
+                              96 + 24).address == "roomy"
+    assert picker.pick_holder([holding(decode("sick", healthy=False), 96)], 120) is None

@@ -80,7 +80,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Trace(_message.Message):
-    __slots__ = ("stage_seconds", "cached_tokens", "predicted_cached_tokens", "prefill_worker", "decode_worker")
+    __slots__ = ("stage_seconds", "cached_tokens", "predicted_cached_tokens", "prefill_worker", "decode_worker", "route")
     class StageSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -93,12 +93,14 @@ class Trace(_message.Message):
     PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     stage_seconds: _containers.ScalarMap[str, float]
     cached_tokens: int
     predicted_cached_tokens: int
     prefill_worker: str
     decode_worker: str
-    def __init__(self, stage_seconds: _Optional[_Mapping[str, float]] = ..., cached_tokens: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+    route: str
+    def __init__(self, stage_seconds: _Optional[_Mapping[str, float]] = ..., cached_tokens: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., route: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")

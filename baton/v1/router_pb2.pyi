@@ -163,11 +163,15 @@ class WorkerStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., decode: _Optional[_Union[_common_pb2.DecodeLoad, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLoad, _Mapping]] = ..., cache_synced: _Optional[bool] = ...) -> None: ...
 
 class RoutingStats(_message.Message):
-    __slots__ = ("requests", "predicted_cached_tokens", "actual_cached_tokens", "accuracy", "ttft_bounds_s", "ttft_counts", "prefilled_again")
+    __slots__ = ("requests", "predicted_cached_tokens", "actual_cached_tokens", "accuracy", "local_requests", "local_predicted_cached_tokens", "local_actual_cached_tokens", "local_accuracy", "ttft_bounds_s", "ttft_counts", "prefilled_again")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACTUAL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ACTUAL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ACCURACY_FIELD_NUMBER: _ClassVar[int]
     TTFT_BOUNDS_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_AGAIN_FIELD_NUMBER: _ClassVar[int]
@@ -175,10 +179,14 @@ class RoutingStats(_message.Message):
     predicted_cached_tokens: int
     actual_cached_tokens: int
     accuracy: float
+    local_requests: int
+    local_predicted_cached_tokens: int
+    local_actual_cached_tokens: int
+    local_accuracy: float
     ttft_bounds_s: _containers.RepeatedScalarFieldContainer[float]
     ttft_counts: _containers.RepeatedScalarFieldContainer[int]
     prefilled_again: int
-    def __init__(self, requests: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., accuracy: _Optional[float] = ..., ttft_bounds_s: _Optional[_Iterable[float]] = ..., ttft_counts: _Optional[_Iterable[int]] = ..., prefilled_again: _Optional[int] = ...) -> None: ...
+    def __init__(self, requests: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., accuracy: _Optional[float] = ..., local_requests: _Optional[int] = ..., local_predicted_cached_tokens: _Optional[int] = ..., local_actual_cached_tokens: _Optional[int] = ..., local_accuracy: _Optional[float] = ..., ttft_bounds_s: _Optional[_Iterable[float]] = ..., ttft_counts: _Optional[_Iterable[int]] = ..., prefilled_again: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("workers", "routing")

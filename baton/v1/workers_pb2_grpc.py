@@ -342,6 +342,11 @@ class DecodeWorkerStub:
                 request_serializer=baton_dot_v1_dot_workers__pb2.HandoffRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_workers__pb2.HandoffReply.FromString,
                 _registered_method=True)
+        self.WatchCache = channel.unary_stream(
+                '/baton.v1.DecodeWorker/WatchCache',
+                request_serializer=baton_dot_v1_dot_workers__pb2.WatchCacheRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_workers__pb2.CacheEvent.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -373,6 +378,14 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchCache(self, request, context):
+        """The blocks of KV this worker holds (running rows' prompts, finished requests' retained
+        prompts and answers), as numbered changes: the same stream prefill workers publish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -390,6 +403,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Handoff,
                     request_deserializer=baton_dot_v1_dot_workers__pb2.HandoffRequest.FromString,
                     response_serializer=baton_dot_v1_dot_workers__pb2.HandoffReply.SerializeToString,
+            ),
+            'WatchCache': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchCache,
+                    request_deserializer=baton_dot_v1_dot_workers__pb2.WatchCacheRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_workers__pb2.CacheEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -473,6 +491,33 @@ class DecodeWorker:
             '/baton.v1.DecodeWorker/Handoff',
             baton_dot_v1_dot_workers__pb2.HandoffRequest.SerializeToString,
             baton_dot_v1_dot_workers__pb2.HandoffReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.DecodeWorker/WatchCache',
+            baton_dot_v1_dot_workers__pb2.WatchCacheRequest.SerializeToString,
+            baton_dot_v1_dot_workers__pb2.CacheEvent.FromString,
             options,
             channel_credentials,
             insecure,
