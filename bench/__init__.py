@@ -63,6 +63,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("served", "issue 32: `baton up` as a new user gets it (dtype auto) vs vLLM's CPU build at its dtype and "
                     "rows: the 30 relay chat queries at 1, 8 and 30 concurrent streams; wall, TTFT, TPOT, tokens/s, "
                     "answers identical at every concurrency", "baton.bench.served"),
+    Suite("chat", "issue 49: multi-turn conversations (3-8 turns, each answer sent back with the next question) at "
+                  "1 and 8 concurrent conversations, Baton vs vLLM with prefix caching: TTFT p50/p99, prompt, cached "
+                  "and recomputed tokens per turn, KV bytes pushed", "baton.bench.chat"),
     Suite("structured", "issue 33: JSON schemas and tool calls through the openai client, Baton vs vLLM's CPU build "
                         "on the same grammar engine (valid answers, same text at temperature 0); the grammar mask's "
                         "cost per decode step at 1-16 rows", "baton.bench.structured"),

@@ -3,8 +3,10 @@
 A real cluster (two prefill and two decode workers; the tiny random model unless `--model`
 says otherwise, so every answer can be checked against `transformers` greedy decoding in this
 process). Client threads
-send streams (some closed early on purpose), single generates and GenerateBatches of 5-10
-prompts for `--duration` seconds, all greedy with a fixed length, while this process, on a
+send streams (some closed early on purpose), single generates, GenerateBatches of 5-10
+prompts and conversations (each turn sends the previous turn's prompt, its answer and a new
+message: the decode worker holding the conversation prefills the turn itself) for `--duration`
+seconds, all greedy with a fixed length, while this process, on a
 seeded schedule, applies one fault at a time:
 - kill: SIGKILL a worker and start it again on the same port (the router's static discovery
   takes it back once it serves);
@@ -76,8 +78,10 @@ class Chaos:
     """The run's clock and record (every request's outcome, the faults, the memory samples, the
     problems), and the loops of the threads that fill it."""
 
-    def __init__(self, opts: BenchOptions, cluster, prompts: list[list[int]], expected: list[list[int]], seed: int):
+    def __init__(self, opts: BenchOptions, cluster, prompts: list[list[int]], expected: list[list[int]], seed: int,
+                 conversations=()):
         self.opts, self.cluster, self.prompts, self.expected = opts, cluster, prompts, expected
+        self.conversations = list(conversations)
         self.rng = random.Random(seed)
         self.seed = seed
         self.tally = Tally()
@@ -148,15 +152,16 @@ class Chaos:
         with BatonClient(self.cluster.router_address, timeout=REQUEST_TIMEOUT_S) as client:
             while not self.stop.is_set():
                 draw = rng.random()
-                kind = "stream" if draw < 0.4 else "stream-cancel" if draw < 0.55 else \
-                    "generate" if draw < 0.85 else "batch"
+                kind = "stream" if draw < 0.35 else "stream-cancel" if draw < 0.5 else \
+                    "generate" if draw < 0.7 else "batch" if draw < 0.85 or not self.conversations else "conversation"
                 ticket = self.begin(kind)
                 results: list[tuple[str, str, str, str]] = []
                 try:
-                    results = one_call(client, kind, rng, self.prompts, self.expected)
+                    results = one_call(client, kind, rng, self.prompts, self.expected, self.conversations)
                 except Exception as exc:  # noqa: BLE001 - every failure is classified, none stops the load
                     outcome, reason, detail = judge_error(exc)
-                    results = [(kind if kind != "batch" else "batch member", outcome, reason, detail)]
+                    results = [({"batch": "batch member", "conversation": "conversation turn"}.get(kind, kind),
+                                outcome, reason, detail)]
                 finally:
                     self.finish(ticket, results)
 
@@ -248,7 +253,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     every = float(opts.extra.get("fault_every") or (5 if opts.quick else 12))
     model = opts.model  # tiny-random unless --model default (SmolLM2-135M) or a directory is given
     opts.progress(f"chaos: greedy references for {PROMPTS} seeded prompts ({model})")
-    loaded, prompts, expected = references(model, opts.dtype, seed)
+    loaded, prompts, expected, conversations = references(model, opts.dtype, seed)
 
     opts.progress(f"chaos: starting 2 prefill + 2 decode workers and a router ({model})")
     env = opts.worker_env()
@@ -256,7 +261,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     if kv_tokens:
         env["BATON_DECODE_KV_BUDGET_BYTES"] = str(int(kv_tokens) * loaded.kv_shape.bytes_per_token())
     with LocalCluster(prefill=2, decode=2, model=model, max_rows=4, extra_env=env) as cluster:
-        chaos = Chaos(opts, cluster, prompts, expected, seed)
+        chaos = Chaos(opts, cluster, prompts, expected, seed, conversations)
         chaos.kv_shape = loaded.kv_shape
         opts.progress(f"chaos: {duration:.0f} s of load from {clients} clients, a fault every ~{every:.0f} s")
         memory = threading.Thread(target=chaos.memory_loop, daemon=True)
@@ -274,7 +279,8 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         with chaos.lock:  # what is still open now has outlived its deadline and the margin
             for ticket, (kind, start) in list(chaos.inflight.items()):
                 chaos.inflight.pop(ticket)
-                chaos._count("batch member" if kind == "batch" else kind, "hung", "never answered",
+                chaos._count({"batch": "batch member", "conversation": "conversation turn"}.get(kind, kind), "hung",
+                             "never answered",
                              f"still open {chaos.now() - start:.0f} s after it was sent", start, chaos.now())
         memory.join(timeout=10)
         for _, proc in cluster.procs:  # nothing left stopped for the shutdown

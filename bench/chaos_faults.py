@@ -86,7 +86,8 @@ def _cut(fault: Fault) -> str:
 
 
 def _slow_push(cluster, fault: Fault, shape, problems: list[str], pushes: int = 4, tokens: int = 1000) -> str:
-    """Register `pushes` Decode calls and trickle their KV at 64 KiB every 0.5 s: each push
+    """Register `pushes` Decode calls for prompts of `tokens` tokens, or as many as the worker's
+    context holds, and trickle their KV a sixteenth (at most 64 KiB) every 0.5 s: each push
     must be cut by the receiver, as too slow (ABORTED) a little after its 2 s grace, or as
     silent (CANCELLED) if this busy process let more than 1 s pass between two chunks."""
     import grpc
@@ -97,12 +98,15 @@ def _slow_push(cluster, fault: Fault, shape, problems: list[str], pushes: int = 
     from baton.server import channel
     from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
 
-    kv = SequenceKV(torch.zeros(shape.num_layers, 2, shape.num_kv_heads, tokens, shape.head_dim,
-                                dtype=shape.dtype))
     ends: dict[str, tuple[str, float]] = {}
     with channel(fault.target, cluster.tls, cluster_token=cluster.cluster_token) as ch:
         decode = workers_pb2_grpc.DecodeWorkerStub(ch)
-        fingerprint = decode.GetLoad(common_pb2.LoadRequest(), timeout=5).model_fingerprint
+        load = decode.GetLoad(common_pb2.LoadRequest(), timeout=5)
+        fingerprint = load.model_fingerprint
+        tokens = min(tokens, load.max_context - 2) if load.max_context > 2 else tokens
+        kv = SequenceKV(torch.zeros(shape.num_layers, 2, shape.num_kv_heads, tokens, shape.head_dim,
+                                    dtype=shape.dtype))
+        chunk_bytes = max(1024, min(64 << 10, kv.nbytes // 16))
         calls = []
         try:
             for n in range(pushes):
@@ -115,7 +119,7 @@ def _slow_push(cluster, fault: Fault, shape, problems: list[str], pushes: int = 
 
             def trickle(rid: str) -> None:
                 def chunks():
-                    for k, chunk in enumerate(encode(rid, fingerprint, kv, chunk_bytes=64 << 10, push_token=rid)):
+                    for k, chunk in enumerate(encode(rid, fingerprint, kv, chunk_bytes=chunk_bytes, push_token=rid)):
                         if k > 1:
                             time.sleep(0.5)
                         yield chunk

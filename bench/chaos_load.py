@@ -1,7 +1,8 @@
 """The chaos suite's requests and the one class each ends in: seeded prompts with their greedy
 continuations from transformers (the answers the load is checked against), the calls a client
-thread makes (streams, streams it leaves midway, generates, GenerateBatches), and the judging of
-what came back: exact, wrong, refused, cancelled, lost or hung (bench/chaos.py says what each means)."""
+thread makes (streams, streams it leaves midway, generates, GenerateBatches, conversations whose
+turns each send everything said before), and the judging of what came back: exact, wrong,
+refused, cancelled, lost or hung (bench/chaos.py says what each means)."""
 from __future__ import annotations
 
 import random
@@ -10,13 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 OUTCOMES = ("exact", "wrong", "refused", "cancelled", "lost", "hung")
-KINDS = ("stream", "stream-cancel", "generate", "batch member")
+KINDS = ("stream", "stream-cancel", "generate", "batch member", "conversation turn")
 REFUSED = {"RESOURCE_EXHAUSTED", "UNAVAILABLE", "ABORTED"}  # a status that says why and invites a retry
 HUNG = {"DEADLINE_EXCEEDED"}  # the call ran out its whole deadline
 REQUEST_TIMEOUT_S = 60.0  # every call's deadline (a whole GenerateBatch's included)
 HUNG_MARGIN_S = 15.0  # a call still open this long after its deadline is hung whatever it returns later
 MAX_TOKENS = 24
 PROMPTS = 32
+CONVERSATIONS, TURNS = 8, 3  # of the prompts, the first ones open conversations of this many turns
 
 
 @dataclass
@@ -35,9 +37,18 @@ class Tally:
         return total
 
 
-def references(model: str, dtype: str, seed: int) -> tuple[Any, list[list[int]], list[list[int]]]:
-    """Seeded random prompts and their greedy continuations from transformers generate. A prompt
-    whose greedy run meets EOS early is dropped (the load sets ignore_eos; generate stops)."""
+@dataclass(frozen=True)
+class Conversation:
+    """Turn t's prompt is turn t-1's prompt, its answer and a new message; its greedy answer."""
+
+    prompts: list[list[int]]
+    expected: list[list[int]]
+
+
+def references(model: str, dtype: str, seed: int) -> tuple[Any, list[list[int]], list[list[int]], list[Conversation]]:
+    """Seeded random prompts and their greedy continuations from transformers generate, and
+    conversations opened by the first of them. A prompt whose greedy run meets EOS early is
+    dropped (the load sets ignore_eos; generate stops)."""
     import torch
 
     from baton.engine.model import load_model
@@ -47,26 +58,53 @@ def references(model: str, dtype: str, seed: int) -> tuple[Any, list[list[int]],
     loaded.model.set_attn_implementation("sdpa")
     vocab = loaded.model.config.vocab_size
     prompts, expected = [], []
+    def greedy(prompt: list[int]) -> list[int]:
+        out = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                    pad_token_id=loaded.model.generation_config.pad_token_id)
+        return out[0, len(prompt):].tolist()
+
+    def message() -> list[int]:
+        return [rng.randrange(10, min(vocab, 4000)) for _ in range(rng.randrange(4, 40))]
+
+    conversations = []
     with torch.no_grad():
         for _ in range(PROMPTS):
             prompt = [rng.randrange(10, min(vocab, 4000)) for _ in range(rng.randrange(4, 120))]
-            out = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                        pad_token_id=loaded.model.generation_config.pad_token_id)
-            tokens = out[0, len(prompt):].tolist()
+            tokens = greedy(prompt)
             if len(tokens) == MAX_TOKENS:
                 prompts.append(prompt)
                 expected.append(tokens)
+        for prompt, tokens in zip(prompts[:CONVERSATIONS], expected):
+            turns, answers = [prompt], [tokens]
+            while len(turns) < TURNS and len(answers[-1]) == MAX_TOKENS:
+                turns.append(turns[-1] + answers[-1] + message())
+                answers.append(greedy(turns[-1]))
+            if len(answers[-1]) == MAX_TOKENS:
+                conversations.append(Conversation(turns, answers))
     if not prompts:
         raise RuntimeError("every reference run met EOS early; no prompt to check against")
-    return loaded, prompts, expected
+    return loaded, prompts, expected, conversations
 
 
 def one_call(client, kind: str, rng: random.Random, prompts: list[list[int]],
-             expected: list[list[int]]) -> list[tuple[str, str, str, str]]:
+             expected: list[list[int]], conversations: list[Conversation] = ()) -> list[tuple[str, str, str, str]]:
     """One call of `kind` on random prompts: (kind, outcome, reason, detail) of each of its requests."""
     from baton.client import BatonError
 
     sampling = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0.0}
+    if kind == "conversation":  # its turns one after another, each after the answer before it came
+        chat = conversations[rng.randrange(len(conversations))]
+        results = []
+        for turn, prompt in enumerate(chat.prompts):
+            try:
+                result = client.generate(token_ids=prompt, **sampling)
+            except BatonError as exc:
+                return results + [("conversation turn", *judge_error(exc))]
+            results.append(("conversation turn",
+                            *judge_tokens(chat.expected, turn, result.token_ids, result.finish_reason)))
+            if results[-1][1] != "exact":
+                break
+        return results
     i = rng.randrange(len(prompts))
     if kind == "stream":
         tokens, finish = [], None

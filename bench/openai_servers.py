@@ -57,12 +57,16 @@ def serving(server: str, opts: BenchOptions, model: str, served: str,
             _wait_health(base, None, 60)
 
             def poll() -> dict:
-                workers = [w for w in client.cluster_status(timeout=5).workers if w.role == "decode"]
+                status = client.cluster_status(timeout=5)
+                workers = [w for w in status.workers if w.role == "decode"]
                 load = (workers[0].decode or {}) if workers else {}
                 out = {k: load.get(k) for k in ("rows_in_use", "waiting_for_kv", "staged", "max_rows",
                                                 "kv_bytes_allocated", "kv_bytes_useful", "kv_budget_bytes",
                                                 "kv_bytes_per_token", "max_context", "preemptions", "parked_bytes",
                                                 "model_fingerprint")}
+                # the prefix index's predictions against what was found, prefill- and decode-held prefixes
+                out["routing"] = {k: status.routing.get(k) for k in (
+                    "requests", "accuracy", "local_requests", "local_accuracy")}
                 with contextlib.suppress(OSError):  # a worker without these series still gives its load
                     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
                         out.update(baton_decode_metrics(response.read().decode()))
@@ -139,7 +143,12 @@ def vllm_metrics(text: str) -> dict[str, float]:
 BATON_DECODE_SERIES = {"baton_decode_kv_pages_used": "kv_pages_used", "baton_decode_kv_pages_total": "kv_pages_total",
                        "baton_decode_parked_for_memory_total": "parked_for_memory",
                        "baton_decode_resumes_total": "resumes", "baton_decode_recomputes_total": "recomputes",
-                       "baton_decode_park_refused_total": "park_refused"}
+                       "baton_decode_park_refused_total": "park_refused",
+                       "baton_decode_kv_pages_retained": "kv_pages_retained",
+                       "baton_decode_retained_reclaimed_total": "retained_reclaimed",
+                       "baton_decode_local_prefills_total": "local_prefills",
+                       "baton_decode_local_prefill_tokens_total": "local_prefill_tokens",
+                       "baton_decode_local_cached_tokens_total": "local_cached_tokens"}
 
 
 def baton_decode_metrics(text: str) -> dict[str, float]:

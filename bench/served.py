@@ -70,13 +70,20 @@ def _int_between(low: int, high: int | None = None):
     return parse
 
 
-def _servers(text: str) -> list[str]:
-    chosen = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in chosen if v not in SERVERS]
-    if bad or not chosen:
-        raise argparse.ArgumentTypeError(f"unknown server(s) {', '.join(bad) or repr(text)}; "
-                                         f"choose from {', '.join(SERVERS)}")
-    return chosen
+def servers_among(choices: tuple[str, ...]):
+    """An argparse type: a comma-separated subset of `choices`."""
+    def parse(text: str) -> list[str]:
+        chosen = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in chosen if v not in choices]
+        if bad or not chosen:
+            raise argparse.ArgumentTypeError(f"unknown server(s) {', '.join(bad) or repr(text)}; "
+                                             f"choose from {', '.join(choices)}")
+        return chosen
+
+    return parse
+
+
+_servers = servers_among(SERVERS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
