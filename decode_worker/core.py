@@ -15,6 +15,7 @@ from baton.logs import STARTUP_LOGGER
 from baton.resources import Amount
 from baton.sizing import decode_rows
 
+from baton.decode_worker.host_retained import HostRetained
 from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, KVListener, SchedulerConfig, Status
 from baton.engine.kv import SequenceKV, joined, to_host
 from baton.engine.paged_kv import DecodeStep, PagedKV, default_kv_budget
@@ -87,6 +88,7 @@ class _Live:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked for
     evicted: "Evicted | None" = None  # while moving
     computing: "_Computing | None" = None  # its prompt's rest being prefilled here
+    host_prefix: tuple[int, SequenceKV] | None = None  # a local prefill's start found in host memory
 
 
 @dataclass
@@ -134,6 +136,11 @@ class DecodeCore:
         # claims its bytes (False: no room, the row is not parked), release_parked returns them.
         self.hold_parked: Callable[[str, int], bool] = lambda request_id, nbytes: True
         self.release_parked: Callable[[str], None] = lambda request_id: None
+        # A retained entry whose pages were needed moves to host memory if the host pool lends it
+        # room (False: none; it is forgotten), room the pool takes back when it needs it
+        # (`host_taken_back`); release_parked returns it.
+        self.hold_retained: Callable[[str, int], bool] = lambda key, nbytes: False
+        self.host = HostRetained()
         loaded = runner.loaded
         shape = loaded.kv_shape
         per_token = shape.bytes_per_token()
@@ -211,6 +218,28 @@ class DecodeCore:
                              priority=request.params.priority, engine=_Live(request),
                              prompt_ids=request.prompt_token_ids, local=local)
         self.scheduler.register(seq)
+        if local:
+            found = self.host.find(request.prompt_token_ids, prompt_len - 1)
+            here = seq.held_tokens + (seq.tail[1] if seq.tail else 0)
+            if found is not None and found[0] > here:
+                seq.engine.host_prefix = found
+
+    # -- retained KV in host memory -------------------------------------------------------------
+
+    def host_taken_back(self, key: str) -> None:
+        """The host pool took a retained entry's room back (any thread): it is gone."""
+        if self.host.pop(key):
+            self.scheduler.forget(key)
+
+    def release_retained(self) -> int:
+        """Forget every retained entry, on the device and on the host (a draining worker)."""
+        dropped = self.scheduler.release_retained()
+        for key in self.host.keys():
+            if self.host.pop(key):
+                self.release_parked(key)
+                self.scheduler.forget(key)
+                dropped += 1
+        return dropped
 
     # -- conditional disaggregation: a prompt's short rest prefilled here ----------------------
 
@@ -229,10 +258,15 @@ class DecodeCore:
         done = held
         if held:
             buffer[:, :, :, :held].copy_(self.kv.read(self.scheduler.pages.page_table(request_id), held).data)
-        if seq.tail is not None:
+        if live.host_prefix is not None:  # more of it in host memory than in pages
+            done, kv = live.host_prefix
+            buffer[:, :, :, held:done].copy_(kv.data[:, :, :, held:done])
+            live.host_prefix = None
+        elif seq.tail is not None:
             page, count = seq.tail
             buffer[:, :, :, held:held + count].copy_(self.kv.read([page], count).data)
             done += count
+        if seq.tail is not None:
             self.scheduler.untail(seq)
         live.computing = _Computing(buffer, held, done, done)
         live.request.trace.mark("prefill_start")
@@ -372,6 +406,8 @@ class DecodeCore:
             parked.seq.engine.kv_start = 0
         for seq in plan.dropped:  # the host pool was full: computed again when it resumes
             seq.engine.kv = None
+        for demoted in plan.demoted:  # read before any write too
+            self._demote(demoted)
         for admitted in plan.admitted:
             seq, live = admitted.seq, admitted.seq.engine
             first = seq not in plan.resumed
@@ -413,6 +449,14 @@ class DecodeCore:
                 self._finish(seq, _STATUS[reason])
             outputs.append(self._output(live, step.text_delta, reason.value if reason else None))
         return outputs
+
+    def _demote(self, demoted) -> None:
+        """A retained entry's pages were needed: its KV to host memory if the host pool lends room."""
+        kv = self.kv.read(demoted.table, len(demoted.tokens))
+        if self.hold_retained(demoted.key, kv.nbytes):
+            self.host.add(demoted.key, demoted.tokens, kv)
+        else:
+            self.scheduler.forget(demoted.key)
 
     def held_tokens(self, request_id: str) -> int:
         """Leading prompt tokens of a registered request whose KV this worker holds (shared pages,

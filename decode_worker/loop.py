@@ -30,6 +30,7 @@ from baton.decode_worker.scheduler import Status
 from baton.engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput
 from baton.messages import logprob_from_proto
 from baton.sampling import MAX_LOGPROBS, MAX_SEED
+from baton.kvtransfer.errors import KVDuplicate
 from baton.kvtransfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,15 @@ class DecodeLoop:
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
         core.on_kv_consumed = pool.release
         core.hold_parked, core.release_parked = pool.hold, pool.release  # one host bound for staged and parked KV
+        core.hold_retained = self._hold_retained
+        pool.on_yield = core.host_taken_back
+
+    def _hold_retained(self, key: str, nbytes: int) -> bool:
+        """Host room for a retained entry whose pages were needed, lent until anything needs it."""
+        try:
+            return self.pool.hold(key, nbytes, yields=True)
+        except KVDuplicate:  # already held there (cannot happen with the router's unique ids)
+            return False
 
     def start(self) -> "DecodeLoop":
         self._thread.start()
@@ -122,7 +132,7 @@ class DecodeLoop:
         worker (Handoff); a request whose KV lands later goes the same way. Whatever is still here
         at timeout is cut off, and the router prefills it again elsewhere."""
         self.draining.set()
-        dropped = self.core.scheduler.release_retained()  # its KV events tell the routers at once
+        dropped = self.core.release_retained()  # its KV events tell the routers at once
         if dropped:
             log.info("draining: released %d retained conversations' KV", dropped)
         started = time.monotonic()

@@ -26,8 +26,9 @@ only the KV after them. With `retain`, a request that finishes leaves its pages 
 its prompt's and answer's KV (`kv_pages.PagePool.retain`): the next turn of its conversation finds
 them the same way, and may have the decode worker compute the short rest itself (`local`: no
 prefill worker, no transfer). Retained pages go first whenever pages are needed, least recently
-used first; `listener` hears of every prompt or entry whose KV pages begin or stop holding here,
-for the worker's KV events.
+used first, each entry handed to the core (`SchedulerOutput.demoted`) to keep in host memory if
+it can; `listener` hears of every prompt or entry whose KV begins or stops being held here, for
+the worker's KV events.
 
 Thread-safety: registration, lookups, counts and taking a moving request may come from any
 thread (RPC threads); the rest is the decode loop's. One lock keeps each call atomic, and no
@@ -164,8 +165,19 @@ class Admitted:
 
 
 @dataclass
+class Demoted:
+    """A retained entry whose pages were needed: read the KV of its `tokens` from `table` before the
+    step writes (the pages may be a row's now), to keep it on the host, or `forget` it."""
+
+    key: str
+    table: list[int]
+    tokens: tuple[int, ...]
+
+
+@dataclass
 class SchedulerOutput:
     parked: list[Parked] = field(default_factory=list)  # read these first
+    demoted: list[Demoted] = field(default_factory=list)  # and these
     dropped: list[DecodeSequence] = field(default_factory=list)  # left their row without their KV (recompute)
     admitted: list[Admitted] = field(default_factory=list)  # then write these, in this order
     resumed: list[DecodeSequence] = field(default_factory=list)  # the admitted that were parked or dropped
@@ -299,7 +311,11 @@ class DecodeScheduler:
         if len(self.rows) >= self.config.max_rows:
             return False
         rid, pool = seq.request_id, self.pages
-        shared = [] if pool.holds(rid) else self._shared_pages(seq, seq.num_kv_tokens)
+        # Retaining, a row shares any whole page it can: its own pages then chain from the ones it
+        # shares, so they can be found (published) when it finishes, whatever prefix it shares
+        # with others (a chat template's first page, say).
+        shared = [] if pool.holds(rid) else self._shared_pages(seq, seq.num_kv_tokens,
+                                                                 least=1 if self.retaining else None)
         held = len(pool.page_table(rid)) if pool.holds(rid) else len(shared)
         needed = seq.num_kv_tokens + 1
         reserve = self.config.growth_reserve_tokens if self.rows else 0
@@ -313,7 +329,7 @@ class DecodeScheduler:
             if shared:
                 pool.free(rid)
             return False
-        self._reclaim(new_pages)
+        self._reclaim(new_pages, out)
         shared_tokens = pool.tokens(rid)
         self.rows_sharing_total += shared_tokens > 0
         taken = pool.allocate_slots(rid, needed - shared_tokens)
@@ -337,10 +353,15 @@ class DecodeScheduler:
         """Pages requests hold (retained ones are free for the taking)."""
         return self.pages.total_pages - self.pages.num_available_pages()
 
-    def _reclaim(self, num_free: int) -> None:
-        """Release retained entries until `num_free` pages are free."""
-        for key, _ in self.pages.reclaim(num_free):
+    def _reclaim(self, num_free: int, out: SchedulerOutput) -> None:
+        """Release retained entries until `num_free` pages are free; each goes to `out.demoted`."""
+        for key, entry in self.pages.reclaim(num_free):
             self.reclaimed_total += 1
+            out.demoted.append(Demoted(key, entry.table, entry.tokens))
+
+    def forget(self, key: str) -> None:
+        """A retained entry is gone (not kept on the host, or taken back from there)."""
+        with self._lock:
             self.listener.dropped(key)
 
     def release_retained(self) -> int:
@@ -369,7 +390,7 @@ class DecodeScheduler:
                 self._park(self._lowest_priority_row(), out, for_memory=True)
             for seq in list(self.rows):
                 if pool.new_pages_for(seq.request_id, pool.tokens(seq.request_id) + 1):
-                    self._reclaim(1)
+                    self._reclaim(1, out)
                 while seq.status is Status.RUNNING and pool.allocate_slots(seq.request_id, 1) is None:
                     self._park(self._lowest_priority_row(), out, for_memory=True)
             while self.staged and self._admit(self.staged[0], out):

@@ -25,7 +25,9 @@ from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_g
 from baton.block_hash import BlockHasher
 from baton.decode_worker.core import DecodeConfig, DecodeCore
 from baton.decode_worker.kv_events import HeldBlocks
+from baton.decode_worker.kv_pages import RETAINED
 from baton.decode_worker.loop import DecodeLoop, Failure, Moving, NotMoving
+from baton.decode_worker.scheduler import TAIL
 from baton.prefill_worker.cache_events import CacheEventLog
 from baton.prefill_worker.service import MAX_CACHE_WATCHERS, watch_cache
 
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 started_log = logging.getLogger(STARTUP_LOGGER)
 
 HANDOFF_SECONDS = 30.0  # longest a Handoff's KV push may take
+RESERVED_PREFIXES = (RETAINED, TAIL)  # keys of the worker's own page tables and host pool holds
 # How a target's refusal of a handed-off KV reads to the Handoff caller.
 _HANDOFF_STATUS = {"RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
                    "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,  # not expecting it
@@ -70,6 +73,8 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
         try:
             if not request.request_id:
                 raise RequestError("request_id is required")
+            if request.request_id.startswith(RESERVED_PREFIXES):
+                raise RequestError(f"request ids beginning with {' or '.join(RESERVED_PREFIXES)} are this worker's own")
             params = sampling_from_proto(request.sampling)
             prompt = list(request.prompt_token_ids)
             validate_prompt(prompt, params, max_context=loaded.max_context, vocab_size=loaded.config.vocab_size)
@@ -170,7 +175,7 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
         return common_pb2.DecodeLoad(
             rows_in_use=core.scheduler.num_running, max_rows=core.config.max_rows,
             kv_bytes_allocated=kv.used * core.kv.page_bytes, kv_bytes_useful=kv.tokens * core.kv.shape.bytes_per_token(),
-            staged_bytes=stats.used_bytes, staging_capacity_bytes=stats.capacity_bytes,
+            staged_bytes=stats.needed_bytes, staging_capacity_bytes=stats.capacity_bytes,
             waiting_for_kv=self.loop.num_waiting(), staged=core.scheduler.num_staged,
             prompt_tokens_forwarded=core.runner.prompt_tokens_forwarded,
             decode_tokens_forwarded=core.runner.decode_tokens_forwarded,
@@ -245,7 +250,9 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
     metrics.gauge("baton_decode_kv_allocated_over_useful", "Page slots in use per token they hold (1 = no waste)",
                   lambda: kv_usage().allocated_over_useful)
     metrics.gauge("baton_decode_staged_bytes", "Host KV pool bytes in use: staged KV and parked rows, within "
-                  "decode.staging_bytes", lambda: pool.stats().used_bytes)
+                  "decode.staging_bytes", lambda: pool.stats().needed_bytes)
+    metrics.gauge("baton_decode_retained_host_bytes", "Host KV pool bytes lent to retained KV whose pages were "
+                  "needed (taken back whenever anything else needs them)", lambda: pool.stats().yielding_bytes)
     metrics.gauge("baton_decode_waiting_for_kv", "Requests whose KV has not landed", loop.num_waiting)
     metrics.gauge("baton_decode_queue_depth", "Landed requests waiting for a row", lambda: core.scheduler.num_staged)
     metrics.counter("baton_decode_preemptions", "Rows that left their pages (for priority or memory)",

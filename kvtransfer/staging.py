@@ -17,6 +17,9 @@ entries. Every request id moves through one lifecycle; each step names who calls
     hold(id, n) -> bool         consumer, for KV it keeps on the host itself (a parked row):
                                 TAKEN at once if there is room now and no push waits for
                                 room, else False; release(id) gives the bytes back
+    hold(id, n, yields=True)    the same for KV kept only in case it serves again (a finished
+                                conversation's): the pool takes such bytes back, oldest first,
+                                whenever anything else needs room, and tells `on_yield(id)`
     cancel(id)                  anyone, any time: frees whatever the id holds in any state,
                                 wakes a waiting reserve and stops an in-flight receiver
 
@@ -70,6 +73,7 @@ class Reservation:
     nbytes: int
     state: EntryState = EntryState.RESERVED
     cancelled: bool = False  # set by cancel(); an in-flight receiver checks it per chunk
+    yields: bool = False  # a consumer's hold the pool takes back when something else needs room
     kv: SequenceKV | None = None
     metadata: bytes = b""
     landed_at: float = 0.0
@@ -98,10 +102,16 @@ class StagingStats:
     expected: int
     peak_used_bytes: int  # high-water mark of reserved + landed + taken
     expired_total: int  # landed KVs dropped by landed_ttl_s
+    yielding_bytes: int = 0  # of taken_bytes, held with `yields`: free for the taking
 
     @property
     def used_bytes(self) -> int:
         return self.reserved_bytes + self.landed_bytes + self.taken_bytes
+
+    @property
+    def needed_bytes(self) -> int:
+        """Bytes nothing else can have: used, less the yielding holds."""
+        return self.used_bytes - self.yielding_bytes
 
     @property
     def entries(self) -> int:
@@ -125,9 +135,11 @@ class _Counters:
 class StagingPool:
     """Thread-safe; one per decode worker, shared by every concurrent receiver."""
 
-    def __init__(self, config: StagingConfig, on_landed: Callable[[str], None] | None = None) -> None:
+    def __init__(self, config: StagingConfig, on_landed: Callable[[str], None] | None = None,
+                 on_yield: Callable[[str], None] | None = None) -> None:
         self.config = config
         self._on_landed = on_landed
+        self.on_yield = on_yield or (lambda request_id: None)  # a yielding hold was taken back
         self._lock = threading.Condition()
         self._entries: dict[str, Reservation] = {}
         self._waiters: deque[_Waiter] = deque()  # FIFO, so a large KV is not starved by small ones
@@ -159,6 +171,15 @@ class StagingPool:
                 "raise the decode worker's staging capacity or send a shorter prompt"
             )
         deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
+        yielded: list[str] = []
+        try:
+            return self._reserve(request_id, nbytes, push_token, deadline, timeout_s, yielded)
+        finally:
+            self._tell_yielded(yielded)  # outside the lock: the consumer's hook takes its own
+
+    def _reserve(self, request_id: str, nbytes: int, push_token: str, deadline: float | None,
+                 timeout_s: float | None, yielded: list[str]) -> Reservation:
+        capacity = self.config.capacity_bytes
         with self._lock:
             self._expire_landed_locked()
             if self.config.require_expected:
@@ -178,8 +199,10 @@ class StagingPool:
                 while True:
                     if waiter.cancelled:
                         raise KVCancelled(f"request {request_id!r} was cancelled while waiting for staging room")
-                    if self._waiters[0] is waiter and self._fits_locked(nbytes):
-                        break
+                    if self._waiters[0] is waiter:
+                        yielded += self._make_room_locked(nbytes)
+                        if self._fits_locked(nbytes):
+                            break
                     if self._expire_landed_locked():
                         continue
                     remaining = None if deadline is None else deadline - time.monotonic()
@@ -260,21 +283,47 @@ class StagingPool:
             return entry.nbytes
 
     # -- the consumer's own host KV (parked rows) -------------------------------------------------
-    def hold(self, request_id: str, nbytes: int) -> bool:
+    def hold(self, request_id: str, nbytes: int, yields: bool = False) -> bool:
         """Claim nbytes at once for KV the consumer keeps on the host itself (a row parked out of
         the batch), inside the same bound as staged KV. False when there is no room now, or when
-        pushes already wait for room (they came first). release() gives the bytes back."""
+        pushes already wait for room (they came first). release() gives the bytes back.
+        `yields`: KV kept only in case it serves again; the pool takes it back (on_yield) when
+        anything else needs the room, the oldest such hold first."""
         if nbytes <= 0:
             raise ValueError(f"hold needs a positive byte count, got {nbytes}")
-        with self._lock:
-            self._expire_landed_locked()
-            if request_id in self._entries:
-                raise KVDuplicate(f"request {request_id!r} already holds staging room")
-            if self._waiters or not self._fits_locked(nbytes):
-                return False
-            self._entries[request_id] = Reservation(request_id, nbytes, state=EntryState.TAKEN)
-            self._add_used_locked(nbytes)
-            return True
+        yielded: list[str] = []
+        try:
+            with self._lock:
+                self._expire_landed_locked()
+                if request_id in self._entries:
+                    raise KVDuplicate(f"request {request_id!r} already holds staging room")
+                if self._waiters or nbytes > self.config.capacity_bytes:
+                    return False
+                yielded = self._make_room_locked(nbytes)
+                if not self._fits_locked(nbytes):
+                    return False
+                self._entries[request_id] = Reservation(request_id, nbytes, state=EntryState.TAKEN, yields=yields)
+                self._add_used_locked(nbytes)
+                return True
+        finally:
+            self._tell_yielded(yielded)
+
+    def _make_room_locked(self, nbytes: int) -> list[str]:
+        """Take back yielding holds, oldest first, until `nbytes` fit (or none is left)."""
+        taken = []
+        for entry in [e for e in self._entries.values() if e.yields]:
+            if self._fits_locked(nbytes):
+                break
+            self._remove_locked(entry)
+            taken.append(entry.request_id)
+        return taken
+
+    def _tell_yielded(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            try:
+                self.on_yield(request_id)
+            except Exception:  # the bytes are back either way
+                log.exception("on_yield hook failed for %r", request_id)
 
     # -- observation --------------------------------------------------------------------------
     def landed_ids(self) -> list[str]:
@@ -302,6 +351,7 @@ class StagingPool:
                 expected=len(self._expected),
                 peak_used_bytes=self._counters.peak_used_bytes,
                 expired_total=self._counters.expired_total,
+                yielding_bytes=sum(e.nbytes for e in self._entries.values() if e.yields),
             )
 
     # -- private ------------------------------------------------------------------------------

@@ -184,6 +184,10 @@ class _Follow:
             self._call = call = self.stub.WatchCache(request)
         index, address = self.sync.index, self.address
         for event in call:
+            with self._lock:
+                if self._stop.is_set() or (self.seq is None and self.epoch and not event.snapshot):
+                    call.cancel()  # stop() or restart() meanwhile: a snapshot next, or nothing
+                    return not self._stop.is_set()
             if event.snapshot:
                 if event.epoch != self.epoch:  # a new process: it computes nothing we sent the old one
                     self.sync.on_lost(address)

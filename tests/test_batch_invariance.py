@@ -159,3 +159,40 @@ def test_parked_recomputed_and_handed_off_rows_go_on_unchanged(model):
     assert first.token_ids == ev.token_ids[-1:] and ev.token_ids + tokens["r2"][1:] == expected[2]
     for i in (0, 1, 3):
         assert tokens[f"r{i}"] == expected[i]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_turn_prefilled_on_the_decode_worker_answers_as_it_would_alone(model, params):
+    """Conditional disaggregation: a conversation's next turn prefilled on the decode worker, on
+    top of the previous turn's retained pages (and the partly filled last one, copied), in chunks
+    between the steps of other rows, gives the tokens it gives alone."""
+    rng = random.Random(4)
+    first = targets()[2]
+    runner = make_runner(model)
+    decode = DecodeCore(runner, DecodeConfig(max_rows=4, page_size=8, share_min_tokens=8, local_chunk_tokens=8))
+    prefill = PrefillCore(runner, prefix_cache_bytes=0)
+    finals = {}
+
+    def drain() -> None:
+        while decode.has_work():
+            for out in decode.advance_local() + decode.step():
+                if out.finished:
+                    finals[out.request_id] = out.token_ids
+
+    turn = GenerationRequest("turn-1", first, params)
+    decode.register(turn)
+    decode.add(prefill.prefill([turn])[0])
+    drain()
+    second = first + finals["turn-1"] + [rng.randrange(50, 40000) for _ in range(27)]
+    for n in range(3):  # rows decoding beside it
+        other = GenerationRequest(f"other-{n}", [rng.randrange(50, 40000) for _ in range(rng.randint(5, 90))],
+                                  SamplingParams(max_tokens=rng.randint(5, 30), ignore_eos=True))
+        decode.register(other)
+        decode.add(prefill.prefill([other])[0])
+    decode.step()
+    turn = GenerationRequest("turn-2", second, params)
+    decode.register(turn, local=True)
+    decode.compute("turn-2")
+    drain()
+    assert turn.trace.cached_tokens == len(first) + MAX_TOKENS - 1
+    assert finals["turn-2"] == alone(model, second, params)

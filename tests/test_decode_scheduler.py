@@ -522,7 +522,12 @@ def test_retained_pages_go_first_when_a_row_needs_them():
     sched.add_staged(big)
     out = step(sched)
     assert [a.seq.request_id for a in out.admitted] == ["big"] and not out.parked
-    # the least recently used went first: r0 and r1, then r2 stayed
+    # the least recently used went first: r0 and r1, handed over with their pages to read before
+    # the step writes (the core keeps them on the host, or forgets them); r2 stayed
+    assert [(d.key, len(d.table), len(d.tokens)) for d in out.demoted] == [("retained:r0", 2, 8), ("retained:r1", 2, 8)]
+    assert {page for d in out.demoted for page in d.table} & {page for a in out.admitted for page in a.table}
+    for d in out.demoted:
+        sched.forget(d.key)
     assert list(heard.keys) == ["retained:r2", "big"] and sched.reclaimed_total == 2
     sched.finish(big, Status.FINISHED_ABORTED)
     assert sched.kv_usage().used == 0 and "big" not in heard.keys
@@ -554,3 +559,17 @@ def test_without_retain_a_finished_request_frees_everything():
     sched = DecodeScheduler(config(share_min_tokens=4))
     run_to_end(sched, talk("x", list(range(9))), [1, 2])
     assert sched.pages.num_free_pages() == sched.pages.total_pages and sched.pages.num_retained == 0
+
+
+def test_conversations_sharing_only_a_first_page_each_find_their_own_turns():
+    """Two conversations whose prompts share one page (a chat template's start) and no more: each
+    next turn finds all of its own conversation's pages, not only that first one."""
+    sched = DecodeScheduler(config(retain=True, share_min_tokens=16))
+    header = [1, 2, 3, 4]  # one page of 4 tokens
+    for name in "ab":
+        run_to_end(sched, talk(name, header + [ord(name)] * 9), [5, 6, 7])
+    for name in "ab":
+        turn = talk(f"{name}2", header + [ord(name)] * 9 + [5, 6, 7, 8, 9], local=True)
+        sched.register(turn)
+        assert turn.held_tokens == 12 and turn.tail == (turn.tail[0], 3), name  # 15 tokens of KV: 3 pages + 3
+        sched.finish(turn, Status.FINISHED_ABORTED)

@@ -374,3 +374,52 @@ def test_a_conversations_next_turn_prefilled_where_its_kv_is_answers_exactly(tin
     assert usage.used == 0 and usage.retained > 0  # what is left is retained, free for the taking
     # turn 3's entry continues turn 2's, which continued turn 1's: one entry per conversation left
     assert decode.scheduler.pages.num_retained == 3  # the conversation, other-2 and other-3
+
+
+def test_a_conversation_whose_pages_were_needed_goes_on_from_host_memory(tiny_model, tiny_reference):
+    """A retained turn whose pages another row needs moves to the host KV pool (as room the pool
+    lends and takes back); the next turn, prefilled here, copies its start from there: exact, and
+    nothing of the earlier turn computed again. When the pool needs that room, the entry goes."""
+    from baton.engine.executors import make_runner
+    from baton.engine.request import GenerationRequest
+    from baton.kvtransfer.staging import StagingConfig, StagingPool
+    from baton.prefill_worker.core import PrefillCore
+
+    rng = random.Random(9)
+    runner = make_runner(tiny_model)
+    per_token = tiny_model.kv_shape.bytes_per_token()
+    decode = DecodeCore(runner, DecodeConfig(max_rows=2, page_size=8, share_min_tokens=8, local_chunk_tokens=16,
+                                             growth_reserve_tokens=0, kv_budget_bytes=25 * 8 * per_token))
+    pool = StagingPool(StagingConfig(capacity_bytes=400 * per_token), on_yield=decode.host_taken_back)
+    decode.on_kv_consumed, decode.hold_parked, decode.release_parked = pool.release, pool.hold, pool.release
+    decode.hold_retained = lambda key, nbytes: pool.hold(key, nbytes, yields=True)
+    prefill = PrefillCore(runner, prefix_cache_bytes=0)
+    finals: dict[str, list[int]] = {}
+
+    def run(request: GenerationRequest, local: bool = False) -> None:
+        decode.register(request, local=local)
+        if local:
+            decode.compute(request.request_id)
+        else:
+            decode.add(prefill.prefill([request])[0])
+        while request.request_id not in finals:
+            for out in decode.advance_local() + decode.step():
+                if out.finished:
+                    finals[out.request_id] = out.token_ids
+
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    said = [rng.randrange(50, 40000) for _ in range(70)]
+    run(GenerationRequest("turn-1", said, params))  # 81 tokens of KV retained: 11 pages
+    assert decode.scheduler.pages.num_retained == 1
+    run(GenerationRequest("long", [rng.randrange(50, 40000) for _ in range(150)], params))  # needs 21 of 24
+    assert [key for key, _ in decode.scheduler.pages.retained_entries()] == ["retained:long"]
+    assert decode.host.keys() == ["retained:turn-1"]
+    assert pool.stats().yielding_bytes == 81 * per_token and pool.stats().needed_bytes == 0
+    said = said + finals["turn-1"] + [rng.randrange(50, 40000) for _ in range(20)]
+    second = GenerationRequest("turn-2", said, params)
+    run(second, local=True)
+    assert second.trace.cached_tokens == 81 and finals["turn-2"] == tiny_reference.greedy(said, 12)
+    # staged KV needing the room takes it back, and the worker forgets the entry
+    reservation = pool.reserve("pushed", 390 * per_token, timeout_s=1)
+    assert "retained:turn-1" not in decode.host.keys()
+    pool.abort(reservation)

@@ -567,6 +567,23 @@ def test_parked_kv_holds_room_in_the_same_bound_and_never_jumps_waiting_pushes()
     assert_pool_empty(pool)
 
 
+def test_yielding_holds_give_their_room_to_anything_else_oldest_first():
+    """A retained conversation's KV moved to the host is held as yielding: a push, a parked row or
+    a newer retained entry takes its room back, oldest first, and the consumer is told which."""
+    taken = []
+    pool = StagingPool(StagingConfig(capacity_bytes=1000), on_yield=taken.append)
+    assert pool.hold("old", 300, yields=True) and pool.hold("new", 300, yields=True)
+    assert pool.stats().yielding_bytes == 600 and pool.stats().needed_bytes == 0
+    assert pool.hold("newest", 500, yields=True) and taken == ["old"]  # a newer one takes the oldest's room
+    reservation = pool.reserve("push", 400, timeout_s=0)  # at once: no waiting for room it can take back
+    assert taken == ["old", "new"] and pool.stats().yielding_bytes == 500
+    assert pool.hold("parked", 500) and taken == ["old", "new", "newest"]
+    assert not pool.hold("too much", 200, yields=True)  # never takes what is not yielding
+    assert pool.release("parked") == 500
+    pool.abort(reservation)
+    assert_pool_empty(pool)
+
+
 def test_landed_kv_nobody_takes_expires():
     pool = StagingPool(StagingConfig(capacity_bytes=1000, landed_ttl_s=0.05))
     pool.land(pool.reserve("r", 512, timeout_s=0), random_kv(SHAPES["float32"], 2), b"")
