@@ -66,6 +66,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("chat", "issue 49: multi-turn conversations (3-8 turns, each answer sent back with the next question) at "
                   "1 and 8 concurrent conversations, Baton vs vLLM with prefix caching: TTFT p50/p99, prompt, cached "
                   "and recomputed tokens per turn, KV bytes pushed", "baton.bench.chat"),
+    Suite("local", "issue 49: a conversation's second turn with a new message of 64-2048 tokens while 7 streams "
+                   "decode, prefilled on its decode worker vs the prefill worker: TTFT and the decoding streams' "
+                   "longest gap (router.local_prefill_max_tokens)", "baton.bench.local_prefill"),
     Suite("structured", "issue 33: JSON schemas and tool calls through the openai client, Baton vs vLLM's CPU build "
                         "on the same grammar engine (valid answers, same text at temperature 0); the grammar mask's "
                         "cost per decode step at 1-16 rows", "baton.bench.structured"),
