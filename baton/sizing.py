@@ -52,3 +52,20 @@ def staging_bytes(configured: int, host: Amount, bytes_per_token: int, longest_p
         return Amount(wanted, f"{STAGED_CONTEXTS} prompts of {longest_prompt_tokens} tokens, at least "
                               f"{MIN_STAGING_BYTES >> 20} MiB")
     return Amount(cap, f"{HOST_STAGING_SHARE:g} of {host.value} bytes: {host.source}")
+
+
+# A prompt prefilled on a decode worker (conditional disaggregation) runs a chunk between decode
+# steps; while rows decode, a chunk is sized to take about one step, so their tokens come at most
+# about twice as far apart. Until both times are measured, a small probe.
+LOCAL_PROBE_TOKENS = 16
+LOCAL_MIN_TOKENS = 8
+
+
+def local_chunk_tokens(most: int, rows_decoding: int, step_s: float | None, token_s: float | None) -> int:
+    """Tokens of the next local prefill chunk: `most` with no row decoding, else what fits in one
+    decode step of `step_s` at `token_s` a token (measured), within LOCAL_MIN_TOKENS..most."""
+    if not rows_decoding:
+        return most
+    if not step_s or not token_s:
+        return min(most, LOCAL_PROBE_TOKENS)
+    return max(min(most, LOCAL_MIN_TOKENS), min(most, int(step_s / token_s)))

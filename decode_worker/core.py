@@ -6,6 +6,7 @@ through a queue drained by the loop that calls `step`.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -13,7 +14,7 @@ import torch
 
 from baton.logs import STARTUP_LOGGER
 from baton.resources import Amount
-from baton.sizing import decode_rows
+from baton.sizing import decode_rows, local_chunk_tokens
 
 from baton.decode_worker.host_retained import HostRetained
 from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, KVListener, SchedulerConfig, Status
@@ -53,8 +54,8 @@ class DecodeConfig:
     # A finished request's pages stay (its prompt's and answer's KV) until pages are needed: the
     # next turn of a conversation finds them. Needs sharing (share_min_tokens > 0).
     retain: bool = True
-    # Prompts computed here (conditional disaggregation): tokens run per decode step, so rows
-    # decoding meanwhile wait at most one such chunk.
+    # Prompts computed here (conditional disaggregation) run a chunk between decode steps: at most
+    # this many tokens, and while rows decode, what takes about one step (baton.sizing).
     local_chunk_tokens: int = 128
 
     def __post_init__(self):
@@ -120,6 +121,11 @@ class Evicted:
 _STATUS = {FinishReason.STOP: Status.FINISHED_STOPPED, FinishReason.LENGTH: Status.FINISHED_LENGTH}
 
 
+def _mean(previous: float | None, seconds: float, weight: float = 0.2) -> float:
+    """A moving average of measured seconds: recent steps count most."""
+    return seconds if previous is None else (1 - weight) * previous + weight * seconds
+
+
 class DecodeCore:
     """One decode batch and the scheduler that owns its requests' lives. Registering, landing and
     staging a request (none of which touches the batch) and lookups may come from any thread;
@@ -176,6 +182,9 @@ class DecodeCore:
         self.local_prefills_total = 0
         self.local_tokens_total = 0  # prompt tokens computed here
         self.local_cached_tokens_total = 0  # and found here (held pages, retained tails)
+        # Measured, to size local prefill chunks: a decode step's seconds, a prefilled token's.
+        self.step_s: float | None = None
+        self.local_token_s: float | None = None
         self.recomputed_total = 0  # rows whose KV was computed again (dropped when the host pool was full)
 
     @property
@@ -282,10 +291,16 @@ class DecodeCore:
         live: _Live = seq.engine
         work, request = live.computing, live.request
         prompt = request.prompt_token_ids
-        end = min(len(prompt), work.done + self.config.local_chunk_tokens)
+        chunk = local_chunk_tokens(self.config.local_chunk_tokens, self.scheduler.num_running, self.step_s,
+                                   self.local_token_s)
+        end = min(len(prompt), work.done + chunk)
         prefix = SequenceKV(work.buffer[:, :, :, :work.done]) if work.done else None
+        started = time.perf_counter()
         out = self.runner.prefill_batch([prompt[:end]], prefix)[0]
         work.buffer[:, :, :, work.done:end].copy_(joined(out.prefix, out.own, work.done).data)
+        if work.buffer.is_cuda:
+            torch.cuda.synchronize(work.buffer.device)  # its time, not its launch's
+        self.local_token_s = _mean(self.local_token_s, (time.perf_counter() - started) / (end - work.done))
         self.local_tokens_total += end - work.done
         work.done = end
         if end < len(prompt):
@@ -428,9 +443,11 @@ class DecodeCore:
                 self.release_parked(seq.request_id)
         if not plan.running:
             return []
+        started = time.perf_counter()
         logits = self.runner.decode(self.kv, DecodeStep(plan.tables, plan.lengths), [s.next_input for s in plan.running])
         lives: list[_Live] = [s.engine for s in plan.running]
-        tokens = sample(logits, [live.sampler for live in lives])
+        tokens = sample(logits, [live.sampler for live in lives])  # on the host: the step is done
+        self.step_s = _mean(self.step_s, time.perf_counter() - started)
         logprobs = token_logprobs(logits, tokens, [live.sampler.params for live in lives])
         self.scheduler.append_tokens(tokens)
         outputs = []

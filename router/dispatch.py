@@ -131,31 +131,31 @@ class Dispatcher:
         matches = self.index.match(hashes) if hashes else {}
         decode_views = self._predicted([v for v in self.pool.views("decode") if v.address not in avoid], matches,
                                        len(prompt))
-        holder = self.picker.pick_holder(decode_views, len(prompt))
-        if holder is not None and prefill_address is None:
-            rest = len(prompt) - holder.predicted_cached_tokens
-            decode = self.pool.get("decode", holder.address)
-            if decode is not None and allow_local and rest <= self.local_prefill_max_tokens:
-                seconds = time.perf_counter() - started
-                self.on_route(seconds)
-                return Route(None, decode, holder.predicted_cached_tokens, seconds,
-                             f"decode worker holds {holder.predicted_cached_tokens} of {len(prompt)} prompt tokens: "
-                             f"prefills the other {rest} there (at most {self.local_prefill_max_tokens})")
+        holder = self.picker.pick_holder(decode_views, len(prompt)) if prefill_address is None else None
         views = self.prefill_views(prompt, hashes, matches=matches)
-        reason = "least loaded decode worker; prefill worker by cached prefix and queue"
         try:
-            if holder is not None and prefill_address is None:
-                decode_view = holder
-                reason = (f"decode worker holds {holder.predicted_cached_tokens} of {len(prompt)} prompt tokens: "
-                          "the prefill pushes only the rest")
-            else:
-                decode_view = self.picker.pick_decode(decode_views, len(prompt))
             if prefill_address is not None:
                 prefill_view = next(v for v in views if v.address == prefill_address)
             else:
                 prefill_view = self.picker.pick_prefill(views, len(prompt))
         except (NoWorkers, StopIteration) as exc:
-            raise DispatchError(grpc.StatusCode.UNAVAILABLE, str(exc) or "the pinned prefill worker left") from None
+            if holder is None or not allow_local:
+                raise DispatchError(grpc.StatusCode.UNAVAILABLE, str(exc) or "the pinned prefill worker left") from None
+            prefill_view = None  # the decode worker holding the prompt can still prefill it
+        reason = "least loaded decode worker; prefill worker by cached prefix and queue"
+        if holder is not None:
+            here, reason = self.picker.prefill_here(holder, prefill_view, len(prompt), self.local_prefill_max_tokens)
+            decode = self.pool.get("decode", holder.address)
+            if decode is not None and allow_local and here:
+                seconds = time.perf_counter() - started
+                self.on_route(seconds)
+                return Route(None, decode, holder.predicted_cached_tokens, seconds, reason)
+            if prefill_view is None:
+                raise DispatchError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker is available")
+        try:
+            decode_view = holder or self.picker.pick_decode(decode_views, len(prompt))
+        except NoWorkers as exc:
+            raise DispatchError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         prefill = self.pool.get("prefill", prefill_view.address)
         decode = self.pool.get("decode", decode_view.address)
         if prefill is None or decode is None:

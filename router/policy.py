@@ -52,6 +52,12 @@ class Picker:
     def pick_decode(self, workers: list[WorkerView], prompt_tokens: int = 0) -> WorkerView:
         return self._cheapest(workers, lambda w: decode_fill(w, prompt_tokens), "decode")
 
+    @staticmethod
+    def prefill_here(holder: WorkerView, prefill: WorkerView | None, prompt_tokens: int,
+                     most: int) -> tuple[bool, str]:
+        """Whether `holder` should prefill the prompt's rest itself, and why (`_prefill_here`)."""
+        return _prefill_here(holder, prefill, prompt_tokens, most)
+
     def pick_holder(self, workers: list[WorkerView], prompt_tokens: int) -> WorkerView | None:
         """The healthy decode worker holding the most of the prompt (`predicted_cached_tokens`) with
         a row and KV room for the rest; None if none holds any."""
@@ -76,6 +82,30 @@ class Picker:
         turn = next(self._turns[role])
         rotated = healthy[turn % len(healthy):] + healthy[:turn % len(healthy)]
         return min(rotated, key=cost)
+
+
+def _prefill_here(holder: WorkerView, prefill: WorkerView | None, prompt_tokens: int, most: int) -> tuple[bool, str]:
+    """Whether the decode worker holding most of a prompt should prefill the rest itself, and why.
+
+    In prompt tokens' worth of compute: there the rest runs in chunks between its rows' steps (each
+    about a step long, so twice the time while any row decodes); on the prefill worker the prompt
+    runs from that worker's own cache (the earlier answers are not in it) after its queue, and its
+    KV then travels."""
+    held = holder.predicted_cached_tokens
+    rest = prompt_tokens - held
+    said = f"decode worker {holder.address} holds {held} of {prompt_tokens} prompt tokens"
+    if rest > most:
+        return False, f"{said}, but the other {rest} are more than router.local_prefill_max_tokens ({most}): " \
+                      "prefilled on a prefill worker, which pushes only them"
+    if prefill is None:
+        return True, f"{said}: prefills the other {rest} there (no prefill worker is available)"
+    here = rest * (2 if holder.active else 1)
+    there = prompt_tokens - prefill.predicted_cached_tokens + prefill.queued_tokens
+    if here <= there:
+        return True, f"{said}: prefills the other {rest} there (about {here} tokens of work, against {there} on " \
+                     f"prefill worker {prefill.address})"
+    return False, f"{said}, but prefilling the other {rest} there (about {here} tokens of work, its rows " \
+                  f"decoding) costs more than on prefill worker {prefill.address} ({there}), which pushes only them"
 
 
 def decode_fill(w: WorkerView, prompt_tokens: int = 0, joining: bool = False) -> float:

@@ -55,3 +55,14 @@ def test_progress_speaks_only_for_work_that_lasts(caplog, monkeypatch):
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["loading slow: 200 of 1000 bytes (20%), about 24s left",
                      "loading slow: 400 of 1000 bytes (40%), about 18s left"]
+
+
+def test_a_local_prefill_chunk_takes_about_one_decode_step_while_rows_decode():
+    from baton.sizing import LOCAL_MIN_TOKENS, LOCAL_PROBE_TOKENS, local_chunk_tokens
+
+    assert local_chunk_tokens(128, 0, 0.05, 0.003) == 128  # nobody waits: the most
+    assert local_chunk_tokens(128, 4, None, None) == LOCAL_PROBE_TOKENS  # not measured yet
+    assert local_chunk_tokens(128, 4, 0.05, 0.001) == 50  # 50 ms steps, 1 ms a token
+    assert local_chunk_tokens(128, 4, 0.05, 0.0001) == 128  # within the most
+    assert local_chunk_tokens(128, 4, 0.002, 0.003) == LOCAL_MIN_TOKENS  # always some progress
+    assert local_chunk_tokens(4, 4, 0.002, 0.003) == 4
