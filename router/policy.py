@@ -87,10 +87,13 @@ class Picker:
 def _prefill_here(holder: WorkerView, prefill: WorkerView | None, prompt_tokens: int, most: int) -> tuple[bool, str]:
     """Whether the decode worker holding most of a prompt should prefill the rest itself, and why.
 
-    In prompt tokens' worth of compute: there the rest runs in chunks between its rows' steps (each
-    about a step long, so twice the time while any row decodes); on the prefill worker the prompt
-    runs from that worker's own cache (the earlier answers are not in it) after its queue, and its
-    KV then travels."""
+    In tokens of waiting, summed over the requests that wait: there, every row decoding on that
+    worker waits for each chunk of the rest as well as the request itself (rest x (1 + rows); the
+    rest's chunks alternate with their steps); on the prefill worker, whose core nothing else
+    needs, the prompt runs from that worker's own cache (the earlier answers are not in it) after
+    its queue, and its KV then travels. At 8 concurrent conversations on 2 cores, weighing the
+    request's own wait alone (twice the rest) kept turns on a busy decode worker and cost 18%
+    of the tokens per second (docs/bench.md, chat)."""
     held = holder.predicted_cached_tokens
     rest = prompt_tokens - held
     said = f"decode worker {holder.address} holds {held} of {prompt_tokens} prompt tokens"
@@ -99,12 +102,12 @@ def _prefill_here(holder: WorkerView, prefill: WorkerView | None, prompt_tokens:
                       "prefilled on a prefill worker, which pushes only them"
     if prefill is None:
         return True, f"{said}: prefills the other {rest} there (no prefill worker is available)"
-    here = rest * (2 if holder.active else 1)
+    here = rest * (1 + holder.active)
     there = prompt_tokens - prefill.predicted_cached_tokens + prefill.queued_tokens
     if here <= there:
-        return True, f"{said}: prefills the other {rest} there (about {here} tokens of work, against {there} on " \
+        return True, f"{said}: prefills the other {rest} there (about {here} tokens of waiting, against {there} on " \
                      f"prefill worker {prefill.address})"
-    return False, f"{said}, but prefilling the other {rest} there (about {here} tokens of work, its rows " \
+    return False, f"{said}, but prefilling the other {rest} there (about {here} tokens of waiting, its rows " \
                   f"decoding) costs more than on prefill worker {prefill.address} ({there}), which pushes only them"
 
 

@@ -152,12 +152,13 @@ def test_a_short_rest_is_prefilled_where_the_rest_of_the_prompt_is_unless_that_c
     idle, busy = holding(decode("d"), 400), holding(decode("d", active=6), 400)
     fresh = prefill("p", cached=32)  # the prefill worker has the first turn's prompt, not the answers
     assert here(idle, fresh, 420, 512)[0]  # 20 there, against 388 on the prefill worker
-    assert here(busy, fresh, 420, 512)[0]  # twice 20 while its rows decode: still far less
+    assert here(busy, fresh, 420, 512)[0]  # 20 for it and for each of 6 rows decoding there: 140, still less
+    assert not here(holding(decode("d", active=30, capacity=64), 400), fresh, 420, 512)[0]  # 620: more
     ok, why = here(idle, fresh, 420 + 600, 512)
     assert not ok and "router.local_prefill_max_tokens" in why  # too long a rest, whatever the costs
     warm = prefill("p", cached=400)  # a prefill worker holding as much (it prefilled the same prompt)
     ok, why = here(busy, warm, 500, 512)
-    assert not ok and "costs more" in why  # 2 x 100 there against 100 on it
+    assert not ok and "costs more" in why  # 7 x 100 there against 100 on it
     assert here(idle, warm, 500, 512)[0]  # nothing decoding there: as cheap, and no transfer
-    assert here(busy, prefill("p", cached=400, queued_tokens=500), 500, 512)[0]  # its queue counts
+    assert here(busy, prefill("p", cached=400, queued_tokens=700), 500, 512)[0]  # its queue counts
     assert here(busy, None, 500, 512)[0]  # no prefill worker: there it is
