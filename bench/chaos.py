@@ -252,12 +252,13 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     clients = int(opts.extra.get("clients") or (3 if opts.quick else 4))
     every = float(opts.extra.get("fault_every") or (5 if opts.quick else 12))
     model = opts.model  # tiny-random unless --model default (SmolLM2-135M) or a directory is given
-    opts.progress(f"chaos: greedy references for {PROMPTS} seeded prompts ({model})")
-    loaded, prompts, expected, conversations = references(model, opts.dtype, seed)
+    kv_tokens = opts.extra.get("decode_kv_tokens")
+    opts.progress(f"chaos: greedy references for {PROMPTS} seeded prompts and conversations ({model})")
+    loaded, prompts, expected, conversations = references(model, opts.dtype, seed,
+                                                          int(kv_tokens) - 8 if kv_tokens else None)
 
     opts.progress(f"chaos: starting 2 prefill + 2 decode workers and a router ({model})")
     env = opts.worker_env()
-    kv_tokens = opts.extra.get("decode_kv_tokens")
     if kv_tokens:
         env["BATON_DECODE_KV_BUDGET_BYTES"] = str(int(kv_tokens) * loaded.kv_shape.bytes_per_token())
     with LocalCluster(prefill=2, decode=2, model=model, max_rows=4, extra_env=env) as cluster:
@@ -288,6 +289,14 @@ def run(opts: BenchOptions) -> dict[str, Any]:
                 proc.send_signal(signal.SIGCONT)
         left_behind = chaos.idle_check()
         elapsed = chaos.now()
+        routing = {}
+        try:
+            from baton.client import BatonClient
+
+            with BatonClient(cluster.router_address, timeout=10) as client:
+                routing = client.cluster_status().routing
+        except Exception as exc:  # noqa: BLE001 - the report says it could not be read
+            chaos.problems.append(f"the router's routing figures could not be read: {exc}")
     return report(opts, chaos, duration=load_ended, elapsed=elapsed, seed=seed, model=model, clients=clients,
-                  every=every, left_behind=left_behind, decode_kv_tokens=kv_tokens,
+                  every=every, left_behind=left_behind, decode_kv_tokens=kv_tokens, routing=routing,
                   decode_preemptions=dict(chaos.preemptions))

@@ -45,10 +45,12 @@ class Conversation:
     expected: list[list[int]]
 
 
-def references(model: str, dtype: str, seed: int) -> tuple[Any, list[list[int]], list[list[int]], list[Conversation]]:
+def references(model: str, dtype: str, seed: int, context: int | None = None
+               ) -> tuple[Any, list[list[int]], list[list[int]], list[Conversation]]:
     """Seeded random prompts and their greedy continuations from transformers generate, and
-    conversations opened by the first of them. A prompt whose greedy run meets EOS early is
-    dropped (the load sets ignore_eos; generate stops)."""
+    conversations opened by the first of them, as many turns as `context` tokens (the decode
+    workers' KV, when it is small) hold. A prompt whose greedy run meets EOS early is dropped (the
+    load sets ignore_eos; generate stops)."""
     import torch
 
     from baton.engine.model import load_model
@@ -77,9 +79,12 @@ def references(model: str, dtype: str, seed: int) -> tuple[Any, list[list[int]],
         for prompt, tokens in zip(prompts[:CONVERSATIONS], expected):
             turns, answers = [prompt], [tokens]
             while len(turns) < TURNS and len(answers[-1]) == MAX_TOKENS:
-                turns.append(turns[-1] + answers[-1] + message())
+                turn = turns[-1] + answers[-1] + message()
+                if context is not None and len(turn) + MAX_TOKENS >= context:
+                    break
+                turns.append(turn)
                 answers.append(greedy(turns[-1]))
-            if len(answers[-1]) == MAX_TOKENS:
+            if len(answers[-1]) == MAX_TOKENS and len(turns) > 1:
                 conversations.append(Conversation(turns, answers))
     if not prompts:
         raise RuntimeError("every reference run met EOS early; no prompt to check against")
