@@ -40,7 +40,6 @@ tokens. From one run on this machine; nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import threading
 import time
 import urllib.request
@@ -216,16 +215,11 @@ def summarize(requests: Sequence[dict[str, Any]], wall_s: float) -> dict[str, An
 
 
 def counters(text: str, wanted: dict[str, str]) -> dict[str, float]:
-    """The `wanted` series of a Prometheus text, each summed over its label sets, by its new name."""
-    out = {name: 0.0 for name in wanted.values()}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in wanted:
-            with contextlib.suppress(ValueError, IndexError):
-                out[wanted[name]] += float(line.rsplit(" ", 1)[1])
-    return out
+    """The `wanted` series of a Prometheus text, each summed over its label sets, by its new name
+    (0 for one the text lacks)."""
+    from baton.bench.openai_servers import prometheus_sums
+
+    return {**{name: 0.0 for name in wanted.values()}, **prometheus_sums(text, wanted)}
 
 
 def scrape(url: str, wanted: dict[str, str]) -> dict[str, float]:

@@ -124,10 +124,9 @@ def serving(server: str, opts: BenchOptions, model: str, served: str,
             stop_process_group(proc)
 
 
-def vllm_metrics(text: str) -> dict[str, float]:
-    """The gauges of vLLM's Prometheus text that say what it runs (summed over label sets)."""
-    wanted = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-              "vllm:kv_cache_usage_perc": "kv_cache_usage", "vllm:num_preemptions_total": "preemptions"}
+def prometheus_sums(text: str, wanted: dict[str, str]) -> dict[str, float]:
+    """The `wanted` series of a Prometheus text (series name -> the name to give it), each summed
+    over its label sets; a series the text lacks is left out."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
@@ -138,6 +137,13 @@ def vllm_metrics(text: str) -> dict[str, float]:
                 key = wanted[name]
                 out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def vllm_metrics(text: str) -> dict[str, float]:
+    """The gauges of vLLM's Prometheus text that say what it runs (summed over label sets)."""
+    return prometheus_sums(text, {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+                                  "vllm:kv_cache_usage_perc": "kv_cache_usage",
+                                  "vllm:num_preemptions_total": "preemptions"})
 
 
 BATON_DECODE_SERIES = {"baton_decode_kv_pages_used": "kv_pages_used", "baton_decode_kv_pages_total": "kv_pages_total",

@@ -386,3 +386,30 @@ def test_planner_suite_runs_the_planner_on_a_simulated_day(tmp_path, capsys):
     assert all(r["unfinished"] == 0 for r in day["results"].values())
     assert "both met" in printed and "bound the workload allows" in printed
     assert all(Path(p).is_file() for p in document["plots"])
+
+
+def test_chat_quick_runs_conversations_and_later_turns_find_their_kv(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("BATON_VLLM_PYTHON", raising=False)
+    document, printed = run_suite("chat", tmp_path, capsys, "--servers", "baton,baton-disagg")
+    assert document["problems"] == {} and set(document["servers"]) == {"baton", "baton-disagg"}
+    for server, result in document["servers"].items():
+        for run in result["runs"]:
+            assert run["errors"] == 0 and run["requests"] == 5  # 2 conversations of 2 and 3 turns
+            later = run["later_turns"]
+            assert later["cached_tokens"] > 0 and later["cached_unreported"] == 0, server
+    local = document["servers"]["baton"]["runs"][0]["server_said_after"]
+    assert local["routing"]["local_requests"] > 0 and local["local_prefills"] > 0  # turns prefilled there
+    assert "Baton vs vLLM" in printed
+
+
+def test_local_quick_times_a_turn_prefilled_where_its_conversation_is(tmp_path, capsys):
+    document, printed = run_suite("local", tmp_path, capsys)
+    assert set(document["results"]) == {"allowed", "prefill worker"}
+    for mode, by_rest in document["results"].items():
+        for figures in by_rest.values():
+            assert figures["ttft_s"] > 0 and figures["cached"] > 0, mode
+            if mode == "prefill worker":
+                assert all(run["prefill_worker"] for run in figures["runs"])
+            # the router weighed the decode worker holding the conversation, and says so
+            assert all("holds" in run["route"] for run in figures["runs"]), mode
+    assert "prefilled there" in printed
