@@ -22,7 +22,8 @@ from baton.engine.kv import SequenceKV, joined, to_host
 from baton.engine.paged_kv import DecodeStep, PagedKV, default_kv_budget
 from baton.engine.request import GenerationRequest, PrefilledRequest, RequestError, RequestOutput, effective_max_tokens
 from baton.engine.executors import Runner
-from baton.engine.sampling import INVALID_TOKEN, RequestSampler, SamplingParams, ending_ids, sample, token_logprobs
+from baton.engine.sampling import (INVALID_TOKEN, RequestSampler, SamplingParams, ending_ids, first_token, sample,
+                                   token_logprobs)
 from baton.engine.stopping import FinishReason, StopChecker
 from baton.sampling import TokenLogprob
 
@@ -311,14 +312,9 @@ class DecodeCore:
         self.local_cached_tokens_total += work.cached
         request.trace.cached_tokens = work.cached
         request.trace.mark("prefill_end")
-        loaded = self.runner.loaded
-        sampler = RequestSampler.for_request(request.params, prompt, request.resume_step,
-                                             ending_ids(request.params, loaded.eos_token_ids),
-                                             grammars=loaded.grammars if request.params.guide else None)
-        first = sample(out.logits[None], [sampler])[0]
-        logprob = token_logprobs(out.logits[None], [first], [request.params])[0]
-        prefilled = PrefilledRequest(request, SequenceKV(work.buffer[:, :, :, work.held:]), first, sampler.seed,
-                                     work.cached, logprob)
+        token, logprob, seed = first_token(request, out.logits, self.runner.loaded)
+        prefilled = PrefilledRequest(request, SequenceKV(work.buffer[:, :, :, work.held:]), token, seed, work.cached,
+                                     logprob)
         output = self.land(prefilled)
         if not output.finished:
             self.stage(seq.request_id)

@@ -49,6 +49,3 @@ class HeldBlocks(KVListener):
                 del self._refs[h]
                 gone.append(h)
         return gone
-
-    def num_blocks(self) -> int:
-        return len(self._refs)

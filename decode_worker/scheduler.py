@@ -480,10 +480,7 @@ class DecodeScheduler:
         if seq.row is None:
             return  # it never had a row (one token was enough)
         tokens = list(seq.prompt_ids) + seq.output_ids[:-1]
-        self.rows.pop(seq.row)
-        for index in range(seq.row, len(self.rows)):
-            self.rows[index].row = index
-        seq.row = None
+        self._vacate_row(seq)
         key, dropped = self.pages.retain(seq.request_id, tokens)
         for other in dropped:
             self.listener.dropped(other)
@@ -503,13 +500,17 @@ class DecodeScheduler:
         self.listener.dropped(seq.request_id)
 
     def _release(self, seq: DecodeSequence) -> None:
-        """Out of its row, its pages given back; the rows after it move up one."""
+        """Out of its row, its pages given back."""
+        self._vacate_row(seq)
+        self.pages.free(seq.request_id)
+
+    def _vacate_row(self, seq: DecodeSequence) -> None:
+        """Out of its row (its pages untouched); the rows after it move up one."""
         row = seq.row
         seq.row = None
         self.rows.pop(row)
         for index in range(row, len(self.rows)):
             self.rows[index].row = index
-        self.pages.free(seq.request_id)
 
     # -- observation (any thread) -----------------------------------------------------------------
 

@@ -129,6 +129,19 @@ def ending_ids(params: SamplingParams, eos_token_ids: Collection[int]) -> set[in
     return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
 
 
+def first_token(request, logits: torch.Tensor, loaded) -> tuple[int, TokenLogprob | None, int]:
+    """A prefilled request's first token, drawn from its prompt's last `logits` ([vocab]) where its
+    prompt was prefilled (a prefill worker, or a decode worker prefilling it itself): (the token,
+    its log probability if asked for, the seed its random stream goes on with). `request`: an
+    engine.request.GenerationRequest; `loaded`: its engine.model.LoadedModel."""
+    params = request.params
+    sampler = RequestSampler.for_request(params, request.prompt_token_ids, request.resume_step,
+                                         ending_ids(params, loaded.eos_token_ids),
+                                         grammars=loaded.grammars if params.guide else None)
+    token = sample(logits[None], [sampler])[0]
+    return token, token_logprobs(logits[None], [token], [params])[0], sampler.seed
+
+
 def sample(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> list[int]:
     """Next token for each row of `logits` ([n, vocab]), row i drawn with samplers[i].
 

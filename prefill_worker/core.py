@@ -18,7 +18,7 @@ from baton.block_hash import BlockHasher
 from baton.engine.request import GenerationRequest, PrefilledRequest
 from baton.engine.executors import Runner
 from baton.engine.kv import PrefillOutput, SequenceKV, joined
-from baton.engine.sampling import RequestSampler, ending_ids, sample, token_logprobs
+from baton.engine.sampling import first_token
 from baton.prefill_worker.prefix_cache import KVEvents, PrefixCache
 
 DEFAULT_BLOCK_SIZE = 16
@@ -144,17 +144,11 @@ class PrefillCore:
     def _finish(self, request: GenerationRequest, plan: Reuse, out: PrefillOutput) -> PrefilledRequest:
         """Cache the prompt's new blocks and sample its first token."""
         self._remember(plan.hashes, out)
-        loaded = self.runner.loaded
-        sampler = RequestSampler.for_request(request.params, request.prompt_token_ids, request.resume_step,
-                                             ending_ids(request.params, loaded.eos_token_ids),
-                                             grammars=loaded.grammars if request.params.guide else None)
-        first_token = sample(out.logits[None], [sampler])[0]
-        first_logprob = token_logprobs(out.logits[None], [first_token], [request.params])[0]
+        token, logprob, seed = first_token(request, out.logits, self.runner.loaded)
         request.trace.cached_tokens = plan.tokens
         request.trace.mark("prefill_end")
         self.cached_tokens_total += plan.tokens
-        return PrefilledRequest(request, out.own, first_token, sampler.seed, plan.tokens, first_logprob,
-                                shared_prefix=out.prefix)
+        return PrefilledRequest(request, out.own, token, seed, plan.tokens, logprob, shared_prefix=out.prefix)
 
     # -- chunked prefill (Sarathi) -----------------------------------------------------------
 

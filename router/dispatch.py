@@ -8,8 +8,9 @@ fails loses them, and they are prefilled again elsewhere.
 
 Conditional disaggregation: a decode worker that holds most of a prompt (its KV events are in the
 prefix index: a conversation's earlier turns, kept after they finished) gets the request with no
-prefill worker when the rest is at most `local_prefill_max_tokens`; it prefills that rest itself
-(`LocalPrefill`) and nothing is transferred. The route's reason is in the trace.
+prefill worker when the rest is at most `local_prefill_max_tokens` and costs no more there than on
+a prefill worker (`Picker.prefill_here`); it prefills that rest itself (`LocalPrefill`) and nothing
+is transferred. The route's reason is in the trace.
 """
 from __future__ import annotations
 

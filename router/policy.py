@@ -55,8 +55,30 @@ class Picker:
     @staticmethod
     def prefill_here(holder: WorkerView, prefill: WorkerView | None, prompt_tokens: int,
                      most: int) -> tuple[bool, str]:
-        """Whether `holder` should prefill the prompt's rest itself, and why (`_prefill_here`)."""
-        return _prefill_here(holder, prefill, prompt_tokens, most)
+        """Whether the decode worker holding most of a prompt should prefill the rest itself, and why.
+
+        In tokens of waiting, summed over the requests that wait: there, every row decoding on that
+        worker waits for each chunk of the rest as well as the request itself (rest x (1 + rows); the
+        rest's chunks alternate with their steps); on the prefill worker, whose core nothing else
+        needs, the prompt runs from that worker's own cache (the earlier answers are not in it) after
+        its queue, and its KV then travels. At 8 concurrent conversations on 2 cores, weighing the
+        request's own wait alone (twice the rest) kept turns on a busy decode worker and cost 18%
+        of the tokens per second (docs/bench.md, chat)."""
+        held = holder.predicted_cached_tokens
+        rest = prompt_tokens - held
+        said = f"decode worker {holder.address} holds {held} of {prompt_tokens} prompt tokens"
+        if rest > most:
+            return False, f"{said}, but the other {rest} are more than router.local_prefill_max_tokens ({most}): " \
+                          "prefilled on a prefill worker, which pushes only them"
+        if prefill is None:
+            return True, f"{said}: prefills the other {rest} there (no prefill worker is available)"
+        here = rest * (1 + holder.active)
+        there = prompt_tokens - prefill.predicted_cached_tokens + prefill.queued_tokens
+        if here <= there:
+            return True, f"{said}: prefills the other {rest} there (about {here} tokens of waiting, against " \
+                         f"{there} on prefill worker {prefill.address})"
+        return False, f"{said}, but prefilling the other {rest} there (about {here} tokens of waiting, its rows " \
+                      f"decoding) costs more than on prefill worker {prefill.address} ({there}), which pushes only them"
 
     def pick_holder(self, workers: list[WorkerView], prompt_tokens: int) -> WorkerView | None:
         """The healthy decode worker holding the most of the prompt (`predicted_cached_tokens`) with
@@ -82,33 +104,6 @@ class Picker:
         turn = next(self._turns[role])
         rotated = healthy[turn % len(healthy):] + healthy[:turn % len(healthy)]
         return min(rotated, key=cost)
-
-
-def _prefill_here(holder: WorkerView, prefill: WorkerView | None, prompt_tokens: int, most: int) -> tuple[bool, str]:
-    """Whether the decode worker holding most of a prompt should prefill the rest itself, and why.
-
-    In tokens of waiting, summed over the requests that wait: there, every row decoding on that
-    worker waits for each chunk of the rest as well as the request itself (rest x (1 + rows); the
-    rest's chunks alternate with their steps); on the prefill worker, whose core nothing else
-    needs, the prompt runs from that worker's own cache (the earlier answers are not in it) after
-    its queue, and its KV then travels. At 8 concurrent conversations on 2 cores, weighing the
-    request's own wait alone (twice the rest) kept turns on a busy decode worker and cost 18%
-    of the tokens per second (docs/bench.md, chat)."""
-    held = holder.predicted_cached_tokens
-    rest = prompt_tokens - held
-    said = f"decode worker {holder.address} holds {held} of {prompt_tokens} prompt tokens"
-    if rest > most:
-        return False, f"{said}, but the other {rest} are more than router.local_prefill_max_tokens ({most}): " \
-                      "prefilled on a prefill worker, which pushes only them"
-    if prefill is None:
-        return True, f"{said}: prefills the other {rest} there (no prefill worker is available)"
-    here = rest * (1 + holder.active)
-    there = prompt_tokens - prefill.predicted_cached_tokens + prefill.queued_tokens
-    if here <= there:
-        return True, f"{said}: prefills the other {rest} there (about {here} tokens of waiting, against {there} on " \
-                     f"prefill worker {prefill.address})"
-    return False, f"{said}, but prefilling the other {rest} there (about {here} tokens of waiting, its rows " \
-                  f"decoding) costs more than on prefill worker {prefill.address} ({there}), which pushes only them"
 
 
 def decode_fill(w: WorkerView, prompt_tokens: int = 0, joining: bool = False) -> float:
