@@ -41,11 +41,10 @@ from __future__ import annotations
 
 import argparse
 import threading
-import time
 import urllib.request
 from typing import Any, Callable, Sequence
 
-from baton.bench.common import BenchOptions, fmt, median, ratio, table
+from baton.bench.common import BenchOptions, by_clients, fmt, median, ratio, table
 from baton.bench.served import _int_between, _ints, output_tokens, servers_among
 
 SERVERS = ("baton", "baton-disagg", "vllm")
@@ -121,38 +120,27 @@ def drive_conversations(base: str, served: str, conversations: Sequence[dict[str
     from baton.bench.goodput import one_request
 
     done: list[dict[str, Any]] = []
-    pending = iter(conversations)
     lock = threading.Lock()
 
-    def client() -> None:
-        while True:
+    def converse(chat: dict[str, Any]) -> None:
+        messages = [{"role": "system", "content": chat["system"]}]
+        for turn, question in enumerate(chat["questions"], start=1):
+            messages.append({"role": "user", "content": question})
+            body = {"model": served, "messages": list(messages), "max_tokens": max_tokens, "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            before = _read(kv_bytes)
+            result = one_request(base, body)
+            after = _read(kv_bytes)
+            result.update(conversation=chat["index"], turn=turn,
+                          kv_bytes=None if before is None or after is None else after - before)
             with lock:
-                chat = next(pending, None)
-            if chat is None:
-                return
-            messages = [{"role": "system", "content": chat["system"]}]
-            for turn, question in enumerate(chat["questions"], start=1):
-                messages.append({"role": "user", "content": question})
-                body = {"model": served, "messages": list(messages), "max_tokens": max_tokens, "temperature": 0,
-                        "stream": True, "stream_options": {"include_usage": True}}
-                before = _read(kv_bytes)
-                result = one_request(base, body)
-                after = _read(kv_bytes)
-                result.update(conversation=chat["index"], turn=turn,
-                              kv_bytes=None if before is None or after is None else after - before)
-                with lock:
-                    done.append(result)
-                if result["error"]:
-                    return  # the conversation cannot go on without this answer
-                messages.append({"role": "assistant", "content": result["text"]})
+                done.append(result)
+            if result["error"]:
+                return  # this conversation cannot go on without this answer; its client takes the next
+            messages.append({"role": "assistant", "content": result["text"]})
 
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(min(concurrency, len(conversations)))]
-    started = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sorted(done, key=lambda r: (r["conversation"], r["turn"])), time.monotonic() - started
+    wall = by_clients(conversations, concurrency, converse)
+    return sorted(done, key=lambda r: (r["conversation"], r["turn"])), wall
 
 
 def _said(poll: Callable[[], dict]) -> dict[str, Any]:

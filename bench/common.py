@@ -9,6 +9,7 @@ import platform
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +86,32 @@ class Stopwatch:
 
     def __call__(self) -> float:
         return time.perf_counter() - self.started
+
+
+def by_clients(items: Sequence[Any], clients: int, handle: Callable[[Any], None]) -> float:
+    """`handle(item)` for every item, from `clients` threads each taking the next item until none is
+    left (closed-loop clients); the wall seconds from the first start to the last end."""
+    pending = iter(items)
+    lock = threading.Lock()
+
+    def client() -> None:
+        while True:
+            with lock:
+                item = next(pending, _NONE_LEFT)
+            if item is _NONE_LEFT:
+                return
+            handle(item)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(min(clients, len(items)))]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.monotonic() - started
+
+
+_NONE_LEFT = object()
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:

@@ -30,11 +30,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import threading
 import time
 from typing import Any, Sequence
 
-from baton.bench.common import BenchOptions, median, ratio, table
+from baton.bench.common import BenchOptions, by_clients, median, ratio, table
 
 SERVERS = ("baton", "vllm")
 CONCURRENCY = (1, 8, 30)
@@ -174,27 +173,15 @@ def drive_set(base: str, served: str, queries, concurrency: int,
     from baton.bench.goodput import one_request
 
     results: list[dict[str, Any] | None] = [None] * len(queries)
-    pending = iter(range(len(queries)))
-    lock = threading.Lock()
 
-    def client() -> None:
-        while True:
-            with lock:
-                i = next(pending, None)
-            if i is None:
-                return
-            q = queries[i]
-            body = {"model": served, "messages": q.chat(), "max_tokens": max_tokens or q.max_tokens,
-                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-            results[i] = one_request(base, body)
+    def ask(i: int) -> None:
+        q = queries[i]
+        body = {"model": served, "messages": q.chat(), "max_tokens": max_tokens or q.max_tokens,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        results[i] = one_request(base, body)
 
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(min(concurrency, len(queries)))]
     started = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.monotonic() - started
+    wall = by_clients(range(len(queries)), concurrency, ask)
     return [r or {"sent": started, "chunks": [], "text": "", "usage": None, "error": "not sent"}
             for r in results], wall
 
