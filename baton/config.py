@@ -16,6 +16,9 @@ from baton.transport import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES, max_chunk_bytes_
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 EXECUTOR_CHOICES = ("auto", "baton", "transformers")
+# how a model's weights are held: floats in the dtype; the GGUF file's own blocks; Q8_0 blocks
+# made at load (engine.quantized; CPU, Baton's executor)
+QUANTIZATIONS = ("none", "gguf", "int8")
 
 
 @dataclass
@@ -25,6 +28,9 @@ class ModelSettings:
     device: str = "auto"
     attention_backend: str = "auto"
     executor: str = "auto"  # 'baton' (Llama family), 'transformers' (any model); auto: baton where it applies
+    # 'none': float weights in `dtype`; 'gguf': the model's GGUF blocks as stored (Q8_0, Q4_0,
+    # Q4_1); 'int8': Q8_0 blocks made from the floats at load. Quantized: CPU, Baton's executor.
+    quantization: str = "none"
     cuda_graphs: bool = True  # CUDA, Baton's executor: decode steps replay captured graphs (false: op by op)
     # A request's tokens independent of the rows sharing its step, of chunking and of prefix-cache
     # hits. CPU: always (Baton's C kernels). CUDA, bf16/fp16: Baton's fixed-order Triton GEMM, norm
@@ -43,6 +49,12 @@ class ModelSettings:
 
     def validate(self) -> None:
         from baton.sampling import sampling_defaults
+
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"model.quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
+        if self.quantization != "none" and self.executor == "transformers":
+            raise ValueError(f"model.quantization {self.quantization!r} runs on Baton's executor; "
+                             "model.executor 'transformers' cannot serve it")
 
         if not self.generation_config.strip():
             raise ValueError("model.generation_config is empty; use 'auto' (the model's own defaults), 'none', "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from baton.config import DTYPE_CHOICES, EXECUTOR_CHOICES
+from baton.config import DTYPE_CHOICES, EXECUTOR_CHOICES, QUANTIZATIONS
 
 USAGE_ERROR = 2
 # What Baton reads from the environment besides BATON_<SECTION>_<KEY> config overrides.
@@ -45,6 +45,9 @@ def sampling_from_args(args):
 
 EXECUTOR_HELP = ("auto (default): Baton's own executor for Llama-family models, else the transformers forward; "
                  "baton; transformers (the reference)")
+QUANTIZATION_HELP = ("none (default): float weights in --dtype; gguf: the model's GGUF blocks as stored (Q8_0, "
+                     "Q4_0, Q4_1; the default model's Q4_1 file); int8: Q8_0 blocks made from the floats at load. "
+                     "Quantized weights run on the CPU, activations and KV in --dtype")
 CUDA_GRAPHS_HELP = "on CUDA, replay each decode step of Baton's executor as a captured graph (default: on)"
 THREADS_HELP = "torch threads (default 0: one per core this process may use, or OMP_NUM_THREADS)"
 BATCH_INVARIANT_HELP = ("a request's tokens independent of its batch, chunking and cache hits (default on; "
@@ -61,6 +64,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                         help="auto (default): Triton kernels on CUDA, torch (and Baton's C kernel) on CPU")
     parser.add_argument("--executor", default="auto", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help=CUDA_GRAPHS_HELP)
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                         help=BATCH_INVARIANT_HELP)
@@ -79,6 +83,7 @@ def add_serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> Non
     parser.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], help="auto (default), torch or triton")
     parser.add_argument("--executor", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, help=CUDA_GRAPHS_HELP)
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, help=BATCH_INVARIANT_HELP)
     parser.add_argument("--threads", type=int, help=THREADS_HELP)
@@ -154,7 +159,7 @@ def load_role_settings(args):
         if getattr(args, key, None) is not None:
             section[key] = getattr(args, key)
     model = {"name": args.model_name, "dtype": args.dtype, "device": args.device,
-             "attention_backend": args.attention_backend, "executor": args.executor,
+             "attention_backend": args.attention_backend, "executor": args.executor, "quantization": args.quantization,
              "cuda_graphs": args.cuda_graphs, "batch_invariant": args.batch_invariant, "threads": args.threads,
              "cpu_cores": args.cpu_cores, "generation_config": getattr(args, "generation_config", None),
              "override_generation_config": getattr(args, "override_generation_config", None)}

@@ -39,13 +39,17 @@ def cmd_generate(args) -> int:
     from baton.launch.local import LocalEngine
     from baton.decode_worker.core import DecodeConfig
     from baton.engine import threads
-    from baton.engine.model import load_model
+    from baton.engine.model import ModelLoadError, load_model
 
     try:
         threads.configure(args.threads, args.cpu_cores)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    try:
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device, module=args.quantization == "none",
+                            quantization=args.quantization)
+    except ModelLoadError as exc:
+        raise UsageError(str(exc)) from None
     engine = LocalEngine(loaded, DecodeConfig(max_rows=args.max_rows), attention_backend=args.attention_backend,
                          executor=args.executor, cuda_graphs=args.cuda_graphs,
                          batch_invariant=args.batch_invariant)

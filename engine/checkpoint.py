@@ -151,3 +151,16 @@ def fingerprint(path: Path) -> str:
                 f.seek(data_start + data_len * i // SAMPLES_PER_FILE)
                 digest.update(f.read(SAMPLE_BYTES))
     return digest.hexdigest()
+
+
+def file_fingerprint(file: Path) -> str:
+    """One weights file (a GGUF) identified as `fingerprint` identifies a directory: its size and
+    SAMPLES_PER_FILE windows of its bytes, its header among them."""
+    digest = hashlib.blake2b(digest_size=12)
+    size = file.stat().st_size
+    digest.update(size.to_bytes(8, "little"))
+    with open(file, "rb") as f:
+        for i in range(SAMPLES_PER_FILE):
+            f.seek(size * i // SAMPLES_PER_FILE)
+            digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()

@@ -44,9 +44,10 @@ def load_runner(settings) -> Runner:
     threads.configure(settings.threads, settings.cpu_cores)
     # Baton's executor needs the weights alone: read straight from the files where it can run the
     # model; transformers' module where the reference executor may serve it
-    loaded = load_model(settings.name, dtype=settings.dtype, device=settings.device, module=False) \
-        if settings.executor != "transformers" else None
-    if loaded is None or (settings.executor == "auto" and unsupported_reason(loaded) is not None):
+    loaded = load_model(settings.name, dtype=settings.dtype, device=settings.device, module=False,
+                        quantization=settings.quantization) if settings.executor != "transformers" else None
+    if loaded is None or (settings.executor == "auto" and unsupported_reason(loaded) is not None
+                          and settings.quantization == "none"):
         loaded = load_model(settings.name, dtype=settings.dtype, device=settings.device)
     if loaded.tokenizer is not None:  # structured outputs' grammar tokenizer, off the serving path
         loaded.grammars.warm_up()

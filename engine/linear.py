@@ -9,6 +9,7 @@ prepacked layout serves the few rows instead. Both read weights faster than `F.l
 1-16 rows (docs/bench.md, `baton bench engine`). On CUDA in bf16/fp16 with batch invariance,
 the plain weight through Baton's fixed-order Triton GEMM (`engine.kernels.invariant`; cuBLAS
 rounds a row differently with the row count). Elsewhere the plain weight and `F.linear`.
+Quantized weights (engine.quantized) run on Baton's CPU kernels only, in their own blocks.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.engine.cpu import kernels as cpu_kernels
+from baton.engine.quantized import FLOAT_FORMAT, BlockWeight
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +31,20 @@ ONEDNN_PACK_ROWS = 8
 
 
 class Linear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, layout: str = "plain"):
-        # weight: [out_features, in_features]
+    def __init__(self, weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None = None, *, layout: str = "plain"):
+        # weight: [out_features, in_features], floats or quantized blocks (engine.quantized)
         self.out_features, self.in_features = weight.shape
         self.weight = weight
         self.bias = bias
         self.layout = layout
         self.packed = None
-        if layout == "panels":
+        self.code = FLOAT_FORMAT  # the C kernels' weight format: quantized panels where not 0
+        if isinstance(weight, BlockWeight):
+            if layout != "panels":
+                raise ValueError(f"{weight.format} weights run on Baton's CPU kernels only, not the {layout!r} layout")
+            self.weight, self.code, self.format = None, weight.code, weight.format
+            self.packed = weight.panels()
+        elif layout == "panels":
             self.packed = cpu_kernels.pack(weight)
         elif layout == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_PACK_ROWS)
@@ -48,6 +56,11 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
         flat = x.reshape(-1, self.in_features)
+        if self.code:
+            out = cpu_kernels.quant_gemm(flat.float(), self.packed, self.code, self.in_features, self.out_features)
+            if self.bias is not None:
+                out += self.bias
+            return out.view(*x.shape[:-1], self.out_features)
         # fp32 weights hand many rows to MKL; bf16/fp16 ones have no other fp32-activation GEMM
         if self.layout == "panels" and (self.packed.dtype != torch.float32
                                         or flat.shape[0] <= cpu_kernels.max_rows()):

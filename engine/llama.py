@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from baton.engine import attention, checkpoint
+from baton.engine import attention, checkpoint, quantized
 from baton.engine.attention import DecodeAttention, PrefillAttention
 from baton.engine.cpu import kernels as cpu_kernels
 from baton.engine.cuda_graphs import StepGraphs
@@ -42,6 +42,7 @@ from baton.engine.kv import PrefillOutput, SequenceKV
 from baton.engine.linear import Linear, best_layout
 from baton.engine.model import LoadedModel
 from baton.engine.paged_kv import DecodeStep, PagedKV
+from baton.engine.quantized import BlockWeight
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ def _fused(loaded: LoadedModel, names: list[str]) -> torch.Tensor:
     """One weight for several projections of the same input. Where transformers' module holds
     them too, its weights become views of the fused one: the reference executor still runs and
     the weights are held once."""
+    if any(isinstance(loaded.tensors[name], BlockWeight) for name in names):  # module-less: no views to make
+        return quantized.cat([_blocks(loaded.tensors[name]) for name in names])
     parts = [loaded.tensors[name].detach() for name in names]
     fused = torch.cat(parts)
     if loaded.model is not None:
@@ -77,6 +80,11 @@ def _fused(loaded: LoadedModel, names: list[str]) -> torch.Tensor:
             projection.weight = torch.nn.Parameter(fused[at:at + part.shape[0]], requires_grad=False)
             at += part.shape[0]
     return fused
+
+
+def _blocks(weight: torch.Tensor | BlockWeight) -> BlockWeight:
+    """A fused part left in floats beside quantized ones (a width not of whole blocks cannot be): Q8_0."""
+    return weight if isinstance(weight, BlockWeight) else quantized.quantize_q8_0(weight)
 
 
 @dataclass
@@ -128,6 +136,8 @@ class LlamaRunner:
         if head is None:
             raise ValueError(f"{loaded.name} has no lm_head.weight and does not tie it to its embeddings")
         self.lm_head = Linear(head, tensors.get("lm_head.bias"), layout=self.layout)
+        if isinstance(self.embed, BlockWeight) and head is self.embed:
+            self.embed = None  # looked up in the LM head's panels: the table is held once
         # Baton's C attention (and a decode step's layers as one C call) unless the Triton kernels
         # were asked for by name: tests run those on CPU in Triton's interpreter
         self.c_attention = self.layout == "panels" and self.backend != "triton"
@@ -221,6 +231,11 @@ class LlamaRunner:
         return qk[:, :hq], qk[:, hq:], v
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is None:  # quantized and tied: the LM head's panels
+            head = self.lm_head
+            return quantized.panel_rows(head.format, head.packed, ids, head.in_features)
+        if isinstance(self.embed, BlockWeight):
+            return self.embed.rows(ids).dequantize()
         return self.embed[ids].to(self.compute_dtype)
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:

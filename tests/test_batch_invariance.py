@@ -27,12 +27,13 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.9, top_p=0.9, seed=11)
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+@pytest.fixture(scope="module", params=["bfloat16", "float16", "bfloat16+int8"])
 def model(request):
-    loaded = load_model("tiny-random", dtype=request.param)
-    if not cpu_kernels.stores(loaded.dtype):
-        pytest.skip(f"Baton's CPU kernels do not read {request.param} here (no C compiler, or no _Float16)")
-    return loaded
+    """bf16 and fp16 weights and KV; and Q8_0 weight blocks (engine.quantized) with bf16 KV."""
+    dtype, _, quantization = request.param.partition("+")
+    if not cpu_kernels.stores(getattr(torch, dtype)):
+        pytest.skip(f"Baton's CPU kernels do not read {dtype} here (no C compiler, or no _Float16)")
+    return load_model("tiny-random", dtype=dtype, module=not quantization, quantization=quantization or "none")
 
 
 def targets(seed: int = 1) -> list[list[int]]:

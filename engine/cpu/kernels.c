@@ -276,6 +276,8 @@ static inline uint16_t store1_bf16(float x) {
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+#include "quantized.h" /* weights kept in GGUF blocks; the typed kernels call quant_gemm */
+
 #define STORAGE f32
 #define ELEMENT float
 #include "kernels_typed.h"

@@ -32,7 +32,7 @@ from baton.paths import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
-SOURCES = (SOURCE, Path(__file__).with_name("kernels_typed.h"))  # kernels.c includes the header
+SOURCES = (SOURCE, *(Path(__file__).with_name(name) for name in ("kernels_typed.h", "quantized.h")))  # kernels.c includes them
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -92,6 +92,25 @@ def small_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
     if _typed("baton_small_gemm", packed.dtype)(x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, k, out_features,
                                    torch.get_num_threads()):
         raise MemoryError("small_gemm could not allocate its transposed input")
+    return out
+
+
+def quant_gemm(x: torch.Tensor, packed: torch.Tensor, code: int, in_features: int, out_features: int) -> torch.Tensor:
+    """x: [M, K] float32 -> x @ W^T: [M, out_features] float32, with W quantized panels
+    (`engine.quantized.BlockWeight.panels`, format `code`)."""
+    if x.dtype != torch.float32 or x.shape[-1] != in_features:
+        raise ValueError(f"quant_gemm takes float32 activations of width {in_features}, not {x.dtype} {tuple(x.shape)}")
+    lib = _library()
+    if lib is None or not hasattr(lib, "baton_quant_gemm"):
+        raise ValueError("Baton's CPU kernels are not built here: quantized weights need them")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    failed = lib.baton_quant_gemm(code, x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.shape[0], in_features,
+                                  out_features, torch.get_num_threads())
+    if failed == -2:
+        raise ValueError(f"quant_gemm: format {code} or width {in_features} is not one the kernel reads")
+    if failed:
+        raise MemoryError("quant_gemm could not allocate its scratch")
     return out
 
 
@@ -193,8 +212,8 @@ def rotary(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Ten
 
 class DecodeLayers:
     """Every decoder layer of a decode step in one C call (`baton_decode_layers`), for a Llama-family
-    model whose linear layers are panel-packed in `dtype` (norms and biases float32). Built once
-    per runner from its layers' tensors."""
+    model whose linear layers are panel-packed in `dtype` or quantized (engine.quantized), its KV
+    in `dtype` (norms and biases float32). Built once per runner from its layers' tensors."""
 
     def __init__(self, layers, *, dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int,
                  intermediate: int, eps: float, scale: float):
@@ -207,16 +226,20 @@ class DecodeLayers:
         for layer in layers:
             row = (layer.input_norm, layer.qkv.packed, layer.qkv.bias, layer.o.packed, layer.post_norm,
                    layer.gate_up.packed, layer.down.packed)
-            want = (torch.float32, dtype, torch.float32, dtype, torch.float32, dtype, dtype)
+            linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            want = [torch.float32, dtype, torch.float32, dtype, torch.float32, dtype, dtype]
+            for at, linear in zip((1, 3, 5, 6), linears):
+                if linear.code:  # quantized panels are bytes
+                    want[at] = torch.uint8
             if any(t is not None and (t.dtype != d or not t.is_contiguous()) for t, d in zip(row, want)):
-                raise ValueError(f"the fused decode step needs contiguous {dtype} packed weights and float32 "
-                                 "norms and biases")
+                raise ValueError(f"the fused decode step needs contiguous {dtype} or quantized packed weights and "
+                                 "float32 norms and biases")
             if layer.o.bias is not None or layer.gate_up.bias is not None or layer.down.bias is not None:
                 raise ValueError("the fused decode step has no bias for the O, gate/up and down projections")
-            tensors.append(row)
-        self._held = [t for row in tensors for t in row if t is not None]  # C reads their addresses
-        self.addresses = torch.tensor([[0 if t is None else t.data_ptr() for t in row] for row in tensors],
-                                      dtype=torch.int64)
+            tensors.append((row, [linear.code for linear in linears]))
+        self._held = [t for row, _ in tensors for t in row if t is not None]  # C reads their addresses
+        self.addresses = torch.tensor([[0 if t is None else t.data_ptr() for t in row] + codes
+                                       for row, codes in tensors], dtype=torch.int64)
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pages: torch.Tensor,
                  table: torch.Tensor, lengths: torch.Tensor) -> None:
@@ -266,6 +289,8 @@ def _library() -> ctypes.CDLL | None:
     lib.baton_rotary.restype = None
     lib.baton_silu_mul.argtypes = [pointer] * 2 + [size] * 2 + [threads]
     lib.baton_silu_mul.restype = None
+    lib.baton_quant_gemm.argtypes = [size] + [pointer] * 3 + [size] * 3 + [threads]
+    lib.baton_quant_gemm.restype = ctypes.c_int
     for suffix in SUFFIXES.values():
         if not hasattr(lib, f"baton_small_gemm_{suffix}"):
             continue  # fp16 where the compiler has no _Float16

@@ -124,6 +124,16 @@ int NAME(baton_small_gemm)(const float *x, const ELEMENT *packed, float *out, in
   return 0;
 }
 
+/* A linear layer whose weight is panels of ELEMENT (FORMAT_FLOAT) or quantized panels. */
+static int NAME(linear)(int64_t format, const float *x, const void *w, float *out, int64_t M, int64_t K, int64_t N,
+                        int threads, float *xt) {
+  if (format == FORMAT_FLOAT) {
+    NAME(gemm)(x, (const ELEMENT *)w, out, M, K, N, threads, xt);
+    return 0;
+  }
+  return quant_gemm(format, x, (const uint8_t *)w, out, M, K, N, threads, xt);
+}
+
 /* Attention of one (query token, KV head): its `group` query heads (qg, [group, D] fp32) over n
  * tokens held in `segs` segments (pages, or a cached prefix and the prompt's own tokens): segment
  * i holds counts[i] tokens of D values from kp[i] (keys) and vp[i] (values). Scores, softmax and
@@ -517,7 +527,8 @@ int NAME(baton_prefill_attention)(const float *q, int64_t q_row_stride, int64_t 
  *
  * h: [R, H] fp32, the residual stream, updated in place. weights: per layer 7 addresses (input
  * norm fp32, packed QKV, QKV bias fp32 or 0, packed O, post norm fp32, packed gate/up, packed
- * down). cos, signed_sin: [R, D] fp32. kv: the paged KV [layers, 2, pages, Hkv, P, D] given by its
+ * down), then the formats of QKV, O, gate/up and down (FORMAT_FLOAT: panels of ELEMENT; else
+ * quantized panels, quantized.h). cos, signed_sin: [R, D] fp32. kv: the paged KV [layers, 2, pages, Hkv, P, D] given by its
  * strides in elements; table: each row's pages (table_stride apart); lengths: each row's tokens,
  * this step's included, which is stored at position lengths[r] - 1. Returns 0, or -1 when out of
  * memory. */
@@ -533,14 +544,14 @@ int NAME(baton_decode_layers)(float *h, const int64_t *weights, int64_t L, int64
   float *attn = malloc(sizeof(float) * R * Hq * D), *xt = malloc(sizeof(float) * R * K_MAX);
   int failed = !x || !y || !attn || !xt;
   for (int64_t l = 0; l < L && !failed; ++l) {
-    const int64_t *w = weights + 7 * l;
+    const int64_t *w = weights + 11 * l, *format = w + 7;
     const float *input_norm = (const float *)w[0], *qkv_bias = (const float *)w[2], *post_norm = (const float *)w[4];
-    const ELEMENT *qkv = (const ELEMENT *)w[1], *o = (const ELEMENT *)w[3];
-    const ELEMENT *gate_up = (const ELEMENT *)w[5], *down = (const ELEMENT *)w[6];
+    const void *qkv = (const void *)w[1], *o = (const void *)w[3];
+    const void *gate_up = (const void *)w[5], *down = (const void *)w[6];
     ELEMENT *keys = kv + l * layer_stride, *values = keys + kind_stride;
 
     baton_rms_norm(h, input_norm, x, R, H, eps, threads);
-    NAME(gemm)(x, qkv, y, R, H, QKV, threads, xt);
+    failed |= NAME(linear)(format[0], x, qkv, y, R, H, QKV, threads, xt);
     if (qkv_bias)
       for (int64_t r = 0; r < R; ++r)
         for (int64_t i = 0; i < QKV; ++i) y[r * QKV + i] += qkv_bias[i];
@@ -552,15 +563,15 @@ int NAME(baton_decode_layers)(float *h, const int64_t *weights, int64_t L, int64
         const float *k = y + r * QKV + (Hq + kvh) * D, *v = y + r * QKV + (Hq + Hkv + kvh) * D;
         for (int64_t d = 0; d < D; ++d) keys[at + d] = STORE1(k[d]), values[at + d] = STORE1(v[d]);
       }
-    failed = NAME(attention)(y, QKV, keys, values, table, table_stride, lengths, attn, 0, R, Hq, Hkv, D, P,
+    failed |= NAME(attention)(y, QKV, keys, values, table, table_stride, lengths, attn, 0, R, Hq, Hkv, D, P,
                              page_stride, head_stride, scale, threads);
-    NAME(gemm)(attn, o, y, R, Hq * D, H, threads, xt);
+    failed |= NAME(linear)(format[1], attn, o, y, R, Hq * D, H, threads, xt);
     for (int64_t i = 0; i < R * H; ++i) h[i] += y[i];
 
     baton_rms_norm(h, post_norm, x, R, H, eps, threads);
-    NAME(gemm)(x, gate_up, y, R, H, 2 * I, threads, xt);
+    failed |= NAME(linear)(format[2], x, gate_up, y, R, H, 2 * I, threads, xt);
     baton_silu_mul(y, x, R, I, threads);
-    NAME(gemm)(x, down, y, R, I, H, threads, xt);
+    failed |= NAME(linear)(format[3], x, down, y, R, I, H, threads, xt);
     for (int64_t i = 0; i < R * H; ++i) h[i] += y[i];
   }
   free(x), free(y), free(attn), free(xt);

@@ -1,0 +1,148 @@
+"""Weights that stay quantized in memory: GGUF's Q8_0, Q4_0 and Q4_1 blocks, as a GGUF file holds
+them (`model.quantization: gguf`) or made from float weights at load (`int8`: Q8_0 blocks).
+
+A `BlockWeight` is a weight [N, K] as GGUF lays it out: each row K / 32 blocks of 32 weights, a
+block an fp16 scale d (Q4_1: and an fp16 minimum m) and its 32 codes q:
+    Q8_0: w = d q, q int8;   Q4_0: w = d (q - 8), q in 0..15;   Q4_1: w = d q + m, q in 0..15
+(Q4 codes two to a byte: byte i holds q[i] low and q[i + 16] high). `panels()` repacks the same
+bytes for Baton's CPU GEMM (engine/cpu/quantized.h), which reads them as they are. Policy-free:
+what a file or a setting asks for is decided in engine.model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QBLOCK = 32  # weights per block, along k
+PANEL = 16  # output features per panel, as the C GEMM reads them
+# format -> (the C kernels' code, the bytes of one GGUF block)
+FORMATS = {"q8_0": (1, 34), "q4_0": (2, 18), "q4_1": (3, 20)}
+FLOAT_FORMAT = 0  # the C kernels' code for panels in the model's float dtype
+
+
+@dataclass
+class BlockWeight:
+    format: str
+    data: torch.Tensor  # uint8 [N, K // 32 * block bytes], GGUF's row layout
+    in_features: int
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown block format {self.format!r}; known: {', '.join(FORMATS)}")
+        if self.in_features % QBLOCK:
+            raise ValueError(f"a {self.format} weight needs rows of a multiple of {QBLOCK} values, not {self.in_features}")
+        want = self.in_features // QBLOCK * FORMATS[self.format][1]
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] != want:
+            raise ValueError(f"{self.format} data must be uint8 [N, {want}], not {tuple(self.data.shape)} {self.data.dtype}")
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    @property
+    def code(self) -> int:
+        return FORMATS[self.format][0]
+
+    def _blocks(self) -> torch.Tensor:
+        return self.data.view(self.out_features, self.in_features // QBLOCK, FORMATS[self.format][1])
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K], as gguf-py (and so transformers' GGUF loader) computes it."""
+        return _values(self.format, self._blocks()).reshape(self.out_features, self.in_features)
+
+    def rows(self, index: torch.Tensor) -> BlockWeight:
+        """The rows `index` (a permutation, a selection) as a BlockWeight."""
+        return BlockWeight(self.format, self.data[index].contiguous(), self.in_features)
+
+    def panels(self) -> torch.Tensor:
+        """The same bytes as the C GEMM reads them: uint8 [ceil(N / 16), K / 32, panel block bytes],
+        a panel's blocks in k order, each block its 16 features' scales (Q4_1: then minimums), then
+        its codes k-major (quantized.h). Features past N are zero (their outputs are 0)."""
+        n, blocks, size = self._blocks().shape
+        panels = (n + PANEL - 1) // PANEL
+        padded = torch.zeros(panels * PANEL, blocks, size, dtype=torch.uint8)
+        padded[:n] = self._blocks()
+        per_feature = padded.view(panels, PANEL, blocks, size).transpose(1, 2)  # [P, B, 16, size]
+        head = 4 if self.format == "q4_1" else 2
+        scales = [per_feature[..., at:at + 2].reshape(panels, blocks, 2 * PANEL) for at in range(0, head, 2)]
+        codes = per_feature[..., head:].transpose(-1, -2).reshape(panels, blocks, -1)  # [P, B, byte, feature]
+        return torch.cat([*scales, codes], dim=-1).contiguous()
+
+
+def panel_rows(format: str, packed: torch.Tensor, index: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows `index` of the weight packed by `panels()`, dequantized: float32 [len(index), K] (an
+    embedding lookup from the tied LM head's panels, no second copy of the table)."""
+    index = index.reshape(-1).to(torch.long)
+    panel, lane = index // PANEL, index % PANEL
+    blocks = in_features // QBLOCK
+    picked = packed[panel]  # [n, B, panel block bytes]
+    head = 4 if format == "q4_1" else 2
+    n = index.numel()
+    scales = [picked[..., at * PANEL:(at + 2) * PANEL].contiguous().view(n, blocks, PANEL, 2)
+              for at in range(0, head, 2)]
+    codes = picked[..., head * PANEL:].reshape(n, blocks, -1, PANEL)  # [n, B, bytes, 16]
+    rows = torch.arange(n)
+    gguf = [scale[rows, :, lane] for scale in scales]  # [n, B, 2] each
+    gguf.append(codes[rows, :, :, lane])  # [n, B, bytes]
+    return _values(format, torch.cat(gguf, dim=-1)).reshape(n, in_features)
+
+
+def _values(format: str, blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF blocks uint8 [..., block bytes] -> float32 [..., 32] (gguf-py's arithmetic)."""
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [..., 1]
+    if format == "q8_0":
+        return d * blocks[..., 2:].contiguous().view(torch.int8).float()
+    offset = 4 if format == "q4_1" else 2
+    packed = blocks[..., offset:]
+    codes = torch.cat([packed & 15, packed >> 4], dim=-1)
+    if format == "q4_0":
+        return d * (codes.to(torch.int8) - 8).float()
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    return d * codes.float() + m
+
+
+def quantize_q8_0(weight: torch.Tensor) -> BlockWeight:
+    """Floats [N, K] -> Q8_0 blocks as llama.cpp quantizes them: d = max |w| / 127 per block (fp16),
+    q = w / d rounded half away from zero."""
+    n, k = weight.shape
+    if k % QBLOCK:
+        raise ValueError(f"Q8_0 needs rows of a multiple of {QBLOCK} values, not {k}")
+    w = weight.detach().float().reshape(n, k // QBLOCK, QBLOCK)
+    d = w.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    scaled = w * inverse
+    q = (scaled.sign() * (scaled.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8)
+    data = torch.cat([d.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], dim=-1)
+    return BlockWeight("q8_0", data.reshape(n, -1).contiguous(), k)
+
+
+def cat(parts: list[BlockWeight]) -> BlockWeight:
+    """Rows of several weights of one input (a fused QKV or gate/up). Parts in different formats
+    become Q8_0 of their values (a GGUF file may store V wider than Q and K)."""
+    formats = {p.format for p in parts}
+    if len({p.in_features for p in parts}) != 1:
+        raise ValueError("fused weights must share their input width")
+    if len(formats) > 1:
+        parts = [p if p.format == "q8_0" else quantize_q8_0(p.dequantize()) for p in parts]
+    return BlockWeight(parts[0].format, torch.cat([p.data for p in parts]), parts[0].in_features)
+
+
+def quantization_loss(weight: torch.Tensor, quantized: BlockWeight) -> tuple[float, float]:
+    """What quantizing lost of one weight: ||w - Q(w)|| / ||w||, and the fraction of its nonzero
+    values that became 0 (a block's outlier sets a step its other values fall below; the norm,
+    the outlier's own, hardly shows it)."""
+    w = weight.detach().float()
+    values = quantized.dequantize()
+    norm, nonzero = w.norm().item(), (w != 0).sum().item()
+    error = 0.0 if norm == 0 else (w - values).norm().item() / norm
+    zeroed = 0.0 if nonzero == 0 else ((values == 0) & (w != 0)).sum().item() / nonzero
+    return error, zeroed

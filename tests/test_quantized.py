@@ -1,0 +1,156 @@
+"""Quantized weights (engine.quantized, engine/cpu/quantized.h): the GEMM over Q8_0, Q4_0 and Q4_1
+blocks against float arithmetic over the dequantized weights and row by row; the default model's
+GGUF read with its blocks kept and its values those transformers' loader reads; int8 made at load
+and refused where 8 bits lose too much; the fused decode step equal to the layer-by-layer one;
+the fingerprint that keeps quantized KV away from a float worker. Batch invariance over Q8_0
+weights runs in test_batch_invariance.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.config import ModelSettings
+from baton.decode_worker.core import DecodeConfig
+from baton.engine import quantized
+from baton.engine.cpu import kernels as cpu_kernels
+from baton.engine.executors import make_runner
+from baton.engine.model import ModelLoadError, default_tokenizer, load_model, tiny_random_model
+from baton.engine.quantized import BlockWeight, panel_rows, quantize_q8_0
+from baton.launch.local import LocalEngine
+from baton.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="Baton's CPU kernels did not build here")
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> BlockWeight:
+    """Codes anywhere in their range, scales (and minimums) of a trained model's size."""
+    g = torch.Generator().manual_seed(seed)
+    if fmt == "q8_0":
+        return quantize_q8_0(torch.randn(n, k, generator=g) * 0.02)
+    size = quantized.FORMATS[fmt][1]
+    data = torch.randint(0, 256, (n, k // 32, size), dtype=torch.uint8, generator=g)
+    data[..., 0:2] = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-3).half().view(torch.uint8)
+    if fmt == "q4_1":
+        data[..., 2:4] = (-torch.rand(n, k // 32, 1, generator=g) * 0.05).half().view(torch.uint8)
+    return BlockWeight(fmt, data.reshape(n, -1), k)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("n,k", [(37, 64), (960, 576), (49, 1536)])
+def test_the_gemm_computes_the_dequantized_product_row_by_row(fmt, n, k):
+    weight = random_blocks(fmt, n, k)
+    packed = weight.panels()
+    dense = weight.dequantize().double()
+    for rows in (1, 3, 8, 11):
+        x = torch.randn(rows, k)
+        out = cpu_kernels.quant_gemm(x, packed, weight.code, k, n)
+        reference = x.double() @ dense.T
+        assert (out.double() - reference).abs().max() <= 1e-5 * reference.abs().max()
+        for r in range(rows):  # a row's bits do not depend on the rows beside it
+            assert torch.equal(cpu_kernels.quant_gemm(x[r:r + 1], packed, weight.code, k, n)[0], out[r])
+    ids = torch.tensor([0, n - 1, n // 2, 5 % n])
+    assert torch.equal(panel_rows(fmt, packed, ids, k), weight.dequantize()[ids])  # the tied embedding's lookup
+
+
+def test_blocks_refuse_what_they_cannot_hold():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(torch.randn(4, 40))
+    with pytest.raises(ValueError, match="unknown block format"):
+        BlockWeight("q5_k", torch.zeros(1, 34, dtype=torch.uint8), 32)
+    with pytest.raises(ValueError, match=r"uint8 \[N, 34\]"):
+        BlockWeight("q8_0", torch.zeros(1, 30, dtype=torch.uint8), 32)
+    packed = random_blocks("q8_0", 16, 64).panels()
+    with pytest.raises(ValueError, match="width 64"):
+        cpu_kernels.quant_gemm(torch.randn(2, 32), packed, 1, 64, 16)
+
+
+def test_q8_0_loses_half_a_percent_of_a_gaussian_weight():
+    weight = torch.randn(256, 512)
+    blocks = quantize_q8_0(weight)
+    assert blocks.nbytes == 256 * 512 // 32 * 34  # GGUF's own size: 8.5 bits a weight
+    error, zeroed = quantized.quantization_loss(weight, blocks)
+    assert 0.002 < error < 0.008 and zeroed < 0.01
+    assert quantized.quantization_loss(torch.zeros(32, 32), quantize_q8_0(torch.zeros(32, 32))) == (0.0, 0.0)
+
+
+def test_the_default_models_gguf_is_served_from_its_blocks():
+    """gguf: every projection stays in the file's Q4_1 blocks (the tied embedding its Q8_0), and
+    their values are the ones transformers' GGUF loader dequantized into the float checkpoint
+    (queries' and keys' rows back in Hugging Face's order)."""
+    from safetensors import safe_open
+
+    from baton.engine.model import default_model_dir
+
+    loaded = load_model("default", dtype="bfloat16", module=False, quantization="gguf")
+    assert loaded.quantization == "gguf" and loaded.dtype == torch.bfloat16
+    assert str(loaded.fingerprint).split("/")[1] == "bfloat16+gguf"
+    embed = loaded.tensors["model.embed_tokens.weight"]
+    assert isinstance(embed, BlockWeight) and embed.format == "q8_0"
+    with safe_open(next(default_model_dir().glob("*.safetensors")), framework="pt") as floats:
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
+                     "model.layers.29.mlp.down_proj.weight", "model.layers.3.self_attn.v_proj.weight"):
+            blocks = loaded.tensors[name]
+            assert isinstance(blocks, BlockWeight) and blocks.format == "q4_1"
+            assert torch.equal(blocks.dequantize(), floats.get_tensor(name).float()), name
+        assert torch.equal(embed.rows(torch.arange(0, 49152, 997)).dequantize(),
+                           floats.get_tensor("model.embed_tokens.weight")[::997].float())
+    held = sum(t.nbytes for t in loaded.tensors.values())
+    assert held < 110e6  # the file's 98 MB, not the floats' 270 MB
+
+
+def test_a_quantized_runner_answers_like_its_floats_and_steps_in_one_call():
+    """The default model from its GGUF: the fused decode step (one C call) gives the bits of the
+    layer-by-layer step, and greedy tokens mostly agree with the same values held as floats."""
+    loaded = load_model("default", dtype="float32", module=False, quantization="gguf")
+    prompts = [loaded.encode_chat([{"role": "user", "content": q}])
+               for q in ("What is the capital of France?", "Name three colours.")]
+    fused = LocalEngine(loaded, DecodeConfig(max_rows=2)).generate(prompts, GREEDY)
+    engine = LocalEngine(loaded, DecodeConfig(max_rows=2))
+    assert engine.runner.decode_layers is not None
+    engine.runner.decode_layers = None  # layer by layer from Python, the same kernels
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == [o.token_ids for o in fused]
+    floats = load_model("default", dtype="float32", module=False)
+    reference = LocalEngine(floats, DecodeConfig(max_rows=2)).generate(prompts, GREEDY)
+    agree = sum(a == b for o, r in zip(fused, reference) for a, b in zip(o.token_ids, r.token_ids))
+    assert agree >= 0.75 * sum(len(r.token_ids) for r in reference)
+    assert "Paris" in loaded.decode(fused[0].token_ids)
+
+
+def test_int8_is_made_at_load_and_refused_where_8_bits_lose_too_much(tmp_path):
+    loaded = load_model("tiny-random", dtype="bfloat16", module=False, quantization="int8")
+    assert loaded.quantization == "int8" and str(loaded.fingerprint).split("/")[1] == "bfloat16+int8"
+    weights = [t for t in loaded.tensors.values() if isinstance(t, BlockWeight)]
+    assert weights and all(w.format == "q8_0" for w in weights)
+    assert LocalEngine(loaded, DecodeConfig(max_rows=2)).generate([[5, 6, 7]], GREEDY)[0].token_ids
+    model = tiny_random_model(0)
+    with torch.no_grad():  # one weight whose blocks each hold a huge value: the rest rounds to 0
+        model.model.layers[1].mlp.down_proj.weight[:, ::32] = 1e4
+    model.save_pretrained(tmp_path)
+    default_tokenizer().save_pretrained(tmp_path)  # a directory model brings its tokenizer
+    with pytest.raises(ModelLoadError, match=r"would lose .* of model.layers.1.mlp.down_proj.weight and round 9"):
+        load_model(str(tmp_path), dtype="float32", module=False, quantization="int8")
+
+
+def test_quantization_is_checked_before_anything_loads():
+    with pytest.raises(ModelLoadError, match="unknown quantization"):
+        load_model("tiny-random", quantization="fp4")
+    with pytest.raises(ModelLoadError, match="Baton's executor only"):
+        load_model("tiny-random", quantization="int8", module=True)
+    with pytest.raises(ModelLoadError, match="from its GGUF file"):
+        load_model("tiny-random", quantization="gguf", module=False)
+    with pytest.raises(ValueError, match="model.quantization must be one of none, gguf, int8"):
+        ModelSettings(quantization="q4").validate()
+    with pytest.raises(ValueError, match="cannot serve it"):
+        ModelSettings(quantization="int8", executor="transformers").validate()
+
+
+def test_kv_of_quantized_weights_is_another_models():
+    """A prefill worker on quantized weights computes other KV than one on the same model's floats:
+    their fingerprints differ, so the receiver refuses the push (kvtransfer.receiver)."""
+    floats = load_model("tiny-random", dtype="bfloat16", module=False)
+    blocks = load_model("tiny-random", dtype="bfloat16", module=False, quantization="int8")
+    assert str(floats.fingerprint) != str(blocks.fingerprint)
+    assert floats.fingerprint.weights_hash == blocks.fingerprint.weights_hash
+    runner = make_runner(blocks)
+    assert runner.layers[0].qkv.code == quantized.FORMATS["q8_0"][0]
