@@ -48,6 +48,8 @@ EXECUTOR_HELP = ("auto (default): Baton's own executor for Llama-family models, 
 QUANTIZATION_HELP = ("none (default): float weights in --dtype; gguf: the model's GGUF blocks as stored (Q8_0, "
                      "Q4_0, Q4_1; the default model's Q4_1 file); int8: Q8_0 blocks made from the floats at load. "
                      "Quantized weights run on the CPU, activations and KV in --dtype")
+QUANTIZED_INPUTS_HELP = ("bits each block of 32 inputs of a quantized weight's GEMM is quantized to: 16 (default; "
+                         "the float model's answers) or 8 (llama.cpp's arithmetic, a little faster, less exact)")
 CUDA_GRAPHS_HELP = "on CUDA, replay each decode step of Baton's executor as a captured graph (default: on)"
 THREADS_HELP = "torch threads (default 0: one per core this process may use, or OMP_NUM_THREADS)"
 BATCH_INVARIANT_HELP = ("a request's tokens independent of its batch, chunking and cache hits (default on; "
@@ -65,6 +67,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="auto (default): Triton kernels on CUDA, torch (and Baton's C kernel) on CPU")
     parser.add_argument("--executor", default="auto", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
+    parser.add_argument("--quantized-inputs", type=int, default=16, choices=(8, 16), help=QUANTIZED_INPUTS_HELP)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help=CUDA_GRAPHS_HELP)
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                         help=BATCH_INVARIANT_HELP)
@@ -84,6 +87,7 @@ def add_serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> Non
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], help="auto (default), torch or triton")
     parser.add_argument("--executor", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
     parser.add_argument("--quantization", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
+    parser.add_argument("--quantized-inputs", type=int, choices=(8, 16), help=QUANTIZED_INPUTS_HELP)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, help=CUDA_GRAPHS_HELP)
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, help=BATCH_INVARIANT_HELP)
     parser.add_argument("--threads", type=int, help=THREADS_HELP)
@@ -160,6 +164,7 @@ def load_role_settings(args):
             section[key] = getattr(args, key)
     model = {"name": args.model_name, "dtype": args.dtype, "device": args.device,
              "attention_backend": args.attention_backend, "executor": args.executor, "quantization": args.quantization,
+             "quantized_inputs": args.quantized_inputs,
              "cuda_graphs": args.cuda_graphs, "batch_invariant": args.batch_invariant, "threads": args.threads,
              "cpu_cores": args.cpu_cores, "generation_config": getattr(args, "generation_config", None),
              "override_generation_config": getattr(args, "override_generation_config", None)}

@@ -47,7 +47,7 @@ def cmd_generate(args) -> int:
         raise UsageError(str(exc)) from None
     try:
         loaded = load_model(args.model, dtype=args.dtype, device=args.device, module=args.quantization == "none",
-                            quantization=args.quantization)
+                            quantization=args.quantization, quantized_inputs=args.quantized_inputs)
     except ModelLoadError as exc:
         raise UsageError(str(exc)) from None
     engine = LocalEngine(loaded, DecodeConfig(max_rows=args.max_rows), attention_backend=args.attention_backend,

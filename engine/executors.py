@@ -45,7 +45,8 @@ def load_runner(settings) -> Runner:
     # Baton's executor needs the weights alone: read straight from the files where it can run the
     # model; transformers' module where the reference executor may serve it
     loaded = load_model(settings.name, dtype=settings.dtype, device=settings.device, module=False,
-                        quantization=settings.quantization) if settings.executor != "transformers" else None
+                        quantization=settings.quantization, quantized_inputs=settings.quantized_inputs) \
+        if settings.executor != "transformers" else None
     if loaded is None or (settings.executor == "auto" and unsupported_reason(loaded) is not None
                           and settings.quantization == "none"):
         loaded = load_model(settings.name, dtype=settings.dtype, device=settings.device)

@@ -42,7 +42,7 @@ class Linear:
         if isinstance(weight, BlockWeight):
             if layout != "panels":
                 raise ValueError(f"{weight.format} weights run on Baton's CPU kernels only, not the {layout!r} layout")
-            self.weight, self.code, self.format = None, weight.code, weight.format
+            self.weight, self.code, self.format, self.input_bits = None, weight.code, weight.format, weight.input_bits
             self.packed = weight.panels()
         elif layout == "panels":
             self.packed = cpu_kernels.pack(weight)
@@ -57,7 +57,8 @@ class Linear:
         # x: [..., in_features] -> [..., out_features]
         flat = x.reshape(-1, self.in_features)
         if self.code:
-            out = cpu_kernels.quant_gemm(flat.float(), self.packed, self.code, self.in_features, self.out_features)
+            out = cpu_kernels.quant_gemm(flat.float(), self.packed, self.code, self.in_features, self.out_features,
+                                         self.input_bits)
             if self.bias is not None:
                 out += self.bias
             return out.view(*x.shape[:-1], self.out_features)

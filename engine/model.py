@@ -148,17 +148,28 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto",
-               module: bool = True, quantization: str = "none") -> LoadedModel:
+               module: bool = True, quantization: str = "none", quantized_inputs: int = 16) -> LoadedModel:
     """Load `default` (SmolLM2-135M-Instruct), `tiny-random[:seed]`, or a Hugging Face model directory.
     module=False: the weights alone, for Baton's executor, read straight from the files where
     `engine.checkpoint` can read them (seconds sooner: no transformers model classes), else loaded
     through transformers as with module=True. quantization: 'none' (floats in `dtype`), 'gguf'
     (the model's GGUF file, its blocks kept) or 'int8' (Q8_0 blocks made from the floats at load);
-    quantized weights run on Baton's executor on the CPU, activations and KV in `dtype`."""
+    quantized weights run on Baton's executor on the CPU, activations and KV in `dtype`, their
+    GEMMs' inputs quantized to `quantized_inputs` bits (16 or 8)."""
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    if quantized_inputs not in (8, 16):
+        raise ModelLoadError(f"quantized inputs are 8 or 16 bits, not {quantized_inputs!r}")
     if quantization != "none":
-        return _load_quantized(name, dtype, device, module, quantization)
+        loaded = _load_quantized(name, dtype, device, module, quantization)
+        for weight in loaded.tensors.values():
+            if isinstance(weight, BlockWeight):
+                weight.input_bits = quantized_inputs
+        if quantized_inputs != 16:  # other arithmetic, other KV
+            fp = loaded.fingerprint
+            loaded.fingerprint = ModelFingerprint(fp.architecture, fp.weights_hash, fp.dtype,
+                                                  f"{fp.quantization}-i{quantized_inputs}")
+        return loaded
     torch_dtype = resolve_dtype(dtype, resolve_device(device))
     if name == DEFAULT_MODEL:
         path, tokenizer, shown = default_model_dir(), default_tokenizer(), "SmolLM2-135M-Instruct"

@@ -26,6 +26,8 @@ class BlockWeight:
     format: str
     data: torch.Tensor  # uint8 [N, K // 32 * block bytes], GGUF's row layout
     in_features: int
+    # what its GEMM quantizes the inputs to per block of 32: 8 bits (llama.cpp's arithmetic) or 16
+    input_bits: int = 8
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -61,21 +63,30 @@ class BlockWeight:
 
     def rows(self, index: torch.Tensor) -> BlockWeight:
         """The rows `index` (a permutation, a selection) as a BlockWeight."""
-        return BlockWeight(self.format, self.data[index].contiguous(), self.in_features)
+        return BlockWeight(self.format, self.data[index].contiguous(), self.in_features, self.input_bits)
 
     def panels(self) -> torch.Tensor:
-        """The same bytes as the C GEMM reads them: uint8 [ceil(N / 16), K / 32, panel block bytes],
-        a panel's blocks in k order, each block its 16 features' scales (Q4_1: then minimums), then
-        its codes k-major (quantized.h). Features past N are zero (their outputs are 0)."""
+        """The same bytes as the C GEMM reads them (engine/cpu/quantized.h): uint8 [ceil(N / 16),
+        K / 32, panel block bytes], a panel's blocks in k order, each block its 16 features'
+        scales (Q4_1: then minimums), then its codes in groups of four consecutive bytes, a group's
+        16 features side by side (Q8_0's codes stored as the unsigned q + 128). Features past N are
+        zero (their outputs are 0)."""
         n, blocks, size = self._blocks().shape
         panels = (n + PANEL - 1) // PANEL
         padded = torch.zeros(panels * PANEL, blocks, size, dtype=torch.uint8)
         padded[:n] = self._blocks()
         per_feature = padded.view(panels, PANEL, blocks, size).transpose(1, 2)  # [P, B, 16, size]
-        head = 4 if self.format == "q4_1" else 2
+        head = _head(self.format)
         scales = [per_feature[..., at:at + 2].reshape(panels, blocks, 2 * PANEL) for at in range(0, head, 2)]
-        codes = per_feature[..., head:].transpose(-1, -2).reshape(panels, blocks, -1)  # [P, B, byte, feature]
-        return torch.cat([*scales, codes], dim=-1).contiguous()
+        codes = per_feature[..., head:].reshape(panels, blocks, PANEL, -1, 4).transpose(2, 3)  # [P, B, group, 16, 4]
+        if self.format == "q8_0":
+            codes = codes ^ 0x80
+        return torch.cat([*scales, codes.reshape(panels, blocks, -1)], dim=-1).contiguous()
+
+
+def _head(format: str) -> int:
+    """The bytes before a GGUF block's codes: its scale, and Q4_1's minimum."""
+    return 4 if format == "q4_1" else 2
 
 
 def panel_rows(format: str, packed: torch.Tensor, index: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -85,14 +96,14 @@ def panel_rows(format: str, packed: torch.Tensor, index: torch.Tensor, in_featur
     panel, lane = index // PANEL, index % PANEL
     blocks = in_features // QBLOCK
     picked = packed[panel]  # [n, B, panel block bytes]
-    head = 4 if format == "q4_1" else 2
-    n = index.numel()
+    head, n = _head(format), index.numel()
     scales = [picked[..., at * PANEL:(at + 2) * PANEL].contiguous().view(n, blocks, PANEL, 2)
               for at in range(0, head, 2)]
-    codes = picked[..., head * PANEL:].reshape(n, blocks, -1, PANEL)  # [n, B, bytes, 16]
+    codes = picked[..., head * PANEL:].reshape(n, blocks, -1, PANEL, 4)  # [n, B, group, 16, 4]
     rows = torch.arange(n)
     gguf = [scale[rows, :, lane] for scale in scales]  # [n, B, 2] each
-    gguf.append(codes[rows, :, :, lane])  # [n, B, bytes]
+    own = codes[rows, :, :, lane].reshape(n, blocks, -1)  # [n, B, code bytes]
+    gguf.append(own ^ 0x80 if format == "q8_0" else own)
     return _values(format, torch.cat(gguf, dim=-1)).reshape(n, in_features)
 
 
@@ -101,8 +112,7 @@ def _values(format: str, blocks: torch.Tensor) -> torch.Tensor:
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [..., 1]
     if format == "q8_0":
         return d * blocks[..., 2:].contiguous().view(torch.int8).float()
-    offset = 4 if format == "q4_1" else 2
-    packed = blocks[..., offset:]
+    packed = blocks[..., _head(format):]
     codes = torch.cat([packed & 15, packed >> 4], dim=-1)
     if format == "q4_0":
         return d * (codes.to(torch.int8) - 8).float()
@@ -133,7 +143,8 @@ def cat(parts: list[BlockWeight]) -> BlockWeight:
         raise ValueError("fused weights must share their input width")
     if len(formats) > 1:
         parts = [p if p.format == "q8_0" else quantize_q8_0(p.dequantize()) for p in parts]
-    return BlockWeight(parts[0].format, torch.cat([p.data for p in parts]), parts[0].in_features)
+    return BlockWeight(parts[0].format, torch.cat([p.data for p in parts]), parts[0].in_features,
+                       max(p.input_bits for p in parts))
 
 
 def quantization_loss(weight: torch.Tensor, quantized: BlockWeight) -> tuple[float, float]:

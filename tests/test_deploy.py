@@ -307,7 +307,8 @@ def test_gpu_2p4d_requests_one_gpu_per_worker(helm_report):
     assert "nvidia.com/gpu" not in container(router)["resources"]["limits"]
     config = chart_config(docs)
     assert config["model"] == {"name": "/models/Llama-3.2-1B-Instruct", "dtype": "bfloat16", "device": "cuda",
-                               "attention_backend": "triton", "executor": "auto", "cuda_graphs": True,
+                               "attention_backend": "triton", "executor": "auto", "quantization": "none",
+                               "quantized_inputs": 16, "cuda_graphs": True,
                                "batch_invariant": True, "threads": 0, "generation_config": "auto",
                                "override_generation_config": {}}
     assert config["decode"]["max_rows"] == 64 and config["router"]["prefix_index"] == "redis"

@@ -95,18 +95,22 @@ def small_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
     return out
 
 
-def quant_gemm(x: torch.Tensor, packed: torch.Tensor, code: int, in_features: int, out_features: int) -> torch.Tensor:
+def quant_gemm(x: torch.Tensor, packed: torch.Tensor, code: int, in_features: int, out_features: int,
+               input_bits: int = 8) -> torch.Tensor:
     """x: [M, K] float32 -> x @ W^T: [M, out_features] float32, with W quantized panels
-    (`engine.quantized.BlockWeight.panels`, format `code`)."""
+    (`engine.quantized.BlockWeight.panels`, format `code`), x quantized per block of 32 to 8-bit
+    or 16-bit codes (engine/cpu/quantized.h)."""
     if x.dtype != torch.float32 or x.shape[-1] != in_features:
         raise ValueError(f"quant_gemm takes float32 activations of width {in_features}, not {x.dtype} {tuple(x.shape)}")
+    if input_bits not in (8, 16):
+        raise ValueError(f"quant_gemm quantizes its inputs to 8 or 16 bits, not {input_bits}")
     lib = _library()
     if lib is None or not hasattr(lib, "baton_quant_gemm"):
         raise ValueError("Baton's CPU kernels are not built here: quantized weights need them")
     x = x.contiguous()
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    failed = lib.baton_quant_gemm(code, x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.shape[0], in_features,
-                                  out_features, torch.get_num_threads())
+    failed = lib.baton_quant_gemm(code, input_bits == 16, x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.shape[0],
+                                  in_features, out_features, torch.get_num_threads())
     if failed == -2:
         raise ValueError(f"quant_gemm: format {code} or width {in_features} is not one the kernel reads")
     if failed:
@@ -236,7 +240,8 @@ class DecodeLayers:
                                  "float32 norms and biases")
             if layer.o.bias is not None or layer.gate_up.bias is not None or layer.down.bias is not None:
                 raise ValueError("the fused decode step has no bias for the O, gate/up and down projections")
-            tensors.append((row, [linear.code for linear in linears]))
+            tensors.append((row, [linear.code + (4 if linear.code and linear.input_bits == 16 else 0)
+                                  for linear in linears]))
         self._held = [t for row, _ in tensors for t in row if t is not None]  # C reads their addresses
         self.addresses = torch.tensor([[0 if t is None else t.data_ptr() for t in row] + codes
                                        for row, codes in tensors], dtype=torch.int64)
@@ -289,7 +294,7 @@ def _library() -> ctypes.CDLL | None:
     lib.baton_rotary.restype = None
     lib.baton_silu_mul.argtypes = [pointer] * 2 + [size] * 2 + [threads]
     lib.baton_silu_mul.restype = None
-    lib.baton_quant_gemm.argtypes = [size] + [pointer] * 3 + [size] * 3 + [threads]
+    lib.baton_quant_gemm.argtypes = [size] * 2 + [pointer] * 3 + [size] * 3 + [threads]
     lib.baton_quant_gemm.restype = ctypes.c_int
     for suffix in SUFFIXES.values():
         if not hasattr(lib, f"baton_small_gemm_{suffix}"):

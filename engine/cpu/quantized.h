@@ -1,26 +1,34 @@
 /* The GEMM over weights that stay quantized in memory: GGUF's Q8_0, Q4_0 and Q4_1 blocks (32
- * weights along k sharing an fp16 scale, and for Q4_1 an fp16 minimum), repacked into panels of
- * 16 output features as the float GEMM reads them. kernels.c includes this before the typed
- * kernels, which call `quant_gemm` for any weight whose format is not the model's float dtype.
+ * weights along k sharing an fp16 scale d, and for Q4_1 an fp16 minimum m), repacked into panels
+ * of 16 output features. kernels.c includes this before the typed kernels, which call
+ * `quant_gemm` for any weight whose format is not the model's float dtype.
  *
- * A panel is K / 32 blocks in k order; a block holds, for its 16 features:
- *   Q8_0: 16 fp16 scales d, then 32 k-rows of 16 int8 q         (544 bytes: w = d q)
- *   Q4_0: 16 fp16 scales d, then 16 rows of 16 bytes            (288 bytes: w = d (q - 8))
- *   Q4_1: 16 fp16 scales d, 16 fp16 minimums m, then 16 rows     (320 bytes: w = d q + m)
- * where byte t of a feature holds q[t] in its low nibble and q[t + 16] in its high one: GGUF's own
- * byte order, so packing transposes whole bytes and never reorders a nibble. The bytes a step
- * reads are the file's.
+ * Arithmetic is llama.cpp's: each row's inputs are quantized per block of 32 to int8 with a scale
+ * (dx = max |x| / 127, x = dx xq, rounded to nearest even), and a block's products are integer dot
+ * products, exact, four at a time (AVX512-VNNI's vpdpbusd: unsigned bytes times signed bytes, 64
+ * products an instruction; a plain C loop computing the same integers elsewhere). A block adds
+ *   Q8_0: d dx (sum (q + 128) xq - 128 sum xq)      (weights stored as the unsigned q + 128)
+ *   Q4_0: d dx (sum q xq - 8 sum xq)
+ *   Q4_1: d dx sum q xq + m sum x                    (sum x: the row's floats, in k order)
+ * to the feature's fp32 sum, blocks in k order. Widening each weight to fp32 instead took as many
+ * vector instructions a weight as reading bf16 does, and a few rows are compute-bound on a CPU
+ * core: int8 dots do a block in a quarter of them. Everything a row's result depends on (its own
+ * quantized inputs, exact integer sums, one fixed float epilogue) is its own, so batch invariance
+ * holds, and the integers are the same on any CPU.
  *
- * Arithmetic is fp32: q is widened to a float in registers, a row's products over a block are
- * summed in a fixed order (two interleaved chains, below) and scaled once per block, and blocks are
- * added in order: sum_b d_b * sum_k x_k q_k (+ m_b * sum_k x_k, the row's block sum, computed once
- * per call in k order). Each row is reduced on its own, in an order fixed by the weights' format
- * alone: batch invariance holds as for float weights. */
+ * A panel is K / 32 blocks in k order; a block holds, for its 16 features, 16 fp16 scales (Q4_1:
+ * then 16 fp16 minimums), then the codes in groups of four consecutive k, a group's 16 features
+ * side by side (64 bytes, one vector: feature j's four bytes in lane j):
+ *   Q8_0: 8 groups (k = 4g .. 4g + 3) of q + 128                           (32 + 512 bytes)
+ *   Q4:   4 groups of bytes q[4g + i] | q[16 + 4g + i] << 4, GGUF's own bytes (32 or 64 + 256)
+ * so packing moves whole bytes (Q8_0: flips their top bit) and the bytes a step reads are the
+ * file's. */
 enum { FORMAT_FLOAT = 0, FORMAT_Q8_0 = 1, FORMAT_Q4_0 = 2, FORMAT_Q4_1 = 3 };
 #define QBLOCK 32
 
+static inline int64_t quant_head_bytes(int64_t format) { return format == FORMAT_Q4_1 ? 64 : 32; }
 static inline int64_t quant_block_bytes(int64_t format) {
-  return format == FORMAT_Q8_0 ? 32 + QBLOCK * PANEL : format == FORMAT_Q4_0 ? 32 + 16 * PANEL : 64 + 16 * PANEL;
+  return quant_head_bytes(format) + (format == FORMAT_Q8_0 ? QBLOCK * PANEL : QBLOCK / 2 * PANEL);
 }
 
 static inline v16 load16_half(const void *p) {
@@ -54,162 +62,194 @@ static inline v16 load16_half(const void *p) {
 #endif
 }
 
-static inline v16 load16_i8(const int8_t *p) {
-#ifdef __AVX512F__
-  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#else
-  typedef int8_t v16b_ __attribute__((vector_size(16)));
-  v16b_ b;
-  memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, v16);
-#endif
+/* 16 lanes of int32: lane j += the dot product of the four unsigned bytes of lane j of w with the
+ * four signed bytes at x. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+typedef __m512i v16d; /* 16 int32 sums */
+typedef __m512i v64b; /* 64 bytes of codes */
+static inline v16d dot4(v16d acc, v64b w, const int8_t *x) {
+  int32_t four;
+  memcpy(&four, x, 4);
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(four));
 }
-
-/* 16 bytes -> their low nibbles and their high nibbles as floats */
-static inline void load16_nibbles(const uint8_t *p, v16 *lo, v16 *hi) {
-#ifdef __AVX512F__
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-  *lo = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-  *hi = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+static inline v16d zero16d(void) { return _mm512_setzero_si512(); }
+static inline v16d add16d(v16d a, v16d b) { return _mm512_add_epi32(a, b); }
+static inline v64b load64(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline v64b low_nibbles(v64b v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+static inline v64b high_nibbles(v64b v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+static inline v16 int_to_float(v16d v) { return (v16)_mm512_cvtepi32_ps(v); }
+static inline v16d minus_times(v16d v, int32_t a, int32_t b) { return _mm512_sub_epi32(v, _mm512_set1_epi32(a * b)); }
+static inline v16d shift8(v16d v) { return _mm512_slli_epi32(v, 8); }
 #else
-  typedef uint8_t v16ub_ __attribute__((vector_size(16)));
-  v16ub_ b;
-  memcpy(&b, p, sizeof(b));
-  *lo = __builtin_convertvector(b & 15, v16);
-  *hi = __builtin_convertvector(b >> 4, v16);
-#endif
+typedef v16i v16d;
+typedef uint8_t v64b __attribute__((vector_size(64)));
+static inline v16d dot4(v16d acc, v64b w, const int8_t *x) {
+  for (int j = 0; j < 16; ++j)
+    acc[j] += (int32_t)w[4 * j] * x[0] + (int32_t)w[4 * j + 1] * x[1] + (int32_t)w[4 * j + 2] * x[2] +
+              (int32_t)w[4 * j + 3] * x[3];
+  return acc;
 }
+static inline v16d zero16d(void) { return (v16d){0}; }
+static inline v16d add16d(v16d a, v16d b) { return a + b; }
+static inline v64b load64(const uint8_t *p) {
+  v64b v;
+  memcpy(&v, p, 64);
+  return v;
+}
+static inline v64b low_nibbles(v64b v) { return v & 15; }
+static inline v64b high_nibbles(v64b v) { return v >> 4; }
+static inline v16 int_to_float(v16d v) { return __builtin_convertvector(v, v16); }
+static inline v16d minus_times(v16d v, int32_t a, int32_t b) { return v - a * b; }
+static inline v16d shift8(v16d v) { return v * 256; }
+#endif
 
-/* One panel, M rows: xt holds the rows' inputs k-major (M floats a k), xs their block sums
- * (M floats a block, Q4 only). A row's products over a block go to two accumulators (Q8_0: even
- * and odd k; Q4: the low and the high nibbles), added at the block's end: with one, a few rows
- * waited on each multiply-add's latency. */
-#define QUANT_PANEL_KERNEL(M)                                                                      \
-  static NOIPA void q8_panel_##M(const float *xt, const float *xs, int64_t rows, const uint8_t *w, \
-                                 int64_t K, float *out, int64_t N, int64_t col) {                  \
-    (void)xs;                                                                                      \
+/* A row's inputs as quantize_inputs leaves them: per block of 32, int8 codes (or 16-bit codes as
+ * their high and low bytes), the scale, the codes' sum and the floats' sum. */
+struct quantized_rows {
+  const int8_t *codes; /* [M][K] */
+  const int8_t *low; /* [M][K] the low bytes of 16-bit codes (0: 8-bit codes) */
+  const float *scale, *sum; /* [M][blocks] */
+  const int32_t *code_sum; /* [M][blocks] */
+  int64_t K, blocks;
+};
+
+/* One panel, M rows (rows m of `x`, starting at row0): out[m][col .. col + 16). One copy per
+ * format, input precision and row count, so their constants fold away. With 8-bit inputs a row's
+ * dots go to two chains (low and high nibbles, or even and odd groups: a dot product's latency is
+ * 5 cycles); with 16-bit inputs, one chain for the codes' high bytes and one for their low bytes,
+ * joined as 256 high + low: the integer sum over 16-bit codes, exactly. */
+#define QUANT_PANEL_KERNEL(M, F, P)                                                                \
+  static NOIPA void quant_panel_##F##_##P##_##M(struct quantized_rows x, int64_t row0, const uint8_t *w, \
+                                                float *out, int64_t N, int64_t col) {              \
+    const int64_t head = quant_head_bytes(F), bytes = quant_block_bytes(F);                        \
+    const int32_t offset = F == FORMAT_Q8_0 ? 128 : F == FORMAT_Q4_0 ? 8 : 0;                      \
     v16 acc[M];                                                                                    \
     for (int m = 0; m < M; ++m) acc[m] = (v16){0};                                                 \
-    for (int64_t b = 0; b < K / QBLOCK; ++b) {                                                     \
-      const uint8_t *block = w + b * (32 + QBLOCK * PANEL);                                        \
-      const int8_t *q = (const int8_t *)(block + 32);                                              \
-      v16 even[M], odd[M]; /* two chains a row: one chain's FMA latency bound a few rows */        \
-      for (int m = 0; m < M; ++m) even[m] = odd[m] = (v16){0};                                     \
-      for (int64_t k = 0; k < QBLOCK; k += 2) {                                                    \
-        if (k % 4 == 0) {                                                                          \
-          __builtin_prefetch((const char *)(q + k * PANEL) + GEMM_PREFETCH_L2, 0, 1);              \
-          __builtin_prefetch((const char *)(q + k * PANEL) + GEMM_PREFETCH_L1);                    \
+    for (int64_t b = 0; b < x.blocks; ++b) {                                                       \
+      const uint8_t *block = w + b * bytes, *q = block + head;                                     \
+      for (int64_t line = 0; line < bytes; line += 64)                                             \
+        __builtin_prefetch((const char *)block + GEMM_PREFETCH_L2 + line, 0, 1);                   \
+      v16d one[M], two[M];                                                                         \
+      for (int m = 0; m < M; ++m) one[m] = two[m] = zero16d();                                     \
+      const int8_t *xb = x.codes + row0 * x.K + b * QBLOCK, *lb = P ? x.low + row0 * x.K + b * QBLOCK : 0; \
+      if (F == FORMAT_Q8_0) {                                                                      \
+        for (int g = 0; g < 8; g += 2) {                                                           \
+          const v64b w0 = load64(q + 64 * g), w1 = load64(q + 64 * (g + 1));                     \
+          for (int m = 0; m < M; ++m) {                                                            \
+            if (P) {                                                                               \
+              one[m] = dot4(dot4(one[m], w0, xb + m * x.K + 4 * g), w1, xb + m * x.K + 4 * g + 4); \
+              two[m] = dot4(dot4(two[m], w0, lb + m * x.K + 4 * g), w1, lb + m * x.K + 4 * g + 4); \
+            } else {                                                                               \
+              one[m] = dot4(one[m], w0, xb + m * x.K + 4 * g);                                     \
+              two[m] = dot4(two[m], w1, xb + m * x.K + 4 * g + 4);                                 \
+            }                                                                                      \
+          }                                                                                        \
         }                                                                                          \
-        const v16 w0 = load16_i8(q + k * PANEL), w1 = load16_i8(q + (k + 1) * PANEL);              \
-        const float *xk = xt + (b * QBLOCK + k) * rows, *xn = xk + rows;                           \
-        for (int m = 0; m < M; ++m) {                                                              \
-          even[m] += xk[m] * w0;                                                                   \
-          odd[m] += xn[m] * w1;                                                                    \
+      } else {                                                                                     \
+        for (int g = 0; g < 4; ++g) {                                                              \
+          const v64b v = load64(q + 64 * g), lo = low_nibbles(v), hi = high_nibbles(v);            \
+          for (int m = 0; m < M; ++m) {                                                            \
+            if (P) {                                                                               \
+              one[m] = dot4(dot4(one[m], lo, xb + m * x.K + 4 * g), hi, xb + m * x.K + 16 + 4 * g); \
+              two[m] = dot4(dot4(two[m], lo, lb + m * x.K + 4 * g), hi, lb + m * x.K + 16 + 4 * g); \
+            } else {                                                                               \
+              one[m] = dot4(one[m], lo, xb + m * x.K + 4 * g);                                     \
+              two[m] = dot4(two[m], hi, xb + m * x.K + 16 + 4 * g);                                \
+            }                                                                                      \
+          }                                                                                        \
         }                                                                                          \
       }                                                                                            \
       const v16 d = load16_half(block);                                                            \
-      for (int m = 0; m < M; ++m) acc[m] += (even[m] + odd[m]) * d;                                \
-    }                                                                                              \
-    const int64_t width = N - col < PANEL ? N - col : PANEL;                                       \
-    for (int m = 0; m < M; ++m) memcpy(out + m * N + col, &acc[m], width * sizeof(float));        \
-  }                                                                                                \
-  static NOIPA void q4_panel_##M(const float *xt, const float *xs, int64_t rows, const uint8_t *w, \
-                                 int64_t K, float *out, int64_t N, int64_t col, int with_min) {    \
-    const int64_t bytes = with_min ? 64 + 16 * PANEL : 32 + 16 * PANEL;                            \
-    v16 acc[M];                                                                                    \
-    for (int m = 0; m < M; ++m) acc[m] = (v16){0};                                                 \
-    for (int64_t b = 0; b < K / QBLOCK; ++b) {                                                     \
-      const uint8_t *block = w + b * bytes, *q = block + (with_min ? 64 : 32);                     \
-      __builtin_prefetch((const char *)block + GEMM_PREFETCH_L2, 0, 1);                            \
-      __builtin_prefetch((const char *)block + GEMM_PREFETCH_L2 + 64, 0, 1);                       \
-      __builtin_prefetch((const char *)block + GEMM_PREFETCH_L2 + 128, 0, 1);                      \
-      __builtin_prefetch((const char *)block + GEMM_PREFETCH_L2 + 192, 0, 1);                      \
-      __builtin_prefetch((const char *)block + GEMM_PREFETCH_L2 + 256, 0, 1);                      \
-      v16 low[M], high[M]; /* k < 16 and k >= 16: two chains a row */                              \
-      for (int m = 0; m < M; ++m) low[m] = high[m] = (v16){0};                                     \
-      for (int64_t t = 0; t < 16; ++t) {                                                           \
-        v16 lo, hi;                                                                                \
-        load16_nibbles(q + t * PANEL, &lo, &hi);                                                   \
-        const float *xk = xt + (b * QBLOCK + t) * rows, *xh = xk + 16 * rows;                      \
-        for (int m = 0; m < M; ++m) {                                                              \
-          low[m] += xk[m] * lo;                                                                    \
-          high[m] += xh[m] * hi;                                                                   \
-        }                                                                                          \
-      }                                                                                            \
-      const v16 d = load16_half(block);                                                            \
-      const v16 mins = with_min ? load16_half(block + 32) : d * -8.0f;                             \
-      const float *sums = xs + b * rows;                                                           \
       for (int m = 0; m < M; ++m) {                                                                \
-        acc[m] += (low[m] + high[m]) * d;                                                          \
-        acc[m] += sums[m] * mins;                                                                  \
+        const int64_t at = (row0 + m) * x.blocks + b;                                              \
+        v16d sum = P ? add16d(shift8(one[m]), two[m]) : add16d(one[m], two[m]);                    \
+        if (offset) sum = minus_times(sum, offset, x.code_sum[at]);                                \
+        acc[m] += int_to_float(sum) * (d * x.scale[at]);                                           \
+        if (F == FORMAT_Q4_1) acc[m] += load16_half(block + 32) * x.sum[at];                       \
       }                                                                                            \
     }                                                                                              \
     const int64_t width = N - col < PANEL ? N - col : PANEL;                                       \
     for (int m = 0; m < M; ++m) memcpy(out + m * N + col, &acc[m], width * sizeof(float));        \
   }
-
-QUANT_PANEL_KERNEL(1)
-QUANT_PANEL_KERNEL(2)
-QUANT_PANEL_KERNEL(3)
-QUANT_PANEL_KERNEL(4)
-QUANT_PANEL_KERNEL(5)
-QUANT_PANEL_KERNEL(6)
-QUANT_PANEL_KERNEL(7)
-QUANT_PANEL_KERNEL(8)
+#define QUANT_PANEL_KERNELS(F, P)                                                                  \
+  QUANT_PANEL_KERNEL(1, F, P) QUANT_PANEL_KERNEL(2, F, P) QUANT_PANEL_KERNEL(3, F, P)              \
+  QUANT_PANEL_KERNEL(4, F, P) QUANT_PANEL_KERNEL(5, F, P) QUANT_PANEL_KERNEL(6, F, P)              \
+  QUANT_PANEL_KERNEL(7, F, P) QUANT_PANEL_KERNEL(8, F, P)
+QUANT_PANEL_KERNELS(1, 0) QUANT_PANEL_KERNELS(2, 0) QUANT_PANEL_KERNELS(3, 0) /* Q8_0, Q4_0, Q4_1; 8-bit */
+QUANT_PANEL_KERNELS(1, 1) QUANT_PANEL_KERNELS(2, 1) QUANT_PANEL_KERNELS(3, 1) /* 16-bit inputs */
+#undef QUANT_PANEL_KERNELS
 #undef QUANT_PANEL_KERNEL
 
-typedef void (*q8_panel_fn)(const float *, const float *, int64_t, const uint8_t *, int64_t, float *, int64_t, int64_t);
-typedef void (*q4_panel_fn)(const float *, const float *, int64_t, const uint8_t *, int64_t, float *, int64_t, int64_t,
-                            int);
-static const q8_panel_fn Q8_PANELS[9] = {0, q8_panel_1, q8_panel_2, q8_panel_3, q8_panel_4,
-                                         q8_panel_5, q8_panel_6, q8_panel_7, q8_panel_8};
-static const q4_panel_fn Q4_PANELS[9] = {0, q4_panel_1, q4_panel_2, q4_panel_3, q4_panel_4,
-                                         q4_panel_5, q4_panel_6, q4_panel_7, q4_panel_8};
+typedef void (*quant_panel_fn)(struct quantized_rows, int64_t, const uint8_t *, float *, int64_t, int64_t);
+#define QUANT_ROW_COUNTS(F, P)                                                                     \
+  {0, quant_panel_##F##_##P##_1, quant_panel_##F##_##P##_2, quant_panel_##F##_##P##_3, quant_panel_##F##_##P##_4, \
+   quant_panel_##F##_##P##_5, quant_panel_##F##_##P##_6, quant_panel_##F##_##P##_7, quant_panel_##F##_##P##_8}
+static const quant_panel_fn QUANT_PANELS[2][4][9] = {
+    {{0}, QUANT_ROW_COUNTS(1, 0), QUANT_ROW_COUNTS(2, 0), QUANT_ROW_COUNTS(3, 0)},
+    {{0}, QUANT_ROW_COUNTS(1, 1), QUANT_ROW_COUNTS(2, 1), QUANT_ROW_COUNTS(3, 1)}};
+#undef QUANT_ROW_COUNTS
 
-/* y = x @ W^T for quantized panels. x: [M, K] fp32 (K a multiple of 32); out: [M, N]; xt: M * K
- * floats of scratch. Returns -1 when out of memory (the block sums), else 0. */
-static int quant_gemm(int64_t format, const float *x, const uint8_t *packed, float *out, int64_t M, int64_t K,
-                      int64_t N, int threads, float *xt) {
-  const int64_t blocks = K / QBLOCK, panel_bytes = blocks * quant_block_bytes(format);
-  float *xs = 0;
-  if (format != FORMAT_Q8_0) {
-    xs = malloc(sizeof(float) * (M > 0 ? M : 1) * (blocks > 0 ? blocks : 1));
-    if (!xs) return -1;
-  }
-  for (int64_t m0 = 0; m0 < M; m0 += 8) { /* transposed as the float GEMM does; block sums in k order */
-    const int64_t rows = M - m0 < 8 ? M - m0 : 8;
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t m = 0; m < rows; ++m) xt[m0 * K + k * rows + m] = x[(m0 + m) * K + k];
-    if (xs)
-      for (int64_t b = 0; b < blocks; ++b)
-        for (int64_t m = 0; m < rows; ++m) {
-          float s = 0.f;
-          for (int64_t k = 0; k < QBLOCK; ++k) s += x[(m0 + m) * K + b * QBLOCK + k];
-          xs[m0 * blocks + b * rows + m] = s;
+/* Row r of x [M, K] per block of 32, with dx = max |x| / 127: 8-bit codes round(x / dx) (to
+ * nearest even; 0 for a block of zeros), scale dx; or (low given) 16-bit codes X = round(256 x /
+ * dx), |X| <= 32512, as a high byte floor((X + 128) / 256) and a low byte X - 256 high (in -128..
+ * 127), scale dx / 256. Also the codes' sum and the floats' sum in k order. */
+static void quantize_inputs(const float *x, int64_t M, int64_t K, int8_t *codes, int8_t *low, float *scale,
+                            int32_t *code_sum, float *sum) {
+  const int64_t blocks = K / QBLOCK;
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float *xb = x + r * K + b * QBLOCK;
+      float top = 0.f, total = 0.f;
+      for (int k = 0; k < QBLOCK; ++k) {
+        const float a = __builtin_fabsf(xb[k]);
+        top = a > top ? a : top;
+        total += xb[k];
+      }
+      const float dx = top / 127.f, inverse = dx > 0.f ? (low ? 256.f : 1.f) / dx : 0.f;
+      int32_t codes_total = 0;
+      for (int k = 0; k < QBLOCK; ++k) {
+        const int32_t c = (int32_t)__builtin_rintf(xb[k] * inverse), at = r * K + b * QBLOCK + k;
+        if (low) {
+          const int32_t high = (c + 128) >> 8;
+          codes[at] = (int8_t)high, low[at] = (int8_t)(c - 256 * high);
+        } else {
+          codes[at] = (int8_t)c;
         }
+        codes_total += c;
+      }
+      scale[r * blocks + b] = low ? dx / 256.f : dx, code_sum[r * blocks + b] = codes_total;
+      sum[r * blocks + b] = total;
+    }
+}
+
+/* y = x @ W^T for quantized panels. x: [M, K] fp32 (K a multiple of 32), quantized to 16-bit codes
+ * when `precise`, else to 8-bit ones; out: [M, N]. Returns -1 when out of memory, else 0. */
+static int quant_gemm(int64_t format, int precise, const float *x, const uint8_t *packed, float *out, int64_t M,
+                      int64_t K, int64_t N, int threads) {
+  const int64_t blocks = K / QBLOCK, panel_bytes = blocks * quant_block_bytes(format);
+  const int64_t rows = M > 0 ? M : 1, cells = rows * (blocks > 0 ? blocks : 1);
+  int8_t *codes = malloc(2 * rows * K + 64);
+  float *floats = malloc(sizeof(float) * 2 * cells);
+  int32_t *code_sum = malloc(sizeof(int32_t) * cells);
+  if (!codes || !floats || !code_sum) {
+    free(codes), free(floats), free(code_sum);
+    return -1;
   }
+  int8_t *low = precise ? codes + rows * K : 0;
+  quantize_inputs(x, M, K, codes, low, floats, code_sum, floats + cells);
+  const struct quantized_rows xq = {codes, low, floats, floats + cells, code_sum, K, blocks};
   const int64_t panels = (N + PANEL - 1) / PANEL;
+  const quant_panel_fn *kernels = QUANT_PANELS[precise != 0][format];
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < panels; ++p)
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      const int64_t rows = M - m0 < 8 ? M - m0 : 8;
-      const uint8_t *w = packed + p * panel_bytes;
-      if (format == FORMAT_Q8_0)
-        Q8_PANELS[rows](xt + m0 * K, 0, rows, w, K, out + m0 * N, N, p * PANEL);
-      else
-        Q4_PANELS[rows](xt + m0 * K, xs + m0 * blocks, rows, w, K, out + m0 * N, N, p * PANEL,
-                        format == FORMAT_Q4_1);
-    }
-  free(xs);
+    for (int64_t m0 = 0; m0 < M; m0 += 8)
+      kernels[M - m0 < 8 ? M - m0 : 8](xq, m0, packed + p * panel_bytes, out + m0 * N, N, p * PANEL);
+  free(codes), free(floats), free(code_sum);
   return 0;
 }
 
-int baton_quant_gemm(int64_t format, const float *x, const uint8_t *packed, float *out, int64_t M, int64_t K,
-                     int64_t N, int threads) {
+int baton_quant_gemm(int64_t format, int64_t precise, const float *x, const uint8_t *packed, float *out, int64_t M,
+                     int64_t K, int64_t N, int threads) {
   if (format < FORMAT_Q8_0 || format > FORMAT_Q4_1 || K % QBLOCK) return -2;
-  float *xt = malloc(sizeof(float) * (M > 0 ? M : 1) * K);
-  if (!xt) return -1;
-  const int failed = quant_gemm(format, x, packed, out, M, K, N, threads, xt);
-  free(xt);
-  return failed;
+  return quant_gemm(format, precise != 0, x, packed, out, M, K, N, threads);
 }
