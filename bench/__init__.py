@@ -69,6 +69,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("local", "issue 49: a conversation's second turn with a new message of 64-2048 tokens while 7 streams "
                    "decode, prefilled on its decode worker vs the prefill worker: TTFT and the decoding streams' "
                    "longest gap (router.local_prefill_max_tokens)", "baton.bench.local_prefill"),
+    Suite("quant", "issue 50: quantized weights on one core, the default model's GGUF Q4_1 and Q8_0 made at load "
+                   "(16-bit and 8-bit GEMM inputs) vs bf16 and llama.cpp on the same file: the relay race, a 4-row "
+                   "decode, accuracy against the float model", "baton.bench.quant"),
     Suite("structured", "issue 33: JSON schemas and tool calls through the openai client, Baton vs vLLM's CPU build "
                         "on the same grammar engine (valid answers, same text at temperature 0); the grammar mask's "
                         "cost per decode step at 1-16 rows", "baton.bench.structured"),

@@ -339,7 +339,15 @@ class LlamaRunner:
             raise ValueError(f"every prompt needs a token after the {cached}-token prefix")
         return self._prefill(prompts, prefix)
 
-    def _prefill(self, prompts: list[list[int]], prefix: SequenceKV | None) -> list[PrefillOutput]:
+    @torch.no_grad()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """The next-token logits after every token of a prompt: [T, vocab] float32 (a text's
+        perplexity, its tokens' log-probabilities)."""
+        if not token_ids:
+            raise ValueError("prompt_logits needs at least one token")
+        return self._prefill([token_ids], None, every_position=True)
+
+    def _prefill(self, prompts: list[list[int]], prefix: SequenceKV | None, every_position: bool = False):
         cached = prefix.num_tokens if prefix is not None else 0
         suffixes = [p[cached:] for p in prompts]
         b, t = len(prompts), max(map(len, suffixes))
@@ -363,6 +371,8 @@ class LlamaRunner:
             h = self._mlp(layer, h)
             if self.between_layers is not None:
                 self.between_layers()
+        if every_position:  # one prompt: every token's logits, no KV kept
+            return self.lm_head(self._rms_norm(h, self.norm)).float()
         last = torch.tensor([i * t + len(s) - 1 for i, s in enumerate(suffixes)], device=self.device)
         logits = self.lm_head(self._rms_norm(h[last], self.norm)).float()  # [B, vocab]
         self.prompt_tokens_forwarded += sum(map(len, suffixes))

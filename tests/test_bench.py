@@ -413,3 +413,14 @@ def test_local_quick_times_a_turn_prefilled_where_its_conversation_is(tmp_path, 
             # the router weighed the decode worker holding the conversation, and says so
             assert all("holds" in run["route"] for run in figures["runs"]), mode
     assert "prefilled there" in printed
+
+
+def test_quant_quick_races_quantized_weights_and_measures_what_they_lose(tmp_path, capsys):
+    document, printed = run_suite("quant", tmp_path, capsys)
+    assert set(document["results"]) == {"bf16", "int8", "int8-i8"}  # gguf: the default model's file only
+    for name, result in document["results"].items():
+        assert result["race"]["tokens"] > 0 and result["shape"]["decode_tokens_per_s"] > 0, name
+    assert document["results"]["int8"]["weight_bytes"] < 0.6 * document["results"]["bf16"]["weight_bytes"]
+    for name, measured in document["accuracy"].items():
+        assert 0 <= measured["kl_mean"] < 0.05 and measured["perplexity"] > 0, name
+    assert "accuracy against the float model" in printed
