@@ -193,3 +193,16 @@ def test_kv_of_quantized_weights_is_another_models():
     assert floats.fingerprint.weights_hash == blocks.fingerprint.weights_hash
     runner = make_runner(blocks)
     assert runner.layers[0].qkv.code == quantized.FORMATS["q8_0"][0]
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_prompt_logits_score_every_position_as_prefill_scores_the_last(quantization):
+    """bench quant's perplexity: the logits after each token of a text, the last one prefill's own."""
+    runner = make_runner(load_model("tiny-random", dtype="float32", module=False, quantization=quantization))
+    text = [5, 17, 300, 42, 9, 1000]
+    every = runner.prompt_logits(text)
+    assert every.shape == (len(text), runner.loaded.config.vocab_size)
+    assert torch.equal(every[-1], runner.prefill(text).logits)
+    assert torch.equal(every[2], runner.prefill(text[:3]).logits)
+    with pytest.raises(ValueError, match="at least one token"):
+        runner.prompt_logits([])

@@ -119,8 +119,9 @@ struct quantized_rows {
  * 5 cycles); with 16-bit inputs, one chain for the codes' high bytes and one for their low bytes,
  * joined as 256 high + low: the integer sum over 16-bit codes, exactly. */
 #define QUANT_PANEL_KERNEL(M, F, P)                                                                \
-  static NOIPA void quant_panel_##F##_##P##_##M(struct quantized_rows x, int64_t row0, const uint8_t *w, \
+  static NOIPA void quant_panel_##F##_##P##_##M(const struct quantized_rows *xs, int64_t row0, const uint8_t *w, \
                                                 float *out, int64_t N, int64_t col) {              \
+    const struct quantized_rows x = *xs; /* by address: a struct passed by value stalled each call */ \
     const int64_t head = quant_head_bytes(F), bytes = quant_block_bytes(F);                        \
     const int32_t offset = F == FORMAT_Q8_0 ? 128 : F == FORMAT_Q4_0 ? 8 : 0;                      \
     v16 acc[M];                                                                                    \
@@ -180,7 +181,7 @@ QUANT_PANEL_KERNELS(1, 1) QUANT_PANEL_KERNELS(2, 1) QUANT_PANEL_KERNELS(3, 1) /*
 #undef QUANT_PANEL_KERNELS
 #undef QUANT_PANEL_KERNEL
 
-typedef void (*quant_panel_fn)(struct quantized_rows, int64_t, const uint8_t *, float *, int64_t, int64_t);
+typedef void (*quant_panel_fn)(const struct quantized_rows *, int64_t, const uint8_t *, float *, int64_t, int64_t);
 #define QUANT_ROW_COUNTS(F, P)                                                                     \
   {0, quant_panel_##F##_##P##_1, quant_panel_##F##_##P##_2, quant_panel_##F##_##P##_3, quant_panel_##F##_##P##_4, \
    quant_panel_##F##_##P##_5, quant_panel_##F##_##P##_6, quant_panel_##F##_##P##_7, quant_panel_##F##_##P##_8}
@@ -218,11 +219,17 @@ static void quantize_inputs(const float *x, int64_t M, int64_t K, int8_t *codes,
 #endif
         const v16i high = (c + 128) >> 8; /* arithmetic: floor */
         const v16i own = low ? high : c, rest = c - 256 * high;
+#ifdef __AVX512F__
+        _mm_storeu_si128((__m128i *)(codes + at + 16 * h), _mm512_cvtepi32_epi8((__m512i)own));
+        if (low) _mm_storeu_si128((__m128i *)(low + at + 16 * h), _mm512_cvtepi32_epi8((__m512i)rest));
+        codes_total += _mm512_reduce_add_epi32((__m512i)c);
+#else
         for (int i = 0; i < 16; ++i) {
           codes[at + 16 * h + i] = (int8_t)own[i];
           if (low) low[at + 16 * h + i] = (int8_t)rest[i];
           codes_total += c[i];
         }
+#endif
       }
       scale[r * blocks + b] = low ? dx / 256.f : dx, code_sum[r * blocks + b] = codes_total;
       sum[r * blocks + b] = hsum16(half[0] + half[1]);
@@ -250,7 +257,7 @@ static int quant_gemm(int64_t format, int precise, const float *x, const uint8_t
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < panels; ++p)
     for (int64_t m0 = 0; m0 < M; m0 += 8)
-      kernels[M - m0 < 8 ? M - m0 : 8](xq, m0, packed + p * panel_bytes, out + m0 * N, N, p * PANEL);
+      kernels[M - m0 < 8 ? M - m0 : 8](&xq, m0, packed + p * panel_bytes, out + m0 * N, N, p * PANEL);
   free(codes), free(floats), free(code_sum);
   return 0;
 }
