@@ -1,6 +1,8 @@
 """quant (issue 50): quantized weights on the CPU, measured against Baton's float weights and
 against llama.cpp on the same GGUF file and core.
 
+Every timing is the best of --repeats rounds (3), the variants taking turns within a round.
+
 - race: the 30 relay chat queries, greedy, up to 200 new tokens, 4 decode rows, one thread
   (`baton generate --local --max-rows 4`'s engine): tokens per second of Baton in bf16 (floats),
   from the default model's GGUF (`gguf`, Q4_1 layers and a Q8_0 embedding) and with Q8_0 made at
@@ -42,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queries", type=int, help="how many of the 30 relay queries (quick: 4)")
     parser.add_argument("--max-tokens", type=int, help="new tokens per query at most (default 200; quick 16)")
     parser.add_argument("--rows", type=int, default=4, help="decode rows (default 4)")
+    parser.add_argument("--repeats", type=int, help="rounds of every timing, the best kept (default 3; quick 1)")
 
 
 def run(opts: BenchOptions) -> dict[str, Any]:
@@ -57,18 +60,25 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     prompts = [reference.encode_chat(q.chat()) for q in queries]
     text = reference.encode_text(TEXT.read_text())[: 64 if opts.quick else 512]
     floats = _measure_accuracy(reference, prompts, max_tokens, text, None)
-    results, accuracy = {}, {}
-    for name, dtype, quantization, bits in VARIANTS:
-        if quantization == "gguf" and opts.model != "default":
-            continue  # the default model is the one whose GGUF the project ships
-        opts.progress(f"quant: {name}")
-        loaded = load_model(opts.model, dtype=dtype, module=False, quantization=quantization, quantized_inputs=bits)
-        results[name] = {"race": _race(loaded, prompts, max_tokens, rows),
-                         "shape": _shape(loaded, rows, max_tokens),
-                         "weight_bytes": sum(t.nbytes for t in {id(t): t for t in loaded.tensors.values()}.values())}
-        if quantization != "none":
-            accuracy[name] = _measure_accuracy(loaded, prompts, max_tokens, text, floats)
-    peer = _llama_cpp(opts, rows, max_tokens) if opts.extra.get("llama_cpp") else {}
+    models = {name: load_model(opts.model, dtype=dtype, module=False, quantization=quantization,
+                               quantized_inputs=bits)
+              for name, dtype, quantization, bits in VARIANTS
+              if quantization != "gguf" or opts.model == "default"}  # the GGUF the project ships
+    results = {name: {"weight_bytes": sum(t.nbytes for t in {id(t): t for t in m.tensors.values()}.values())}
+               for name, m in models.items()}
+    repeats = opts.extra.get("repeats") or (1 if opts.quick else 3)
+    for rep in range(repeats):  # round after round, so a slower spell of a shared machine hits every variant
+        for name, loaded in models.items():
+            opts.progress(f"quant: {name}, round {rep + 1} of {repeats}")
+            race, shape = _race(loaded, prompts, max_tokens, rows), _shape(loaded, rows, max_tokens)
+            best = results[name]
+            if rep == 0 or race["tokens_per_s"] > best["race"]["tokens_per_s"]:
+                best["race"] = race
+            if rep == 0 or shape["decode_tokens_per_s"] > best["shape"]["decode_tokens_per_s"]:
+                best["shape"] = shape
+    accuracy = {name: _measure_accuracy(loaded, prompts, max_tokens, text, floats)
+                for name, loaded in models.items() if loaded.quantization != "none"}
+    peer = _llama_cpp(opts, rows, max_tokens, repeats) if opts.extra.get("llama_cpp") else {}
     return _report(opts, results, accuracy, floats, peer)
 
 
@@ -128,8 +138,9 @@ def _measure_accuracy(loaded, prompts, max_tokens: int, text: list[int], floats:
             "perplexity": mine["perplexity"], "perplexity_floats": floats["perplexity"]}
 
 
-def _llama_cpp(opts: BenchOptions, rows: int, new_tokens: int) -> dict[str, Any]:
-    """llama.cpp's batched-bench on the same file(s), one thread pinned to one core."""
+def _llama_cpp(opts: BenchOptions, rows: int, new_tokens: int, repeats: int) -> dict[str, Any]:
+    """llama.cpp's batched-bench on the same file(s), one thread pinned to this process's first
+    core, the best of `repeats` runs."""
     from baton.engine.model_files import _default_gguf_file
 
     tool = Path(opts.extra["llama_cpp"]).expanduser() / "llama-batched-bench"
@@ -144,12 +155,15 @@ def _llama_cpp(opts: BenchOptions, rows: int, new_tokens: int) -> dict[str, Any]
         command = ["taskset", "-c", str(sorted(os.sched_getaffinity(0))[0]), str(tool), "-m", str(path), "-t", "1",
                    "-tb", "1", "-c", "4096", "-b", "512", "-ub", "512", "-npp", "32", "-ntg", str(new_tokens),
                    "-npl", str(rows)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-        rates = [float(m.group(1)) for m in re.finditer(r"\|\s*[\d.]+\s*\|\s*([\d.]+)\s*\|\s*[\d.]+\s*\|\s*[\d.]+\s*\|\s*$",
-                                                           done.stdout, re.M)]
-        if done.returncode or not rates:
-            raise SystemExit(f"llama-batched-bench failed ({done.returncode}): {done.stderr[-400:]}")
-        found[name] = {"decode_tokens_per_s": rates[-1], "command": " ".join(command)}
+        best = 0.0
+        for _ in range(repeats):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+            rates = [float(m.group(1)) for m in re.finditer(
+                r"\|\s*[\d.]+\s*\|\s*([\d.]+)\s*\|\s*[\d.]+\s*\|\s*[\d.]+\s*\|\s*$", done.stdout, re.M)]
+            if done.returncode or not rates:
+                raise SystemExit(f"llama-batched-bench failed ({done.returncode}): {done.stderr[-400:]}")
+            best = max(best, rates[-1])  # S_TG: its generation tokens per second, all sequences
+        found[name] = {"decode_tokens_per_s": best, "command": " ".join(command)}
     return found
 
 

@@ -151,10 +151,10 @@ def cmd_batch(args) -> int:
     if args.router:
         summary = run(args.router)
     else:
-        from baton.launch.up import LocalCluster
+        from baton.launch.up import LocalCluster, model_env
 
         print("starting a local cluster (1 prefill, 1 decode)...", file=sys.stderr, flush=True)
-        with LocalCluster(model=args.model, max_rows=args.max_rows) as cluster:
+        with LocalCluster(model=args.model, max_rows=args.max_rows, extra_env=model_env(args)) as cluster:
             summary = run(cluster.router_address)
     if args.json:
         print(json.dumps({"summary": summary}), flush=True)

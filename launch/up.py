@@ -454,11 +454,19 @@ def run_http_demo(http_url: str, model: str, out=sys.stdout) -> None:
           f"finish_reason {answer['choices'][0]['finish_reason']})", file=out)
 
 
+def model_env(args) -> dict[str, str]:
+    """The environment that makes every worker of a local cluster load the model as the command's
+    flags say (--quantization, --quantized-inputs)."""
+    return {f"BATON_MODEL_{key.upper()}": str(value) for key in ("quantization", "quantized_inputs")
+            if (value := getattr(args, key, None)) is not None}
+
+
 def run_up(args) -> int:
     planner = planner_settings(args) if getattr(args, "planner", False) else None  # bad values: before anything starts
     cluster = LocalCluster(port=args.port, prefill=args.prefill, decode=args.decode, model=args.model,
                            max_rows=args.max_rows, share_cores=True, http_port=args.http_port,
-                           dynamic=planner is not None, log_level=args.log_level, start_lines=True)
+                           dynamic=planner is not None, log_level=args.log_level, start_lines=True,
+                           extra_env=model_env(args))
     stop = StopSignals()  # from here on, Ctrl-C or SIGTERM ends the cluster in order
     print(f"starting {args.prefill} prefill and {args.decode} decode workers for model {args.model!r}...",
           flush=True)

@@ -106,3 +106,21 @@ def test_models_are_found_by_directory_or_in_the_local_hugging_face_cache(tmp_pa
         model_dir("acme/not-here")
     with pytest.raises(ModelLoadError, match="no config.json"):
         model_dir(str(tmp_path))
+
+
+def test_quantization_flags_reach_every_worker_a_command_starts():
+    """`baton up` and `baton batch` start their workers with the model loaded as their flags say;
+    a serving command takes them as config keys."""
+    from baton.cli.args import load_role_settings
+    from baton.launch.up import model_env
+
+    up = build_parser().parse_args(["up", "--quantization", "gguf", "--quantized-inputs", "8"])
+    assert model_env(up) == {"BATON_MODEL_QUANTIZATION": "gguf", "BATON_MODEL_QUANTIZED_INPUTS": "8"}
+    assert model_env(build_parser().parse_args(["batch", "in.jsonl", "--quantization", "int8"])) == {
+        "BATON_MODEL_QUANTIZATION": "int8"}
+    assert model_env(build_parser().parse_args(["up"])) == {}
+    decode = build_parser().parse_args(["decode", "--quantization", "int8", "--quantized-inputs", "8"])
+    settings = load_role_settings(decode)
+    assert (settings.model.quantization, settings.model.quantized_inputs) == ("int8", 8)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--quantization", "fp4", "hi"])
