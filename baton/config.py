@@ -32,8 +32,8 @@ class ModelSettings:
     # Q4_1); 'int8': Q8_0 blocks made from the floats at load. Quantized: CPU, Baton's executor.
     quantization: str = "none"
     # Quantized weights' GEMM quantizes its inputs per block of 32 to 16-bit codes (the float model's
-    # answers: measured KL 0.0000 on the default model) or 8-bit ones (llama.cpp's arithmetic, ~10%
-    # faster a decode step, KL 0.03: a fifth of the relay queries' first tokens changed)
+    # answers: KL 0.0001 on the default model) or 8-bit ones (llama.cpp's arithmetic: half the dot
+    # products, KL 0.024, a tenth of the relay queries' first tokens changed; docs/quantization.md)
     quantized_inputs: int = 16
     cuda_graphs: bool = True  # CUDA, Baton's executor: decode steps replay captured graphs (false: op by op)
     # A request's tokens independent of the rows sharing its step, of chunking and of prefix-cache

@@ -49,7 +49,7 @@ QUANTIZATION_HELP = ("none (default): float weights in --dtype; gguf: the model'
                      "Q4_0, Q4_1; the default model's Q4_1 file); int8: Q8_0 blocks made from the floats at load. "
                      "Quantized weights run on the CPU, activations and KV in --dtype")
 QUANTIZED_INPUTS_HELP = ("bits each block of 32 inputs of a quantized weight's GEMM is quantized to: 16 (default; "
-                         "the float model's answers) or 8 (llama.cpp's arithmetic, a little faster, less exact)")
+                         "the float model's answers) or 8 (llama.cpp's arithmetic: half the dot products, less exact)")
 CUDA_GRAPHS_HELP = "on CUDA, replay each decode step of Baton's executor as a captured graph (default: on)"
 THREADS_HELP = "torch threads (default 0: one per core this process may use, or OMP_NUM_THREADS)"
 BATCH_INVARIANT_HELP = ("a request's tokens independent of its batch, chunking and cache hits (default on; "
