@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import threading
+import time
 import urllib.request
 from typing import Any, Callable, Sequence
 
@@ -52,7 +53,11 @@ SERVERS = ("baton", "baton-disagg", "vllm")
 DISAGG_ENV = {"BATON_ROUTER_LOCAL_PREFILL_MAX_TOKENS": "0"}
 CONCURRENCY = (1, 8)
 CONVERSATIONS, MIN_TURNS, MAX_TURNS, MAX_TOKENS, ROWS, KV_GIB = 16, 3, 8, 64, 8, 1.0
-QUICK = {"concurrency": (1, 2), "conversations": 2, "min_turns": 2, "max_turns": 3, "max_tokens": 16}
+# quick: half a second between a turn's answer and the next question, as a user reads it. A turn
+# sent at once can beat the decode worker's KV events to the router (the index a moment behind
+# what the worker retains), and on a loaded 2-core CI machine it did.
+QUICK = {"concurrency": (1, 2), "conversations": 2, "min_turns": 2, "max_turns": 3, "max_tokens": 16,
+         "think_s": 0.5}
 VLLM_ARGS = ("--enable-prefix-caching", "--enable-prompt-tokens-details")
 # Prometheus counters read before and after each run (summed over their label sets), by the name
 # the report gives them.
@@ -71,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"conversations per concurrency (default {CONVERSATIONS}; quick {QUICK['conversations']})")
     parser.add_argument("--max-tokens", type=_int_between(1),
                         help=f"max_tokens of each turn (default {MAX_TOKENS}; quick {QUICK['max_tokens']})")
+    parser.add_argument("--think-s", type=float,
+                        help=f"seconds between an answer and the next turn (default 0; quick {QUICK['think_s']})")
     parser.add_argument("--servers", type=servers_among(SERVERS), help=f"comma-separated subset of {','.join(SERVERS)} "
                                                          "(default all)")
     parser.add_argument("--vllm-python", metavar="PATH",
@@ -85,7 +92,8 @@ def _settings(opts: BenchOptions) -> dict[str, Any]:
     concurrency = list(pick("concurrency", CONCURRENCY))
     return {"concurrency": concurrency, "conversations": int(pick("conversations", CONVERSATIONS)),
             "min_turns": int(pick("min_turns", MIN_TURNS)), "max_turns": int(pick("max_turns", MAX_TURNS)),
-            "max_tokens": int(pick("max_tokens", MAX_TOKENS)), "rows": max(ROWS, *concurrency), "kv_gib": KV_GIB,
+            "max_tokens": int(pick("max_tokens", MAX_TOKENS)), "think_s": float(pick("think_s", 0.0)),
+            "rows": max(ROWS, *concurrency), "kv_gib": KV_GIB,
             "servers": list(opts.extra.get("servers") or SERVERS)}
 
 
@@ -111,12 +119,13 @@ def cached_tokens(usage: dict | None, absent_means_zero: bool) -> int | None:
 
 
 def drive_conversations(base: str, served: str, conversations: Sequence[dict[str, Any]], concurrency: int,
-                        max_tokens: int, kv_bytes: Callable[[], float] | None = None
+                        max_tokens: int, kv_bytes: Callable[[], float] | None = None, think_s: float = 0.0
                         ) -> tuple[list[dict[str, Any]], float]:
     """The conversations through `concurrency` clients, each taking the next conversation and
     running its turns in order, each turn's answer appended before the next question; (every
     request with its conversation and turn, wall seconds). With `kv_bytes` (a counter read), each
-    request also records how much it grew over that request (meaningful with one client only)."""
+    request also records how much it grew over that request (meaningful with one client only).
+    think_s: a pause before every turn after the first."""
     from baton.bench.goodput import one_request
 
     done: list[dict[str, Any]] = []
@@ -125,6 +134,8 @@ def drive_conversations(base: str, served: str, conversations: Sequence[dict[str
     def converse(chat: dict[str, Any]) -> None:
         messages = [{"role": "system", "content": chat["system"]}]
         for turn, question in enumerate(chat["questions"], start=1):
+            if turn > 1 and think_s:
+                time.sleep(think_s)  # the user reads the answer
             messages.append({"role": "user", "content": question})
             body = {"model": served, "messages": list(messages), "max_tokens": max_tokens, "temperature": 0,
                     "stream": True, "stream_options": {"include_usage": True}}
@@ -232,7 +243,7 @@ def _measure(server: str, base: str, served: str, read_counters: Callable[[], di
         per_turn = server.startswith("baton") and read_counters is not None and c == 1
         kv_bytes = (lambda: read_counters()["kv_transfer_bytes"]) if per_turn else None
         before = _read(read_counters)
-        requests, wall = drive_conversations(base, served, chats, c, s["max_tokens"], kv_bytes)
+        requests, wall = drive_conversations(base, served, chats, c, s["max_tokens"], kv_bytes, s["think_s"])
         after = _read(read_counters)
         for r in requests:
             r["cached"] = cached_tokens(r.get("usage"), absent_means_zero=server == "vllm")
