@@ -26,8 +26,9 @@ class BlockWeight:
     format: str
     data: torch.Tensor  # uint8 [N, K // 32 * block bytes], GGUF's row layout
     in_features: int
-    # what its GEMM quantizes the inputs to per block of 32: 8 bits (llama.cpp's arithmetic) or 16
-    input_bits: int = 8
+    # what its GEMM quantizes the inputs to per block of 32: 16 bits (model.quantized_inputs'
+    # default) or 8 (llama.cpp's arithmetic)
+    input_bits: int = 16
 
     def __post_init__(self):
         if self.format not in FORMATS:
