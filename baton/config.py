@@ -19,6 +19,7 @@ EXECUTOR_CHOICES = ("auto", "baton", "transformers")
 # how a model's weights are held: floats in the dtype; the GGUF file's own blocks; Q8_0 blocks
 # made at load (engine.quantized; CPU, Baton's executor)
 QUANTIZATIONS = ("none", "gguf", "int8")
+QUANTIZED_INPUT_BITS = (16, 8)  # what a quantized GEMM quantizes its inputs to (model.quantized_inputs)
 
 
 @dataclass
@@ -56,7 +57,7 @@ class ModelSettings:
 
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"model.quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
-        if self.quantized_inputs not in (8, 16):
+        if self.quantized_inputs not in QUANTIZED_INPUT_BITS:
             raise ValueError(f"model.quantized_inputs must be 8 or 16 (bits), not {self.quantized_inputs!r}")
         if self.quantization != "none" and self.executor == "transformers":
             raise ValueError(f"model.quantization {self.quantization!r} runs on Baton's executor; "

@@ -64,8 +64,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
                                quantized_inputs=bits)
               for name, dtype, quantization, bits in VARIANTS
               if quantization != "gguf" or opts.model == "default"}  # the GGUF the project ships
-    results = {name: {"weight_bytes": sum(t.nbytes for t in {id(t): t for t in m.tensors.values()}.values())}
-               for name, m in models.items()}
+    results = {name: {"weight_bytes": m.weight_bytes} for name, m in models.items()}
     repeats = opts.extra.get("repeats") or (1 if opts.quick else 3)
     for rep in range(repeats):  # round after round, so a slower spell of a shared machine hits every variant
         for name, loaded in models.items():
@@ -104,7 +103,6 @@ def _shape(loaded, rows: int, new_tokens: int, prompt_tokens: int = 32) -> dict[
     while engine.decode.scheduler.num_running < rows:
         engine.step()
     steps_before, started = engine.runner.decode_steps, time.perf_counter()
-    tokens = 0
     while engine.has_work():
         engine.step()
     tokens = (engine.runner.decode_steps - steps_before) * rows

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from baton.cli.args import (ENVIRONMENT, QUANTIZATION_HELP, QUANTIZED_INPUTS_HELP, USAGE_ERROR, UsageError,
-                            add_connection_args, add_model_args, add_sampling_args, add_serve_args, load_role_settings)
+from baton.cli.args import (ENVIRONMENT, USAGE_ERROR, UsageError, add_connection_args, add_model_args,
+                            add_quantization_args, add_sampling_args, add_serve_args, load_role_settings)
 from baton.cli.commands import cmd_batch, cmd_bench, cmd_generate, cmd_planner, cmd_serve, cmd_up
-from baton.config import QUANTIZATIONS
 from baton.logs import LEVELS, level_name
 
 __all__ = ["build_parser", "load_role_settings", "main"]
@@ -123,8 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--json", action="store_true", help="one JSON line per request, then a summary line")
     batch.add_argument("--model", default="default", help="model of the local cluster, without --router (default 'default')")
     batch.add_argument("--max-rows", type=int, default=8, help="decode rows of the local cluster (default 8)")
-    batch.add_argument("--quantization", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
-    batch.add_argument("--quantized-inputs", type=int, choices=(8, 16), help=QUANTIZED_INPUTS_HELP)
+    add_quantization_args(batch)
     batch.add_argument("--max-concurrency", type=int, default=0, help="requests in flight (default: the router's)")
     batch.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole batch (default 3600)")
     add_connection_args(batch)
@@ -170,8 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="'default' (SmolLM2-135M-Instruct), 'tiny-random', or a Hugging Face model directory")
     up.add_argument("--max-rows", type=int, default=0,
                     help="decode batch rows per decode worker (default 0: sized from the device, as a worker does)")
-    up.add_argument("--quantization", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
-    up.add_argument("--quantized-inputs", type=int, choices=(8, 16), help=QUANTIZED_INPUTS_HELP)
+    add_quantization_args(up)
     up.add_argument("--demo", action="store_true", help="send a short demo workload through the SDK, then stop")
     planner = up.add_argument_group("planner", "with --planner, workers are added and drained as the load asks "
                                                "(--prefill and --decode are then the least of each)")

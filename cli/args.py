@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from baton.config import DTYPE_CHOICES, EXECUTOR_CHOICES, QUANTIZATIONS
+from baton.config import DTYPE_CHOICES, EXECUTOR_CHOICES, QUANTIZATIONS, QUANTIZED_INPUT_BITS
 
 USAGE_ERROR = 2
 # What Baton reads from the environment besides BATON_<SECTION>_<KEY> config overrides.
@@ -57,6 +57,15 @@ BATCH_INVARIANT_HELP = ("a request's tokens independent of its batch, chunking a
 CORES_HELP = "bind the process to these CPU cores, e.g. 0-3 or 0,2 (default: no binding)"
 
 
+def add_quantization_args(parser: argparse.ArgumentParser, defaults: bool = False) -> None:
+    """--quantization and --quantized-inputs: with their defaults where the command loads the model
+    itself; without, where they are config overrides (a server) or reach workers it starts."""
+    parser.add_argument("--quantization", default="none" if defaults else None, choices=QUANTIZATIONS,
+                        help=QUANTIZATION_HELP)
+    parser.add_argument("--quantized-inputs", type=int, default=QUANTIZED_INPUT_BITS[0] if defaults else None,
+                        choices=QUANTIZED_INPUT_BITS, help=QUANTIZED_INPUTS_HELP)
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default",
                         help="'default' (SmolLM2-135M-Instruct), 'tiny-random', or a Hugging Face model directory")
@@ -66,8 +75,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                         help="auto (default): Triton kernels on CUDA, torch (and Baton's C kernel) on CPU")
     parser.add_argument("--executor", default="auto", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
-    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
-    parser.add_argument("--quantized-inputs", type=int, default=16, choices=(8, 16), help=QUANTIZED_INPUTS_HELP)
+    add_quantization_args(parser, defaults=True)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help=CUDA_GRAPHS_HELP)
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                         help=BATCH_INVARIANT_HELP)
@@ -86,8 +94,7 @@ def add_serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> Non
     parser.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], help="auto (default), torch or triton")
     parser.add_argument("--executor", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
-    parser.add_argument("--quantized-inputs", type=int, choices=(8, 16), help=QUANTIZED_INPUTS_HELP)
+    add_quantization_args(parser)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, help=CUDA_GRAPHS_HELP)
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, help=BATCH_INVARIANT_HELP)
     parser.add_argument("--threads", type=int, help=THREADS_HELP)

@@ -145,11 +145,8 @@ def fingerprint(path: Path) -> str:
         with open(file, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             digest.update(f.read(header_len))
-            data_start, data_len = 8 + header_len, size - 8 - header_len
             digest.update(size.to_bytes(8, "little"))
-            for i in range(SAMPLES_PER_FILE):
-                f.seek(data_start + data_len * i // SAMPLES_PER_FILE)
-                digest.update(f.read(SAMPLE_BYTES))
+            _sample(f, 8 + header_len, size - 8 - header_len, digest)
     return digest.hexdigest()
 
 
@@ -160,7 +157,12 @@ def file_fingerprint(file: Path) -> str:
     size = file.stat().st_size
     digest.update(size.to_bytes(8, "little"))
     with open(file, "rb") as f:
-        for i in range(SAMPLES_PER_FILE):
-            f.seek(size * i // SAMPLES_PER_FILE)
-            digest.update(f.read(SAMPLE_BYTES))
+        _sample(f, 0, size, digest)
     return digest.hexdigest()
+
+
+def _sample(f, start: int, length: int, digest) -> None:
+    """SAMPLES_PER_FILE windows of SAMPLE_BYTES, evenly spread over [start, start + length), into digest."""
+    for i in range(SAMPLES_PER_FILE):
+        f.seek(start + length * i // SAMPLES_PER_FILE)
+        digest.update(f.read(SAMPLE_BYTES))

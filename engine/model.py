@@ -2,6 +2,7 @@
 or a tiny random-weight model for tests. Every loaded model carries a fingerprint."""
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from baton.config import DTYPE_CHOICES, QUANTIZATIONS
+from baton.config import DTYPE_CHOICES, QUANTIZATIONS, QUANTIZED_INPUT_BITS
 from baton.logs import STARTUP_LOGGER, Progress
 from baton.engine import checkpoint
 from baton.engine.kv import KVShape
@@ -74,6 +75,11 @@ class LoadedModel:
     def dtype(self) -> torch.dtype:
         """The KV's and the float weights' dtype."""
         return self._floats[0].dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        """The bytes its weights hold (a tensor named twice, as a tied embedding, counted once)."""
+        return sum(t.nbytes for t in {id(t): t for t in self.tensors.values()}.values())
 
     @functools.cached_property
     def _floats(self) -> list[torch.Tensor]:
@@ -158,18 +164,10 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
     GEMMs' inputs quantized to `quantized_inputs` bits (16 or 8)."""
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
-    if quantized_inputs not in (8, 16):
+    if quantized_inputs not in QUANTIZED_INPUT_BITS:
         raise ModelLoadError(f"quantized inputs are 8 or 16 bits, not {quantized_inputs!r}")
     if quantization != "none":
-        loaded = _load_quantized(name, dtype, device, module, quantization)
-        for weight in loaded.tensors.values():
-            if isinstance(weight, BlockWeight):
-                weight.input_bits = quantized_inputs
-        if quantized_inputs != 16:  # other arithmetic, other KV
-            fp = loaded.fingerprint
-            loaded.fingerprint = ModelFingerprint(fp.architecture, fp.weights_hash, fp.dtype,
-                                                  f"{fp.quantization}-i{quantized_inputs}")
-        return loaded
+        return _load_quantized(name, dtype, device, module, quantization, quantized_inputs)
     torch_dtype = resolve_dtype(dtype, resolve_device(device))
     if name == DEFAULT_MODEL:
         path, tokenizer, shown = default_model_dir(), default_tokenizer(), "SmolLM2-135M-Instruct"
@@ -199,7 +197,7 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
         with _quiet_progress():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         loaded = _finish(model, tokenizer, shown, torch_dtype, device, path)
-    held = _held_bytes(loaded)
+    held = loaded.weight_bytes
     seconds = time.monotonic() - started
     started_log.info("loaded %s in %.1fs: %d bytes on %s (fingerprint %s)", shown, seconds, held, on,
                      loaded.fingerprint, extra={"model": shown, "seconds": seconds, "bytes": held, "device": str(on)})
@@ -212,8 +210,10 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
 INT8_MAX_ERROR, INT8_MAX_ZEROED = 0.02, 0.05
 
 
-def _load_quantized(name: str, dtype: str, device: str, module: bool, quantization: str) -> LoadedModel:
-    """load_model for quantization 'gguf' or 'int8'."""
+def _load_quantized(name: str, dtype: str, device: str, module: bool, quantization: str,
+                    input_bits: int) -> LoadedModel:
+    """load_model for quantization 'gguf' or 'int8'. The fingerprint names the format, and input
+    bits other than the default: either computes other KV."""
     if module:
         raise ModelLoadError(f"quantization {quantization!r} runs on Baton's executor only, not transformers'; "
                              "use --executor baton (or auto)")
@@ -226,6 +226,7 @@ def _load_quantized(name: str, dtype: str, device: str, module: bool, quantizati
         raise ModelLoadError(f"quantization {quantization!r} needs Baton's CPU kernels, which did not build here "
                              "(a C compiler is needed); use 'none'")
     torch_dtype = resolve_dtype(dtype, on)
+    label = quantization if input_bits == QUANTIZED_INPUT_BITS[0] else f"{quantization}-i{input_bits}"
     if quantization == "int8":
         loaded = load_model(name, dtype=dtype, device=device, module=False)
         if loaded.model is not None:
@@ -236,6 +237,7 @@ def _load_quantized(name: str, dtype: str, device: str, module: bool, quantizati
             if weight.dim() != 2 or weight.shape[1] % 32:
                 continue  # norms and biases stay floats
             blocks = quantize_q8_0(weight)
+            blocks.input_bits = input_bits
             error, zeroed = quantization_loss(weight, blocks)
             if error > INT8_MAX_ERROR or zeroed > INT8_MAX_ZEROED:
                 raise ModelLoadError(f"quantization 'int8' would lose {error:.1%} of {key} and round {zeroed:.1%} "
@@ -243,10 +245,9 @@ def _load_quantized(name: str, dtype: str, device: str, module: bool, quantizati
                                      "outliers that 8-bit blocks cannot carry); serve it with 'none'")
             loaded.tensors[key] = blocks
         loaded.quantization = "int8"
-        fp = loaded.fingerprint
-        loaded.fingerprint = ModelFingerprint(fp.architecture, fp.weights_hash, fp.dtype, "int8")
+        loaded.fingerprint = dataclasses.replace(loaded.fingerprint, quantization=label)
         started_log.info("quantized %s to Q8_0 blocks in %.1fs: %d bytes", loaded.name, time.monotonic() - started,
-                         _held_bytes(loaded), extra={"model": loaded.name, "quantization": "int8"})
+                         loaded.weight_bytes, extra={"model": loaded.name, "quantization": "int8"})
         return loaded
     from baton.engine.gguf_weights import read_gguf
 
@@ -262,14 +263,17 @@ def _load_quantized(name: str, dtype: str, device: str, module: bool, quantizati
         tensors = read_gguf(gguf_file, cfg, torch_dtype, progress.advance)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
+    for weight in tensors.values():
+        if isinstance(weight, BlockWeight):
+            weight.input_bits = input_bits
     generation = path / "generation_config.json"
     eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else getattr(cfg, "eos_token_id", None)
     fingerprint = ModelFingerprint(cfg.architectures[0], checkpoint.file_fingerprint(gguf_file),
-                                   str(torch_dtype).removeprefix("torch."), "gguf")
+                                   str(torch_dtype).removeprefix("torch."), label)
     loaded = LoadedModel(None, tokenizer, fingerprint, shown, cfg, tensors, eos, quantization="gguf")
-    seconds = time.monotonic() - started
-    started_log.info("loaded %s in %.1fs: %d bytes on cpu (fingerprint %s)", shown, seconds, _held_bytes(loaded),
-                     fingerprint, extra={"model": shown, "seconds": seconds, "bytes": _held_bytes(loaded), "device": "cpu"})
+    seconds, held = time.monotonic() - started, loaded.weight_bytes
+    started_log.info("loaded %s in %.1fs: %d bytes on cpu (fingerprint %s)", shown, seconds, held, fingerprint,
+                     extra={"model": shown, "seconds": seconds, "bytes": held, "device": "cpu"})
     return loaded
 
 
@@ -291,10 +295,6 @@ def _gguf_source(name: str) -> tuple[Path, Path, object, str]:
     with _quiet_progress():
         tokenizer = AutoTokenizer.from_pretrained(path)
     return path, files[0], tokenizer, name
-
-
-def _held_bytes(loaded: LoadedModel) -> int:
-    return sum(t.nbytes for t in {id(t): t for t in loaded.tensors.values()}.values())
 
 
 def _read(path: Path, tokenizer, name: str, dtype: torch.dtype, device: torch.device, progress) -> LoadedModel:

@@ -96,7 +96,7 @@ def small_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
 
 
 def quant_gemm(x: torch.Tensor, packed: torch.Tensor, code: int, in_features: int, out_features: int,
-               input_bits: int = 8) -> torch.Tensor:
+               input_bits: int = 16) -> torch.Tensor:
     """x: [M, K] float32 -> x @ W^T: [M, out_features] float32, with W quantized panels
     (`engine.quantized.BlockWeight.panels`, format `code`), x quantized per block of 32 to 8-bit
     or 16-bit codes (engine/cpu/quantized.h)."""
