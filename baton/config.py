@@ -19,6 +19,7 @@ EXECUTOR_CHOICES = ("auto", "baton", "transformers")
 # how a model's weights are held: floats in the dtype; the GGUF file's own blocks; Q8_0 blocks
 # made at load (engine.quantized; CPU, Baton's executor)
 QUANTIZATIONS = ("none", "gguf", "int8")
+TP_SIZES = (1, 2, 4, 8)  # model.tensor_parallel_size
 QUANTIZED_INPUT_BITS = (16, 8)  # what a quantized GEMM quantizes its inputs to (model.quantized_inputs)
 
 
@@ -36,6 +37,10 @@ class ModelSettings:
     # answers: KL 0.0001 on the default model) or 8-bit ones (llama.cpp's arithmetic: half the dot
     # products, KL 0.024, a tenth of the relay queries' first tokens changed; docs/quantization.md)
     quantized_inputs: int = 16
+    # Ranks the model is split over inside each worker (one process and, on CUDA, one GPU each;
+    # engine.shard): 1, 2, 4 or 8, at most the model's KV heads. Baton's executor. Any TP degree
+    # computes the same bits, so KV moves between pools of different degrees.
+    tensor_parallel_size: int = 1
     cuda_graphs: bool = True  # CUDA, Baton's executor: decode steps replay captured graphs (false: op by op)
     # A request's tokens independent of the rows sharing its step, of chunking and of prefix-cache
     # hits. CPU: always (Baton's C kernels). CUDA, bf16/fp16: Baton's fixed-order Triton GEMM, norm
@@ -63,6 +68,12 @@ class ModelSettings:
             raise ValueError(f"model.quantization {self.quantization!r} runs on Baton's executor; "
                              "model.executor 'transformers' cannot serve it")
 
+        if self.tensor_parallel_size not in TP_SIZES:
+            raise ValueError(f"model.tensor_parallel_size must be one of {', '.join(map(str, TP_SIZES))}, "
+                             f"not {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.executor == "transformers":
+            raise ValueError("model.tensor_parallel_size > 1 runs on Baton's executor; model.executor 'transformers' "
+                             "cannot split a model")
         if not self.generation_config.strip():
             raise ValueError("model.generation_config is empty; use 'auto' (the model's own defaults), 'none', "
                              "or a folder holding a generation_config.json")

@@ -159,7 +159,10 @@ class DecodeCore:
         started_log.info("KV budget %d bytes (%s): %d tokens of %d bytes", self.kv_budget_bytes, how,
                          self.kv_budget_bytes // per_token, per_token,
                          extra={"setting": "kv_budget_bytes", "value": self.kv_budget_bytes, "chosen_by": how})
-        self.kv = PagedKV.within(shape, self.kv_budget_bytes, config.page_size, device=loaded.device)
+        if hasattr(runner, "paged_kv"):  # tensor-parallel: every rank holds its heads of each page
+            self.kv = runner.paged_kv(shape, self.kv_budget_bytes, config.page_size)
+        else:
+            self.kv = PagedKV.within(shape, self.kv_budget_bytes, config.page_size, device=loaded.device)
         rows = decode_rows(config.max_rows, loaded.device.type, torch.get_num_threads(),
                            (self.kv.num_pages - 1) * config.page_size)
         if not config.max_rows:

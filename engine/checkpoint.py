@@ -111,10 +111,12 @@ def unreadable_reason(path: Path) -> str | None:
 
 
 def read_weights(path: Path, dtype: torch.dtype, device: torch.device,
-                 progress: Callable[[int], None] = lambda nbytes: None) -> dict[str, torch.Tensor]:
+                 progress: Callable[[int], None] = lambda nbytes: None,
+                 rows: Callable[[str], tuple[int, int] | None] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor by its checkpoint name, read file by file straight onto `device` and cast
     there: on a GPU no full copy of the weights passes through host memory. progress(n) is told
-    the bytes of each tensor read (out of weight_bytes(path), about)."""
+    the bytes of each tensor read (out of weight_bytes(path), about). rows(name): the [start,
+    stop) rows of that tensor to read (None: all), for a tensor-parallel rank (`engine.shard`)."""
     from safetensors import safe_open
 
     target = "cpu" if device.type == "cpu" else str(device)
@@ -122,7 +124,8 @@ def read_weights(path: Path, dtype: torch.dtype, device: torch.device,
     for file in weight_files(path):
         with safe_open(file, framework="pt", device=target) as f:
             for name in f.keys():
-                tensor = f.get_tensor(name)
+                span = rows(name) if rows is not None else None
+                tensor = f.get_tensor(name) if span is None else f.get_slice(name)[span[0]:span[1]]
                 progress(tensor.nbytes)
                 tensors[name] = tensor.to(dtype)
     return tensors

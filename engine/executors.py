@@ -12,7 +12,7 @@ from baton.engine.runner import TransformersRunner
 log = logging.getLogger(__name__)
 
 EXECUTORS = EXECUTOR_CHOICES
-Runner = LlamaRunner | TransformersRunner
+Runner = LlamaRunner | TransformersRunner  # or, tensor-parallel, engine.tensor_parallel's
 
 
 def make_runner(loaded: LoadedModel, executor: str = "auto", attention_backend: str = "auto",
@@ -41,6 +41,10 @@ def load_runner(settings) -> Runner:
     and cores first, so loading already runs on them."""
     from baton.engine import threads
 
+    if settings.tensor_parallel_size > 1:  # one process per rank (this one is rank 0)
+        from baton.engine import tensor_parallel
+
+        return tensor_parallel.start(settings)
     threads.configure(settings.threads, settings.cpu_cores)
     # Baton's executor needs the weights alone: read straight from the files where it can run the
     # model; transformers' module where the reference executor may serve it

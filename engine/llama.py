@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from baton.engine import attention, checkpoint, quantized
 from baton.engine.attention import DecodeAttention, PrefillAttention
+from baton.engine.collectives import Group
 from baton.engine.cpu import kernels as cpu_kernels
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.kv import PrefillOutput, SequenceKV
@@ -43,6 +44,7 @@ from baton.engine.linear import Linear, best_layout
 from baton.engine.model import LoadedModel
 from baton.engine.paged_kv import DecodeStep, PagedKV
 from baton.engine.quantized import BlockWeight
+from baton.engine.shard import Shard
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +105,12 @@ class LlamaRunner:
     name = "baton"
 
     def __init__(self, loaded: LoadedModel, attention_backend: str = "auto", cuda_graphs: bool = True,
-                 batch_invariant: bool = True, layout: str | None = None):
+                 batch_invariant: bool = True, layout: str | None = None, tp: Group | None = None):
         """batch_invariant: on CUDA in bf16/fp16, Baton's fixed-order Triton kernels (on CPU Baton's C
         kernels are invariant anyway). layout: the weights' layout (None: `best_layout`'s choice;
-        tests name 'triton' to run CUDA's invariant kernels in Triton's interpreter)."""
+        tests name 'triton' to run CUDA's invariant kernels in Triton's interpreter). tp: this rank's
+        group when the worker is tensor-parallel; `loaded` then holds this rank's rows
+        (`engine.shard`), and every forward is run by all ranks at once (`engine.tensor_parallel`)."""
         reason = unsupported_reason(loaded)
         if reason:
             raise ValueError(f"the Baton executor cannot run {loaded.name}: {reason}")
@@ -114,9 +118,20 @@ class LlamaRunner:
         self.backend = attention.resolve_backend(attention_backend, loaded.device)
         cfg, model = loaded.config, loaded.model
         shape = loaded.kv_shape
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = shape.num_kv_heads
+        self.tp = tp
+        self.shards = Shard.all(cfg, tp.size) if tp is not None else None
+        shard = self.shards[tp.rank] if tp is not None else None
+        self.num_heads = shard.num_q_heads if shard else cfg.num_attention_heads
+        self.num_kv_heads = shard.num_kv_heads if shard else shape.num_kv_heads
         self.head_dim = shape.head_dim
+        # with tensor parallelism, every rank's part of each gathered axis
+        self.widths = {
+            "attention": [s.num_q_heads * self.head_dim for s in self.shards],
+            "kv_heads": [s.num_kv_heads for s in self.shards],
+            "hidden": [s.hidden[1] - s.hidden[0] for s in self.shards],
+            "intermediate": [s.intermediate[1] - s.intermediate[0] for s in self.shards],
+            "vocab": [s.vocab[1] - s.vocab[0] for s in self.shards],
+        } if shard else None
         self.eps = float(cfg.rms_norm_eps)
         self.dtype = loaded.dtype  # weights and KV as stored
         self.layout = layout or best_layout(loaded.device, loaded.dtype, batch_invariant and self.backend == "triton")
@@ -141,8 +156,8 @@ class LlamaRunner:
         # Baton's C attention (and a decode step's layers as one C call) unless the Triton kernels
         # were asked for by name: tests run those on CPU in Triton's interpreter
         self.c_attention = self.layout == "panels" and self.backend != "triton"
-        self.decode_layers = None  # None: layer by layer
-        if self.c_attention:
+        self.decode_layers = None  # None: layer by layer (and with tensor parallelism: ranks gather between ops)
+        if self.c_attention and tp is None:
             self.decode_layers = cpu_kernels.DecodeLayers(
                 self.layers, dtype=self.dtype, hidden=cfg.hidden_size, heads=self.num_heads,
                 kv_heads=self.num_kv_heads, head_dim=self.head_dim, intermediate=cfg.intermediate_size, eps=self.eps,
@@ -158,8 +173,8 @@ class LlamaRunner:
             cos, sin = checkpoint.rotary_tables(cfg, loaded.max_context, loaded.device, self.compute_dtype)
         self.cos, self.sin = cos.contiguous(), sin.contiguous()
         # CUDA: decode steps replay captured graphs (engine.cuda_graphs); None: launched op by op
-        self.graphs = StepGraphs(self._captured_step, loaded.device, loaded.max_context) if cuda_graphs and loaded.device.type == "cuda" \
-            else None
+        self.graphs = StepGraphs(self._captured_step, loaded.device, loaded.max_context) \
+            if cuda_graphs and loaded.device.type == "cuda" and tp is None else None
         # Counted, so tests and metrics can prove where each kind of token was computed.
         self.prompt_tokens_forwarded = 0
         self.decode_tokens_forwarded = 0
@@ -231,6 +246,16 @@ class LlamaRunner:
         return qk[:, :hq], qk[:, hq:], v
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self._lookup(ids)
+        # each rank holds a run of the vocabulary: the others' rows are zeros, so the sum is exact
+        start, stop = self.shards[self.tp.rank].vocab
+        mine = (ids >= start) & (ids < stop)
+        h = self._lookup(torch.where(mine, ids - start, 0))
+        h[~mine] = 0
+        return self.tp.all_reduce(h)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:  # quantized and tied: the LM head's panels
             head = self.lm_head
             return quantized.panel_rows(head.format, head.packed, ids, head.in_features)
@@ -241,9 +266,23 @@ class LlamaRunner:
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         gate_up = layer.gate_up(self._rms_norm(h, layer.post_norm))
         if self.layout == "panels":  # the decode step's own SiLU, so prefill computes as decode does
-            return h + layer.down(cpu_kernels.silu_mul(gate_up))
+            return h + self._project(layer.down, cpu_kernels.silu_mul(gate_up), "intermediate")
         gate, up = gate_up.chunk(2, dim=-1)
-        return h + layer.down(F.silu(gate) * up)
+        return h + self._project(layer.down, F.silu(gate) * up, "intermediate")
+
+    def _project(self, linear: Linear, x: torch.Tensor, part: str) -> torch.Tensor:
+        """linear(x) for the O and down projections. With tensor parallelism x is this rank's part
+        of the input (the `part` axis) and linear holds this rank's output features: the input is
+        gathered whole first and the output after, so each feature is one kernel's full sum."""
+        if self.tp is None:
+            return linear(x)
+        out = linear(self.tp.all_gather(x, -1, self.widths[part]))
+        return self.tp.all_gather(out, -1, self.widths["hidden"])
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head (its vocabulary split over ranks with tensor parallelism, then gathered)."""
+        logits = self.lm_head(x)
+        return logits if self.tp is None else self.tp.all_gather(logits, -1, self.widths["vocab"])
 
     # -- decode -------------------------------------------------------------------------------
 
@@ -270,7 +309,7 @@ class LlamaRunner:
         else:
             ctx = DecodeAttention.for_step(table, lengths, kv.page_size, self.backend, self.splits)
             h = self._decode_layers(kv.pages, h, rotary, ctx)
-        logits = self.lm_head(self._rms_norm(h, self.norm))
+        logits = self._logits(self._rms_norm(h, self.norm))
         self.decode_tokens_forwarded += rows
         self.decode_steps += 1
         return logits.float()
@@ -300,10 +339,10 @@ class LlamaRunner:
         slot = last % page_size
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._rms_norm(h, layer.input_norm), rotary)
-            pages[index, 0, page, :, slot] = k  # [R, Hkv, D]
-            pages[index, 1, page, :, slot] = v
+            pages[index, 0, page, :, slot] = k.to(pages.dtype)  # [R, Hkv, D], as stored (fp32 sums, bf16 KV)
+            pages[index, 1, page, :, slot] = v.to(pages.dtype)
             out = self._decode_attention(q, pages, index, ctx)  # [R, Hq, D]
-            h = h + layer.o(out.reshape(rows, -1))
+            h = h + self._project(layer.o, out.reshape(rows, -1), "attention")
             h = self._mlp(layer, h)
         return h
 
@@ -359,7 +398,7 @@ class LlamaRunner:
         # prompt's attention reads (a BatchLLM group's members reference it, none copies it)
         kv = torch.empty(len(self.layers), 2, b, self.num_kv_heads, t, self.head_dim,
                          dtype=self.dtype, device=self.device)
-        shared = prefix.data.to(kv) if cached else None
+        shared = self._own_heads(prefix.data).to(kv) if cached else None
         rotary = self._rotary(positions)
         h = self._embed(ids.view(-1))  # [B * T, hidden]
         for index, layer in enumerate(self.layers):
@@ -367,19 +406,29 @@ class LlamaRunner:
             kv[index, 0] = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
             kv[index, 1] = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
             out = self._prefill_attention(q, kv[index], None if shared is None else shared[index], b, t)
-            h = h + layer.o(out)
+            h = h + self._project(layer.o, out, "attention")
             h = self._mlp(layer, h)
             if self.between_layers is not None:
                 self.between_layers()
         if every_position:  # one prompt: every token's logits, no KV kept
-            return self.lm_head(self._rms_norm(h, self.norm)).float()
+            return self._logits(self._rms_norm(h, self.norm)).float()
         last = torch.tensor([i * t + len(s) - 1 for i, s in enumerate(suffixes)], device=self.device)
-        logits = self.lm_head(self._rms_norm(h[last], self.norm)).float()  # [B, vocab]
+        logits = self._logits(self._rms_norm(h[last], self.norm)).float()  # [B, vocab]
+        if self.tp is not None:  # the KV leaves the worker whole: every rank's heads
+            kv = self.tp.all_gather(kv, 3, self.widths["kv_heads"])
+            shared = prefix.data.to(kv) if cached else None
         self.prompt_tokens_forwarded += sum(map(len, suffixes))
         own = (kv[:, :, i, :, :len(s)] for i, s in enumerate(suffixes))
         reference = SequenceKV(shared) if shared is not None else None
         return [PrefillOutput(logits[i], SequenceKV(data.contiguous()), len(s), reference)
                 for i, (data, s) in enumerate(zip(own, suffixes))]
+
+    def _own_heads(self, data: torch.Tensor) -> torch.Tensor:
+        """This rank's KV heads of a whole KV [layers, 2, kv_heads, ...] (all of them without TP)."""
+        if self.tp is None:
+            return data
+        start, stop = self.shards[self.tp.rank].kv_heads
+        return data[:, :, start:stop]
 
     def _prefill_attention(self, q, kv, shared, b: int, t: int) -> torch.Tensor:
         """q [B * T, Hq, D]; kv: this layer's new KV [2, B, Hkv, T, D]; shared: the cached prefix's

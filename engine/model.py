@@ -22,6 +22,7 @@ from baton.logs import STARTUP_LOGGER, Progress
 from baton.engine import checkpoint
 from baton.engine.kv import KVShape
 from baton.engine.quantized import BlockWeight, quantization_loss, quantize_q8_0
+from baton.engine.shard import Shard
 from baton.paths import cache_root
 # What needs no torch lives in model_files (the router imports it alone); named here as before.
 from baton.engine.model_files import (DEFAULT_MODEL, DEFAULT_MODEL_SAMPLING, TINY_CONFIG, TINY_MODEL,  # noqa: F401
@@ -154,20 +155,23 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto",
-               module: bool = True, quantization: str = "none", quantized_inputs: int = 16) -> LoadedModel:
+               module: bool = True, quantization: str = "none", quantized_inputs: int = 16,
+               rank: tuple[int, int] | None = None) -> LoadedModel:
     """Load `default` (SmolLM2-135M-Instruct), `tiny-random[:seed]`, or a Hugging Face model directory.
     module=False: the weights alone, for Baton's executor, read straight from the files where
     `engine.checkpoint` can read them (seconds sooner: no transformers model classes), else loaded
     through transformers as with module=True. quantization: 'none' (floats in `dtype`), 'gguf'
     (the model's GGUF file, its blocks kept) or 'int8' (Q8_0 blocks made from the floats at load);
     quantized weights run on Baton's executor on the CPU, activations and KV in `dtype`, their
-    GEMMs' inputs quantized to `quantized_inputs` bits (16 or 8)."""
+    GEMMs' inputs quantized to `quantized_inputs` bits (16 or 8). rank: (r, size) for rank r of a
+    tensor-parallel worker, which holds only its rows of each weight (`engine.shard`; read alone
+    from safetensors files); the config, and so the KV's shape, stay the whole model's."""
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     if quantized_inputs not in QUANTIZED_INPUT_BITS:
         raise ModelLoadError(f"quantized inputs are 8 or 16 bits, not {quantized_inputs!r}")
     if quantization != "none":
-        return _load_quantized(name, dtype, device, module, quantization, quantized_inputs)
+        return _load_quantized(name, dtype, device, module, quantization, quantized_inputs, rank)
     torch_dtype = resolve_dtype(dtype, resolve_device(device))
     if name == DEFAULT_MODEL:
         path, tokenizer, shown = default_model_dir(), default_tokenizer(), "SmolLM2-135M-Instruct"
@@ -190,13 +194,13 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
                      extra={"model": shown, "device": str(on), "weight_bytes": size})
     if reader:
         progress = Progress(started_log, f"loading {shown}", size)
-        loaded = _read(path, tokenizer, shown, torch_dtype, on, progress.advance)
+        loaded = _read(path, tokenizer, shown, torch_dtype, on, progress.advance, rank)
     else:
         from transformers import AutoModelForCausalLM
 
         with _quiet_progress():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-        loaded = _finish(model, tokenizer, shown, torch_dtype, device, path)
+        loaded = _shard(_finish(model, tokenizer, shown, torch_dtype, device, path), rank)
     held = loaded.weight_bytes
     seconds = time.monotonic() - started
     started_log.info("loaded %s in %.1fs: %d bytes on %s (fingerprint %s)", shown, seconds, held, on,
@@ -211,7 +215,7 @@ INT8_MAX_ERROR, INT8_MAX_ZEROED = 0.02, 0.05
 
 
 def _load_quantized(name: str, dtype: str, device: str, module: bool, quantization: str,
-                    input_bits: int) -> LoadedModel:
+                    input_bits: int, rank: tuple[int, int] | None = None) -> LoadedModel:
     """load_model for quantization 'gguf' or 'int8'. The fingerprint names the format, and input
     bits other than the default: either computes other KV."""
     if module:
@@ -228,7 +232,7 @@ def _load_quantized(name: str, dtype: str, device: str, module: bool, quantizati
     torch_dtype = resolve_dtype(dtype, on)
     label = quantization if input_bits == QUANTIZED_INPUT_BITS[0] else f"{quantization}-i{input_bits}"
     if quantization == "int8":
-        loaded = load_model(name, dtype=dtype, device=device, module=False)
+        loaded = load_model(name, dtype=dtype, device=device, module=False, rank=rank)
         if loaded.model is not None:
             raise ModelLoadError(f"quantization 'int8' reads the weights of a Llama-family checkpoint; "
                                  f"{name} is not one ({checkpoint.unreadable_reason(model_dir(name))})")
@@ -270,7 +274,7 @@ def _load_quantized(name: str, dtype: str, device: str, module: bool, quantizati
     eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else getattr(cfg, "eos_token_id", None)
     fingerprint = ModelFingerprint(cfg.architectures[0], checkpoint.file_fingerprint(gguf_file),
                                    str(torch_dtype).removeprefix("torch."), label)
-    loaded = LoadedModel(None, tokenizer, fingerprint, shown, cfg, tensors, eos, quantization="gguf")
+    loaded = _shard(LoadedModel(None, tokenizer, fingerprint, shown, cfg, tensors, eos, quantization="gguf"), rank)
     seconds, held = time.monotonic() - started, loaded.weight_bytes
     started_log.info("loaded %s in %.1fs: %d bytes on cpu (fingerprint %s)", shown, seconds, held, fingerprint,
                      extra={"model": shown, "seconds": seconds, "bytes": held, "device": "cpu"})
@@ -297,13 +301,30 @@ def _gguf_source(name: str) -> tuple[Path, Path, object, str]:
     return path, files[0], tokenizer, name
 
 
-def _read(path: Path, tokenizer, name: str, dtype: torch.dtype, device: torch.device, progress) -> LoadedModel:
+def _read(path: Path, tokenizer, name: str, dtype: torch.dtype, device: torch.device, progress,
+          rank: tuple[int, int] | None = None) -> LoadedModel:
     cfg = checkpoint.read_config(path)
-    tensors = checkpoint.read_weights(path, dtype, device, progress)
+    rows = Shard.of(cfg, *rank).rows if rank else None
+    tensors = checkpoint.read_weights(path, dtype, device, progress, rows)
     generation = path / "generation_config.json"
     eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else getattr(cfg, "eos_token_id", None)
     fingerprint = ModelFingerprint(cfg.architectures[0], checkpoint.fingerprint(path), str(dtype).removeprefix("torch."))
     return LoadedModel(None, tokenizer, fingerprint, name, cfg, tensors, eos)
+
+
+def _shard(loaded: LoadedModel, rank: tuple[int, int] | None) -> LoadedModel:
+    """Keep only rank's rows of each weight (`engine.shard`), for loaders that read them all."""
+    if rank is None:
+        return loaded
+    shard, cut = Shard.of(loaded.config, *rank), {}
+    for name, weight in list(loaded.tensors.items()):
+        span = shard.rows(name)
+        if span is not None:
+            if id(weight) not in cut:  # a tied weight stays one tensor
+                cut[id(weight)] = weight.rows(torch.arange(*span)) if isinstance(weight, BlockWeight) \
+                    else weight[span[0]:span[1]]
+            loaded.tensors[name] = cut[id(weight)]
+    return loaded
 
 
 def _finish(model, tokenizer, name: str, dtype: torch.dtype, device: str, path: Path | None = None) -> LoadedModel:

@@ -89,13 +89,13 @@ TIERS = {
         "test_imports.py", "test_prefill_batching.py", "test_prefix_cache.py", "test_prefix_index.py",
         "test_protogen.py", "test_sampling.py", "test_stopping.py", "test_cli.py",
         "test_openai_protocol.py", "test_cache_events.py", "test_routing_policy.py", "test_tracing.py",
-        "test_kv_pages.py", "test_admission.py", "test_openai_tools.py", "test_planner.py",
+        "test_kv_pages.py", "test_admission.py", "test_shard.py", "test_openai_tools.py", "test_planner.py",
         "test_planner_kubernetes.py", "test_prefill_delivery.py", "test_resources.py", "test_sizing.py",
     },
     "engine": {  # loads a model and runs forwards in this process
         "test_engine_exact.py", "test_executor.py", "test_kernels.py", "test_local_engine.py",
         "test_prefill_core.py", "test_triton_backend.py", "test_cuda.py", "test_batch_invariance.py",
-        "test_cpu_prefill_attention.py", "test_checkpoint.py", "test_quantized.py",
+        "test_cpu_prefill_attention.py", "test_checkpoint.py", "test_quantized.py", "test_tensor_parallel.py",
     },
     "cluster": {  # real gRPC servers, worker processes, redis-server, network namespaces
         "test_bench.py", "test_bench_chaos.py", "test_cli_batch.py", "test_client.py", "test_cluster.py",
@@ -103,6 +103,7 @@ TIERS = {
         "test_prefill_push.py", "test_prefix_cluster.py", "test_router_dispatch.py", "test_security.py",
         "test_openai_api.py", "test_cache_sync.py", "test_kv_shm.py", "test_hosts.py", "test_kv_nixl.py",
         "test_planner_local.py", "test_forkserver.py", "test_conversations.py", "test_quantized_cluster.py",
+        "test_tensor_parallel_cluster.py",
     },
     "deploy": {"test_deploy.py", "test_packaging.py"},  # the chart, compose, the image, wheels and venvs
 }
