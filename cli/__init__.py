@@ -9,6 +9,7 @@ from baton.cli.args import (ENVIRONMENT, USAGE_ERROR, UsageError, add_connection
                             add_quantization_args, add_sampling_args, add_serve_args, load_role_settings)
 from baton.cli.commands import cmd_batch, cmd_bench, cmd_generate, cmd_planner, cmd_serve, cmd_up
 from baton.logs import LEVELS, level_name
+from baton.config import TP_SIZES
 
 __all__ = ["build_parser", "load_role_settings", "main"]
 
@@ -169,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-rows", type=int, default=0,
                     help="decode batch rows per decode worker (default 0: sized from the device, as a worker does)")
     add_quantization_args(up)
+    up.add_argument("--tp", type=int, choices=TP_SIZES, default=1,
+                    help="ranks each worker splits the model over (tensor parallelism; default 1)")
+    up.add_argument("--prefill-tp", type=int, choices=TP_SIZES, help="the prefill workers' (default: --tp)")
+    up.add_argument("--decode-tp", type=int, choices=TP_SIZES, help="the decode workers' (default: --tp)")
     up.add_argument("--demo", action="store_true", help="send a short demo workload through the SDK, then stop")
     planner = up.add_argument_group("planner", "with --planner, workers are added and drained as the load asks "
                                                "(--prefill and --decode are then the least of each)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from baton.config import DTYPE_CHOICES, EXECUTOR_CHOICES, QUANTIZATIONS, QUANTIZED_INPUT_BITS
+from baton.config import DTYPE_CHOICES, EXECUTOR_CHOICES, QUANTIZATIONS, QUANTIZED_INPUT_BITS, TP_SIZES
 
 USAGE_ERROR = 2
 # What Baton reads from the environment besides BATON_<SECTION>_<KEY> config overrides.
@@ -55,6 +55,8 @@ THREADS_HELP = "torch threads (default 0: one per core this process may use, or 
 BATCH_INVARIANT_HELP = ("a request's tokens independent of its batch, chunking and cache hits (default on; "
                         "on CPU always; off: cuBLAS and flash prefill on CUDA in bf16/fp16)")
 CORES_HELP = "bind the process to these CPU cores, e.g. 0-3 or 0,2 (default: no binding)"
+TP_HELP = ("split the model over this many ranks inside the worker, one process (and on CUDA one GPU) each: "
+           "1 (default), 2, 4 or 8, at most the model's KV heads; any degree computes the same tokens")
 
 
 def add_quantization_args(parser: argparse.ArgumentParser, defaults: bool = False) -> None:
@@ -99,6 +101,8 @@ def add_serve_args(parser: argparse.ArgumentParser, role: str, port: int) -> Non
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, help=BATCH_INVARIANT_HELP)
     parser.add_argument("--threads", type=int, help=THREADS_HELP)
     parser.add_argument("--cpu-cores", metavar="LIST", help=CORES_HELP)
+    if role in ("prefill", "decode"):
+        parser.add_argument("--tensor-parallel-size", "--tp", type=int, choices=TP_SIZES, help=TP_HELP)
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default 0: off)")
     parser.add_argument("--tls-cert", metavar="FILE",
                         help="this process's certificate (PEM): TLS on its port and to every other component")
@@ -172,6 +176,7 @@ def load_role_settings(args):
     model = {"name": args.model_name, "dtype": args.dtype, "device": args.device,
              "attention_backend": args.attention_backend, "executor": args.executor, "quantization": args.quantization,
              "quantized_inputs": args.quantized_inputs,
+             "tensor_parallel_size": getattr(args, "tensor_parallel_size", None),
              "cuda_graphs": args.cuda_graphs, "batch_invariant": args.batch_invariant, "threads": args.threads,
              "cpu_cores": args.cpu_cores, "generation_config": getattr(args, "generation_config", None),
              "override_generation_config": getattr(args, "override_generation_config", None)}

@@ -461,12 +461,19 @@ def model_env(args) -> dict[str, str]:
             if (value := getattr(args, key, None)) is not None}
 
 
+def tp_args(args, role: str) -> tuple[str, ...]:
+    """A role's workers' tensor parallelism: --prefill-tp / --decode-tp, else --tp."""
+    size = getattr(args, f"{role}_tp", None) or getattr(args, "tp", 1) or 1
+    return ("--tensor-parallel-size", str(size)) if size > 1 else ()
+
+
 def run_up(args) -> int:
     planner = planner_settings(args) if getattr(args, "planner", False) else None  # bad values: before anything starts
     cluster = LocalCluster(port=args.port, prefill=args.prefill, decode=args.decode, model=args.model,
                            max_rows=args.max_rows, share_cores=True, http_port=args.http_port,
                            dynamic=planner is not None, log_level=args.log_level, start_lines=True,
-                           extra_env=model_env(args))
+                           extra_env=model_env(args), prefill_args=tp_args(args, "prefill"),
+                           decode_args=tp_args(args, "decode"))
     stop = StopSignals()  # from here on, Ctrl-C or SIGTERM ends the cluster in order
     print(f"starting {args.prefill} prefill and {args.decode} decode workers for model {args.model!r}...",
           flush=True)

@@ -124,3 +124,25 @@ def test_quantization_flags_reach_every_worker_a_command_starts():
     assert (settings.model.quantization, settings.model.quantized_inputs) == ("int8", 8)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--quantization", "fp4", "hi"])
+
+
+def test_tensor_parallel_flags_set_each_pools_degree():
+    """`baton up --tp 2` splits both pools; --prefill-tp and --decode-tp set one each; a worker
+    takes --tensor-parallel-size (or --tp) as the config key model.tensor_parallel_size."""
+    from baton.cli.args import load_role_settings
+    from baton.launch.up import tp_args
+
+    both = build_parser().parse_args(["up", "--tp", "2"])
+    assert tp_args(both, "prefill") == tp_args(both, "decode") == ("--tensor-parallel-size", "2")
+    mixed = build_parser().parse_args(["up", "--prefill-tp", "4", "--decode-tp", "2"])
+    assert (tp_args(mixed, "prefill"), tp_args(mixed, "decode")) == (("--tensor-parallel-size", "4"),
+                                                                     ("--tensor-parallel-size", "2"))
+    assert tp_args(build_parser().parse_args(["up"]), "decode") == ()
+    for flag in ("--tp", "--tensor-parallel-size"):
+        settings = load_role_settings(build_parser().parse_args(["prefill", flag, "2"]))
+        assert settings.model.tensor_parallel_size == 2
+    assert load_role_settings(build_parser().parse_args(["decode"])).model.tensor_parallel_size == 1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--tp", "3"])
+    with pytest.raises(SystemExit):  # the router holds no model
+        build_parser().parse_args(["router", "--tp", "2"])

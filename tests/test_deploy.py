@@ -48,7 +48,7 @@ CONFIG_PATH = "/etc/baton/baton.yaml"
 # Config keys the chart derives (from ports, discovery, Redis, model source, TLS) rather than
 # taking from a role's `config` block; values.schema.json refuses them there.
 DERIVED_KEYS = {
-    "model": {"name"},
+    "model": {"name", "tensor_parallel_size"},  # each worker pool's tensorParallelSize
     "router": {"port", "http_port", "metrics_port", "discovery", "namespace", "discovery_labels", "prefix_index",
                "redis_url", "redis_password", "prefill_workers", "decode_workers", "workers_file"},
     "prefill": {"port", "metrics_port", "advertise", "discovery", "namespace", "discovery_labels", "decode_workers",
@@ -312,6 +312,21 @@ def test_gpu_2p4d_requests_one_gpu_per_worker(helm_report):
                                "batch_invariant": True, "threads": 0, "generation_config": "auto",
                                "override_generation_config": {}}
     assert config["decode"]["max_rows"] == 64 and config["router"]["prefix_index"] == "redis"
+
+
+def test_gpu_70b_tp_puts_each_workers_ranks_in_one_pod_with_a_gpu_each(helm_report):
+    docs = rendered(helm_report, "gpu-70b-tp")
+    for role, ranks in (("prefill", 8), ("decode", 4)):
+        worker = container(one(docs, "Deployment", role_name(role)))
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == ranks
+        env = {e["name"]: e.get("value") for e in worker["env"]}
+        assert env["BATON_MODEL_TENSOR_PARALLEL_SIZE"] == str(ranks)
+    router = container(one(docs, "Deployment", role_name("router")))
+    assert "BATON_MODEL_TENSOR_PARALLEL_SIZE" not in {e["name"] for e in router["env"]}
+    for case in ("default", "gpu-2p4d"):  # TP 1: no rank processes asked for
+        for role in ROLES:
+            names = {e["name"] for e in container(one(rendered(helm_report, case), "Deployment", role_name(role)))["env"]}
+            assert "BATON_MODEL_TENSOR_PARALLEL_SIZE" not in names
 
 
 @pytest.mark.parametrize("case", RENDERED_CASES)
@@ -678,8 +693,8 @@ def test_schema_refuses_unknown_and_derived_keys(schema, bad, key):
 
 @pytest.mark.parametrize("role, gpus", [("prefill", 2), ("decode", 8), ("router", 1)])
 def test_schema_refuses_gpus_a_pod_could_not_use(schema, role, gpus):
-    """A worker serves its model on one GPU (no tensor parallelism yet) and the router on none: a
-    larger count would hold GPUs nothing uses."""
+    """A worker's rank serves on one GPU (a tensor-parallel worker takes one per rank) and the router
+    on none: a larger count would hold GPUs nothing uses."""
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     errors = schema_errors(schema, merge_values(defaults, {role: {"gpus": gpus}}))
     assert errors == [f"{role}.gpus: {gpus} is greater than the maximum of {0 if role == 'router' else 1}"]

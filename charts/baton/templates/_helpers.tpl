@@ -84,7 +84,7 @@ app.kubernetes.io/component: {{ .role }}
 {{- $resources := deepCopy ($v.resources | default dict) }}
 {{- if gt (int $v.gpus) 0 }}
 {{- $limits := $resources.limits | default dict }}
-{{- $_ := set $limits "nvidia.com/gpu" (int $v.gpus) }}
+{{- $_ := set $limits "nvidia.com/gpu" (mul (int $v.gpus) (int ($v.tensorParallelSize | default 1))) }}
 {{- $_ := set $resources "limits" $limits }}
 {{- end }}
 {{- toYaml $resources }}
