@@ -72,6 +72,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("quant", "issue 50: quantized weights on one core, the default model's GGUF Q4_1 and Q8_0 made at load "
                    "(16-bit and 8-bit GEMM inputs) vs bf16 and llama.cpp on the same file: the relay race, a 4-row "
                    "decode, accuracy against the float model", "baton.bench.quant"),
+    Suite("tp", "issue 48: tensor parallelism, TP=1 on two cores vs TP=2 (gloo) one rank per core, on a "
+                "Llama-3.2-1B-shaped model and the default one: prefill, decode step at 1 and 4 rows, same bits",
+          "baton.bench.tp"),
     Suite("structured", "issue 33: JSON schemas and tool calls through the openai client, Baton vs vLLM's CPU build "
                         "on the same grammar engine (valid answers, same text at temperature 0); the grammar mask's "
                         "cost per decode step at 1-16 rows", "baton.bench.structured"),

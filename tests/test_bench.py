@@ -5,6 +5,7 @@ Smoke tests only: figures are whatever this machine measured; no timing is asser
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -424,3 +425,15 @@ def test_quant_quick_races_quantized_weights_and_measures_what_they_lose(tmp_pat
     for name, measured in document["accuracy"].items():
         assert 0 <= measured["kl_mean"] < 0.05 and measured["perplexity"] > 0, name
     assert "accuracy against the float model" in printed
+
+
+def test_tp_quick_times_tp1_and_tp2_on_the_same_cores_and_compares_their_bits(tmp_path, capsys):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("tp compares two ranks on two cores")
+    document, printed = run_suite("tp", tmp_path, capsys)
+    (model,) = document["models"]
+    assert model["same_bits"], "TP=2's logits differ from TP=1's"
+    assert set(model["runs"]) == {"TP=1, 2 cores", "TP=2, 1 core/rank", "TP=1, 1 core"}
+    for run in model["runs"].values():
+        assert run["prefill_s"] > 0 and run["step_ms_1"] > 0 and run["step_ms_4"] > 0
+    assert "TP=2's logits are TP=1's bits" in printed
