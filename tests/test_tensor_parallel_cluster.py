@@ -87,3 +87,23 @@ def test_a_killed_rank_takes_its_worker_down_and_no_request_is_lost(tiny_referen
             assert client.cluster_status().routing["prefilled_again"] > 0  # the dead worker's rows moved
     for i, prompt in enumerate(PROMPTS):
         assert results[i] == tiny_reference.greedy(prompt, MAX_TOKENS), f"request {i}: {results[i]!r}"
+
+
+def test_in_bf16_tp_workers_answer_as_a_tp1_engine():
+    """bf16 has no `generate` to equal, but any TP degree computes TP 1's bits: a P2-D2+D1
+    cluster answers as Baton's own TP 1 engine, whichever decode worker a request lands on."""
+    from baton.decode_worker.core import DecodeConfig
+    from baton.engine.model import load_model
+    from baton.launch.local import LocalEngine
+    from baton.sampling import SamplingParams
+
+    engine = LocalEngine(load_model("tiny-random", dtype="bfloat16", module=False), DecodeConfig(max_rows=4))
+    expected = [o.token_ids for o in engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
+    with tp_cluster(2, [2, 1], extra_env={"BATON_MODEL_DTYPE": "bfloat16"}) as cluster:
+        with BatonClient(cluster.router_address, timeout=120) as client:
+            results = client.generate_many([{"token_ids": p, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+                                            for p in PROMPTS], max_concurrency=len(PROMPTS))
+            time.sleep(1.0)  # a load poll
+            status = {w.address: w for w in client.cluster_status().workers}
+    assert [r.token_ids for r in results] == expected
+    assert all(status[a].decode["requests_finished"] > 0 for a in cluster.decode_addrs), "a decode worker idled"
