@@ -222,7 +222,8 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
                        on_landed=lambda request_id: loop.on_landed(request_id))
     metrics = Metrics("decode", model.name)
     loop = DecodeLoop(core, pool, metrics).start()
-    chosen = {**core.chosen, "staging_bytes": staging, "threads": threads.chosen()}
+    chosen = {**core.chosen, "staging_bytes": staging, "threads": threads.chosen(),
+              "tensor_parallel_size": Amount(getattr(runner, "tensor_parallel_size", 1), "model.tensor_parallel_size")}
     metrics.settings(chosen)
     kv_usage, page_bytes, token_bytes = core.scheduler.kv_usage, core.kv.page_bytes, core.kv.shape.bytes_per_token()
     metrics.gauge("baton_decode_rows_in_use", "Decode batch rows occupied", lambda: core.scheduler.num_running)

@@ -13,6 +13,7 @@ memory segment (`ShmLink`) and a collective is a copy in and a copy out.
 from __future__ import annotations
 
 import datetime
+import logging
 import mmap
 import os
 import pickle
@@ -23,6 +24,8 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 # A rank blocked in a collective whose peer died is freed by the peer's closed socket; this is the
 # bound for a peer that hangs instead (the worker's supervisor ends the worker sooner).
@@ -127,7 +130,7 @@ class ShmLink:
         self.sequence = 0
 
     @classmethod
-    def join(cls, group: "Group", slot_bytes: int) -> "ShmLink":
+    def join(cls, group: "Group", slot_bytes: int) -> "ShmLink | None":
         """Rank 0 makes the segment and names it over gloo; all map it, then it is unlinked (a
         crash leaves nothing behind in /dev/shm)."""
         size = group.size
@@ -136,10 +139,19 @@ class ShmLink:
         if group.rank == 0:
             directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
             fd, path = tempfile.mkstemp(prefix="baton-tp-", dir=directory)
-            os.ftruncate(fd, total)
-            os.close(fd)
+            try:  # the pages claimed now: a /dev/shm too small fails here, not as SIGBUS mid-step
+                os.posix_fallocate(fd, 0, total)
+            except OSError as exc:
+                log.warning("no room for %d bytes of shared memory in %s (%s): the ranks meet through gloo only",
+                            total, directory or tempfile.gettempdir(), exc)
+                os.unlink(path)
+                path = None
+            finally:
+                os.close(fd)
         box = [path]
         dist.broadcast_object_list(box, src=0, group=group.group)
+        if box[0] is None:
+            return None
         with open(box[0], "r+b") as f:
             memory = mmap.mmap(f.fileno(), total)
         dist.barrier(group=group.group)

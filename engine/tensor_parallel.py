@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from baton.engine.collectives import Group, free_port
+from baton.engine.collectives import SHM_SLOT_BYTES, Group, free_port
 from baton.engine.kv import KVShape, SequenceKV
 from baton.engine.paged_kv import PagedKV
 
@@ -37,6 +37,9 @@ RESUME = "resume"  # rank 0 is done with what it ran between two layers of a for
 STOP = "stop"
 SETTINGS_ENV = "BATON_TP_MODEL_SETTINGS"  # a rank's model settings, as JSON
 LOG_LEVEL_ENV = "BATON_TP_LOG_LEVEL"  # rank 0's
+# On CPU, the bytes of a rank's part that a collective passes through shared memory (larger ones
+# through gloo); 0: gloo only
+SHM_BYTES_ENV = "BATON_TP_SHM_BYTES"
 SUPERVISE_S = 0.2
 RANK_LOST_EXIT = 70  # the worker's exit status when one of its ranks died
 
@@ -214,7 +217,7 @@ def _load_rank(settings, rank: int, size: int, port: int):
     loaded = load_model(settings.name, dtype=settings.dtype, device=device, module=False,
                         quantization=settings.quantization, quantized_inputs=settings.quantized_inputs,
                         rank=(rank, size))
-    group = Group(rank, size, port, loaded.device)
+    group = Group(rank, size, port, loaded.device, int(os.environ.get(SHM_BYTES_ENV, SHM_SLOT_BYTES)))
     return LlamaRunner(loaded, settings.attention_backend, settings.cuda_graphs, settings.batch_invariant, tp=group)
 
 

@@ -182,7 +182,8 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
     metrics.gauge("vllm:num_requests_running", "Prompts being prefilled or pushed", lambda: loop.running)
     metrics.gauge("vllm:kv_cache_usage_perc", "Share of the prefix cache in use (1 = full)",
                   lambda: loop.core.cache.used_bytes / max(1, loop.core.cache.capacity_bytes) if loop.core.cache else 0)
-    chosen = {"threads": threads.chosen()}
+    chosen = {"threads": threads.chosen(),
+              "tensor_parallel_size": Amount(getattr(runner, "tensor_parallel_size", 1), "model.tensor_parallel_size")}
     metrics.settings(chosen)
     metrics.serve(settings.metrics_port, settings.host)
     api.target = PrefillWorkerServicer(loop, chosen)

@@ -220,7 +220,9 @@ def test_every_process_serves_prometheus_metrics():
     router, prefill, decode = series("router"), series("prefill"), series("decode")
     # The sizes each worker chose at start, and how: in GetModelInfo and in /metrics alike
     decoded, prefilled = chosen[cluster.decode_addrs[0]], chosen[cluster.prefill_addrs[0]]
-    assert set(decoded) == {"max_rows", "kv_budget_bytes", "staging_bytes", "threads"} and set(prefilled) == {"threads"}
+    assert set(decoded) == {"max_rows", "kv_budget_bytes", "staging_bytes", "threads", "tensor_parallel_size"}
+    assert set(prefilled) == {"threads", "tensor_parallel_size"}
+    assert decoded["tensor_parallel_size"].value == prefilled["tensor_parallel_size"].value == 1
     assert decoded["max_rows"].value >= 8 and "per torch thread" in decoded["max_rows"].chosen_by
     assert "MemAvailable" in decoded["kv_budget_bytes"].chosen_by or "cgroup" in decoded["kv_budget_bytes"].chosen_by
     assert decoded["staging_bytes"].value >= 512 << 20 and "prompts of" in decoded["staging_bytes"].chosen_by

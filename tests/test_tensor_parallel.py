@@ -15,6 +15,7 @@ from baton.engine.executors import load_runner
 from baton.engine.kv import SequenceKV
 from baton.engine.model import load_model
 from baton.engine.shard import Shard
+from baton.engine.tensor_parallel import SHM_BYTES_ENV
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="Baton's CPU kernels did not build here")
 PROMPTS = [[1, 4093, 28, 253, 9, 331], list(range(200, 260)), [17, 42, 99]]
@@ -60,6 +61,24 @@ def test_tp2_computes_the_same_bits_as_tp1(settings):
         with pytest.raises(ValueError):
             two.prefill([])
         assert torch.equal(two.prefill(PROMPTS[0]).logits, expected["prefill"][0])
+    finally:
+        two.close()
+
+
+def test_collectives_too_large_for_shared_memory_go_through_gloo_with_the_same_bits(monkeypatch):
+    """Slots of 4 KiB: a decode step's gathers fit, a prefill's and the KV written into pages do not
+    (nor do broadcasts carrying KV), and go through gloo."""
+    shm_bytes = 4096
+    monkeypatch.setenv(SHM_BYTES_ENV, str(shm_bytes))
+    settings = dict(name="tiny-random", dtype="float32")
+    expected = forwards(load_runner(ModelSettings(**settings)))
+    two = load_runner(ModelSettings(**settings, tensor_parallel_size=2))
+    try:
+        assert two.group.shm is not None and two.group.shm.slot_bytes == shm_bytes
+        shape = two.loaded.kv_shape
+        got = forwards(two, two.paged_kv(shape, 64 * PAGE * shape.bytes_per_token(), PAGE))
+        for key, want in expected.items():
+            assert torch.equal(got[key], want), key
     finally:
         two.close()
 
