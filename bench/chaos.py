@@ -14,7 +14,10 @@ seeded schedule, applies one fault at a time:
 - cut: destroy every TCP connection to and from a worker's port (`ss -K`) a few times over two
   seconds: the router's channels to it and the KV pushes in flight, with the process left up;
 - slow-push: from inside the cluster (holding the cluster token), register Decode calls on a
-  decode worker and push their KV at 64 KiB every 0.5 s, far below the receiver's minimum rate.
+  decode worker and push their KV at 64 KiB every 0.5 s, far below the receiver's minimum rate;
+- drain: SIGTERM a worker (a rollout's), which must exit 0 within its bound: a prefill worker
+  finishes its queue, a decode worker moves its rows with their KV to the other and drops its
+  retained conversations (with events); then it starts again on the same port.
 Every request ends in one class: exact (the greedy tokens), wrong (other tokens), refused with a
 reason (RESOURCE_EXHAUSTED, UNAVAILABLE, ABORTED: the client is told why and may retry),
 cancelled by its own client, lost (a stream ended without a finish, an INTERNAL/UNKNOWN/... error,

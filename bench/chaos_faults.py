@@ -1,6 +1,6 @@
 """The faults the chaos suite applies to a live cluster's workers, one at a time (what each does
 and why is in bench/chaos.py): kill and restart, SIGSTOP for a while, cut its TCP connections,
-push KV into it too slowly. Each says in a line what it did; a fault that could not act here
+push KV into it too slowly, drain it (SIGTERM) and start it again. Each says in a line what it did; a fault that could not act here
 (no `ss`, no right to destroy sockets) marks itself not applied."""
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-FAULTS = ("kill", "stop", "cut", "slow-push")
+FAULTS = ("kill", "stop", "cut", "slow-push", "drain")
 RESTART_TIMEOUT_S = 180.0
+# a drained worker exits within its drain (20 s) and the stops' bound (lifeline.STOP_S, 40 s)
+DRAIN_EXIT_S = 90.0
 PUSH_CUTS = {"ABORTED", "CANCELLED"}  # cut by the receiver: too slow (ABORTED) or silent for 1 s (CANCELLED)
 
 
@@ -43,6 +45,8 @@ def apply_fault(fault: Fault, cluster, rng: random.Random, kv_shape, problems: l
         return _stop(cluster, fault, rng)
     if fault.kind == "cut":
         return _cut(fault)
+    if fault.kind == "drain":
+        return _drain(cluster, fault, problems)
     return _slow_push(cluster, fault, kv_shape, problems)
 
 
@@ -50,6 +54,26 @@ def _kill(cluster, fault: Fault) -> str:
     killed_at = time.monotonic()
     cluster.restart_worker(fault.target, RESTART_TIMEOUT_S)
     return f"restarted, serving again after {time.monotonic() - killed_at:.1f} s"
+
+
+def _drain(cluster, fault: Fault, problems: list[str]) -> str:
+    """SIGTERM: a prefill worker finishes and pushes its queue, a decode worker moves its rows
+    with their KV to the other (its retained conversations' KV dropped, with events); it must
+    exit 0 within its bound. Then it starts again on the same port, as a rolled pod would."""
+    proc = dict(cluster.procs)[fault.target]
+    drained_at = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        status = proc.wait(DRAIN_EXIT_S)
+    except subprocess.TimeoutExpired:
+        problems.append(f"drain: {fault.role} {fault.target} still running {DRAIN_EXIT_S:.0f} s after SIGTERM")
+        proc.kill()
+        status = proc.wait()
+    exited = time.monotonic() - drained_at
+    if status != 0:
+        problems.append(f"drain: {fault.role} {fault.target} exited with {status}")
+    cluster.restart_worker(fault.target, RESTART_TIMEOUT_S)
+    return f"drained, exited {status} after {exited:.1f} s; serving again after {time.monotonic() - drained_at:.1f} s"
 
 
 def _stop(cluster, fault: Fault, rng: random.Random) -> str:

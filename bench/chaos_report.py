@@ -178,7 +178,7 @@ def plot_memory(opts: BenchOptions, chaos) -> list[str]:
         role = name.split()[0]
         ax.plot([t for t, _ in life], [v for _, v in life], color=colors.get(role), linewidth=1,
                 label=role if not any(line.get_label() == role for line in ax.get_lines()) else None)
-    marks = {"kill": "tab:red", "stop": "tab:orange", "cut": "tab:purple", "slow-push": "tab:brown"}
+    marks = {"kill": "tab:red", "stop": "tab:orange", "cut": "tab:purple", "slow-push": "tab:brown", "drain": "tab:green"}
     for kind, color in marks.items():
         for n, f in enumerate(f for f in chaos.faults if f.kind == kind and f.applied):
             ax.axvspan(f.start, max(f.end, f.start + 0.5), color=color, alpha=0.15, label=kind if n == 0 else None)

@@ -95,6 +95,7 @@ class PrefillLoop:
         self.queue.close()
         if self._thread.ident is not None:  # a loop never started has nothing to join
             self._thread.join(timeout=10)
+        self._refuse_control()
         while self._chunking and not self._thread.is_alive():
             job, _ = self._chunking.popleft()
             job.end_stream("the prefill worker stopped")
@@ -139,10 +140,21 @@ class PrefillLoop:
         return False
 
     def call(self, fn, *args, timeout: float | None = None):
-        """Run fn(core, *args) on the compute thread, between batches; returns its result."""
+        """Run fn(core, *args) on the compute thread, between batches; returns its result.
+        ConnectionAbortedError once the loop has stopped (a drained worker's last pin calls)."""
         done: Future = Future()
         self._control.put((fn, args, done))
+        if self._stop.is_set():  # the loop may have ended before it saw this call
+            self._refuse_control()
         return done.result(timeout=timeout)
+
+    def _refuse_control(self) -> None:
+        while True:
+            try:
+                _, _, done = self._control.get_nowait()
+            except queue.Empty:
+                return
+            done.set_exception(ConnectionAbortedError("this prefill worker stopped"))
 
     def _serve_control(self) -> None:
         while True:

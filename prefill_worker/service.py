@@ -129,10 +129,16 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OverflowError as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ConnectionAbortedError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return workers_pb2.PinPrefixReply(pinned_tokens=pinned, computed_tokens=computed)
 
     def UnpinPrefix(self, request, context):
-        return workers_pb2.UnpinPrefixReply(found=self.loop.call(lambda core: core.unpin(request.group_id)))
+        try:
+            found = self.loop.call(lambda core: core.unpin(request.group_id), timeout=context.time_remaining())
+        except ConnectionAbortedError as exc:  # stopped: its pins went with it
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return workers_pb2.UnpinPrefixReply(found=found)
 
     def WatchCache(self, request, context):
         yield from watch_cache(self.loop.cache_events, self._watchers, request, context)

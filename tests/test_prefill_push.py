@@ -153,6 +153,19 @@ def test_prompts_being_pushed_count_against_the_queue_bound(tiny_model):
             loop.stop()
 
 
+def test_a_pin_call_reaching_a_stopped_loop_is_refused_at_once(tiny_model):
+    """A drained prefill worker's loop stops while the router may still unpin a batch group's
+    prefix: the call fails at once (UNAVAILABLE at the servicer), not waits for a loop that is
+    gone (found by chaos's drain fault: the worker's exit waited out its thread bound)."""
+    loop = PrefillLoop(make_runner(tiny_model, attention_backend="torch"), PrefillSettings()).start()
+    assert loop.call(lambda core: core.unpin("no-such-group"), timeout=10) is False
+    loop.stop()
+    started = time.monotonic()
+    with pytest.raises(ConnectionAbortedError, match="stopped"):
+        loop.call(lambda core: core.unpin("no-such-group"), timeout=30)
+    assert time.monotonic() - started < 1
+
+
 def test_a_short_prompt_goes_ahead_of_a_long_one_being_chunked(prefill_worker, decode_receiver):
     """Queued together behind a 1500-token prompt, a short prompt is prefilled after the long one's
     first chunk, not after all of it; the long one's KV lands whole, as one forward makes it."""
