@@ -61,6 +61,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--clients", type=int, default=None, help="client threads (default 4; --quick: 3)")
     parser.add_argument("--fault-every", type=float, default=None,
                         help="mean seconds between the end of one fault and the next (default 12; --quick: 5)")
+    parser.add_argument("--faults", default=None,
+                        help=f"comma-separated kinds to apply (default all: {','.join(FAULTS)})")
     parser.add_argument("--decode-kv-tokens", type=int, default=None,
                         help="each decode worker's KV in tokens (default: the worker's own default); a few pages "
                              "keep rows parking into the host pool and resuming all through the run")
@@ -87,6 +89,7 @@ class Chaos:
         self.conversations = list(conversations)
         self.rng = random.Random(seed)
         self.seed = seed
+        self.kinds = FAULTS  # the fault kinds applied, in shuffled rounds
         self.tally = Tally()
         self.faults: list[Fault] = []
         self.problems: list[str] = []
@@ -180,7 +183,7 @@ class Chaos:
                 return
             time.sleep(pause)
             if not order:
-                order = list(FAULTS)
+                order = list(self.kinds)
                 self.rng.shuffle(order)
             kind = order.pop()
             workers = self.cluster.decode_addrs if kind == "slow-push" else \
@@ -256,6 +259,9 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     every = float(opts.extra.get("fault_every") or (5 if opts.quick else 12))
     model = opts.model  # tiny-random unless --model default (SmolLM2-135M) or a directory is given
     kv_tokens = opts.extra.get("decode_kv_tokens")
+    kinds = tuple(k.strip() for k in (opts.extra.get("faults") or ",".join(FAULTS)).split(",") if k.strip())
+    if not kinds or set(kinds) - set(FAULTS):
+        raise SystemExit(f"chaos: --faults takes some of {', '.join(FAULTS)} (got {opts.extra.get('faults')!r})")
     opts.progress(f"chaos: greedy references for {PROMPTS} seeded prompts and conversations ({model})")
     loaded, prompts, expected, conversations = references(model, opts.dtype, seed,
                                                           int(kv_tokens) - 8 if kv_tokens else None)
@@ -266,6 +272,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         env["BATON_DECODE_KV_BUDGET_BYTES"] = str(int(kv_tokens) * loaded.kv_shape.bytes_per_token())
     with LocalCluster(prefill=2, decode=2, model=model, max_rows=4, extra_env=env) as cluster:
         chaos = Chaos(opts, cluster, prompts, expected, seed, conversations)
+        chaos.kinds = kinds
         chaos.kv_shape = loaded.kv_shape
         opts.progress(f"chaos: {duration:.0f} s of load from {clients} clients, a fault every ~{every:.0f} s")
         memory = threading.Thread(target=chaos.memory_loop, daemon=True)

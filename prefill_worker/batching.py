@@ -94,6 +94,8 @@ class PrefillQueue:
     def put(self, job, num_tokens: int, priority: int = 0) -> None:
         request_id = job.request.request_id
         with self._cond:
+            if self._closed:
+                raise ConnectionAbortedError("this prefill worker stopped; send the prompt elsewhere")
             if len(self._items) >= self.max_queue:
                 raise OverflowError(f"{self.max_queue} prompts are already queued for prefill; retry later")
             if request_id in self._items:
@@ -135,7 +137,11 @@ class PrefillQueue:
                 return []  # not even its first prompt fits the memory left: pushes will free some
             return [self._items.pop(ids[i])[0] for i in picked]
 
-    def close(self) -> None:
+    def close(self) -> list:
+        """Take nothing more; returns the jobs still queued, for the caller to refuse."""
         with self._cond:
             self._closed = True
+            left = [job for job, _, _ in self._items.values()]
+            self._items.clear()
             self._cond.notify_all()
+        return left

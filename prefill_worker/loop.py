@@ -63,6 +63,7 @@ class PrefillLoop:
                                    cluster_token)
         self._kv_bytes_per_token = runner.loaded.kv_shape.bytes_per_token()
         self._lock = threading.Lock()
+        self._admitting = threading.Lock()  # a prompt is queued, or refused as draining, never both
         self._control: "queue.Queue[tuple]" = queue.Queue()
         self._stop = threading.Event()
         self.draining = threading.Event()
@@ -92,7 +93,10 @@ class PrefillLoop:
     def stop(self) -> None:
         self._stop.set()
         self.cache_events.close()
-        self.queue.close()
+        for job in self.queue.close():  # queued after a drain, or a stop without one: another worker takes them
+            job.end_stream("the prefill worker stopped")
+            if not job.done.done():
+                job.done.set_exception(ConnectionAbortedError("this prefill worker stopped"))
         if self._thread.ident is not None:  # a loop never started has nothing to join
             self._thread.join(timeout=10)
         self._refuse_control()
@@ -105,7 +109,8 @@ class PrefillLoop:
 
     def drain(self, timeout: float) -> bool:
         """Take no new prompts; finish (and push) the queued ones, up to timeout."""
-        self.draining.set()
+        with self._admitting:  # a submit past its draining check has queued its prompt by now
+            self.draining.set()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not len(self.queue) and not self._inflight:
@@ -114,15 +119,16 @@ class PrefillLoop:
         return False
 
     def submit(self, job: PrefillJob) -> Future:
-        if self.draining.is_set():
-            raise ConnectionAbortedError("this prefill worker is draining; send the prompt elsewhere")
-        if len(self.queue) + len(self._inflight) >= self.settings.max_queue:
-            # Prompts being prefilled or pushed count too: each holds its Prefill call's thread.
-            raise OverflowError(f"{self.settings.max_queue} prompts are already queued or being prefilled here; "
-                                "retry later")
-        job.request.trace.mark("arrived")
-        # Raises OverflowError when full; higher priorities (interactive requests) prefill first.
-        self.queue.put(job, len(job.request.prompt_token_ids), job.request.params.priority)
+        with self._admitting:
+            if self.draining.is_set():
+                raise ConnectionAbortedError("this prefill worker is draining; send the prompt elsewhere")
+            if len(self.queue) + len(self._inflight) >= self.settings.max_queue:
+                # Prompts being prefilled or pushed count too: each holds its Prefill call's thread.
+                raise OverflowError(f"{self.settings.max_queue} prompts are already queued or being prefilled "
+                                    "here; retry later")
+            job.request.trace.mark("arrived")
+            # Raises OverflowError when full; higher priorities (interactive requests) prefill first.
+            self.queue.put(job, len(job.request.prompt_token_ids), job.request.params.priority)
         return job.done
 
     def cancel(self, request_id: str, job: PrefillJob | None = None) -> bool:

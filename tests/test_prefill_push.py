@@ -166,6 +166,18 @@ def test_a_pin_call_reaching_a_stopped_loop_is_refused_at_once(tiny_model):
     assert time.monotonic() - started < 1
 
 
+def test_prompts_left_queued_by_a_stop_are_refused_not_forgotten(tiny_model):
+    """A prompt queued when the loop stops (past a drain's limit, or submitted as the drain ended)
+    ends with ConnectionAbortedError, which the servicer answers UNAVAILABLE and the router retries
+    elsewhere; once stopped, nothing more is queued."""
+    loop = PrefillLoop(make_runner(tiny_model, attention_backend="torch"), PrefillSettings())  # never started
+    queued = loop.submit(PrefillJob(GenerationRequest("left", PROMPT[:8], SamplingParams(max_tokens=4)), "127.0.0.1:1"))
+    loop.stop()
+    assert isinstance(queued.exception(timeout=1), ConnectionAbortedError)
+    with pytest.raises(ConnectionAbortedError):
+        loop.submit(PrefillJob(GenerationRequest("late", PROMPT[:8], SamplingParams(max_tokens=4)), "127.0.0.1:1"))
+
+
 def test_a_short_prompt_goes_ahead_of_a_long_one_being_chunked(prefill_worker, decode_receiver):
     """Queued together behind a 1500-token prompt, a short prompt is prefilled after the long one's
     first chunk, not after all of it; the long one's KV lands whole, as one forward makes it."""
