@@ -88,7 +88,11 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
         except ConnectionAbortedError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         request_id = request.request_id
-        context.add_callback(lambda: self.loop.cancel(request_id, outputs))
+        if not context.add_callback(lambda: self.loop.cancel(request_id, outputs)):
+            # The call ended (cancelled, its connection cut) before the callback was set: gRPC will
+            # not run it, nor this generator again, so the registration would wait for KV forever.
+            self.loop.cancel(request_id, outputs)
+            return
         # Registered: the router may start the prefill now, pushing only the KV not held here.
         yield workers_pb2.DecodeResponse(held_prefix_tokens=self.loop.core.held_tokens(request_id))
         sent = 0

@@ -95,7 +95,8 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ConnectionAbortedError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        context.add_callback(lambda: self.loop.cancel(request.request_id, job))
+        if not context.add_callback(lambda: self.loop.cancel(request.request_id, job)):
+            self.loop.cancel(request.request_id, job)  # the call had ended already: no callback will come
         while True:
             remaining = context.time_remaining()
             try:

@@ -559,6 +559,39 @@ def busy_decode_worker(cluster, timeout: float = 30.0) -> str:
     raise AssertionError(f"no decode worker held a request within {timeout:.0f}s")
 
 
+class EndedCall:
+    """A gRPC servicer context whose call has already ended: add_callback refuses, as gRPC's does."""
+
+    def add_callback(self, callback) -> bool:
+        return False
+
+    def is_active(self) -> bool:
+        return False
+
+    def abort(self, code, details):
+        raise AssertionError(f"aborted: {code} {details}")
+
+    def invocation_metadata(self):
+        return ()
+
+
+def test_a_decode_call_that_ended_before_its_cancel_callback_was_set_leaves_no_registration(runner):
+    """Found by chaos: a Decode call cancelled between the registration and add_callback (a cut
+    connection, a router that moved on) left the request waiting for KV forever on the worker."""
+    from baton.decode_worker.service import DecodeWorkerServicer
+    from baton.messages import sampling_to_proto
+
+    with running_loop(runner) as (loop, _):
+        servicer = DecodeWorkerServicer(loop, "127.0.0.1:1", None, "")
+        request = workers_pb2.DecodeRequest(request_id="ended", prompt_token_ids=[5, 6, 7],
+                                            sampling=sampling_to_proto(SamplingParams(max_tokens=4)))
+        assert list(servicer.Decode(request, EndedCall())) == []
+        deadline = time.monotonic() + 5
+        while loop.num_waiting() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loop.num_waiting() == 0
+
+
 def drain_one_mid_stream(cluster, client, prompts: list[list[int]], max_tokens: int, how: str = "SIGTERM",
                          **sampling) -> dict:
     """Stream every prompt at once; as soon as tokens flow, send `how` (SIGTERM: a drain; SIGKILL:
