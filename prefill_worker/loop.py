@@ -154,20 +154,20 @@ class PrefillLoop:
             self._refuse_control()
         return done.result(timeout=timeout)
 
-    def _refuse_control(self) -> None:
+    def _pending_control(self):
+        """The control calls waiting now, taken one by one."""
         while True:
             try:
-                _, _, done = self._control.get_nowait()
+                yield self._control.get_nowait()
             except queue.Empty:
                 return
+
+    def _refuse_control(self) -> None:
+        for _, _, done in self._pending_control():
             done.set_exception(ConnectionAbortedError("this prefill worker stopped"))
 
     def _serve_control(self) -> None:
-        while True:
-            try:
-                fn, args, done = self._control.get_nowait()
-            except queue.Empty:
-                return
+        for fn, args, done in self._pending_control():
             try:
                 result = fn(self.core, *args)
                 self._publish_cache_changes()
