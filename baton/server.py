@@ -219,6 +219,16 @@ def _streaming_request_and_response(behavior):
     return call
 
 
+def run_when_ended(context, callback) -> bool:
+    """Run `callback` when the call of `context` ends, or now if it already has: gRPC refuses
+    add_callback then, and never resumes a streaming handler, so work for a call nobody waits for
+    would otherwise be left behind. False when the call had ended."""
+    if context.add_callback(callback):
+        return True
+    callback()
+    return False
+
+
 class NotReady:
     """Stands in for a servicer until the model has loaded: every call answers UNAVAILABLE."""
 

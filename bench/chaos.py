@@ -84,12 +84,12 @@ class Chaos:
     problems), and the loops of the threads that fill it."""
 
     def __init__(self, opts: BenchOptions, cluster, prompts: list[list[int]], expected: list[list[int]], seed: int,
-                 conversations=()):
+                 conversations=(), kinds: tuple[str, ...] = FAULTS):
         self.opts, self.cluster, self.prompts, self.expected = opts, cluster, prompts, expected
         self.conversations = list(conversations)
         self.rng = random.Random(seed)
         self.seed = seed
-        self.kinds = FAULTS  # the fault kinds applied, in shuffled rounds
+        self.kinds = kinds  # the fault kinds applied, in shuffled rounds
         self.tally = Tally()
         self.faults: list[Fault] = []
         self.problems: list[str] = []
@@ -271,8 +271,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     if kv_tokens:
         env["BATON_DECODE_KV_BUDGET_BYTES"] = str(int(kv_tokens) * loaded.kv_shape.bytes_per_token())
     with LocalCluster(prefill=2, decode=2, model=model, max_rows=4, extra_env=env) as cluster:
-        chaos = Chaos(opts, cluster, prompts, expected, seed, conversations)
-        chaos.kinds = kinds
+        chaos = Chaos(opts, cluster, prompts, expected, seed, conversations, kinds)
         chaos.kv_shape = loaded.kv_shape
         opts.progress(f"chaos: {duration:.0f} s of load from {clients} clients, a fault every ~{every:.0f} s")
         memory = threading.Thread(target=chaos.memory_loop, daemon=True)

@@ -19,7 +19,7 @@ from baton.logs import STARTUP_LOGGER
 from baton.metrics import Metrics
 from baton.resources import Amount, memory_available
 from baton.sizing import GPU_ROWS, staging_bytes
-from baton.server import GrpcServer, NotReady, channel, cluster_token
+from baton.server import GrpcServer, NotReady, channel, cluster_token, run_when_ended
 from baton.transport import check_address
 from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
 from baton.block_hash import BlockHasher
@@ -88,11 +88,8 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
         except ConnectionAbortedError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         request_id = request.request_id
-        if not context.add_callback(lambda: self.loop.cancel(request_id, outputs)):
-            # The call ended (cancelled, its connection cut) before the callback was set: gRPC will
-            # not run it, nor this generator again, so the registration would wait for KV forever.
-            self.loop.cancel(request_id, outputs)
-            return
+        if not run_when_ended(context, lambda: self.loop.cancel(request_id, outputs)):
+            return  # the call ended (cancelled, its connection cut) before it was registered
         # Registered: the router may start the prefill now, pushing only the KV not held here.
         yield workers_pb2.DecodeResponse(held_prefix_tokens=self.loop.core.held_tokens(request_id))
         sent = 0

@@ -65,6 +65,16 @@ class DecodeStep:
         return out.to(device)
 
 
+def pages_within(shape: KVShape, budget_bytes: int, page_size: int) -> int:
+    """How many pages of `page_size` tokens of KV `shape` `budget_bytes` buys (at least 2: the null
+    page and one more)."""
+    num_pages = budget_bytes // (page_size * shape.bytes_per_token())
+    if num_pages < 2:
+        raise ValueError(f"a KV budget of {budget_bytes} bytes buys {num_pages} page(s) of {page_size} tokens "
+                         f"({page_size * shape.bytes_per_token()} bytes each); at least 2 are needed")
+    return num_pages
+
+
 class PagedKV:
     def __init__(self, shape: KVShape, num_pages: int, page_size: int, device: torch.device | str = "cpu"):
         if page_size < 1 or num_pages < 2:
@@ -87,11 +97,7 @@ class PagedKV:
     @classmethod
     def within(cls, shape: KVShape, budget_bytes: int, page_size: int, device: torch.device | str = "cpu") -> "PagedKV":
         """As many pages as `budget_bytes` buys (the null page among them)."""
-        num_pages = budget_bytes // (page_size * shape.bytes_per_token())
-        if num_pages < 2:
-            raise ValueError(f"a KV budget of {budget_bytes} bytes buys {num_pages} page(s) of {page_size} tokens "
-                             f"({page_size * shape.bytes_per_token()} bytes each); at least 2 are needed")
-        return cls(shape, num_pages, page_size, device)
+        return cls(shape, pages_within(shape, budget_bytes, page_size), page_size, device)
 
     @property
     def page_bytes(self) -> int:

@@ -29,7 +29,7 @@ import torch
 
 from baton.engine.collectives import SHM_SLOT_BYTES, Group, free_port
 from baton.engine.kv import KVShape, SequenceKV
-from baton.engine.paged_kv import PagedKV
+from baton.engine.paged_kv import PagedKV, pages_within
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +137,7 @@ class TensorParallelRunner:
     def paged_kv(self, shape: KVShape, budget_bytes: int, page_size: int) -> "ShardedKV":
         """The decode batch's pages: as many as `budget_bytes` buys for the whole KV (so a worker
         holds the same tokens at any TP degree), each rank holding its heads of every page."""
-        num_pages = budget_bytes // (page_size * shape.bytes_per_token())
-        if num_pages < 2:
-            raise ValueError(f"a KV budget of {budget_bytes} bytes buys {num_pages} page(s) of {page_size} tokens; "
-                             "at least 2 are needed")
-        return ShardedKV(self, shape, num_pages, page_size)
+        return ShardedKV(self, shape, pages_within(shape, budget_bytes, page_size), page_size)
 
     def close(self) -> None:
         """End the other ranks and leave the group (the worker is stopping)."""

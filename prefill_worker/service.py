@@ -17,7 +17,7 @@ from baton.logs import STARTUP_LOGGER
 from baton.messages import sampling_from_proto, settings_to_proto
 from baton.metrics import Metrics
 from baton.resources import Amount
-from baton.server import GrpcServer, NotReady, cluster_token
+from baton.server import GrpcServer, NotReady, cluster_token, run_when_ended
 from baton.transport import check_address
 from baton.v1 import common_pb2, workers_pb2, workers_pb2_grpc
 
@@ -95,8 +95,7 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ConnectionAbortedError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        if not context.add_callback(lambda: self.loop.cancel(request.request_id, job)):
-            self.loop.cancel(request.request_id, job)  # the call had ended already: no callback will come
+        run_when_ended(context, lambda: self.loop.cancel(request.request_id, job))
         while True:
             remaining = context.time_remaining()
             try:

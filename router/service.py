@@ -13,7 +13,7 @@ from baton.auth import BearerTokenInterceptor, load_token
 from baton.config import ClusterSettings, ModelSettings, RouterSettings, TLSSettings
 from baton.logs import STARTUP_LOGGER
 from baton.metrics import Metrics, cumulative_buckets
-from baton.server import GrpcServer, NotReady, cluster_token
+from baton.server import GrpcServer, NotReady, cluster_token, run_when_ended
 from baton.v1 import router_pb2, router_pb2_grpc
 from baton.engine.model_files import load_tokenizer_view
 from baton.engine.request import RequestError
@@ -30,16 +30,6 @@ from baton.router.workers import WorkerPool
 log = logging.getLogger(__name__)
 
 MAX_BATCH_REQUESTS = 10_000
-
-
-def when_ended(context):
-    """on_done for a call's context: `cancel` runs when the call ends, or now if it already has
-    (gRPC's add_callback refuses then, and would leave a request running that nobody waits for)."""
-    def on_done(cancel) -> None:
-        if not context.add_callback(cancel):
-            cancel()
-
-    return on_done
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -93,7 +83,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def _relay(self, request, prompt, context):
         try:
             yield from self.front.generate(request.request_id or uuid.uuid4().hex, prompt, request.sampling,
-                                           context.time_remaining(), on_done=when_ended(context),
+                                           context.time_remaining(), on_done=lambda cancel: run_when_ended(context, cancel),
                                            carrier=context.invocation_metadata())
         except DispatchError as err:
             if err.code == grpc.StatusCode.CANCELLED and not context.is_active():
@@ -122,7 +112,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         with self._admitted(concurrency, context):
             runner = BatchRunner(self.dispatcher, concurrency)
             outcomes = runner.run(prompts, [r.sampling for r in request.requests], context.time_remaining(),
-                                  on_done=when_ended(context), carrier=context.invocation_metadata())
+                                  on_done=lambda cancel: run_when_ended(context, cancel), carrier=context.invocation_metadata())
             # closing() ends the batch's members before the slots below are released
             with contextlib.closing(outcomes):
                 for index, outcome in outcomes:
