@@ -261,6 +261,10 @@ class PrefillSettings:
     # A prompt prefilled in chunks streams its KV to a decode worker reached over gRPC chunk by
     # chunk, as each is computed, so the transfer overlaps the prefill; off: pushed after it.
     kv_stream: bool = True
+    # A prompt whose leading tokens' KV its decode worker holds (a conversation's earlier turns,
+    # answers included) reads that KV from it (DecodeWorker.ReadKV) rather than computing it, when
+    # reading is measured to be faster; off: such tokens are computed here unless cached here.
+    pull_kv: bool = True
     advertise: str = ""  # host:port others use to reach this worker (default: host:port)
     metrics_port: int = 0
 

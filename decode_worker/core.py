@@ -479,6 +479,19 @@ class DecodeCore:
         kept for it): its prefill need push only the KV after them."""
         return self.scheduler.held_tokens(request_id)
 
+    def held_kv(self, request_id: str, num_tokens: int) -> SequenceKV:
+        """A host copy of the KV of a waiting request's first `num_tokens` prompt tokens, from the
+        pages held for it (the loop thread: a tensor-parallel read is a collective), for the
+        prefill worker that computes the rest (it reads rather than recomputes them). LookupError:
+        no such request waits for KV here; ValueError: it holds fewer tokens."""
+        seq = self.scheduler.find(request_id)
+        if seq is None or seq.status is not Status.WAITING or seq.local:
+            raise LookupError(f"no request {request_id!r} waits for KV on this decode worker")
+        if not 0 < num_tokens <= seq.held_tokens:
+            raise ValueError(f"request {request_id!r} holds the KV of {seq.held_tokens} prompt tokens here, "
+                             f"not {num_tokens}")
+        return self.kv.read(self.scheduler.pages.page_table(request_id), num_tokens)
+
     def _whole_kv(self, seq: DecodeSequence) -> SequenceKV:
         """A request's KV, all seq.num_kv_tokens tokens, in host memory: read from its pages while it
         has a row; else its staged or parked KV, with the held shared pages' tokens read in front."""

@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from baton.metrics import Metrics
@@ -76,11 +77,20 @@ class Compute:
 
 
 @dataclass(frozen=True)
+class ReadHeld:
+    """A prefill worker reads the KV held here of a waiting request's prompt (`read_held`)."""
+
+    request_id: str
+    num_tokens: int
+    reply: Future
+
+
+@dataclass(frozen=True)
 class Wake:
     """Look again: at the stop flag, or at a request just staged."""
 
 
-Command = Cancel | EvictAll | Compute | Wake
+Command = Cancel | EvictAll | Compute | ReadHeld | Wake
 Outputs = "queue.Queue[RequestOutput | Failure | Moving | object]"
 
 _WHERE = {Status.WAITING: "waiting for KV", Status.STAGED: "waiting for a row", Status.PARKED: "parked on the host",
@@ -97,6 +107,8 @@ class DecodeLoop:
         self._streams: dict[str, Outputs] = {}  # every registered request's output queue, until it ends
         self._evicting = False  # the loop thread's: evict whatever is in the batch (drain)
         self.migrations: Counter[str] = Counter()  # sent, failed, received
+        self.reads_total = 0  # held KV read by prefill workers (ReadKV), and its tokens
+        self.read_tokens_total = 0
         self._lock = threading.Lock()  # guards _streams; taken before the scheduler's, never after
         self._stop = threading.Event()
         self.draining = threading.Event()
@@ -121,6 +133,13 @@ class DecodeLoop:
         self._stop.set()
         self._inbox.put(Wake())
         self._thread.join(timeout=10)
+        while True:  # reads the loop never reached are refused, not left waiting
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, ReadHeld) and command.reply.set_running_or_notify_cancel():
+                command.reply.set_exception(ConnectionAbortedError("this decode worker stopped"))
 
     # -- called from RPC threads ---------------------------------------------------------------
 
@@ -169,6 +188,18 @@ class DecodeLoop:
         else:
             self.pool.expect(request.request_id, push_token)  # only the push carrying it takes staging room
         return outputs
+
+    def read_held(self, request_id: str, push_token: str, num_tokens: int, timeout: float | None) -> Future:
+        """The KV held here of a waiting request's first `num_tokens` prompt tokens, copied out
+        between two steps; only for the caller presenting the request's push token. The future
+        holds a SequenceKV, or LookupError / ValueError (see DecodeCore.held_kv)."""
+        if not self.pool.expects_token(request_id, push_token):
+            raise PermissionError(f"no request {request_id!r} registered here with that push token")
+        reply: Future = Future()
+        self._inbox.put(ReadHeld(request_id, num_tokens, reply))
+        if self._stop.is_set():  # the loop may have ended before it saw this
+            reply.set_exception(ConnectionAbortedError("this decode worker stopped"))
+        return reply
 
     def on_landed(self, request_id: str) -> None:
         """A KV is in the staging pool (the receiver's thread): send its first token and stage it."""
@@ -245,6 +276,14 @@ class DecodeLoop:
                     self._evicting = True
                 case Compute(request_id):
                     self.core.compute(request_id)
+                case ReadHeld(request_id, num_tokens, reply):
+                    if reply.set_running_or_notify_cancel():
+                        try:
+                            reply.set_result(self.core.held_kv(request_id, num_tokens))
+                            self.reads_total += 1
+                            self.read_tokens_total += num_tokens
+                        except Exception as exc:  # noqa: BLE001 - the reader is told; the loop goes on
+                            reply.set_exception(exc)
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:

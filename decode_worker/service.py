@@ -38,6 +38,7 @@ from baton.kvtransfer.errors import KVPushFailed
 from baton.kvtransfer.grpc_transport import KVTransferServicer, PushRetry
 from baton.kvtransfer.push import KVPusher
 from baton.kvtransfer.receiver import Receiver, ReceiverConfig
+from baton.kvtransfer.sender import encode
 from baton.kvtransfer.staging import StagingConfig, StagingPool
 from baton.kvtransfer.nixl import NixlWrites
 from baton.kvtransfer.shm import ShmKVServer
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 started_log = logging.getLogger(STARTUP_LOGGER)
 
 HANDOFF_SECONDS = 30.0  # longest a Handoff's KV push may take
+READ_WAIT_S = 10.0  # longest a ReadKV waits for the decode loop to copy the KV out (between two steps)
 RESERVED_PREFIXES = (RETAINED, TAIL)  # keys of the worker's own page tables and host pool holds
 # How a target's refusal of a handed-off KV reads to the Handoff caller.
 _HANDOFF_STATUS = {"RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -170,6 +172,26 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             context.abort(code, f"the KV of request {request_id} could not be handed to {target}: {failure[1]}")
         return workers_pb2.HandoffReply(kv_tokens=kv_tokens, kv_bytes=kv_bytes, seconds=time.monotonic() - started)
 
+    def ReadKV(self, request, context):
+        if not (request.request_id and request.push_token and request.num_tokens):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id, push_token and num_tokens > 0 are required")
+        remaining = context.time_remaining()
+        try:
+            reply = self.loop.read_held(request.request_id, request.push_token, request.num_tokens, remaining)
+            kv = reply.result(timeout=min(READ_WAIT_S, remaining or READ_WAIT_S))
+        except PermissionError as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except LookupError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ConnectionAbortedError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except TimeoutError:
+            reply.cancel()  # still in the inbox: the loop skips it
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the decode loop did not reach the read within {READ_WAIT_S}s")
+        yield from encode(request.request_id, str(self.loop.core.runner.loaded.fingerprint), kv)
+
     def GetLoad(self, request, context):
         core, pool = self.loop.core, self.loop.pool
         stats, kv = pool.stats(), core.scheduler.kv_usage()
@@ -241,6 +263,10 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
                     lambda: core.scheduler.retained_total)
     metrics.counter("baton_decode_retained_reclaimed", "Retained KV released because pages were needed",
                     lambda: core.scheduler.reclaimed_total)
+    metrics.counter("baton_decode_kv_reads", "Prompts whose held KV a prefill worker read instead of computing it "
+                    "(ReadKV)", lambda: loop.reads_total)
+    metrics.counter("baton_decode_kv_read_tokens", "Prompt tokens of KV read by prefill workers",
+                    lambda: loop.read_tokens_total)
     metrics.counter("baton_decode_local_prefills", "Prompts prefilled here on top of KV held here (conditional "
                     "disaggregation)", lambda: core.local_prefills_total)
     metrics.counter("baton_decode_local_prefill_tokens", "Prompt tokens prefilled here", lambda: core.local_tokens_total)

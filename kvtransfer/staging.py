@@ -158,6 +158,12 @@ class StagingPool:
         with self._lock:
             return request_id in self._expected
 
+    def expects_token(self, request_id: str, push_token: str) -> bool:
+        """Whether request_id is expected with exactly this push token (a non-empty one)."""
+        with self._lock:
+            wanted = self._expected.get(request_id)
+        return bool(wanted) and hmac.compare_digest(wanted.encode(), push_token.encode())
+
     # -- receiver side ------------------------------------------------------------------------
     def reserve(self, request_id: str, nbytes: int, timeout_s: float | None, push_token: str = "") -> Reservation:
         """Claim nbytes for request_id, waiting up to timeout_s (None: forever) for room. With

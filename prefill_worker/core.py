@@ -105,6 +105,30 @@ class PrefillCore:
                     break
         return reuse
 
+    def adopt(self, prompt: list[int], kv: SequenceKV) -> int:
+        """Cache KV computed elsewhere for the prompt's first kv.num_tokens tokens (a decode
+        worker's, of a conversation's earlier turns: `kv_pull`): its whole blocks join the prefix
+        cache as if prefilled here, so the prompt, planned next, computes only the rest. Returns
+        the prompt tokens the cache now holds from it (0: no cache, or no room)."""
+        if self.cache is None:
+            return 0
+        b = self.block_size
+        blocks = min(kv.num_tokens, len(prompt) - 1) // b  # the last token is always computed
+        if not blocks:
+            return 0
+        hashes = self.hasher.hash_prompt(prompt[:blocks * b])
+        known = self.cache.match(hashes)
+        data = kv.data.to(self.runner.device)
+        payloads = [None] * known + [data[:, :, :, i * b:(i + 1) * b].clone() for i in range(known, blocks)]
+        return blocks * b if self.cache.insert(hashes, payloads) is not None else 0
+
+    def cached_tokens(self, prompt: list[int]) -> int:
+        """Leading tokens of `prompt` whose whole blocks the cache holds. It only reads the cache, so
+        an RPC thread may ask: an estimate, as the compute thread may change the cache meanwhile."""
+        if self.cache is None:
+            return 0
+        return self.cache.cached_blocks(self.hasher.hash_prompt(prompt)) * self.block_size
+
     def first_new_block(self, prompt: list[int]) -> int | None:
         """The hash of the prompt's first whole block the cache lacks (None: no cache, or nothing
         new to cache). Prompts sharing it would each compute it if they prefilled together."""

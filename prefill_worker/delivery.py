@@ -207,6 +207,7 @@ class KVDelivery:
             first_token=prefilled.first_token, seed=prefilled.seed, cached_tokens=prefilled.cached_tokens,
             computed_tokens=len(job.request.prompt_token_ids) - prefilled.cached_tokens,
             queue_seconds=meta.queue_seconds, prefill_seconds=meta.prefill_seconds,
+            pulled_tokens=min(job.pulled_tokens, prefilled.cached_tokens),
         )
         self._count_prompt(meta, len(job.request.prompt_token_ids), prefilled.cached_tokens)
 

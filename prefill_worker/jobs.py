@@ -6,6 +6,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from baton.engine.kv import SequenceKV
 from baton.engine.request import GenerationRequest
 
 
@@ -20,6 +21,7 @@ class PrefillDone:
     queue_seconds: float
     prefill_seconds: float
     transfer_seconds: float = 0.0
+    pulled_tokens: int = 0  # of cached_tokens, read from the decode worker (kv_pull)
 
 
 @dataclass
@@ -28,6 +30,8 @@ class PrefillJob:
     decode_target: str
     push_token: str = ""  # presented with the KV push; the decode worker registered the same
     kv_skip_tokens: int = 0  # leading prompt tokens whose KV the decode worker holds: not pushed
+    pulled: SequenceKV | None = None  # that KV, read from the decode worker, until the cache adopts it
+    pulled_tokens: int = 0  # prompt tokens the cache took from it
     new_prefix: int | None = None  # while in chunks: its first block the cache lacked (see batching)
     done: Future = field(default_factory=Future)
     cancelled: bool = False

@@ -31,6 +31,7 @@ from baton.prefill_worker.cache_events import CacheEventLog
 from baton.prefill_worker.core import Chunked, PrefillCore
 from baton.prefill_worker.delivery import KVDelivery
 from baton.prefill_worker.jobs import PrefillJob
+from baton.prefill_worker.kv_pull import KVPuller
 from baton.prefill_worker.targets import DecodeTargets
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ class PrefillLoop:
         self.delivery = KVDelivery(self.fingerprint, runner.loaded.kv_shape, settings, self.metrics, tls,
                                    cluster_token)
         self._kv_bytes_per_token = runner.loaded.kv_shape.bytes_per_token()
+        # Reads a decode worker's KV of a prompt's earlier turns rather than computing it (kv_pull).
+        self.puller = KVPuller(self.fingerprint, runner.loaded.kv_shape, settings.prefix_cache_bytes,
+                               self.delivery.channel) if settings.pull_kv and self.core.cache is not None else None
         self._lock = threading.Lock()
         self._admitting = threading.Lock()  # a prompt is queued, or refused as draining, never both
         self._control: "queue.Queue[tuple]" = queue.Queue()
@@ -119,6 +123,13 @@ class PrefillLoop:
         return False
 
     def submit(self, job: PrefillJob) -> Future:
+        try:
+            return self._queue(job)
+        except BaseException:
+            self._drop_pulled(job)  # refused: nothing will adopt what was read for it
+            raise
+
+    def _queue(self, job: PrefillJob) -> Future:
         with self._admitting:
             if self.draining.is_set():
                 raise ConnectionAbortedError("this prefill worker is draining; send the prompt elsewhere")
@@ -129,7 +140,44 @@ class PrefillLoop:
             job.request.trace.mark("arrived")
             # Raises OverflowError when full; higher priorities (interactive requests) prefill first.
             self.queue.put(job, len(job.request.prompt_token_ids), job.request.params.priority)
+        if self.puller is not None:
+            job.done.add_done_callback(self._measure)
         return job.done
+
+    def pull_held(self, job: PrefillJob, timeout_s: float | None) -> None:
+        """Before `submit` (the RPC thread): read the KV the job's decode worker holds of its prompt
+        (its first kv_skip_tokens tokens) when this worker's cache lacks it and reading is measured
+        faster than computing; the compute thread adopts it into the cache when the job's turn comes."""
+        puller = self.puller
+        if puller is None or not job.kv_skip_tokens or self.draining.is_set():
+            return
+        prompt, b = job.request.prompt_token_ids, self.core.block_size
+        wanted = min(job.kv_skip_tokens, len(prompt) - 1) // b * b  # whole blocks: what the cache can take
+        here = self.core.cached_tokens(prompt[:wanted])
+        if not puller.rates.worth_pulling(wanted - here, b):
+            return
+        request_id = job.request.request_id
+        kv = puller.pull(job.decode_target, request_id, job.push_token, wanted, timeout_s)
+        if kv is not None:
+            job.pulled = kv
+            job.done.add_done_callback(lambda _: self._drop_pulled(job))  # cancelled while queued
+
+    def _measure(self, done: Future) -> None:
+        """A prefill's seconds per computed token, against which reads are weighed."""
+        if not done.cancelled() and done.exception() is None:
+            result = done.result()
+            self.puller.rates.computed(result.computed_tokens, result.prefill_seconds)
+
+    def _adopt(self, job: PrefillJob) -> None:
+        """The compute thread: KV read from the job's decode worker joins the prefix cache."""
+        if job.pulled is not None:
+            job.pulled_tokens = self.core.adopt(job.request.prompt_token_ids, job.pulled)
+            self._drop_pulled(job)
+
+    def _drop_pulled(self, job: PrefillJob) -> None:
+        if job.pulled is not None:
+            job.pulled = None
+            self.puller.release(job.request.request_id)
 
     def cancel(self, request_id: str, job: PrefillJob | None = None) -> bool:
         """Drop a queued job; one already taken stops at its next chunk or before its push."""
@@ -237,6 +285,7 @@ class PrefillLoop:
         jobs = [j for j in jobs if not j.cancelled and j.done.set_running_or_notify_cancel()]
         for job in jobs:
             self._track(job)
+            self._adopt(job)
         whole = [j for j in jobs if not self._chunk(j)]
         if whole:
             try:

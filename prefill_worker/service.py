@@ -38,7 +38,7 @@ def reply_from(request_id: str, done: PrefillDone) -> workers_pb2.PrefillReply:
     return workers_pb2.PrefillReply(
         request_id=request_id, first_token=done.first_token, seed=done.seed, cached_tokens=done.cached_tokens,
         computed_tokens=done.computed_tokens, queue_seconds=done.queue_seconds,
-        prefill_seconds=done.prefill_seconds, transfer_seconds=done.transfer_seconds)
+        prefill_seconds=done.prefill_seconds, transfer_seconds=done.transfer_seconds, pulled_tokens=done.pulled_tokens)
 
 
 MAX_CACHE_WATCHERS = 16  # routers following the prefix cache at once (each holds a thread)
@@ -88,6 +88,7 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
                                    "prompt's KV to push; it must be less than the prompt's length")
             job = PrefillJob(GenerationRequest(request.request_id, prompt, params, resume_step=request.resume_step),
                              request.decode_target, request.push_token, kv_skip_tokens=request.kv_skip_tokens)
+            self.loop.pull_held(job, context.time_remaining())
             done = self.loop.submit(job)
         except (RequestError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -153,7 +154,7 @@ class PrefillWorkerServicer(workers_pb2_grpc.PrefillWorkerServicer):
             prompt_tokens_forwarded=loop.runner.prompt_tokens_forwarded, requests_done=loop.requests_done,
             model_fingerprint=loop.fingerprint, block_size=loop.core.block_size,
             cached_tokens_total=loop.core.cached_tokens_total, prefix_cache_bytes=loop.settings.prefix_cache_bytes,
-            draining=loop.draining.is_set(), epoch=loop.epoch, settings=self.settings,
+            draining=loop.draining.is_set(), epoch=loop.epoch, settings=self.settings, pulls_kv=loop.puller is not None,
         )
 
 
@@ -179,6 +180,14 @@ def serve(model: ModelSettings, settings: PrefillSettings, tls: TLSSettings | No
     metrics.gauge("baton_prefill_unpushed_kv_bytes", "KV prefilled and not yet pushed, held under "
                   "prefill.kv_memory_bytes", lambda: loop.unpushed_kv_bytes)
     metrics.gauge("baton_prefill_queued_tokens", "Prompt tokens waiting for prefill", lambda: loop.queue.queued_tokens)
+    if loop.puller is not None:
+        puller = loop.puller
+        metrics.counter("baton_prefill_kv_pulls", "Prompts whose leading KV was read from their decode worker "
+                        "instead of computed (prefill.pull_kv)", lambda: puller.pulls_total)
+        metrics.counter("baton_prefill_kv_pulled_tokens", "Prompt tokens of KV read from decode workers",
+                        lambda: puller.pulled_tokens_total)
+        metrics.counter("baton_prefill_kv_pull_failures", "Reads of a decode worker's KV that failed (those tokens "
+                        "were computed)", lambda: puller.failures_total)
     metrics.gauge("baton_prefill_chunking", "Long prompts being prefilled a chunk per iteration",
                   lambda: loop.chunking)
     metrics.gauge("baton_prefill_prefix_cache_bytes", "Prefix KV cache bytes in use",

@@ -339,7 +339,9 @@ class Dispatcher:
     def _finish(self, out, msg, reply, route: Route, decode: Worker, prompt_len: int, completion: int,
                 arrived: float) -> None:
         with self._stats_lock:
-            (self.local_stats if route.local else self.stats).record(route.predicted_cached_tokens, reply.cached_tokens)
+            # The index predicts what a worker holds itself: KV read from the decode worker is not that.
+            (self.local_stats if route.local else self.stats).record(route.predicted_cached_tokens,
+                                                                     reply.cached_tokens - reply.pulled_tokens)
         stages = dict(msg.stage_seconds)
         stages.update(route=route.seconds, queue=reply.queue_seconds, prefill=reply.prefill_seconds, transfer=reply.transfer_seconds,
                       total=time.monotonic() - arrived)
@@ -349,7 +351,8 @@ class Dispatcher:
             stage_seconds=stages, cached_tokens=reply.cached_tokens,
             predicted_cached_tokens=route.predicted_cached_tokens,
             prefill_worker=route.prefill.view.address if route.prefill else "", decode_worker=decode.view.address,
-            route=route.reason))
+            route=route.reason + (f"; the prefill worker read the KV of {reply.pulled_tokens} prompt tokens from "
+                                  f"decode worker {decode.view.address}" if reply.pulled_tokens else "")))
 
     _cause = staticmethod(cause)
 

@@ -32,6 +32,7 @@ class WorkerView:
     kv_used_bytes: int = 0  # decode only: KV of its rows plus landed KV waiting for one
     kv_capacity_bytes: int = 0  # decode only: its KV budget (0: not reported, rows alone decide)
     kv_bytes_per_token: int = 0  # decode only
+    pulls_kv: bool = False  # prefill only: reads the KV a decode worker holds of a prompt (prefill.pull_kv)
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,12 @@ class Picker:
         In tokens of waiting, summed over the requests that wait: there, every row decoding on that
         worker waits for each chunk of the rest as well as the request itself (rest x (1 + rows); the
         rest's chunks alternate with their steps); on the prefill worker, whose core nothing else
-        needs, the prompt runs from that worker's own cache (the earlier answers are not in it) after
-        its queue, and its KV then travels. At 8 concurrent conversations on 2 cores, weighing the
-        request's own wait alone (twice the rest) kept turns on a busy decode worker and cost 18%
-        of the tokens per second (docs/bench.md, chat)."""
+        needs, the prompt runs after its queue from what it holds: its own cache, or, where it reads
+        the decode worker's KV (`pulls_kv`), the held prefix too (a transfer, counted as free: the
+        worker reads only when that is measured faster than computing); the rest's KV then travels.
+        At 8 concurrent conversations on 2 cores, weighing the request's own wait alone (twice the
+        rest) kept turns on a busy decode worker and cost 18% of the tokens per second
+        (docs/bench.md, chat)."""
         held = holder.predicted_cached_tokens
         rest = prompt_tokens - held
         said = f"decode worker {holder.address} holds {held} of {prompt_tokens} prompt tokens"
@@ -73,12 +76,15 @@ class Picker:
         if prefill is None:
             return True, f"{said}: prefills the other {rest} there (no prefill worker is available)"
         here = rest * (1 + holder.active)
-        there = prompt_tokens - prefill.predicted_cached_tokens + prefill.queued_tokens
+        found = max(prefill.predicted_cached_tokens, held if prefill.pulls_kv else 0)
+        there = prompt_tokens - found + prefill.queued_tokens
         if here <= there:
             return True, f"{said}: prefills the other {rest} there (about {here} tokens of waiting, against " \
                          f"{there} on prefill worker {prefill.address})"
+        reads = ", which reads the held KV and pushes back only the rest" if prefill.pulls_kv else \
+            ", which pushes only them"
         return False, f"{said}, but prefilling the other {rest} there (about {here} tokens of waiting, its rows " \
-                      f"decoding) costs more than on prefill worker {prefill.address} ({there}), which pushes only them"
+                      f"decoding) costs more than on prefill worker {prefill.address} ({there}){reads}"
 
     def pick_holder(self, workers: list[WorkerView], prompt_tokens: int) -> WorkerView | None:
         """The healthy decode worker holding the most of the prompt (`predicted_cached_tokens`) with

@@ -152,6 +152,7 @@ class WorkerPool:
                 view.active = load.queued
                 view.capacity = max(1, load.max_queue)
                 view.queued_tokens = load.queued_tokens
+                view.pulls_kv = load.pulls_kv
             view.healthy = not load.draining
 
     @staticmethod

@@ -103,7 +103,7 @@ TIERS = {
         "test_prefill_push.py", "test_prefix_cluster.py", "test_router_dispatch.py", "test_security.py",
         "test_openai_api.py", "test_cache_sync.py", "test_kv_shm.py", "test_hosts.py", "test_kv_nixl.py",
         "test_planner_local.py", "test_forkserver.py", "test_conversations.py", "test_quantized_cluster.py",
-        "test_tensor_parallel_cluster.py",
+        "test_tensor_parallel_cluster.py", "test_kv_pull.py",
     },
     "deploy": {"test_deploy.py", "test_packaging.py"},  # the chart, compose, the image, wheels and venvs
 }

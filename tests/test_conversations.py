@@ -8,12 +8,15 @@ import json
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from baton.block_hash import common_prefix
 from baton.client import BatonClient
-from baton.launch.up import LocalCluster
+from baton.launch.up import LocalCluster, free_port
 
 QUESTIONS = ["What is the capital of France?", "And of Italy?", "Which of the two cities is larger?"]
+LONGER_ANSWERS = ["Tell me about the history of Paris.", "And what about Rome?",
+                  "Which of the two would you visit first, and why?"]
 
 
 def chat(url: str, messages: list[dict], max_tokens: int) -> dict:
@@ -73,3 +76,47 @@ def test_an_answer_that_tokenizes_differently_is_matched_as_far_as_it_agrees(tin
         assert second.token_ids == tiny_reference.greedy(second.prompt_token_ids, 12)
         if agree >= 16 + 8:  # a block for the router to see, a page for the worker to share
             assert second.usage.cached_tokens >= agree // 8 * 8
+
+
+def test_a_turn_prefilled_on_the_prefill_worker_reads_the_earlier_turns_kv(default_model, default_reference):
+    """Every turn on the prefill worker (router.local_prefill_max_tokens 0): it reads the KV the
+    decode worker holds of the earlier turns (answers included, which it never computed) instead of
+    computing them, computes only the new message, and pushes back only that: turns 2 and 3 find
+    every earlier token cached, the trace says how many were read, and the answers equal generate's.
+    With prefill.pull_kv off the same turns compute the earlier answers again."""
+    # long enough that the decode worker holds the earlier turns for a pushed prompt (decode.share_min_tokens)
+    system = ("You are a helpful assistant. Answer every question in one short sentence, name the facts you "
+              "rely on, and say plainly when you do not know the answer.")
+    messages = [{"role": "system", "content": system}]
+    router = ("--local-prefill-max-tokens", "0")
+    metrics_port = free_port()
+    with LocalCluster(prefill=1, decode=1, model="default", max_rows=4, router_args=router,
+                      prefill_args=("--metrics-port", str(metrics_port))) as cluster, \
+            BatonClient(cluster.router_address) as client:
+        said = 0
+        for turn, question in enumerate(LONGER_ANSWERS, start=1):
+            messages.append({"role": "user", "content": question})
+            result = client.generate(messages=messages, max_tokens=40, temperature=0)
+            assert result.trace.prefill_worker, "every turn goes to the prefill worker"
+            expected = default_reference.greedy(result.prompt_token_ids, 40)
+            assert result.token_ids == expected[:len(result.token_ids)], turn
+            if turn > 1:  # every whole page of the earlier prompts and answers, which the decode worker held
+                assert result.usage.cached_tokens >= said // 16 * 16, (turn, result.usage.cached_tokens, said)
+                assert "read the KV of" in result.trace.route, result.trace.route
+            if turn == 2:
+                cached_on = result.usage.cached_tokens
+            said = len(result.prompt_token_ids) + len(result.token_ids) - 1
+            messages.append({"role": "assistant", "content": result.text})
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    pulled = sum(s.value for f in text_string_to_metric_families(scraped) for s in f.samples
+                 if s.name == "baton_prefill_kv_pulled_tokens_total")
+    assert pulled >= 2 * 16
+    messages = messages[:3]  # the first two turns again, on a fresh cluster that never reads
+    with LocalCluster(prefill=1, decode=1, model="default", max_rows=4, router_args=router,
+                      extra_env={"BATON_PREFILL_PULL_KV": "false"}) as cluster, \
+            BatonClient(cluster.router_address) as client:
+        first = client.generate(messages=messages[:2], max_tokens=40, temperature=0)
+        second = client.generate(messages=messages, max_tokens=40, temperature=0)
+        assert "read the KV" not in second.trace.route
+        # only its own cache: the first prompt's blocks, none of the answer it never computed
+        assert second.usage.cached_tokens <= len(first.prompt_token_ids) < cached_on

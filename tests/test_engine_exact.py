@@ -6,6 +6,7 @@ columns, reuse rows many times and let the batch empty and refill.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -423,3 +424,49 @@ def test_a_conversation_whose_pages_were_needed_goes_on_from_host_memory(tiny_mo
     reservation = pool.reserve("pushed", 390 * per_token, timeout_s=1)
     assert "retained:turn-1" not in decode.host.keys()
     pool.abort(reservation)
+
+
+def test_a_turn_prefilled_from_the_decode_workers_kv_answers_exactly(tiny_model, tiny_reference):
+    """The prefill worker's side of a conversation (prefill.pull_kv): the decode worker holds turn 1's
+    prompt and answer for turn 2's registration; the prefill worker reads that KV (`held_kv`),
+    adopts it into its prefix cache, computes only the new message and pushes only that. Turn 2's
+    tokens equal generate's. A read the registration does not cover is refused."""
+    from baton.engine.executors import make_runner
+    from baton.engine.kv import SequenceKV
+    from baton.engine.request import GenerationRequest
+    from baton.prefill_worker.core import PrefillCore
+
+    rng = random.Random(31)
+    runner = make_runner(tiny_model)
+    decode = DecodeCore(runner, DecodeConfig(max_rows=2, page_size=16, share_min_tokens=16))
+    prefill = PrefillCore(runner, prefix_cache_bytes=64 << 20)
+    finals: dict[str, list[int]] = {}
+
+    def run(request: GenerationRequest, held: int = 0) -> None:  # as the prefill worker would
+        done = prefill.prefill([request])[0]
+        # what the push sends: the prompt's KV after the tokens the decode worker holds
+        decode.add(dataclasses.replace(done, kv=SequenceKV(done.whole_kv(held).data.contiguous()), shared_prefix=None))
+        while request.request_id not in finals:
+            for out in decode.step():
+                if out.finished:
+                    finals[out.request_id] = out.token_ids
+
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    said = [rng.randrange(50, 40000) for _ in range(70)]
+    first = GenerationRequest("turn-1", said, params)
+    decode.register(first)
+    run(first)
+    said = said + finals["turn-1"] + [rng.randrange(50, 40000) for _ in range(30)]
+    second = GenerationRequest("turn-2", said, params)
+    decode.register(second)
+    held = decode.held_tokens("turn-2")
+    assert held == (70 + 11) // 16 * 16 == 80  # turn 1's prompt and answer but its last token, in whole pages
+    assert prefill.cached_tokens(said) == 64  # the prefill worker computed turn 1's prompt, not its answer
+    with pytest.raises(ValueError, match="holds the KV of 80"):
+        decode.held_kv("turn-2", 96)
+    with pytest.raises(LookupError):
+        decode.held_kv("turn-1", 16)  # finished: nothing waits for KV under that id
+    assert prefill.adopt(said, decode.held_kv("turn-2", held)) == 80
+    run(second, held=held)
+    assert second.trace.cached_tokens == 80
+    assert finals["turn-2"] == tiny_reference.greedy(said, 12)

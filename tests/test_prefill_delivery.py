@@ -202,3 +202,21 @@ def test_pushes_to_this_host_go_through_shared_memory_whole_not_streamed():
             assert kv.open_stream(job, TOKENS) is None and job.stream is None
         finally:
             kv.close()
+
+
+def test_reads_of_a_decode_workers_kv_go_ahead_until_measured_slower_than_computing():
+    from baton.prefill_worker.kv_pull import PullRates
+
+    rates = PullRates()
+    assert not rates.worth_pulling(8, min_tokens=16)  # less than a block: the cache could not take it
+    assert rates.worth_pulling(64, min_tokens=16)  # nothing measured: read
+    rates.computed(100, 1.0)  # 10 ms a token
+    assert rates.worth_pulling(64, min_tokens=16)  # reads not measured yet
+    rates.pulled(100, 0.1)  # 1 ms a token
+    assert rates.worth_pulling(64, min_tokens=16)
+    for _ in range(40):  # the link slows to 50 ms a token: the moving mean follows
+        rates.pulled(100, 5.0)
+    assert not rates.worth_pulling(64, min_tokens=16)
+    rates.computed(0, 1.0)
+    rates.pulled(10, 0.0)  # nothing computed, or no time: not a measurement
+    assert rates.compute_token_s == pytest.approx(0.01) and rates.pull_token_s > 0.04

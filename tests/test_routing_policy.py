@@ -162,3 +162,18 @@ def test_a_short_rest_is_prefilled_where_the_rest_of_the_prompt_is_unless_that_c
     assert here(idle, warm, 500, 512)[0]  # nothing decoding there: as cheap, and no transfer
     assert here(busy, prefill("p", cached=400, queued_tokens=700), 500, 512)[0]  # its queue counts
     assert here(busy, None, 500, 512)[0]  # no prefill worker: there it is
+
+
+def test_a_prefill_worker_that_reads_the_held_kv_costs_only_the_rest():
+    """A prefill worker reading the decode worker's KV (prefill.pull_kv) computes only the rest, so
+    a busy holder gives the turn to it; an idle one keeps it (as cheap, and nothing travels)."""
+    here = Picker.prefill_here
+    busy, idle = holding(decode("d", active=6), 400), holding(decode("d"), 400)
+    reading = prefill("p", cached=32)
+    reading.pulls_kv = True
+    assert here(busy, prefill("p", cached=32), 420, 512)[0]  # 140 there, against 388 computing the answers
+    ok, why = here(busy, reading, 420, 512)
+    assert not ok and "reads the held KV" in why  # 140 there, against 20 on a worker that reads them
+    assert here(idle, reading, 420, 512)[0]  # 20 against 20
+    reading.queued_tokens = 200
+    assert here(busy, reading, 420, 512)[0]  # its queue counts: 140 against 220

@@ -161,7 +161,7 @@ class DecodeLoad(_message.Message):
     def __init__(self, rows_in_use: _Optional[int] = ..., max_rows: _Optional[int] = ..., kv_bytes_allocated: _Optional[int] = ..., kv_bytes_useful: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., staging_capacity_bytes: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., staged: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., decode_tokens_forwarded: _Optional[int] = ..., requests_finished: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., draining: _Optional[bool] = ..., preemptions: _Optional[int] = ..., parked_bytes: _Optional[int] = ..., migrations_out: _Optional[int] = ..., migrations_failed: _Optional[int] = ..., migrations_in: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., settings: _Optional[_Iterable[_Union[Setting, _Mapping]]] = ...) -> None: ...
 
 class PrefillLoad(_message.Message):
-    __slots__ = ("queued", "max_queue", "queued_tokens", "prompt_tokens_forwarded", "requests_done", "model_fingerprint", "block_size", "cached_tokens_total", "prefix_cache_bytes", "draining", "epoch", "settings")
+    __slots__ = ("queued", "max_queue", "queued_tokens", "prompt_tokens_forwarded", "requests_done", "model_fingerprint", "block_size", "cached_tokens_total", "prefix_cache_bytes", "draining", "epoch", "settings", "pulls_kv")
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class PrefillLoad(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    PULLS_KV_FIELD_NUMBER: _ClassVar[int]
     queued: int
     max_queue: int
     queued_tokens: int
@@ -186,7 +187,8 @@ class PrefillLoad(_message.Message):
     draining: bool
     epoch: str
     settings: _containers.RepeatedCompositeFieldContainer[Setting]
-    def __init__(self, queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., requests_done: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., draining: _Optional[bool] = ..., epoch: _Optional[str] = ..., settings: _Optional[_Iterable[_Union[Setting, _Mapping]]] = ...) -> None: ...
+    pulls_kv: bool
+    def __init__(self, queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., prompt_tokens_forwarded: _Optional[int] = ..., requests_done: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., draining: _Optional[bool] = ..., epoch: _Optional[str] = ..., settings: _Optional[_Iterable[_Union[Setting, _Mapping]]] = ..., pulls_kv: _Optional[bool] = ...) -> None: ...
 
 class Setting(_message.Message):
     __slots__ = ("name", "value", "chosen_by")

@@ -23,9 +23,10 @@ _sym_db = _symbol_database.Default()
 
 
 from baton.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
+from baton.v1 import kvtransfer_pb2 as baton_dot_v1_dot_kvtransfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x62\x61ton/v1/workers.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\xdd\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x15\n\rdecode_target\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x13\n\x0bresume_step\x18\x06 \x01(\r\x12\x12\n\npush_token\x18\x07 \x01(\t\x12\x16\n\x0ekv_skip_tokens\x18\x08 \x01(\r\"\xcb\x01\n\x0cPrefillReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x07 \x01(\x01\x12\x0c\n\x04seed\x18\n \x01(\x04J\x04\x08\x08\x10\tJ\x04\x08\t\x10\n\"7\n\x10PinPrefixRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"L\n\x0ePinPrefixReply\x12\x15\n\rpinned_tokens\x18\x01 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\rJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"5\n\x11WatchCacheRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"[\n\nCacheEvent\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0e\n\x06stored\x18\x04 \x03(\x04\x12\x0f\n\x07\x65victed\x18\x05 \x03(\x04\"&\n\x12UnpinPrefixRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"!\n\x10UnpinPrefixReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x0b\x43\x61ncelReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xa8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x13\n\x0bresume_step\x18\x04 \x01(\r\x12\x12\n\npush_token\x18\x05 \x01(\t\x12\x14\n\x0cprefill_here\x18\x06 \x01(\x08\"\xda\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x41\n\rstage_seconds\x18\x04 \x03(\x0b\x32*.baton.v1.DecodeResponse.StageSecondsEntry\x12\x0e\n\x06moving\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12(\n\x08logprobs\x18\x07 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x1a\n\x12held_prefix_tokens\x18\x08 \x01(\r\x12\x15\n\rcached_tokens\x18\t \x01(\r\x12\x17\n\x0fprefill_seconds\x18\n \x01(\x01\x1a\x33\n\x11StageSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"c\n\x0eHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x19\n\x11target_request_id\x18\x03 \x01(\t\x12\x12\n\npush_token\x18\x04 \x01(\t\"D\n\x0cHandoffReply\x12\x11\n\tkv_tokens\x18\x01 \x01(\r\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\xb6\x01\n\nKVMetadata\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\x12\x0f\n\x07handoff\x18\x06 \x01(\x08\x12-\n\rfirst_logprob\x18\x07 \x01(\x0b\x32\x16.baton.v1.TokenLogprob2\x8e\x03\n\rPrefillWorker\x12;\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x16.baton.v1.PrefillReply\x12\x38\n\x06\x43\x61ncel\x12\x17.baton.v1.CancelRequest\x1a\x15.baton.v1.CancelReply\x12\x37\n\x07GetLoad\x12\x15.baton.v1.LoadRequest\x1a\x15.baton.v1.PrefillLoad\x12\x41\n\tPinPrefix\x12\x1a.baton.v1.PinPrefixRequest\x1a\x18.baton.v1.PinPrefixReply\x12G\n\x0bUnpinPrefix\x12\x1c.baton.v1.UnpinPrefixRequest\x1a\x1a.baton.v1.UnpinPrefixReply\x12\x41\n\nWatchCache\x12\x1b.baton.v1.WatchCacheRequest\x1a\x14.baton.v1.CacheEvent0\x01\x32\x85\x02\n\x0c\x44\x65\x63odeWorker\x12=\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12\x36\n\x07GetLoad\x12\x15.baton.v1.LoadRequest\x1a\x14.baton.v1.DecodeLoad\x12;\n\x07Handoff\x12\x18.baton.v1.HandoffRequest\x1a\x16.baton.v1.HandoffReply\x12\x41\n\nWatchCache\x12\x1b.baton.v1.WatchCacheRequest\x1a\x14.baton.v1.CacheEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x62\x61ton/v1/workers.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\x1a\x19\x62\x61ton/v1/kvtransfer.proto\"K\n\rReadKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\npush_token\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"\xdd\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x15\n\rdecode_target\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x13\n\x0bresume_step\x18\x06 \x01(\r\x12\x12\n\npush_token\x18\x07 \x01(\t\x12\x16\n\x0ekv_skip_tokens\x18\x08 \x01(\r\"\xe2\x01\n\x0cPrefillReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x07 \x01(\x01\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x15\n\rpulled_tokens\x18\x0b \x01(\rJ\x04\x08\x08\x10\tJ\x04\x08\t\x10\n\"7\n\x10PinPrefixRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"L\n\x0ePinPrefixReply\x12\x15\n\rpinned_tokens\x18\x01 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\rJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"5\n\x11WatchCacheRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"[\n\nCacheEvent\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0e\n\x06stored\x18\x04 \x03(\x04\x12\x0f\n\x07\x65victed\x18\x05 \x03(\x04\"&\n\x12UnpinPrefixRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"!\n\x10UnpinPrefixReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x0b\x43\x61ncelReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xa8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x13\n\x0bresume_step\x18\x04 \x01(\r\x12\x12\n\npush_token\x18\x05 \x01(\t\x12\x14\n\x0cprefill_here\x18\x06 \x01(\x08\"\xda\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x41\n\rstage_seconds\x18\x04 \x03(\x0b\x32*.baton.v1.DecodeResponse.StageSecondsEntry\x12\x0e\n\x06moving\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12(\n\x08logprobs\x18\x07 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x1a\n\x12held_prefix_tokens\x18\x08 \x01(\r\x12\x15\n\rcached_tokens\x18\t \x01(\r\x12\x17\n\x0fprefill_seconds\x18\n \x01(\x01\x1a\x33\n\x11StageSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"c\n\x0eHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x19\n\x11target_request_id\x18\x03 \x01(\t\x12\x12\n\npush_token\x18\x04 \x01(\t\"D\n\x0cHandoffReply\x12\x11\n\tkv_tokens\x18\x01 \x01(\r\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\xb6\x01\n\nKVMetadata\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\x12\x0f\n\x07handoff\x18\x06 \x01(\x08\x12-\n\rfirst_logprob\x18\x07 \x01(\x0b\x32\x16.baton.v1.TokenLogprob2\x8e\x03\n\rPrefillWorker\x12;\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x16.baton.v1.PrefillReply\x12\x38\n\x06\x43\x61ncel\x12\x17.baton.v1.CancelRequest\x1a\x15.baton.v1.CancelReply\x12\x37\n\x07GetLoad\x12\x15.baton.v1.LoadRequest\x1a\x15.baton.v1.PrefillLoad\x12\x41\n\tPinPrefix\x12\x1a.baton.v1.PinPrefixRequest\x1a\x18.baton.v1.PinPrefixReply\x12G\n\x0bUnpinPrefix\x12\x1c.baton.v1.UnpinPrefixRequest\x1a\x1a.baton.v1.UnpinPrefixReply\x12\x41\n\nWatchCache\x12\x1b.baton.v1.WatchCacheRequest\x1a\x14.baton.v1.CacheEvent0\x01\x32\xbd\x02\n\x0c\x44\x65\x63odeWorker\x12=\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12\x36\n\x07GetLoad\x12\x15.baton.v1.LoadRequest\x1a\x14.baton.v1.DecodeLoad\x12;\n\x07Handoff\x12\x18.baton.v1.HandoffRequest\x1a\x16.baton.v1.HandoffReply\x12\x41\n\nWatchCache\x12\x1b.baton.v1.WatchCacheRequest\x1a\x14.baton.v1.CacheEvent0\x01\x12\x36\n\x06ReadKV\x12\x17.baton.v1.ReadKVRequest\x1a\x11.baton.v1.KVChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,40 +35,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODERESPONSE_STAGESECONDSENTRY']._loaded_options = None
   _globals['_DECODERESPONSE_STAGESECONDSENTRY']._serialized_options = b'8\001'
-  _globals['_PREFILLREQUEST']._serialized_start=60
-  _globals['_PREFILLREQUEST']._serialized_end=281
-  _globals['_PREFILLREPLY']._serialized_start=284
-  _globals['_PREFILLREPLY']._serialized_end=487
-  _globals['_PINPREFIXREQUEST']._serialized_start=489
-  _globals['_PINPREFIXREQUEST']._serialized_end=544
-  _globals['_PINPREFIXREPLY']._serialized_start=546
-  _globals['_PINPREFIXREPLY']._serialized_end=622
-  _globals['_WATCHCACHEREQUEST']._serialized_start=624
-  _globals['_WATCHCACHEREQUEST']._serialized_end=677
-  _globals['_CACHEEVENT']._serialized_start=679
-  _globals['_CACHEEVENT']._serialized_end=770
-  _globals['_UNPINPREFIXREQUEST']._serialized_start=772
-  _globals['_UNPINPREFIXREQUEST']._serialized_end=810
-  _globals['_UNPINPREFIXREPLY']._serialized_start=812
-  _globals['_UNPINPREFIXREPLY']._serialized_end=845
-  _globals['_CANCELREQUEST']._serialized_start=847
-  _globals['_CANCELREQUEST']._serialized_end=882
-  _globals['_CANCELREPLY']._serialized_start=884
-  _globals['_CANCELREPLY']._serialized_end=912
-  _globals['_DECODEREQUEST']._serialized_start=915
-  _globals['_DECODEREQUEST']._serialized_end=1083
-  _globals['_DECODERESPONSE']._serialized_start=1086
-  _globals['_DECODERESPONSE']._serialized_end=1432
-  _globals['_DECODERESPONSE_STAGESECONDSENTRY']._serialized_start=1381
-  _globals['_DECODERESPONSE_STAGESECONDSENTRY']._serialized_end=1432
-  _globals['_HANDOFFREQUEST']._serialized_start=1434
-  _globals['_HANDOFFREQUEST']._serialized_end=1533
-  _globals['_HANDOFFREPLY']._serialized_start=1535
-  _globals['_HANDOFFREPLY']._serialized_end=1603
-  _globals['_KVMETADATA']._serialized_start=1606
-  _globals['_KVMETADATA']._serialized_end=1788
-  _globals['_PREFILLWORKER']._serialized_start=1791
-  _globals['_PREFILLWORKER']._serialized_end=2189
-  _globals['_DECODEWORKER']._serialized_start=2192
-  _globals['_DECODEWORKER']._serialized_end=2453
+  _globals['_READKVREQUEST']._serialized_start=86
+  _globals['_READKVREQUEST']._serialized_end=161
+  _globals['_PREFILLREQUEST']._serialized_start=164
+  _globals['_PREFILLREQUEST']._serialized_end=385
+  _globals['_PREFILLREPLY']._serialized_start=388
+  _globals['_PREFILLREPLY']._serialized_end=614
+  _globals['_PINPREFIXREQUEST']._serialized_start=616
+  _globals['_PINPREFIXREQUEST']._serialized_end=671
+  _globals['_PINPREFIXREPLY']._serialized_start=673
+  _globals['_PINPREFIXREPLY']._serialized_end=749
+  _globals['_WATCHCACHEREQUEST']._serialized_start=751
+  _globals['_WATCHCACHEREQUEST']._serialized_end=804
+  _globals['_CACHEEVENT']._serialized_start=806
+  _globals['_CACHEEVENT']._serialized_end=897
+  _globals['_UNPINPREFIXREQUEST']._serialized_start=899
+  _globals['_UNPINPREFIXREQUEST']._serialized_end=937
+  _globals['_UNPINPREFIXREPLY']._serialized_start=939
+  _globals['_UNPINPREFIXREPLY']._serialized_end=972
+  _globals['_CANCELREQUEST']._serialized_start=974
+  _globals['_CANCELREQUEST']._serialized_end=1009
+  _globals['_CANCELREPLY']._serialized_start=1011
+  _globals['_CANCELREPLY']._serialized_end=1039
+  _globals['_DECODEREQUEST']._serialized_start=1042
+  _globals['_DECODEREQUEST']._serialized_end=1210
+  _globals['_DECODERESPONSE']._serialized_start=1213
+  _globals['_DECODERESPONSE']._serialized_end=1559
+  _globals['_DECODERESPONSE_STAGESECONDSENTRY']._serialized_start=1508
+  _globals['_DECODERESPONSE_STAGESECONDSENTRY']._serialized_end=1559
+  _globals['_HANDOFFREQUEST']._serialized_start=1561
+  _globals['_HANDOFFREQUEST']._serialized_end=1660
+  _globals['_HANDOFFREPLY']._serialized_start=1662
+  _globals['_HANDOFFREPLY']._serialized_end=1730
+  _globals['_KVMETADATA']._serialized_start=1733
+  _globals['_KVMETADATA']._serialized_end=1915
+  _globals['_PREFILLWORKER']._serialized_start=1918
+  _globals['_PREFILLWORKER']._serialized_end=2316
+  _globals['_DECODEWORKER']._serialized_start=2319
+  _globals['_DECODEWORKER']._serialized_end=2636
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from baton.v1 import common_pb2 as _common_pb2
+from baton.v1 import kvtransfer_pb2 as _kvtransfer_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -6,6 +7,16 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReadKVRequest(_message.Message):
+    __slots__ = ("request_id", "push_token", "num_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    push_token: str
+    num_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., push_token: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_target", "model_fingerprint", "resume_step", "push_token", "kv_skip_tokens")
@@ -28,7 +39,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., resume_step: _Optional[int] = ..., push_token: _Optional[str] = ..., kv_skip_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("request_id", "first_token", "cached_tokens", "computed_tokens", "queue_seconds", "prefill_seconds", "transfer_seconds", "seed")
+    __slots__ = ("request_id", "first_token", "cached_tokens", "computed_tokens", "queue_seconds", "prefill_seconds", "transfer_seconds", "seed", "pulled_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +48,7 @@ class PrefillReply(_message.Message):
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     cached_tokens: int
@@ -45,7 +57,8 @@ class PrefillReply(_message.Message):
     prefill_seconds: float
     transfer_seconds: float
     seed: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    pulled_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., seed: _Optional[int] = ..., pulled_tokens: _Optional[int] = ...) -> None: ...
 
 class PinPrefixRequest(_message.Message):
     __slots__ = ("group_id", "token_ids")

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from baton.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
+from baton.v1 import kvtransfer_pb2 as baton_dot_v1_dot_kvtransfer__pb2
 from baton.v1 import workers_pb2 as baton_dot_v1_dot_workers__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -347,6 +348,11 @@ class DecodeWorkerStub:
                 request_serializer=baton_dot_v1_dot_workers__pb2.WatchCacheRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_workers__pb2.CacheEvent.FromString,
                 _registered_method=True)
+        self.ReadKV = channel.unary_stream(
+                '/baton.v1.DecodeWorker/ReadKV',
+                request_serializer=baton_dot_v1_dot_workers__pb2.ReadKVRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_kvtransfer__pb2.KVChunk.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -386,6 +392,17 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadKV(self, request, context):
+        """A prefill worker reads the KV this worker holds of a registered request's prompt (the
+        prefix DecodeResponse.held_prefix_tokens announced): a conversation's earlier turns, which
+        that worker would otherwise compute again. The same stream as a KV push (one header, data,
+        end), sent back. PERMISSION_DENIED: the push token is not the one the request registered;
+        NOT_FOUND: no such request waits for KV here; FAILED_PRECONDITION: it holds fewer tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -408,6 +425,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.WatchCache,
                     request_deserializer=baton_dot_v1_dot_workers__pb2.WatchCacheRequest.FromString,
                     response_serializer=baton_dot_v1_dot_workers__pb2.CacheEvent.SerializeToString,
+            ),
+            'ReadKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadKV,
+                    request_deserializer=baton_dot_v1_dot_workers__pb2.ReadKVRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_kvtransfer__pb2.KVChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -518,6 +540,33 @@ class DecodeWorker:
             '/baton.v1.DecodeWorker/WatchCache',
             baton_dot_v1_dot_workers__pb2.WatchCacheRequest.SerializeToString,
             baton_dot_v1_dot_workers__pb2.CacheEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.DecodeWorker/ReadKV',
+            baton_dot_v1_dot_workers__pb2.ReadKVRequest.SerializeToString,
+            baton_dot_v1_dot_kvtransfer__pb2.KVChunk.FromString,
             options,
             channel_credentials,
             insecure,
