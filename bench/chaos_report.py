@@ -32,7 +32,9 @@ def report(opts: BenchOptions, chaos, **run_facts: Any) -> dict[str, Any]:
     if routing:
         opts.say(f"the router's prefix index: {routing.get('requests', 0)} requests routed to a prefill worker, "
                  f"prediction accuracy {routing.get('accuracy', 0):.3f}; {routing.get('local_requests', 0)} prefilled "
-                 f"on the decode worker holding their prefix, accuracy {routing.get('local_accuracy', 0):.3f}")
+                 f"on the decode worker holding their prefix, accuracy {routing.get('local_accuracy', 0):.3f}; "
+                 f"{routing.get('pulled_requests', 0)} prefills read {routing.get('pulled_tokens', 0)} tokens of KV "
+                 "from the decode worker holding them")
     kinds = [k for k in KINDS if k in tally.by_kind]
     rows = [[o, *[tally.by_kind[k].get(o, 0) for k in kinds], totals.get(o, 0),
              f"{100 * totals.get(o, 0) / max(total, 1):.1f}%"] for o in OUTCOMES]

@@ -63,7 +63,8 @@ VLLM_ARGS = ("--enable-prefix-caching", "--enable-prompt-tokens-details")
 # the report gives them.
 BATON_PREFILL_COUNTERS = {"baton_kv_transfer_bytes_total": "kv_transfer_bytes", "baton_kv_transfers_total":
                           "kv_transfers", "vllm:prompt_tokens_total": "prefill_prompt_tokens",
-                          "vllm:prefix_cache_hits_total": "prefill_cached_tokens"}
+                          "vllm:prefix_cache_hits_total": "prefill_cached_tokens",
+                          "baton_prefill_kv_pulled_tokens_total": "kv_pulled_tokens"}
 VLLM_COUNTERS = {"vllm:prompt_tokens_total": "prompt_tokens", "vllm:prefix_cache_queries_total":
                  "prefix_cache_queries", "vllm:prefix_cache_hits_total": "prefix_cache_hits"}
 

@@ -48,6 +48,8 @@ class RoutingStats:
     overlap_tokens: int = 0  # sum of min(predicted, actual)
     union_tokens: int = 0  # sum of max(predicted, actual)
     prefilled_again: int = 0  # requests that lost their decode worker and were prefilled once more
+    pulled_requests: int = 0  # whose prefill read the KV of their prompt's start from the decode worker
+    pulled_tokens: int = 0
 
     def record(self, predicted: int, actual: int) -> None:
         self.requests += 1
@@ -342,6 +344,9 @@ class Dispatcher:
             # The index predicts what a worker holds itself: KV read from the decode worker is not that.
             (self.local_stats if route.local else self.stats).record(route.predicted_cached_tokens,
                                                                      reply.cached_tokens - reply.pulled_tokens)
+            if reply.pulled_tokens:
+                self.stats.pulled_requests += 1
+                self.stats.pulled_tokens += reply.pulled_tokens
         stages = dict(msg.stage_seconds)
         stages.update(route=route.seconds, queue=reply.queue_seconds, prefill=reply.prefill_seconds, transfer=reply.transfer_seconds,
                       total=time.monotonic() - arrived)

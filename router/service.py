@@ -143,7 +143,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             requests=stats.requests, predicted_cached_tokens=stats.predicted_tokens,
             actual_cached_tokens=stats.actual_tokens, accuracy=stats.accuracy, prefilled_again=stats.prefilled_again,
             local_requests=local.requests, local_predicted_cached_tokens=local.predicted_tokens,
-            local_actual_cached_tokens=local.actual_tokens, local_accuracy=local.accuracy))
+            local_actual_cached_tokens=local.actual_tokens, local_accuracy=local.accuracy,
+            pulled_requests=stats.pulled_requests, pulled_tokens=stats.pulled_tokens))
         for bound, count in cumulative_buckets(self.metrics.vllm_ttft):
             status.routing.ttft_bounds_s.append(bound)
             status.routing.ttft_counts.append(count)

@@ -115,6 +115,10 @@ class WorkerPool:
         with self._lock:
             worker.view.inflight -= 1
             worker.released_at = time.monotonic()
+            if worker.role == "decode":
+                # Its row is free now; the next load report says so up to a poll later, and a
+                # conversation's next turn, sent at once, would see the worker busier than it is.
+                worker.view.active = max(0, worker.view.active - 1)
 
     def _close_left(self) -> None:
         """Close the channels of workers that left once their calls have ended (and stayed ended

@@ -51,8 +51,8 @@ from baton.kvtransfer.wire import MAX_METADATA_BYTES
 pytestmark = pytest.mark.slow
 
 CALL_TIMEOUT_S = 30.0  # far above any request here; reaching it is a hang
-# Under CI the same examples are drawn every run, so the coverage floors below cannot flake there
-# (a random run once drew 19 invalid requests against a floor of 20); elsewhere each run draws anew.
+# Under CI the same examples are drawn every run; elsewhere each run draws anew, so the coverage
+# floors below sit well under what a run draws.
 FUZZ = settings(deadline=None, database=None, print_blob=True, derandomize=bool(os.environ.get("CI")),
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.large_base_example])
@@ -285,7 +285,9 @@ def test_fuzz_generate(cluster, router, model, tiny_reference):
 
     fuzz()
     print(f"Generate outcomes by verdict: {dict(seen)}")
-    assert seen["True:served"] >= 5 and seen["False:INVALID_ARGUMENT"] >= 20, f"too narrow a fuzz: {dict(seen)}"
+    # A floor against a strategy that stops drawing one kind, not a count to meet: outside CI each
+    # run draws anew, and 120 examples hold 17-35 invalid requests (`make test` once drew 17).
+    assert seen["True:served"] >= 5 and seen["False:INVALID_ARGUMENT"] >= 10, f"too narrow a fuzz: {dict(seen)}"
     assert_cluster_serves_and_holds_nothing(cluster, tiny_reference)
 
 

@@ -163,7 +163,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., decode: _Optional[_Union[_common_pb2.DecodeLoad, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLoad, _Mapping]] = ..., cache_synced: _Optional[bool] = ...) -> None: ...
 
 class RoutingStats(_message.Message):
-    __slots__ = ("requests", "predicted_cached_tokens", "actual_cached_tokens", "accuracy", "local_requests", "local_predicted_cached_tokens", "local_actual_cached_tokens", "local_accuracy", "ttft_bounds_s", "ttft_counts", "prefilled_again")
+    __slots__ = ("requests", "predicted_cached_tokens", "actual_cached_tokens", "accuracy", "local_requests", "local_predicted_cached_tokens", "local_actual_cached_tokens", "local_accuracy", "ttft_bounds_s", "ttft_counts", "prefilled_again", "pulled_requests", "pulled_tokens")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACTUAL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,8 @@ class RoutingStats(_message.Message):
     TTFT_BOUNDS_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_AGAIN_FIELD_NUMBER: _ClassVar[int]
+    PULLED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     requests: int
     predicted_cached_tokens: int
     actual_cached_tokens: int
@@ -186,7 +188,9 @@ class RoutingStats(_message.Message):
     ttft_bounds_s: _containers.RepeatedScalarFieldContainer[float]
     ttft_counts: _containers.RepeatedScalarFieldContainer[int]
     prefilled_again: int
-    def __init__(self, requests: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., accuracy: _Optional[float] = ..., local_requests: _Optional[int] = ..., local_predicted_cached_tokens: _Optional[int] = ..., local_actual_cached_tokens: _Optional[int] = ..., local_accuracy: _Optional[float] = ..., ttft_bounds_s: _Optional[_Iterable[float]] = ..., ttft_counts: _Optional[_Iterable[int]] = ..., prefilled_again: _Optional[int] = ...) -> None: ...
+    pulled_requests: int
+    pulled_tokens: int
+    def __init__(self, requests: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., accuracy: _Optional[float] = ..., local_requests: _Optional[int] = ..., local_predicted_cached_tokens: _Optional[int] = ..., local_actual_cached_tokens: _Optional[int] = ..., local_accuracy: _Optional[float] = ..., ttft_bounds_s: _Optional[_Iterable[float]] = ..., ttft_counts: _Optional[_Iterable[int]] = ..., prefilled_again: _Optional[int] = ..., pulled_requests: _Optional[int] = ..., pulled_tokens: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("workers", "routing")
