@@ -182,6 +182,9 @@ class RouterSettings:
     # instead of stalling after it. -1: every request is prefilled at once.
     decode_queue_per_worker: int = 2
     load_poll_seconds: float = 0.2
+    # A request that has not moved (no row, no KV, no token) for this long is logged once, where it
+    # waits and on which workers (router/progress.py), and counted in baton_router_stalled_requests.
+    stall_log_s: float = 30.0
     metrics_port: int = 0  # 0 = no metrics endpoint
     # A file holding the bearer token every public API call must send (`authorization: Bearer
     # <token>`); empty = no token (the BATON_AUTH_TOKEN environment variable may hold it instead).
@@ -209,6 +212,8 @@ class RouterSettings:
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"router.local_prefill_max_tokens must be >= 0 (got {self.local_prefill_max_tokens}; "
                              "0 never prefills on a decode worker)")
+        if not self.stall_log_s > 0:
+            raise ValueError(f"router.stall_log_s must be > 0 seconds (got {self.stall_log_s})")
         if not self.index_ttl_s >= 0:
             raise ValueError(f"router.index_ttl_s must be >= 0 seconds (0 = never; got {self.index_ttl_s})")
         if not 0 <= self.http_port <= 65535:

@@ -15,6 +15,7 @@ is transferred. The route's reason is in the trace.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -33,6 +34,7 @@ from baton.router.errors import DecodeLost, DispatchError, cause
 from baton.router.kv_sources import Handoff, KVSource, LocalPrefill, PrefillChain
 from baton.router.policy import NoWorkers, PendingPrefixes, Picker
 from baton.router.prefix_index import PrefixIndex
+from baton.router.progress import InFlight
 from baton.router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -97,6 +99,7 @@ class Dispatcher:
         self.local_stats = RoutingStats()  # requests prefilled on the decode worker holding their prefix
         self._stats_lock = threading.Lock()
         self._hashers: dict[str, BlockHasher] = {}
+        self.inflight = InFlight()  # how far each request has come (router/progress.py)
 
     def block_hashes(self, prompt: list[int]) -> list[int]:
         """The prompt's chained block hashes under the served model's fingerprint; none before any
@@ -195,18 +198,22 @@ class Dispatcher:
         cancelled = threading.Event()
         on_done(cancelled.set)
         waiting = time.monotonic()
+        self.inflight.begin(key, request_id, "waiting for a decode row (router.decode_queue_per_worker)")
         try:
-            self.admission.enter(lambda: self.pool.views("decode"), sampling.priority, deadline, cancelled)
-        except AdmissionTimeout as exc:
-            raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
-        except AdmissionCancelled as exc:
-            raise DispatchError(grpc.StatusCode.CANCELLED, str(exc)) from None
-        span.stage("wait_for_decode", waiting, time.monotonic())  # the decode worker has its own "admission"
-        try:
-            yield from self._attempts(request_id, key, prompt, sent, avoid, sampling, deadline, on_done, arrived,
-                                      prefill_address, pinned_tokens, span)
+            try:
+                self.admission.enter(lambda: self.pool.views("decode"), sampling.priority, deadline, cancelled)
+            except AdmissionTimeout as exc:
+                raise DispatchError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
+            except AdmissionCancelled as exc:
+                raise DispatchError(grpc.StatusCode.CANCELLED, str(exc)) from None
+            span.stage("wait_for_decode", waiting, time.monotonic())  # the decode worker has its own "admission"
+            try:
+                yield from self._attempts(request_id, key, prompt, sent, avoid, sampling, deadline, on_done, arrived,
+                                          prefill_address, pinned_tokens, span)
+            finally:
+                self.admission.leave()
         finally:
-            self.admission.leave()
+            self.inflight.end(key)
 
     def _attempts(self, request_id, key, prompt, sent, avoid, sampling, deadline, on_done, arrived, prefill_address,
                   pinned_tokens, span):
@@ -221,8 +228,9 @@ class Dispatcher:
                 route.predicted_cached_tokens = max(route.predicted_cached_tokens, pinned_tokens)
             attempt_id = key if attempt == 0 else f"{key}~{attempt}"
             try:
+                track = functools.partial(self.inflight.moved, key)
                 for out in self._attempt(attempt_id, prompt, sent, sampling, deadline, route, on_done, arrived,
-                                         span.metadata):
+                                         span.metadata, track):
                     out.request_id = request_id
                     yield out
                 return
@@ -239,7 +247,7 @@ class Dispatcher:
                             "again" if lost.prefilled else "for another")
 
     def _attempt(self, request_id, prompt, sent: list[int], sampling, deadline, route: Route, on_done, arrived,
-                 metadata=()):
+                 metadata=(), track=lambda **progress: None):
         """One try: the prompt (plus the tokens already sent) is prefilled for the routed decode
         worker, whose stream is relayed; the prefill is retried on another worker if it fails.
 
@@ -256,7 +264,7 @@ class Dispatcher:
 
         try:
             for handoffs in itertools.count(1):
-                moving = yield from self._relay(leg, sent, sampling, deadline, on_done, finish, metadata)
+                moving = yield from self._relay(leg, sent, sampling, deadline, on_done, finish, metadata, track)
                 if moving is None:
                     return
                 seed, source_call = moving
@@ -268,13 +276,16 @@ class Dispatcher:
             for source in sources:
                 source.cancel()
 
-    def _relay(self, leg: "_Leg", sent: list[int], sampling, deadline, on_done, finish, metadata=()):
+    def _relay(self, leg: "_Leg", sent: list[int], sampling, deadline, on_done, finish, metadata=(),
+               track=lambda **progress: None):
         """Stream one decode worker's part of the request. Returns None once the request finished,
         or (seed, call) when the worker began handing it off; that call then stays open (it holds
-        the request's KV there) until the handoff is over."""
+        the request's KV there) until the handoff is over. `track` is told each step it makes."""
         self.pool.acquire(leg.worker)
         call, handing_off = None, False
         repeat = leg.resume_step < len(sent)  # after a handoff its first token is the last one sent
+        where = f"decode worker {leg.worker.view.address}"
+        track(stage=f"registering on {where}")
         try:
             call = leg.worker.stub.Decode(
                 workers_pb2.DecodeRequest(request_id=leg.request_id, prompt_token_ids=leg.prompt,
@@ -285,9 +296,11 @@ class Dispatcher:
             registered = next(call)  # its KV will be accepted
             leg.source.start(on_give_up=call.cancel, held_tokens=registered.held_prefix_tokens)
             on_done(lambda: (call.cancel(), leg.source.cancel()))
+            track(stage=f"waiting for its first token from {where}", detail=leg.source.describe)
             for msg in call:
                 if msg.moving:
                     handing_off = True
+                    track(stage=f"{where} is draining: handing it off")
                     return msg.seed, call
                 tokens, text, logprobs = list(msg.token_ids), msg.text_delta, list(msg.logprobs)
                 if tokens:
@@ -298,6 +311,7 @@ class Dispatcher:
                                             f"{leg.worker.view.address} at token {tokens[0]}, not {sent[-1]}")
                     tokens, text, logprobs, repeat = tokens[1:], "", logprobs[1:], False  # its text went out before too
                 sent.extend(tokens)
+                track(stage=f"decoding on {where}", tokens=len(sent))
                 out = router_pb2.GenerateResponse(request_id=leg.request_id, token_ids=tokens, text_delta=text,
                                                   finish_reason=msg.finish_reason, logprobs=logprobs)
                 if msg.finish_reason:

@@ -47,6 +47,10 @@ class KVSource:
     def failure(self):
         return self._failure
 
+    def describe(self) -> str:
+        """Where its KV is coming from, for a request that stopped moving (router/progress.py)."""
+        return type(self).__name__
+
 
 class PrefillChain(KVSource):
     """Prefill on the routed worker; if it fails for a worker-side reason, once more on another.
@@ -128,6 +132,13 @@ class PrefillChain(KVSource):
                               prefilled=failure.code() == grpc.StatusCode.ABORTED)
         return None
 
+    def describe(self) -> str:
+        call = self.call
+        state = "not started" if call is None else "in flight" if not call.done() else \
+            "cancelled" if call.cancelled() else "answered" if call.exception() is None else \
+            f"failed ({call.exception().code().name})"
+        return f"its KV from prefill worker {self.route.prefill.view.address} (try {self.tries}: {state})"
+
     def reply(self, last=None) -> workers_pb2.PrefillReply:
         """The prefill's reply, for the usage, trace and prefix index; an empty one when the KV
         arrived but no reply will (its worker died right after the push)."""
@@ -164,6 +175,9 @@ class LocalPrefill(KVSource):
 
     def start(self, on_give_up, held_tokens: int = 0) -> None:
         self._give_up = on_give_up
+
+    def describe(self) -> str:
+        return "the decode worker prefills it itself"
 
     def lost(self) -> DecodeLost | None:
         return None
@@ -214,6 +228,11 @@ class Handoff(KVSource):
         log.warning("%s could not hand request %s to %s (%s: %s)", self.source.view.address, self.request.request_id,
                     self.request.target, err.code().name, err.details())
         self._failed(err)
+
+    def describe(self) -> str:
+        call = self.call
+        state = "not started" if call is None else "in flight" if not call.done() else "ended"
+        return f"its KV handed over from decode worker {self.source.view.address} ({state})"
 
     def lost(self) -> DecodeLost | None:
         """Any failure: the KV did not arrive, so the request is prefilled again."""

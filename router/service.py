@@ -24,6 +24,7 @@ from baton.router.dispatch import DispatchError, Dispatcher
 from baton.router.front import RETRY_AFTER_SECONDS, Front, Refused
 from baton.router.policy import Picker, RoutingWeights
 from baton.router.prefix_index import PrefixIndexConfig, build_prefix_index
+from baton.router.progress import StallWatch
 from baton.router.discovery import WorkerSet, discovery_from_settings
 from baton.router.workers import WorkerPool
 
@@ -196,9 +197,13 @@ def serve(model: ModelSettings, settings: RouterSettings, tls: TLSSettings | Non
                             admission=DecodeAdmission(settings.decode_queue_per_worker),
                             local_prefill_max_tokens=settings.local_prefill_max_tokens)
     sync.on_lost = dispatcher.pending.forget  # what we sent a worker that died is not being computed
+    stalls = StallWatch(dispatcher.inflight, settings.stall_log_s).start()
+    server.extra_stops.append(stalls.stop)
     front = Front(view, dispatcher, settings, metrics)
     api.target = RouterServicer(front, sync.synced)
     metrics.gauge("baton_router_inflight", "Requests in flight through this router", lambda: front.inflight)
+    metrics.gauge("baton_router_stalled_requests", "Requests that have not moved (no row, no KV, no token) for "
+                  "router.stall_log_s", lambda: len(dispatcher.inflight.stalled(settings.stall_log_s)))
     metrics.gauge("baton_router_waiting_for_decode", "Requests waiting, before their prefill, for a decode row "
                   "(router.decode_queue_per_worker)", lambda: dispatcher.admission.waiting)
     metrics.gauge("baton_router_routing_accuracy", "Predicted vs actual cached prompt tokens of requests routed to "

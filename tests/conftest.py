@@ -91,6 +91,7 @@ TIERS = {
         "test_openai_protocol.py", "test_cache_events.py", "test_routing_policy.py", "test_tracing.py",
         "test_kv_pages.py", "test_admission.py", "test_shard.py", "test_openai_tools.py", "test_planner.py",
         "test_planner_kubernetes.py", "test_prefill_delivery.py", "test_resources.py", "test_sizing.py",
+        "test_progress.py",
     },
     "engine": {  # loads a model and runs forwards in this process
         "test_engine_exact.py", "test_executor.py", "test_kernels.py", "test_local_engine.py",

@@ -463,7 +463,7 @@ class InProcessCluster:
     """Router, one prefill and two decode workers as servers in this process, so that a test can
     reach into a decode worker (its loop, its module's functions)."""
 
-    def __init__(self, max_rows: int = 4):
+    def __init__(self, max_rows: int = 4, **router_settings):
         from baton.config import DecodeSettings, ModelSettings, PrefillSettings, RouterSettings
         from baton.decode_worker.service import serve as serve_decode
         from baton.prefill_worker.service import serve as serve_prefill
@@ -476,7 +476,7 @@ class InProcessCluster:
         self.router_server, self.pool = serve_router(model, RouterSettings(
             host="127.0.0.1", port=0, prefill_workers=[f"127.0.0.1:{self.prefill_server.port}"],
             decode_workers=[f"127.0.0.1:{server.port}" for server, _ in self.decode], load_poll_seconds=0.1,
-            http_port=0),
+            http_port=0, **router_settings),
             block=False)
         self.router_address = f"127.0.0.1:{self.router_server.port}"
 
@@ -756,3 +756,33 @@ def test_structured_streams_stay_valid_when_their_decode_worker_drains_or_dies(h
     assert len(done) >= len(prompts) // 2
     if how == "SIGTERM":
         assert len(done) == len(prompts) and status[survivor].decode["migrations_in"] > 0
+
+
+def test_a_request_that_stops_moving_is_logged_with_where_it_waits(caplog, tiny_reference):
+    """The router says, before any deadline, which request has not moved and where it waits: here
+    the prefill worker takes no prompt for a while, so the request waits for its first token with
+    its prefill call in flight. It then ends exactly once the worker takes it."""
+    import logging
+
+    from baton.client import BatonClient
+
+    caplog.set_level(logging.WARNING, logger="baton.router.progress")
+    cluster = InProcessCluster(stall_log_s=1.0)
+    prompt, result = [500 + i for i in range(12)], {}
+    try:
+        with BatonClient(cluster.router_address, timeout=60) as client:
+            with cluster.prefill._admitting:  # a Prefill call waits to queue its prompt
+                runner = threading.Thread(target=lambda: result.update(
+                    done=client.generate(token_ids=prompt, max_tokens=8, ignore_eos=True)))
+                runner.start()
+                deadline = time.monotonic() + 20
+                while "has not moved" not in caplog.text and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            runner.join(timeout=60)
+    finally:
+        cluster.stop()
+    told = [r.getMessage() for r in caplog.records if "has not moved" in r.getMessage()]
+    assert len(told) == 1, told  # once per stall
+    assert "waiting for its first token from decode worker" in told[0], told[0]
+    assert f"its KV from prefill worker 127.0.0.1:{cluster.prefill_server.port} (try 1: in flight)" in told[0]
+    assert result["done"].token_ids == tiny_reference.greedy(prompt, 8)
