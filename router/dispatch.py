@@ -315,8 +315,12 @@ class Dispatcher:
                 out = router_pb2.GenerateResponse(request_id=leg.request_id, token_ids=tokens, text_delta=text,
                                                   finish_reason=msg.finish_reason, logprobs=logprobs)
                 if msg.finish_reason:
+                    # Done: a stream that breaks after its last message (a cut connection) must not
+                    # send the finished request elsewhere, with no token left to ask for.
                     finish(out, msg, leg.worker)
-                if tokens or text or msg.finish_reason:
+                    yield out
+                    return None
+                if tokens or text:
                     yield out
             return None
         except grpc.RpcError as err:

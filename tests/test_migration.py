@@ -786,3 +786,33 @@ def test_a_request_that_stops_moving_is_logged_with_where_it_waits(caplog, tiny_
     assert "waiting for its first token from decode worker" in told[0], told[0]
     assert f"its KV from prefill worker 127.0.0.1:{cluster.prefill_server.port} (try 1: in flight)" in told[0]
     assert result["done"].token_ids == tiny_reference.greedy(prompt, 8)
+
+
+def test_a_decode_stream_that_breaks_after_its_last_token_is_not_sent_elsewhere(monkeypatch, tiny_reference):
+    """chaos, seed 8: a connection cut just after a request's last message (finish_reason and all)
+    broke the stream before its end; the router took that for a lost decode worker and prefilled
+    the finished request again with no token left to ask for (INVALID_ARGUMENT: max_tokens 0).
+    A request whose finish came is done, however its stream ends."""
+    from baton.client import BatonClient
+    from baton.decode_worker.service import DecodeWorkerServicer
+
+    real = DecodeWorkerServicer.Decode
+
+    def break_after_the_finish(self, request, context):
+        for msg in real(self, request, context):
+            yield msg
+            if msg.finish_reason:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "injected: the connection broke after the last message")
+
+    monkeypatch.setattr(DecodeWorkerServicer, "Decode", break_after_the_finish)
+    cluster = InProcessCluster()
+    prompts = [[700 + 5 * i + j for j in range(6 + i)] for i in range(3)]
+    try:
+        with BatonClient(cluster.router_address, timeout=60) as client:
+            single = client.generate(token_ids=prompts[0], max_tokens=8, ignore_eos=True)
+            batch = client.generate_batch([{"token_ids": p, "max_tokens": 8, "ignore_eos": True} for p in prompts])
+    finally:
+        cluster.stop()
+    assert single.token_ids == tiny_reference.greedy(prompts[0], 8) and single.finish_reason == "length"
+    assert [r.token_ids for r in batch.results] == [tiny_reference.greedy(p, 8) for p in prompts], batch.results
+    assert cluster.prefill.requests_done == 1 + len(prompts)  # none prefilled again
