@@ -189,7 +189,7 @@ class DecodeLoop:
             self.pool.expect(request.request_id, push_token)  # only the push carrying it takes staging room
         return outputs
 
-    def read_held(self, request_id: str, push_token: str, num_tokens: int, timeout: float | None) -> Future:
+    def read_held(self, request_id: str, push_token: str, num_tokens: int) -> Future:
         """The KV held here of a waiting request's first `num_tokens` prompt tokens, copied out
         between two steps; only for the caller presenting the request's push token. The future
         holds a SequenceKV, or LookupError / ValueError (see DecodeCore.held_kv)."""

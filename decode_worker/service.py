@@ -177,7 +177,7 @@ class DecodeWorkerServicer(workers_pb2_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id, push_token and num_tokens > 0 are required")
         remaining = context.time_remaining()
         try:
-            reply = self.loop.read_held(request.request_id, request.push_token, request.num_tokens, remaining)
+            reply = self.loop.read_held(request.request_id, request.push_token, request.num_tokens)
             kv = reply.result(timeout=min(READ_WAIT_S, remaining or READ_WAIT_S))
         except PermissionError as exc:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
