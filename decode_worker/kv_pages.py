@@ -138,6 +138,10 @@ class PagePool:
         self._tables[request_id] = list(shared_pages)
         self._tokens[request_id] = len(shared_pages) * self.page_size
 
+    def holders(self) -> dict[str, int]:
+        """Pages each holder (a request, a retained entry, a tail pin) holds."""
+        return {key: len(table) for key, table in self._tables.items()}
+
     def free(self, request_id: str) -> None:
         """The request left: each of its pages whose last holder it was is free again."""
         for page in self._tables.pop(request_id, ()):

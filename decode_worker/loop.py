@@ -37,6 +37,7 @@ from baton.kvtransfer.staging import StagingPool
 log = logging.getLogger(__name__)
 
 _CLOSED = object()  # sentinel: the request ended without a final output (cancelled)
+STANDSTILL_LOG_S = 10.0  # requests waiting for a row while none decodes this long are logged
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,8 @@ class DecodeLoop:
         self._streams: dict[str, Outputs] = {}  # every registered request's output queue, until it ends
         self._evicting = False  # the loop thread's: evict whatever is in the batch (drain)
         self.migrations: Counter[str] = Counter()  # sent, failed, received
+        self._standstill_since: float | None = None  # the loop thread's: see _watch_standstill
+        self._standstill_told = False
         self.reads_total = 0  # held KV read by prefill workers (ReadKV), and its tokens
         self.read_tokens_total = 0
         self._lock = threading.Lock()  # guards _streams; taken before the scheduler's, never after
@@ -249,6 +252,7 @@ class DecodeLoop:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox(block=not self.core.has_work())
+            self._watch_standstill()
             try:
                 if self._evicting:
                     self._evict_all()
@@ -262,6 +266,20 @@ class DecodeLoop:
                     self._end(request_id)
                 for seq in self.core.computing:
                     self._end(seq.request_id)
+
+    def _watch_standstill(self) -> None:
+        """Requests waiting for a row while none decodes for STANDSTILL_LOG_S: logged once, with
+        who holds the pages they cannot get (a hang shows in the logs before its deadline)."""
+        if self.core.computing:
+            return
+        why = self.core.scheduler.standstill()
+        if why is None:
+            self._standstill_since, self._standstill_told = None, False
+        elif self._standstill_since is None:
+            self._standstill_since = time.monotonic()
+        elif not self._standstill_told and time.monotonic() - self._standstill_since >= STANDSTILL_LOG_S:
+            self._standstill_told = True
+            log.warning("for %.0f s %s", time.monotonic() - self._standstill_since, why)
 
     def _drain_inbox(self, block: bool) -> None:
         try:

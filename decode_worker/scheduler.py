@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Callable, Sequence
 
-from baton.decode_worker.kv_pages import PagePool, PageUsage
+from baton.decode_worker.kv_pages import RETAINED, PagePool, PageUsage
 
 
 class Status(IntEnum):
@@ -544,3 +544,20 @@ class DecodeScheduler:
 
     def has_work(self) -> bool:
         return bool(self.rows or self.staged)
+
+    def standstill(self) -> str | None:
+        """None while rows decode or nothing waits for one; else who holds the KV pages that the
+        waiting requests cannot get (with no row decoding, nothing here will free them)."""
+        with self._lock:
+            if self.rows or not self.staged:
+                return None
+            holders = sorted(self.pages.holders().items(), key=lambda kv: -kv[1])
+            named = ", ".join(f"{key} ({n} pages, {self._holder_state(key)})" for key, n in holders[:8])
+            return (f"no row decodes and {len(self.staged)} waiting for one cannot start: {self.pages.num_available_pages()} "
+                    f"of {self.pages.total_pages} pages free, the first needs "
+                    f"{self.pages.pages_for(self.staged[0].num_kv_tokens + 1)}; held by {named or 'nobody'}")
+
+    def _holder_state(self, key: str) -> str:
+        seq = self.requests.get(key)
+        return seq.status.name.lower() if seq is not None else "retained" if key.startswith(RETAINED) else \
+            "a tail pin" if key.startswith(TAIL) else "unknown"

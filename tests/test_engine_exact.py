@@ -470,3 +470,54 @@ def test_a_turn_prefilled_from_the_decode_workers_kv_answers_exactly(tiny_model,
     run(second, held=held)
     assert second.trace.cached_tokens == 80
     assert finals["turn-2"] == tiny_reference.greedy(said, 12)
+
+
+def test_a_standstill_of_waiting_rows_names_who_holds_the_pages(tiny_model, tiny_reference):
+    """A request registered for a conversation's next turn holds the earlier turn's pages until its
+    KV lands; a request landing meanwhile that needs more pages than are left waits with no row
+    decoding. The scheduler says so, naming the holder (the decode loop logs it after
+    STANDSTILL_LOG_S), and once the holder's KV lands both run and end exactly."""
+    from baton.engine.executors import make_runner
+    from baton.engine.kv import SequenceKV
+    from baton.engine.request import GenerationRequest
+    from baton.prefill_worker.core import PrefillCore
+
+    rng = random.Random(37)
+    runner = make_runner(tiny_model)
+    per_token = tiny_model.kv_shape.bytes_per_token()
+    decode = DecodeCore(runner, DecodeConfig(max_rows=2, page_size=16, share_min_tokens=16, growth_reserve_tokens=0,
+                                             kv_budget_bytes=11 * 16 * per_token))
+    prefill = PrefillCore(runner, prefix_cache_bytes=0)
+    finals: dict[str, list[int]] = {}
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def land(request: GenerationRequest) -> None:
+        done = prefill.prefill([request])[0]
+        held = decode.held_tokens(request.request_id)
+        decode.add(dataclasses.replace(done, kv=SequenceKV(done.whole_kv(held).data.contiguous()), shared_prefix=None))
+
+    def run_until(*names: str) -> None:
+        while any(n not in finals for n in names):
+            for out in decode.step():
+                if out.finished:
+                    finals[out.request_id] = out.token_ids
+
+    said = [rng.randrange(50, 40000) for _ in range(100)]
+    first = GenerationRequest("turn-1", said, params)
+    decode.register(first)
+    land(first)
+    run_until("turn-1")  # 107 tokens of KV retained: 6 whole pages and a partial one
+    assert decode.scheduler.standstill() is None
+    second = GenerationRequest("turn-2", said + finals["turn-1"] + [rng.randrange(50, 40000) for _ in range(20)], params)
+    decode.register(second)  # holds the 6 whole pages until its KV lands
+    other = GenerationRequest("other", [rng.randrange(50, 40000) for _ in range(70)], params)  # 5 pages
+    decode.register(other)
+    land(other)
+    decode.step()
+    why = decode.scheduler.standstill()
+    assert why is not None and "turn-2 (6 pages, waiting)" in why, why
+    land(second)
+    run_until("turn-2", "other")
+    assert decode.scheduler.standstill() is None
+    assert finals["turn-2"] == tiny_reference.greedy(second.prompt_token_ids, 8)
+    assert finals["other"] == tiny_reference.greedy(other.prompt_token_ids, 8)
