@@ -69,3 +69,8 @@ def local_chunk_tokens(most: int, rows_decoding: int, step_s: float | None, toke
     if not step_s or not token_s:
         return min(most, LOCAL_PROBE_TOKENS)
     return max(min(most, LOCAL_MIN_TOKENS), min(most, int(step_s / token_s)))
+
+
+def moving_mean(previous: float | None, value: float, weight: float = 0.2) -> float:
+    """A moving average of a measured time: the latest readings count most."""
+    return value if previous is None else (1 - weight) * previous + weight * value

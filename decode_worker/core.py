@@ -14,7 +14,7 @@ import torch
 
 from baton.logs import STARTUP_LOGGER
 from baton.resources import Amount
-from baton.sizing import decode_rows, local_chunk_tokens
+from baton.sizing import decode_rows, local_chunk_tokens, moving_mean
 
 from baton.decode_worker.host_retained import HostRetained
 from baton.decode_worker.scheduler import DecodeScheduler, DecodeSequence, KVListener, SchedulerConfig, Status
@@ -120,11 +120,6 @@ class Evicted:
 
 
 _STATUS = {FinishReason.STOP: Status.FINISHED_STOPPED, FinishReason.LENGTH: Status.FINISHED_LENGTH}
-
-
-def _mean(previous: float | None, seconds: float, weight: float = 0.2) -> float:
-    """A moving average of measured seconds: recent steps count most."""
-    return seconds if previous is None else (1 - weight) * previous + weight * seconds
 
 
 class DecodeCore:
@@ -304,7 +299,7 @@ class DecodeCore:
         work.buffer[:, :, :, work.done:end].copy_(joined(out.prefix, out.own, work.done).data)
         if work.buffer.is_cuda:
             torch.cuda.synchronize(work.buffer.device)  # its time, not its launch's
-        self.local_token_s = _mean(self.local_token_s, (time.perf_counter() - started) / (end - work.done))
+        self.local_token_s = moving_mean(self.local_token_s, (time.perf_counter() - started) / (end - work.done))
         self.local_tokens_total += end - work.done
         work.done = end
         if end < len(prompt):
@@ -446,7 +441,7 @@ class DecodeCore:
         logits = self.runner.decode(self.kv, DecodeStep(plan.tables, plan.lengths), [s.next_input for s in plan.running])
         lives: list[_Live] = [s.engine for s in plan.running]
         tokens = sample(logits, [live.sampler for live in lives])  # on the host: the step is done
-        self.step_s = _mean(self.step_s, time.perf_counter() - started)
+        self.step_s = moving_mean(self.step_s, time.perf_counter() - started)
         logprobs = token_logprobs(logits, tokens, [live.sampler.params for live in lives])
         self.scheduler.append_tokens(tokens)
         outputs = []

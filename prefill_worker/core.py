@@ -110,17 +110,10 @@ class PrefillCore:
         worker's, of a conversation's earlier turns: `kv_pull`): its whole blocks join the prefix
         cache as if prefilled here, so the prompt, planned next, computes only the rest. Returns
         the prompt tokens the cache now holds from it (0: no cache, or no room)."""
-        if self.cache is None:
-            return 0
         b = self.block_size
         blocks = min(kv.num_tokens, len(prompt) - 1) // b  # the last token is always computed
-        if not blocks:
-            return 0
         hashes = self.hasher.hash_prompt(prompt[:blocks * b])
-        known = self.cache.match(hashes)
-        data = kv.data.to(self.runner.device)
-        payloads = [None] * known + [data[:, :, :, i * b:(i + 1) * b].clone() for i in range(known, blocks)]
-        return blocks * b if self.cache.insert(hashes, payloads) is not None else 0
+        return blocks * b if self._remember(hashes, None, SequenceKV(kv.data.to(self.runner.device))) else 0
 
     def cached_tokens(self, prompt: list[int]) -> int:
         """Leading tokens of `prompt` whose whole blocks the cache holds. It only reads the cache, so
@@ -167,7 +160,7 @@ class PrefillCore:
 
     def _finish(self, request: GenerationRequest, plan: Reuse, out: PrefillOutput) -> PrefilledRequest:
         """Cache the prompt's new blocks and sample its first token."""
-        self._remember(plan.hashes, out)
+        self._remember(plan.hashes, out.prefix, out.own)
         token, logprob, seed = first_token(request, out.logits, self.runner.loaded)
         request.trace.cached_tokens = plan.tokens
         request.trace.mark("prefill_end")
@@ -206,7 +199,7 @@ class PrefillCore:
         if end < len(prompt):
             # Its whole blocks so far are cached at once: a prompt sharing them need not wait for
             # the last chunk, nor compute them again (SGLang caches unfinished requests alike).
-            self._remember(chunked.plan.hashes[:end // self.block_size], whole)
+            self._remember(chunked.plan.hashes[:end // self.block_size], whole.prefix, whole.own)
             return None
         return self._finish(chunked.request, chunked.plan, whole)
 
@@ -228,18 +221,20 @@ class PrefillCore:
         finally:
             self.cache.unlock(held)
 
-    def _remember(self, hashes: list[int], out: PrefillOutput) -> None:
+    def _remember(self, hashes: list[int], prefix: SequenceKV | None, own: SequenceKV) -> bool:
+        """Cache the blocks `hashes` of the KV `prefix` + `own`; False when nothing could be (no
+        cache, or everything locked)."""
         if self.cache is None or not hashes:
-            return
+            return False
         b = self.block_size
         known = self.cache.match(hashes)
         # Only the new blocks need their own copy; the cache keeps them after this KV is shipped.
         # They are usually all past the prefix the prompt continued: then `new` is a view.
         start = known * b
-        new = joined(out.prefix, out.own, start).data
+        new = joined(prefix, own, start).data
         payloads = [None] * known + [new[:, :, :, i * b - start:(i + 1) * b - start].clone()
                                      for i in range(known, len(hashes))]
-        self.cache.insert(hashes, payloads)  # None when everything is locked: simply not cached
+        return self.cache.insert(hashes, payloads) is not None  # None when everything is locked: not cached
 
     # -- BatchLLM groups ---------------------------------------------------------------------
 
@@ -264,7 +259,7 @@ class PrefillCore:
             plan = self.reuse_for(prefix)
             out = self._run_on_prefix([prefix], plan)[0]
             computed = out.computed_tokens
-            self._remember(full, out)
+            self._remember(full, out.prefix, out.own)
         held = full[:self.cache.match(full)]
         self.cache.lock(held)
         pin = _Pin(held, time.monotonic() + self.pin_ttl_s)

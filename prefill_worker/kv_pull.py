@@ -20,6 +20,7 @@ import time
 
 import grpc
 
+from baton.sizing import moving_mean
 from baton.v1 import workers_pb2, workers_pb2_grpc
 
 from baton.engine.kv import KVShape, SequenceKV
@@ -33,10 +34,6 @@ PULL_TIMEOUT_S = 10.0  # a read never takes longer (a healthy one takes a decode
 MAX_PULLS = 64  # reads in flight or pulled and not yet adopted, at once
 
 
-def _mean(previous: float | None, value: float, weight: float = 0.2) -> float:
-    return value if previous is None else (1 - weight) * previous + weight * value
-
-
 class PullRates:
     """Seconds per prompt token of a prefill here and of a read from a decode worker, measured."""
 
@@ -48,12 +45,12 @@ class PullRates:
     def computed(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             with self._lock:
-                self.compute_token_s = _mean(self.compute_token_s, seconds / tokens)
+                self.compute_token_s = moving_mean(self.compute_token_s, seconds / tokens)
 
     def pulled(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             with self._lock:
-                self.pull_token_s = _mean(self.pull_token_s, seconds / tokens)
+                self.pull_token_s = moving_mean(self.pull_token_s, seconds / tokens)
 
     def worth_pulling(self, tokens: int, min_tokens: int) -> bool:
         """Read `tokens` rather than compute them: at least `min_tokens` (a cache block: fewer
