@@ -14,6 +14,7 @@ from baton.launch.up import LocalCluster
 from test_migration import busy_decode_worker
 
 pytestmark = pytest.mark.slow
+MAX_TOKENS = 1024
 
 
 def stream_all(client, prompts: dict[int, list[int]], max_tokens, results, started=None):
@@ -53,7 +54,9 @@ def test_workers_added_serve_and_a_busy_one_removed_moves_its_streams(tiny_refer
             time.sleep(0.2)
         prompts = [[100 + 9 * i + j for j in range(5 + 3 * i)] for i in range(8)]
         results, flowing = {}, threading.Semaphore(0)
-        threads = stream_all(client, dict(enumerate(prompts)), 256, results, flowing)
+        # 1024 tokens: the scaler waits 0.6 s for the router to stop sending there before its
+        # SIGTERM, and with 256 the busy worker once finished everything first (CI, loaded).
+        threads = stream_all(client, dict(enumerate(prompts)), MAX_TOKENS, results, flowing)
         for _ in range(2):
             assert flowing.acquire(timeout=60)
         busy = busy_decode_worker(cluster)
@@ -73,7 +76,7 @@ def test_workers_added_serve_and_a_busy_one_removed_moves_its_streams(tiny_refer
         again = client.cluster_status().routing["prefilled_again"]
         left = set(cluster.prefill_addrs + cluster.decode_addrs)
     for i, prompt in enumerate(prompts):
-        assert results[i] == tiny_reference.greedy(prompt, 256), f"request {i}: {results[i]!r}"[:300]
+        assert results[i] == tiny_reference.greedy(prompt, MAX_TOKENS), f"request {i}: {results[i]!r}"[:300]
     assert after.token_ids == tiny_reference.greedy([7, 8, 9], 8)
     assert status[cluster.decode_addrs[0]].decode["migrations_in"] > 0  # moved with their KV ...
     assert done == len(prompts) and again == 0  # ... and not prefilled again
