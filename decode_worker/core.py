@@ -413,6 +413,11 @@ class DecodeCore:
         for parked in plan.parked:  # read before any write: their pages may be an admitted row's now
             parked.seq.engine.kv = self.kv.read(parked.table, parked.tokens)
             parked.seq.engine.kv_start = 0
+        for unheld in plan.unheld:  # the held pages' KV goes in front of the staged KV
+            live = unheld.seq.engine
+            if live.kv_start:
+                front = self.kv.read(unheld.table, live.kv_start)
+                live.kv, live.kv_start = SequenceKV(torch.cat([front.data, to_host(live.kv.data)], dim=3)), 0
         for seq in plan.dropped:  # the host pool was full: computed again when it resumes
             seq.engine.kv = None
         for demoted in plan.demoted:  # read before any write too

@@ -177,6 +177,7 @@ class Demoted:
 @dataclass
 class SchedulerOutput:
     parked: list[Parked] = field(default_factory=list)  # read these first
+    unheld: list[Parked] = field(default_factory=list)  # and these: staged, their held pages given up
     demoted: list[Demoted] = field(default_factory=list)  # and these
     dropped: list[DecodeSequence] = field(default_factory=list)  # left their row without their KV (recompute)
     admitted: list[Admitted] = field(default_factory=list)  # then write these, in this order
@@ -218,6 +219,7 @@ class DecodeScheduler:
         self.finished_total = 0  # ended here: stopped, length or aborted (not moved, not cancelled while waiting)
         self.retained_total = 0  # finished requests whose pages stayed
         self.reclaimed_total = 0  # retained entries released because pages were needed
+        self.unheld_total = 0  # staged requests that gave their held pages up for the one ahead
         self._lock = threading.RLock()
 
     def fits_ever(self, seq: DecodeSequence) -> bool:
@@ -398,12 +400,30 @@ class DecodeScheduler:
             if not self.rows:  # the head cannot join an empty batch: pages it needs are held by a
                 # request queued behind it (shared pages held since registration); that one goes first
                 next((s for s in self.staged[1:] if self._admit(s, out)), None)
+                if not self.rows and self.staged:
+                    self._unhold_for_head(out)
                 while self.staged and self._admit(self.staged[0], out):
                     pass
             out.running = list(self.rows)
             out.tables = [pool.page_table(s.request_id) for s in self.rows]
             out.lengths = [pool.tokens(s.request_id) for s in self.rows]
             return out
+
+    def _unhold_for_head(self, out: SchedulerOutput) -> None:
+        """No row decodes and no staged request fits: those queued behind the head hold pages it
+        needs (two conversations' next turns, each holding its earlier turn's pages). The latest
+        of them give their held pages up, their KV read to the host first (as a parked row's),
+        until the head fits; each shares whatever is still there when its own turn comes."""
+        head = self.staged[0]
+        for seq in reversed(self.staged[1:]):
+            if not self.pages.holds(seq.request_id):
+                continue
+            out.unheld.append(Parked(seq, self.pages.page_table(seq.request_id), seq.held_tokens))
+            self.pages.free(seq.request_id)
+            seq.held_tokens = 0
+            self.unheld_total += 1
+            if self._admit(head, out):
+                return
 
     def _lowest_priority_row(self) -> DecodeSequence:
         # Among the lowest priority, the latest admitted: it has the least work to lose in waiting.

@@ -263,6 +263,8 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
                     lambda: core.scheduler.retained_total)
     metrics.counter("baton_decode_retained_reclaimed", "Retained KV released because pages were needed",
                     lambda: core.scheduler.reclaimed_total)
+    metrics.counter("baton_decode_held_pages_given_up", "Landed requests whose held prompt pages went (their KV to "
+                    "the host) so the request ahead of them could start", lambda: core.scheduler.unheld_total)
     metrics.counter("baton_decode_kv_reads", "Prompts whose held KV a prefill worker read instead of computing it "
                     "(ReadKV)", lambda: loop.reads_total)
     metrics.counter("baton_decode_kv_read_tokens", "Prompt tokens of KV read by prefill workers",

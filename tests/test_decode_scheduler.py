@@ -533,6 +533,31 @@ def test_retained_pages_go_first_when_a_row_needs_them():
     assert sched.kv_usage().used == 0 and "big" not in heard.keys
 
 
+def test_turns_holding_each_others_pages_do_not_wait_for_each_other():
+    """Two conversations' next turns land holding their earlier turns' pages (3 each), and each
+    needs 4 more of the 3 their holds leave: with no row decoding, neither could ever start. The one
+    behind gives its pages up, handed over to read first (its KV goes to the host), and the head runs."""
+    sched = DecodeScheduler(config(retain=True, share_min_tokens=4, num_pages=9, max_rows=1))
+    said = {c: [base + i for i in range(10)] for c, base in (("a", 100), ("b", 200))}
+    for c in "ab":  # 10 prompt + 5 answer tokens of KV retained each: 3 full pages and a partial one
+        run_to_end(sched, talk(f"{c}1", said[c]), [1, 2, 3, 4, 5, 6])
+    turns = {c: talk(f"{c}2", said[c] + [1, 2, 3, 4, 5, 6] + [300 + i for i in range(9)]) for c in "ab"}
+    for c in "ab":
+        sched.register(turns[c])
+        assert turns[c].held_tokens == 12
+        turns[c].output_ids.append(1)
+        sched.add_staged(turns[c])
+    b_table = sched.pages.page_table("b2")
+    out = step(sched)
+    assert ids(out.running) == ["a2"] and sched.unheld_total == 1
+    assert [(p.seq, p.table, p.tokens) for p in out.unheld] == [(turns["b"], b_table, 12)]
+    assert not sched.pages.holds("b2") and turns["b"].held_tokens == 0 and ids(sched.staged) == ["b2"]
+    for _ in range(2):
+        step(sched)
+    sched.finish(turns["a"], Status.FINISHED_STOPPED)
+    assert ids(step(sched).running) == ["b2"] and sched.standstill() is None
+
+
 def test_retained_pages_never_park_a_row_nor_count_as_used():
     sched = DecodeScheduler(config(retain=True, share_min_tokens=4, num_pages=7, max_rows=2,
                                    high_watermark_pages=4))

@@ -521,3 +521,55 @@ def test_a_standstill_of_waiting_rows_names_who_holds_the_pages(tiny_model, tiny
     assert decode.scheduler.standstill() is None
     assert finals["turn-2"] == tiny_reference.greedy(second.prompt_token_ids, 8)
     assert finals["other"] == tiny_reference.greedy(other.prompt_token_ids, 8)
+
+
+def test_requests_holding_each_others_pages_do_not_wait_for_each_other(tiny_model, tiny_reference):
+    """Two conversations' next turns each hold their earlier turn's pages, and each needs more pages
+    than the other's hold leaves: with no row decoding, neither could start. The one behind gives its
+    held pages' KV to the host (as a parked row does) so the first runs; then it runs; both exact."""
+    from baton.engine.executors import make_runner
+    from baton.engine.kv import SequenceKV
+    from baton.engine.request import GenerationRequest
+    from baton.prefill_worker.core import PrefillCore
+
+    rng = random.Random(41)
+    runner = make_runner(tiny_model)
+    per_token = tiny_model.kv_shape.bytes_per_token()
+    decode = DecodeCore(runner, DecodeConfig(max_rows=2, page_size=16, share_min_tokens=16, growth_reserve_tokens=0,
+                                             kv_budget_bytes=16 * 16 * per_token))
+    prefill = PrefillCore(runner, prefix_cache_bytes=0)
+    finals: dict[str, list[int]] = {}
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def land(request: GenerationRequest) -> None:
+        done = prefill.prefill([request])[0]
+        held = decode.held_tokens(request.request_id)
+        decode.add(dataclasses.replace(done, kv=SequenceKV(done.whole_kv(held).data.contiguous()), shared_prefix=None))
+
+    def run_until(*names: str, steps: int = 100) -> None:
+        for _ in range(steps):
+            if all(n in finals for n in names):
+                return
+            for out in decode.step():
+                if out.finished:
+                    finals[out.request_id] = out.token_ids
+        raise AssertionError(f"{[n for n in names if n not in finals]} did not finish in {steps} steps: "
+                             f"{decode.scheduler.standstill()}")
+
+    said = {c: [rng.randrange(50, 40000) for _ in range(100)] for c in "ab"}
+    for c in "ab":  # 107 tokens of KV retained each: 6 whole pages and a partial one
+        decode.register(GenerationRequest(f"{c}-1", said[c], params))
+        land(decode.scheduler.find(f"{c}-1").engine.request)
+        run_until(f"{c}-1")
+    turns = {c: GenerationRequest(f"{c}-2", said[c] + finals[f"{c}-1"] + [rng.randrange(50, 40000) for _ in range(60)],
+                                  params) for c in "ab"}  # 168 tokens: 11 pages, 6 of them held
+    for c in "ab":
+        decode.register(turns[c])
+        assert decode.held_tokens(f"{c}-2") == 96
+    for c in "ab":
+        land(turns[c])
+    run_until("a-2", "b-2")
+    assert decode.scheduler.standstill() is None
+    for c in "ab":
+        assert finals[f"{c}-2"] == tiny_reference.greedy(turns[c].prompt_token_ids, 8)
+    assert decode.scheduler.pages.num_available_pages() == decode.scheduler.pages.total_pages
