@@ -16,7 +16,11 @@ from baton.router.workers import Worker
 
 log = logging.getLogger(__name__)
 
-PREFILL_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+# Worker-side failures: another worker may prefill the prompt. CANCELLED is one too: this router's
+# own cancel of the call ends the chain before it is looked at, so the worker gave the prompt up
+# (chaos once saw a batch member fail CANCELLED during a prefill worker's drain).
+PREFILL_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                     grpc.StatusCode.CANCELLED)
 
 
 class KVSource:

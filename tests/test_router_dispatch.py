@@ -110,6 +110,39 @@ def test_a_prefill_that_fails_after_its_kv_was_delivered_does_not_stop_the_strea
         pool.stop()
 
 
+def test_a_prefill_the_worker_cancelled_is_retried_on_another_and_one_the_router_cancelled_is_not(prefill_server):
+    """CANCELLED that this router did not ask for is the worker giving the prompt up (a drain): the
+    prompt goes to another worker. The router's own cancel ends the chain: nothing is retried."""
+    gave_up_on = _PrefillServicer(fail_with=grpc.StatusCode.CANCELLED)
+    gave_up_on.release.set()
+    live = _PrefillServicer()
+    live.release.set()
+    chain, pool = _chain([prefill_server(gave_up_on), prefill_server(live)])
+    try:
+        gave_up = _start(chain)
+        assert live.arrived.wait(10), "the prompt was not sent to the other worker"
+        reply = chain.reply()
+        chain.cancel()
+    finally:
+        pool.stop()
+    assert chain.tries == 2 and [r.request_id for r in live.requests] == ["r1"]
+    assert reply.first_token == 7 and not gave_up.is_set() and chain.failure() is None
+
+    held = _PrefillServicer()
+    other = _PrefillServicer()
+    other.release.set()
+    chain, pool = _chain([prefill_server(held), prefill_server(other)])
+    try:
+        gave_up = _start(chain)
+        assert held.arrived.wait(10)
+        chain.cancel()  # the request's client left
+        held.release.set()
+        assert chain.call.cancelled()
+    finally:
+        pool.stop()
+    assert chain.tries == 1 and other.requests == [] and not gave_up.is_set()
+
+
 def test_routing_before_any_worker_reported_its_model_predicts_nothing_rather_than_failing():
     """Block hashes need the model's fingerprint, which workers report with their load; a request
     routed before the first report goes without a prefix prediction instead of failing."""
