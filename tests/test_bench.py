@@ -400,7 +400,11 @@ def test_chat_quick_runs_conversations_and_later_turns_find_their_kv(tmp_path, c
             assert later["cached_tokens"] > 0 and later["cached_unreported"] == 0, server
     local = document["servers"]["baton"]["runs"][0]["server_said_after"]
     assert local["routing"]["local_requests"] > 0 and local["local_prefills"] > 0  # turns prefilled there
-    assert "Baton vs vLLM" in printed
+    memory = document["servers"]["baton"]["runs"][0]["memory"]  # sampled while the run went on
+    assert memory["samples"] and set(memory["rss"]) == {"router", "prefill", "decode"}
+    assert all(m["max_mib"] >= m["first_mib"] > 0 for m in memory["rss"].values())
+    assert memory["kv_pages_total"] > 0 and memory["max_retained_pages"] is not None
+    assert "Baton vs vLLM" in printed and "baton memory over the run" in printed
 
 
 def test_local_quick_times_a_turn_prefilled_where_its_conversation_is(tmp_path, capsys):
