@@ -109,11 +109,13 @@ class PrefillCore:
         """Cache KV computed elsewhere for the prompt's first kv.num_tokens tokens (a decode
         worker's, of a conversation's earlier turns: `kv_pull`): its whole blocks join the prefix
         cache as if prefilled here, so the prompt, planned next, computes only the rest. Returns
-        the prompt tokens the cache now holds from it (0: no cache, or no room)."""
+        the prompt tokens the cache holds from it that it lacked before (0: no cache, or no room);
+        blocks it had already are its own, and the router's index rightly predicted them."""
         b = self.block_size
         blocks = min(kv.num_tokens, len(prompt) - 1) // b  # the last token is always computed
         hashes = self.hasher.hash_prompt(prompt[:blocks * b])
-        return blocks * b if self._remember(hashes, None, SequenceKV(kv.data.to(self.runner.device))) else 0
+        had = self.cache.cached_blocks(hashes) if self.cache is not None else 0
+        return (blocks - had) * b if self._remember(hashes, None, SequenceKV(kv.data.to(self.runner.device))) else 0
 
     def cached_tokens(self, prompt: list[int]) -> int:
         """Leading tokens of `prompt` whose whole blocks the cache holds. It only reads the cache, so

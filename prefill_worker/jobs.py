@@ -21,7 +21,7 @@ class PrefillDone:
     queue_seconds: float
     prefill_seconds: float
     transfer_seconds: float = 0.0
-    pulled_tokens: int = 0  # of cached_tokens, read from the decode worker (kv_pull)
+    pulled_tokens: int = 0  # of cached_tokens, read from the decode worker (kv_pull) and not cached here before
 
 
 @dataclass
@@ -31,7 +31,7 @@ class PrefillJob:
     push_token: str = ""  # presented with the KV push; the decode worker registered the same
     kv_skip_tokens: int = 0  # leading prompt tokens whose KV the decode worker holds: not pushed
     pulled: SequenceKV | None = None  # that KV, read from the decode worker, until the cache adopts it
-    pulled_tokens: int = 0  # prompt tokens the cache took from it
+    pulled_tokens: int = 0  # prompt tokens the cache took from it that it lacked
     new_prefix: int | None = None  # while in chunks: its first block the cache lacked (see batching)
     done: Future = field(default_factory=Future)
     cancelled: bool = False

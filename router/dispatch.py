@@ -374,7 +374,7 @@ class Dispatcher:
             stage_seconds=stages, cached_tokens=reply.cached_tokens,
             predicted_cached_tokens=route.predicted_cached_tokens,
             prefill_worker=route.prefill.view.address if route.prefill else "", decode_worker=decode.view.address,
-            route=route.reason + (f"; the prefill worker read the KV of {reply.pulled_tokens} prompt tokens from "
+            route=route.reason + (f"; the prefill worker read the KV of {reply.pulled_tokens} prompt tokens it lacked from "
                                   f"decode worker {decode.view.address}" if reply.pulled_tokens else "")))
 
     _cause = staticmethod(cause)

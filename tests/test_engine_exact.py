@@ -466,7 +466,7 @@ def test_a_turn_prefilled_from_the_decode_workers_kv_answers_exactly(tiny_model,
         decode.held_kv("turn-2", 96)
     with pytest.raises(LookupError):
         decode.held_kv("turn-1", 16)  # finished: nothing waits for KV under that id
-    assert prefill.adopt(said, decode.held_kv("turn-2", held)) == 80
+    assert prefill.adopt(said, decode.held_kv("turn-2", held)) == 16  # the answer's block: the rest it had
     run(second, held=held)
     assert second.trace.cached_tokens == 80
     assert finals["turn-2"] == tiny_reference.greedy(said, 12)
