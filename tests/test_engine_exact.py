@@ -472,35 +472,53 @@ def test_a_turn_prefilled_from_the_decode_workers_kv_answers_exactly(tiny_model,
     assert finals["turn-2"] == tiny_reference.greedy(said, 12)
 
 
+class SmallDecode:
+    """A decode core with `pages` pages of 16 tokens, shared prompt pages (16 tokens and up) and no
+    growth reserve, fed by a prefill core with no cache of its own: `land` prefills a registered
+    request and hands its KV over past the pages held for it; `run_until` steps until the named
+    requests finish (their tokens in `finals`), failing with the scheduler's standstill report."""
+
+    def __init__(self, tiny_model, pages: int):
+        from baton.engine.executors import make_runner
+        from baton.prefill_worker.core import PrefillCore
+
+        runner = make_runner(tiny_model)
+        per_token = tiny_model.kv_shape.bytes_per_token()
+        self.decode = DecodeCore(runner, DecodeConfig(max_rows=2, page_size=16, share_min_tokens=16,
+                                                      growth_reserve_tokens=0, kv_budget_bytes=pages * 16 * per_token))
+        self.prefill = PrefillCore(runner, prefix_cache_bytes=0)
+        self.finals: dict[str, list[int]] = {}
+
+    def land(self, request) -> None:
+        from baton.engine.kv import SequenceKV
+
+        done = self.prefill.prefill([request])[0]
+        held = self.decode.held_tokens(request.request_id)
+        self.decode.add(dataclasses.replace(done, kv=SequenceKV(done.whole_kv(held).data.contiguous()),
+                                            shared_prefix=None))
+
+    def run_until(self, *names: str, steps: int = 100) -> None:
+        for _ in range(steps):
+            if all(n in self.finals for n in names):
+                return
+            for out in self.decode.step():
+                if out.finished:
+                    self.finals[out.request_id] = out.token_ids
+        raise AssertionError(f"{[n for n in names if n not in self.finals]} did not finish in {steps} steps: "
+                             f"{self.decode.scheduler.standstill()}")
+
+
 def test_a_standstill_of_waiting_rows_names_who_holds_the_pages(tiny_model, tiny_reference):
     """A request registered for a conversation's next turn holds the earlier turn's pages until its
     KV lands; a request landing meanwhile that needs more pages than are left waits with no row
     decoding. The scheduler says so, naming the holder (the decode loop logs it after
     STANDSTILL_LOG_S), and once the holder's KV lands both run and end exactly."""
-    from baton.engine.executors import make_runner
-    from baton.engine.kv import SequenceKV
     from baton.engine.request import GenerationRequest
-    from baton.prefill_worker.core import PrefillCore
 
     rng = random.Random(37)
-    runner = make_runner(tiny_model)
-    per_token = tiny_model.kv_shape.bytes_per_token()
-    decode = DecodeCore(runner, DecodeConfig(max_rows=2, page_size=16, share_min_tokens=16, growth_reserve_tokens=0,
-                                             kv_budget_bytes=11 * 16 * per_token))
-    prefill = PrefillCore(runner, prefix_cache_bytes=0)
-    finals: dict[str, list[int]] = {}
+    small = SmallDecode(tiny_model, pages=11)
+    decode, land, run_until, finals = small.decode, small.land, small.run_until, small.finals
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-
-    def land(request: GenerationRequest) -> None:
-        done = prefill.prefill([request])[0]
-        held = decode.held_tokens(request.request_id)
-        decode.add(dataclasses.replace(done, kv=SequenceKV(done.whole_kv(held).data.contiguous()), shared_prefix=None))
-
-    def run_until(*names: str) -> None:
-        while any(n not in finals for n in names):
-            for out in decode.step():
-                if out.finished:
-                    finals[out.request_id] = out.token_ids
 
     said = [rng.randrange(50, 40000) for _ in range(100)]
     first = GenerationRequest("turn-1", said, params)
@@ -527,34 +545,12 @@ def test_requests_holding_each_others_pages_do_not_wait_for_each_other(tiny_mode
     """Two conversations' next turns each hold their earlier turn's pages, and each needs more pages
     than the other's hold leaves: with no row decoding, neither could start. The one behind gives its
     held pages' KV to the host (as a parked row does) so the first runs; then it runs; both exact."""
-    from baton.engine.executors import make_runner
-    from baton.engine.kv import SequenceKV
     from baton.engine.request import GenerationRequest
-    from baton.prefill_worker.core import PrefillCore
 
     rng = random.Random(41)
-    runner = make_runner(tiny_model)
-    per_token = tiny_model.kv_shape.bytes_per_token()
-    decode = DecodeCore(runner, DecodeConfig(max_rows=2, page_size=16, share_min_tokens=16, growth_reserve_tokens=0,
-                                             kv_budget_bytes=16 * 16 * per_token))
-    prefill = PrefillCore(runner, prefix_cache_bytes=0)
-    finals: dict[str, list[int]] = {}
+    small = SmallDecode(tiny_model, pages=16)
+    decode, land, run_until, finals = small.decode, small.land, small.run_until, small.finals
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-
-    def land(request: GenerationRequest) -> None:
-        done = prefill.prefill([request])[0]
-        held = decode.held_tokens(request.request_id)
-        decode.add(dataclasses.replace(done, kv=SequenceKV(done.whole_kv(held).data.contiguous()), shared_prefix=None))
-
-    def run_until(*names: str, steps: int = 100) -> None:
-        for _ in range(steps):
-            if all(n in finals for n in names):
-                return
-            for out in decode.step():
-                if out.finished:
-                    finals[out.request_id] = out.token_ids
-        raise AssertionError(f"{[n for n in names if n not in finals]} did not finish in {steps} steps: "
-                             f"{decode.scheduler.standstill()}")
 
     said = {c: [rng.randrange(50, 40000) for _ in range(100)] for c in "ab"}
     for c in "ab":  # 107 tokens of KV retained each: 6 whole pages and a partial one
