@@ -105,13 +105,6 @@ class Chaos:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    def role_of(self, address: str) -> str:
-        if address in self.cluster.prefill_addrs:
-            return "prefill"
-        if address in self.cluster.decode_addrs:
-            return "decode"
-        return "router"
-
     # ------------------------------------------------------------------------------ outcomes
 
     def begin(self, kind: str) -> int:
@@ -189,7 +182,7 @@ class Chaos:
             workers = self.cluster.decode_addrs if kind == "slow-push" else \
                 self.cluster.prefill_addrs + self.cluster.decode_addrs
             fault = Fault(kind, self.rng.choice(workers), "", self.now())
-            fault.role = self.role_of(fault.target)
+            fault.role = self.cluster.role_of(fault.target)
             self.faults.append(fault)
             self.opts.progress(f"{fault.start:5.1f}s {kind} {fault.role} {fault.target}")
             try:
@@ -213,7 +206,7 @@ class Chaos:
         while True:
             held: dict[str, dict[str, int]] = {}
             for address in self.cluster.prefill_addrs + self.cluster.decode_addrs:
-                role = self.role_of(address)
+                role = self.cluster.role_of(address)
                 with channel(address, self.cluster.tls, cluster_token=self.cluster.cluster_token) as ch:
                     stub = (workers_pb2_grpc.DecodeWorkerStub if role == "decode" else
                             workers_pb2_grpc.PrefillWorkerStub)(ch)
@@ -233,7 +226,7 @@ class Chaos:
                 break
             time.sleep(1.0)
         for address, left in held.items():
-            self.problems.append(f"failed: {self.role_of(address)} {address} still holds {left} "
+            self.problems.append(f"failed: {self.cluster.role_of(address)} {address} still holds {left} "
                                  f"{IDLE_WITHIN_S:.0f} s after the load ended")
         return held
 
@@ -245,7 +238,7 @@ class Chaos:
             for address, proc in list(self.cluster.procs):
                 rss = rss_bytes(proc.pid)
                 if rss is not None and proc.poll() is None:
-                    self.memory.append((t, self.role_of(address), address, proc.pid, rss))
+                    self.memory.append((t, self.cluster.role_of(address), address, proc.pid, rss))
             if self.stop.wait(SAMPLE_EVERY_S):
                 return
 

@@ -71,8 +71,7 @@ def serving(server: str, opts: BenchOptions, model: str, served: str,
                 # each role's resident memory (its processes summed), for the suites that watch it over a run
                 rss: dict[str, int] = {}
                 for address, proc in list(cluster.procs):
-                    role = "prefill" if address in cluster.prefill_addrs else \
-                        "decode" if address in cluster.decode_addrs else "router"
+                    role = cluster.role_of(address)
                     rss[role] = rss.get(role, 0) + (rss_bytes(proc.pid) or 0)
                 out["rss_bytes"] = rss
                 with contextlib.suppress(OSError):  # a worker without these series still gives its load

@@ -218,6 +218,10 @@ class LocalCluster:
     def router_address(self) -> str:
         return self.router_addresses[0]
 
+    def role_of(self, address: str) -> str:
+        """'prefill', 'decode' or 'router': what the process at `address` serves."""
+        return "prefill" if address in self.prefill_addrs else "decode" if address in self.decode_addrs else "router"
+
     @property
     def http_url(self) -> str:
         """Base URL of the OpenAI API (what `base_url` of the openai package takes), or ''."""
