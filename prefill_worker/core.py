@@ -114,8 +114,7 @@ class PrefillCore:
         b = self.block_size
         blocks = min(kv.num_tokens, len(prompt) - 1) // b  # the last token is always computed
         hashes = self.hasher.hash_prompt(prompt[:blocks * b])
-        had = self.cache.cached_blocks(hashes) if self.cache is not None else 0
-        return (blocks - had) * b if self._remember(hashes, None, SequenceKV(kv.data.to(self.runner.device))) else 0
+        return b * self._remember(hashes, None, SequenceKV(kv.data.to(self.runner.device)))
 
     def cached_tokens(self, prompt: list[int]) -> int:
         """Leading tokens of `prompt` whose whole blocks the cache holds. It only reads the cache, so
@@ -223,11 +222,11 @@ class PrefillCore:
         finally:
             self.cache.unlock(held)
 
-    def _remember(self, hashes: list[int], prefix: SequenceKV | None, own: SequenceKV) -> bool:
-        """Cache the blocks `hashes` of the KV `prefix` + `own`; False when nothing could be (no
-        cache, or everything locked)."""
+    def _remember(self, hashes: list[int], prefix: SequenceKV | None, own: SequenceKV) -> int:
+        """Cache the blocks `hashes` of the KV `prefix` + `own`; returns how many it lacked and
+        now holds (0 also when nothing could be cached: no cache, or everything locked)."""
         if self.cache is None or not hashes:
-            return False
+            return 0
         b = self.block_size
         known = self.cache.match(hashes)
         # Only the new blocks need their own copy; the cache keeps them after this KV is shipped.
@@ -236,7 +235,8 @@ class PrefillCore:
         new = joined(prefix, own, start).data
         payloads = [None] * known + [new[:, :, :, i * b - start:(i + 1) * b - start].clone()
                                      for i in range(known, len(hashes))]
-        return self.cache.insert(hashes, payloads) is not None  # None when everything is locked: not cached
+        stored = self.cache.insert(hashes, payloads)  # None when everything is locked: not cached
+        return len(stored) if stored is not None else 0
 
     # -- BatchLLM groups ---------------------------------------------------------------------
 
