@@ -30,12 +30,12 @@ class DecodeAttention:
     table32: torch.Tensor | None = None  # triton: the same as int32
     lengths32: torch.Tensor | None = None
     mask: torch.Tensor | None = None  # torch path: bool [rows, 1, 1, width x page_size]
-    splits: int | None = None  # triton: KV splits per row (None: the kernel's choice; 1: batch-invariant)
+    invariant: bool = False  # triton: the query-tiled kernel prefill shares (one split a row), not split-K
 
     @classmethod
     def for_step(cls, table: torch.Tensor, lengths: torch.Tensor, page_size: int, backend: str,
-                 splits: int | None = None) -> "DecodeAttention":
-        ctx = cls(table, lengths, backend, splits=splits)
+                 invariant: bool = False) -> "DecodeAttention":
+        ctx = cls(table, lengths, backend, invariant=invariant)
         if backend == "triton":
             ctx.table32, ctx.lengths32 = table.to(torch.int32), lengths.to(torch.int32)
         else:  # every layer reads the same mask: built once, not per layer
@@ -86,9 +86,11 @@ def decode(query, pages, layer: int, ctx: DecodeAttention, scale):
     [layers, 2, pages, kv_heads, page_size, head_dim] -> [R, Hq, D]."""
     keys, values = pages[layer, 0], pages[layer, 1]  # [pages, Hkv, P, D]
     if ctx.backend == "triton":
-        from baton.engine.kernels import paged_decode_attention
+        from baton.engine.kernels import paged_decode_attention, tiled_attention
 
-        return paged_decode_attention(query, keys, values, ctx.table32, ctx.lengths32, scale, num_splits=ctx.splits)
+        if ctx.invariant:  # the kernel prefill runs too: a token's bits whichever phase computed it
+            return tiled_attention(query, keys, values, ctx.table32, ctx.lengths32, scale)
+        return paged_decode_attention(query, keys, values, ctx.table32, ctx.lengths32, scale)
     if query.dtype == torch.float32 and query.device.type == "cpu" and cpu_kernels.stores(keys.dtype):
         return cpu_kernels.decode_attention(query, keys, values, ctx.table, ctx.lengths, scale)
     keys, values = gathered(keys, ctx.table), gathered(values, ctx.table)

@@ -20,9 +20,9 @@ was computed by prefill or by decode (batch invariance; prefill attention runs d
 In fp32, numerics follow transformers' Llama forward operation for operation (norms in fp32, the
 same rotary tables), so greedy tokens equal `generate`'s. On CUDA the model's dtype throughout.
 In bf16/fp16 there, batch invariance (`batch_invariant`, on by default) runs Baton's Triton
-kernels in the same spirit: a fixed-order GEMM and RMSNorm (`engine.kernels.invariant`), decode
-attention in one split, and prefill attention through the decode kernel (`prefill_over_pages`);
-without it cuBLAS and FlashAttention-style prefill, whose rounding depends on the batch. fp32 on
+kernels in the same spirit: a fixed-order GEMM and RMSNorm (`engine.kernels.invariant`), and
+decode and prefill attention through one query-tiled kernel (`engine.kernels.tiled`); without it
+cuBLAS and FlashAttention-style prefill, whose rounding depends on the batch. fp32 on
 CUDA keeps cuBLAS: its contract is equality with `generate`, which uses cuBLAS too.
 """
 from __future__ import annotations
@@ -137,8 +137,8 @@ class LlamaRunner:
         self.layout = layout or best_layout(loaded.device, loaded.dtype, batch_invariant and self.backend == "triton")
         if self.layout == "triton" and self.backend != "triton":
             raise ValueError("the triton weight layout needs the triton attention backend")
-        # decode attention in one KV split where the kernels must be batch-invariant
-        self.splits = 1 if self.layout == "triton" else None
+        # where the kernels must be batch-invariant, decode attention runs prefill's query-tiled kernel
+        self.invariant_attention = self.layout == "triton"
         # Baton's CPU kernels compute in fp32 whatever the stored dtype; elsewhere the model's dtype
         self.compute_dtype = torch.float32 if self.layout == "panels" else self.dtype
         tensors = loaded.tensors
@@ -307,7 +307,7 @@ class LlamaRunner:
             cos, signed_sin = rotary
             self.decode_layers(h, cos, signed_sin, kv.pages, table, lengths)
         else:
-            ctx = DecodeAttention.for_step(table, lengths, kv.page_size, self.backend, self.splits)
+            ctx = DecodeAttention.for_step(table, lengths, kv.page_size, self.backend, self.invariant_attention)
             h = self._decode_layers(kv.pages, h, rotary, ctx)
         logits = self._logits(self._rms_norm(h, self.norm))
         self.decode_tokens_forwarded += rows
@@ -326,7 +326,7 @@ class LlamaRunner:
     def _captured_step(self, pages, ids, lengths, table) -> torch.Tensor:
         """The decode step a CUDA graph records: every input a device tensor (engine.cuda_graphs).
         pages: the paged KV; ids, lengths int64 [R]; table int64 [R, width]."""
-        ctx = DecodeAttention.for_step(table, lengths, pages.shape[4], self.backend, self.splits)
+        ctx = DecodeAttention.for_step(table, lengths, pages.shape[4], self.backend, self.invariant_attention)
         h = self._decode_layers(pages, self._embed(ids), self._rotary(lengths - 1), ctx)
         return self.lm_head(self._rms_norm(h, self.norm)).float()
 
@@ -437,7 +437,7 @@ class LlamaRunner:
             out = cpu_kernels.prefill_attention(q, kv[0], kv[1], None if shared is None else shared[0],
                                                 None if shared is None else shared[1], self.scale)
             return out.view(b * t, -1)
-        if self.layout == "triton":  # decode's kernel too: each token as a decode step would compute it
+        if self.layout == "triton":  # the kernel decode runs too: each token as a decode step would compute it
             from baton.engine.kernels import prefill_over_pages
 
             out = prefill_over_pages(q, kv[0], kv[1], None if shared is None else shared[0],

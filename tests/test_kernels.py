@@ -315,7 +315,7 @@ def test_prefill_reference_agrees_with_sdpa():
     torch.testing.assert_close(ref, expect.transpose(0, 1), atol=1e-5, rtol=1e-5)
 
 
-# -- batch invariance (engine.kernels.invariant, prefill_over_pages) --------------------------
+# -- batch invariance (engine.kernels.invariant and .tiled) ----------------------------------------
 
 @in_process
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -336,6 +336,34 @@ def test_invariant_linear_gives_a_row_the_same_bits_in_any_batch(dtype, bias):
         mixed = torch.cat([others[:at], rows[::9], others[at:]])
         out = invariant_linear(mixed, weight, b)
         assert torch.equal(out[at:at + alone.shape[0]], alone), (count, at)
+
+
+@in_process
+def test_invariant_linear_prefill_tiles_only_where_they_give_the_decode_tiles_bits(monkeypatch, caplog):
+    """Above 64 rows the GEMM takes larger tiles once a check on this device shows they round each
+    element as the decode tiles do; a device where they would not keeps the decode tiles for every
+    row count (here simulated: a prefill launch that perturbs its output)."""
+    from baton.engine.kernels import invariant
+
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.randn(300, 130, generator=gen).to(DEVICE)
+    rows = torch.randn(150, 130, generator=gen).to(DEVICE)
+    monkeypatch.setattr(invariant, "_AGREE", {})
+    out = invariant.linear(rows, weight)
+    assert list(invariant._AGREE.values()) == [True]
+    assert torch.equal(out[:5], invariant.linear(rows[:5], weight))  # decode tiles, the same bits
+
+    launch = invariant._launch
+
+    def rounding_otherwise(x, w, b, tiles, interpreted):
+        out = launch(x, w, b, tiles, interpreted)
+        return out + 1e-3 if tiles == invariant.PREFILL_TILES else out
+
+    monkeypatch.setattr(invariant, "_AGREE", {})
+    monkeypatch.setattr(invariant, "_launch", rounding_otherwise)
+    with caplog.at_level("WARNING", logger=invariant.__name__):
+        assert torch.equal(invariant.linear(rows, weight), out)
+    assert list(invariant._AGREE.values()) == [False] and "uses the decode tiles" in caplog.text
 
 
 @in_process
@@ -369,10 +397,67 @@ def test_invariant_rms_norm_matches_transformers_order_per_row(dtype):
 
 
 @in_process
+@pytest.mark.parametrize("page_size,kv_heads,group,head_dim,lengths,splits", PAGED_CASES)
+def test_tiled_decode_matches_reference_fp32(page_size, kv_heads, group, head_dim, lengths, splits):
+    """The invariant path's decode (one query a sequence) over the same paged rows as the split-K kernel."""
+    from baton.engine.kernels import tiled_attention
+
+    gen = torch.Generator().manual_seed(page_size * 100 + len(lengths))
+    k, v, table, _ = paged_kv(lengths, page_size, kv_heads, head_dim, torch.float32, gen)
+    q = make_q(len(lengths), kv_heads * group, head_dim, torch.float32, gen)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    out = tiled_attention(q, k, v, table, lens, None)
+    assert_matches(out, paged_decode_attention_ref(q, k, v, table, lens, None), torch.float32)
+    for r, n in enumerate(lengths):
+        if n == 0:
+            assert torch.all(out[r] == 0), "a row of length 0 must give zeros"
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_prefill_sequences_of_any_length_in_one_launch(dtype):
+    """Several sequences in one launch, each with its own new tokens (more and fewer than a tile)
+    after its own cached columns, over shuffled pages of a size that is not a power of two: each
+    query attends its columns up to its own position, as prefill_attention's reference says."""
+    from baton.engine.kernels import tiled_attention
+
+    gen = torch.Generator().manual_seed(21)
+    kv_heads, group, head_dim, page_size = 2, 3, 64, 5
+    new, cached = [1, 40, 17, 3], [0, 9, 70, 130]  # tiles hold 16 tokens at GQA 3 (padded to 4)
+    lengths = [n + c for n, c in zip(new, cached)]
+    k, v, table, dense = paged_kv(lengths, page_size, kv_heads, head_dim, dtype, gen)
+    q = make_q(sum(new), kv_heads * group, head_dim, dtype, gen)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    out = tiled_attention(q, k, v, table, torch.tensor(lengths, dtype=torch.int32, device=DEVICE), None, cu,
+                          max(new))
+    for s, (n, c) in enumerate(zip(new, cached)):
+        rows = slice(int(cu[s]), int(cu[s + 1]))
+        ref = prefill_attention_ref(q[rows].float(), dense[s][0].float(), dense[s][1].float(), c, head_dim ** -0.5)
+        assert_matches(out[rows], ref.to(dtype), dtype)
+
+
+@in_process
+def test_tiled_attention_refuses_bad_inputs():
+    from baton.engine.kernels import tiled_attention
+
+    q, k = torch.zeros(2, 4, 16, device=DEVICE), torch.zeros(3, 2, 8, 16, device=DEVICE)
+    table, lens = torch.ones(2, 1, dtype=torch.int32, device=DEVICE), torch.ones(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="one query per sequence"):
+        tiled_attention(q[:1], k, k, table, lens, None)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be int32"):
+        tiled_attention(q, k, k, table, lens, None, torch.tensor([0, 2], dtype=torch.int32, device=DEVICE), 2)
+    with pytest.raises(ValueError, match="page_table must be int32"):
+        tiled_attention(q, k, k, table.long(), lens, None)
+    with pytest.raises(ValueError, match="not a multiple"):
+        tiled_attention(torch.zeros(2, 3, 16, device=DEVICE), k, k, table, lens, None)
+    assert tiled_attention(q[:0], k, k, table[:0], lens[:0], None).shape == (0, 4, 16)
+
+
+@in_process
 def test_prefill_over_pages_gives_each_token_its_decode_bits(dtype=torch.bfloat16):
     """A prompt's token attends exactly as a decode step at its position would, whether its prefix
     was computed in the same forward, passed as a cached prefix, or padded beside a longer prompt."""
-    from baton.engine.kernels import prefill_over_pages
+    from baton.engine.kernels import prefill_over_pages, tiled_attention
 
     gen = torch.Generator().manual_seed(7)
     kv_heads, group, head_dim, length = 2, 3, 64, 70
@@ -385,8 +470,7 @@ def test_prefill_over_pages_gives_each_token_its_decode_bits(dtype=torch.bfloat1
         page, slot = table[0, t // 16].long(), t % 16
         k_pages[page, :, slot], v_pages[page, :, slot] = k[0, :, t], v[0, :, t]
     positions = torch.arange(1, length + 1, dtype=torch.int32, device=DEVICE)  # one decode row per position
-    decoded = paged_decode_attention(q, k_pages, v_pages, table[:1].expand(length, -1).contiguous(), positions,
-                                     None, num_splits=1)
+    decoded = tiled_attention(q, k_pages, v_pages, table[:1].expand(length, -1).contiguous(), positions, None)
     whole = prefill_over_pages(q, k, v)
     assert torch.equal(whole, decoded)
     for cut in (1, 64):  # a cached prefix of `cut` tokens, the rest computed now

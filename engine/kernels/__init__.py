@@ -6,9 +6,12 @@
 - `prefill_attention` / `prefill_attention_varlen`: causal attention of new tokens over a
   cached prefix plus themselves (chunked prefill, prefix reuse), optionally after a prefix that
   a batch group's prompts all continue, passed once.
-- `prefill_over_pages`: prefill attention as decode computes it (the paged kernel, one row per
-  prompt token), and `invariant_linear` / `invariant_rms_norm`: fixed-order GEMM and norm; on
-  CUDA in bf16/fp16 these make a request's tokens independent of its batch (`engine.llama`).
+- `tiled_attention`: causal attention of each sequence's newest tokens over its paged KV, a
+  program per tile of query tokens; decode (one query a sequence) and prefill
+  (`prefill_over_pages`, a prompt's tokens) run the same compiled kernel, so a token's bits do
+  not depend on which computed it. With `invariant_linear` / `invariant_rms_norm` (fixed-order
+  GEMM and norm), on CUDA in bf16/fp16 these make a request's tokens independent of its batch
+  (`engine.llama`).
 - `reference`: the same contracts in plain torch (CPU path and test oracle).
 
 The Triton modules are imported lazily, on first use of a kernel name, because
@@ -28,7 +31,8 @@ _LAZY = {
     "paged_decode_attention": ("baton.engine.kernels.paged", "paged_decode_attention"),
     "prefill_attention": ("baton.engine.kernels.prefill", "prefill_attention"),
     "prefill_attention_varlen": ("baton.engine.kernels.prefill", "prefill_attention_varlen"),
-    "prefill_over_pages": ("baton.engine.kernels.paged", "prefill_over_pages"),
+    "tiled_attention": ("baton.engine.kernels.tiled", "tiled_attention"),
+    "prefill_over_pages": ("baton.engine.kernels.tiled", "prefill_over_pages"),
     "invariant_linear": ("baton.engine.kernels.invariant", "linear"),
     "invariant_rms_norm": ("baton.engine.kernels.invariant", "rms_norm"),
 }

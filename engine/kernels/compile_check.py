@@ -13,7 +13,7 @@ import sys
 import triton
 from triton.compiler import ASTSource
 
-from baton.engine.kernels import _common, invariant, paged, prefill
+from baton.engine.kernels import _common, invariant, paged, prefill, tiled
 
 SCALARS = {"qk_scale": "fp32", "eps": "fp32"}
 
@@ -37,16 +37,22 @@ def _specs(dtype: str, upcast: bool):
     yield "paged one split", paged._paged_decode_kernel, direct, dict(
         GROUP=8, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=paged.BLOCK_N, PAGE_SIZE=16, WRITE_LSE=False,
         UPCAST=upcast)
+    # the query-tiled kernel batch invariance runs for decode and prefill: GQA 4 (Llama-3-8B) and 3 (SmolLM2)
+    for group, page_size in ((4, 16), (3, 5)):
+        yield f"tiled GQA {group} P={page_size}", tiled._tiled_kernel, {**kv, **idx, "Out": f"*{dtype}"}, dict(
+            GROUP=group, HEAD_DIM=128, BLOCK_G=tiled.group_block(group), BLOCK_M=tiled.BLOCK_M, BLOCK_D=128,
+            BLOCK_N=tiled.BLOCK_N, PAGE_SIZE=page_size, UPCAST=upcast)
     for shared in (False, True):  # with a BatchLLM group's shared prefix, and without
         yield "prefill" + " shared" * shared, prefill._prefill_kernel, {**kv, **idx, "Out": f"*{dtype}"}, dict(
             GROUP=8, HEAD_DIM=128, BLOCK_M=prefill.BLOCK_M, BLOCK_N=prefill.BLOCK_N, BLOCK_D=128, UPCAST=upcast,
             SHARED=shared)
     # the batch-invariant GEMM (with a bias, as Qwen2's QKV has) and RMSNorm
     gemm = {name: f"*{dtype}" for name in ("X", "W", "Bias", "Out")}
-    for bias in (False, True):
-        yield "invariant linear" + " bias" * bias, invariant._linear_kernel, gemm, dict(
-            HAS_BIAS=bias, UPCAST=upcast, IEEE=dtype == "fp32", BLOCK_M=invariant.BLOCK_M,
-            BLOCK_N=invariant.BLOCK_N, BLOCK_K=invariant.BLOCK_K)
+    decode = invariant.Tiles(invariant.DECODE_ROWS, 16, 64, warps=4, stages=4)  # the narrowest decode tile
+    for bias, tiles in ((False, decode), (True, decode), (False, invariant.PREFILL_TILES)):
+        yield (f"invariant linear {tiles.block_m}x{tiles.block_n}" + " bias" * bias, invariant._linear_kernel, gemm,
+               dict(HAS_BIAS=bias, UPCAST=upcast, IEEE=dtype == "fp32", BLOCK_M=tiles.block_m,
+                    BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps))
     yield "invariant rms_norm", invariant._rms_norm_kernel, {"X": f"*{dtype}", "W": f"*{dtype}",
                                                               "Out": f"*{dtype}"}, dict(BLOCK=1024)
     yield "merge", _common._merge_kernel, {"MidO": "*fp32", "MidLse": "*fp32", "Out": f"*{dtype}"}, dict(
@@ -62,10 +68,11 @@ def compile_kernels(arch: int = 90, dtypes: tuple[str, ...] = ("bf16", "fp32")) 
     for dtype in dtypes:
         # fp16/bf16 KV runs native dots on a GPU; fp32 KV upcasts (a no-op) and uses ieee dots
         for name, kernel, pointers, constexprs in _specs(dtype, upcast=dtype == "fp32"):
+            warps = constexprs.pop("num_warps", 4)  # a launch option, not an argument
             src = ASTSource(fn=kernel, signature=_signature(kernel, pointers, constexprs),
                             constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
             try:
-                compiled = triton.compile(src, target=target, options={"num_warps": 4})
+                compiled = triton.compile(src, target=target, options={"num_warps": warps})
                 if "cubin" not in compiled.asm:
                     failures.append(f"{name} {dtype}: no cubin produced")
             except Exception as exc:  # report every kernel, not just the first failure

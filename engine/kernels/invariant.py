@@ -3,14 +3,22 @@
 cuBLAS picks its algorithm (tile shape, split-K) by the number of rows, so the same row of a
 bf16 activation comes out rounded differently in a decode step of 3 rows and one of 11: greedy
 tokens then change with the load. These kernels fix everything a row's reduction depends on:
-- `linear`: one tile shape for every row count (BLOCK_M x BLOCK_N x BLOCK_K), no split-K, each
-  output summed over k in order by the same MMA instruction, fp32 accumulation;
+- `linear`: no split-K; each output summed over k from 0 in order by the same tensor-core
+  instruction family (Hopper's wgmma m64nXk16, chained over k), fp32 accumulation. Its tiles
+  are chosen without the rows in view, except for one switch: up to 64 rows (decode) one row
+  tile of 64 and columns split finely enough to give every SM a program (a row's weights are
+  read once, by many SMs at once, which is what bounds decode); above it (prefill) 128 x 128
+  tiles. The two compute each element by the same chain of instructions; that the device rounds
+  them alike is checked once per weight shape on the device (`_tiles_agree`), and where they do
+  not, every row count uses the decode tiles;
 - `rms_norm`: one program per row, the whole row in one block, fp32 sums;
 so a row's bits depend only on its own inputs (vLLM's and SGLang's batch-invariant modes do the
-same with persistent matmuls; this one is the plain tiled form). Decode rows use a 64-row tile
-for 1-16 rows: compute is wasted, but decode reads weights and stays bound by that read.
+same with persistent matmuls; this one is the plain tiled form).
 """
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -18,8 +26,30 @@ import triton.language as tl
 
 from baton.engine.kernels._common import is_interpreted
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
+log = logging.getLogger(__name__)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+DECODE_ROWS = 64  # up to this many rows, the decode tiles
+PREFILL_TILES = Tiles(128, 128, 64, warps=8, stages=3)
+_AGREE: dict[tuple, bool] = {}  # (device, dtype, N, K, bias) -> the prefill tiles give the decode tiles' bits
+
+
+def decode_tiles(n: int, device: torch.device) -> Tiles:
+    """64-row tiles with the widest column block that still gives every SM a program (decode
+    reads each weight once: with fewer programs than SMs, part of the memory bandwidth idles)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    block_n = next((b for b in (128, 64, 32) if triton.cdiv(n, b) >= sms), 16)
+    return Tiles(DECODE_ROWS, block_n, 64, warps=4, stages=4)
 
 
 @triton.jit
@@ -68,16 +98,47 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     interpreted = is_interpreted(_linear_kernel)
     if x.device.type != "cuda" and not interpreted:
         raise RuntimeError("the invariant GEMM needs CUDA tensors (or TRITON_INTERPRET=1 before the kernels import)")
+    m = x.shape[0]
+    tiles = decode_tiles(weight.shape[0], x.device)
+    if m > DECODE_ROWS and _tiles_agree(weight, bias, tiles):
+        tiles = PREFILL_TILES
+    return _launch(x, weight, bias, tiles, interpreted)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiles,
+            interpreted: bool) -> torch.Tensor:
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
     _linear_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0),
                          weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, UPCAST=interpreted,
-                         IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                         num_warps=4, num_stages=3)
+                         IEEE=x.dtype == torch.float32, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                         BLOCK_K=tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages)
     return out
+
+
+def _tiles_agree(weight: torch.Tensor, bias: torch.Tensor | None, decode: Tiles) -> bool:
+    """Whether the prefill tiles give every element the decode tiles' bits for this weight's
+    shape on this device: checked once, on random rows (rounding that differs shows on most of
+    them). Not during a CUDA graph capture (it synchronises): the decode tiles serve until then."""
+    key = (str(weight.device), weight.dtype, *weight.shape, bias is not None)
+    if key not in _AGREE:
+        if weight.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        gen = torch.Generator(device=weight.device).manual_seed(0)
+        x = torch.randn(2 * PREFILL_TILES.block_m, weight.shape[1], generator=gen, device=weight.device)
+        x = x.to(weight.dtype)
+        interpreted = is_interpreted(_linear_kernel)
+        agree = torch.equal(_launch(x, weight, bias, decode, interpreted),
+                            _launch(x, weight, bias, PREFILL_TILES, interpreted))
+        if not agree:
+            log.warning("the invariant GEMM's prefill tiles round a [%d, %d] %s weight differently from its "
+                        "decode tiles on %s: prefill uses the decode tiles for it (slower, still invariant)",
+                        weight.shape[0], weight.shape[1], str(weight.dtype).removeprefix("torch."), weight.device)
+        _AGREE[key] = agree
+    return _AGREE[key]
 
 
 @triton.jit
