@@ -84,6 +84,10 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("planner", "issue 35: the SLO planner over a simulated day (diurnal, bursty) with the profile measured "
                      "here, against static pools for the peak: objectives met and worker-hours; then a compressed "
                      "day on real processes beside what the simulator predicts for it", "baton.bench.planner"),
+    Suite("gpu", "issue 46: Llama-3-8B and Llama-3.2-1B shapes (random weights) on the GPU against the copy and "
+                 "matmul rates measured in the same run: decode at 1-256 rows x 512-16k contexts, prefill at "
+                 "512-16k tokens beside transformers' forward, prefill attention beside torch SDPA; both modes "
+                 "(without CUDA: a small model on this CPU, a check of the suite)", "baton.bench.gpu"),
     Suite("invariance", "issue 32 on CUDA: decode step (1-64 rows) and prefill with batch invariance on and off, "
                         "and whether a row keeps its bits beside 15 others (needs a CUDA GPU)",
           "baton.bench.invariance"),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from baton.engine.cpu import kernels as cpu_kernels
 
@@ -116,14 +117,20 @@ def merge(out_a, lse_a, out_b, lse_b):
 
 def prefill(query, key, value, ctx: PrefillAttention, scale):
     # query: [B, Hq, Tq, D]; key, value: [B, Hkv, prefix + Tq, D] -> [B, Tq, Hq, D]
-    if ctx.backend == "triton":
+    if ctx.backend == "triton" and query.device.type != "cuda":  # Triton's interpreter: tests run the kernel
         from baton.engine.kernels import prefill_attention
 
         # the kernel takes one sequence: q [Tq, Hq, D], k/v [Hkv, Tk, D]
         return torch.stack([prefill_attention(query[b].transpose(0, 1), key[b], value[b], ctx.prefix_len, scale)
                             for b in range(query.shape[0])])
+    # On CUDA torch's flash attention: 4.6x Baton's Triton prefill kernel on an H100 (issue 46)
     if ctx.prefix_len == 0:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
+    elif query.device.type == "cuda":  # the mask aligned to the bottom right, without building it
+        group = query.shape[1] // key.shape[1]
+        mask = causal_lower_right(query.shape[2], key.shape[2])
+        out = F.scaled_dot_product_attention(query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1),
+                                             attn_mask=mask, scale=scale)
     else:
         tq, tk = query.shape[2], key.shape[2]
         rows = torch.arange(tq, device=key.device)[:, None] + ctx.prefix_len

@@ -89,6 +89,20 @@ def test_invariance_suite_runs_or_says_why_not(tmp_path, capsys):
         assert document["modes"]["invariant"]["row_bits_equal"] and "prefill, 128 tokens" in printed
 
 
+def test_gpu_suite_sets_each_figure_against_the_rates_it_measured(tmp_path, capsys):
+    """Without CUDA the suite runs its measurements on this CPU with a small model (a check of the
+    suite); on a GPU, the 8B and 1B shapes in both modes."""
+    document, printed = run_suite("gpu", tmp_path, capsys)
+    assert document["rates"]["copy_bytes_per_s"] > 0 and document["rates"]["matmul_flop_per_s"] > 0
+    for shape in document["shapes"].values():
+        measured = [d for d in shape["decode"] if "ms" in d]
+        assert measured and all(d["floor_ms"] > 0 and d["of_floor"] > 0 for d in measured)
+        modes = {p["mode"] for p in shape["prefill"]}
+        assert "transformers" in modes and all(p["ms"] > 0 for p in shape["prefill"])
+    assert {row["implementation"] for row in document["attention"]} >= {"torch SDPA"}
+    assert "of floor" in printed and "TFLOP/s" in printed
+
+
 def test_prefix_planner_figures_without_the_model(tmp_path, capsys):
     document, printed = run_suite("prefix", tmp_path, capsys, "--no-model")
     planner = document["planner"]

@@ -140,3 +140,24 @@ def test_kv_landing_on_a_cuda_worker_waits_in_pinned_memory():
     paged = PagedKV(shape, num_pages=8, page_size=16, device="cuda")
     paged.write([5, 2, 7], SequenceKV(to_host(kv.data.cuda())))
     assert torch.equal(paged.read([5, 2, 7], 33).data, kv.data)
+
+
+def test_the_invariant_kernels_compiled_keep_a_rows_bits():
+    """The bit tests of the batch-invariant path, compiled on the GPU (in the interpreter on CPU:
+    test_triton_backend.py): a row's tokens beside other rows, chunked prefill = whole, and the KV
+    decode wrote = the KV a prefill of the same tokens computes."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_triton_backend import INVARIANT_SCRIPT
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", INVARIANT_SCRIPT], capture_output=True, text=True,
+                          env={**env, "BATON_TEST_DEVICE": "cuda"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["layout"] == "triton" and result["invariant"]
+    assert len(result["alone"]) == 3 and result["mixed"] == result["alone"]
+    assert result["chunked"] and result["reprefilled"]

@@ -44,6 +44,7 @@ def test_triton_backend_matches_torch_backend():
 
 INVARIANT_SCRIPT = textwrap.dedent("""
     import json
+    import os
     import torch
     from baton.decode_worker.core import DecodeConfig, DecodeCore
     from baton.engine.llama import LlamaRunner
@@ -53,12 +54,14 @@ INVARIANT_SCRIPT = textwrap.dedent("""
     from baton.prefill_worker.core import PrefillCore
     from baton.sampling import SamplingParams
 
-    # CUDA's batch-invariant kernels (Triton GEMM, RMSNorm, one-split decode, prefill through the
-    # decode kernel), interpreted; bf16 storage and activations as on a GPU. A 512-token vocabulary
-    # (ids the default tokenizer decodes): the interpreter takes seconds for a 49152-row LM head
+    # CUDA's batch-invariant kernels (Triton GEMM, RMSNorm, the query-tiled attention decode and
+    # prefill share), interpreted on CPU (compiled where BATON_TEST_DEVICE=cuda: test_cuda.py); bf16
+    # storage and activations as on a GPU. A 512-token vocabulary (ids the default tokenizer decodes):
+    # the interpreter takes seconds for a 49152-row LM head
+    device = os.environ.get("BATON_TEST_DEVICE", "cpu")
     model = _finish(tiny_random_model(vocab_size=512), load_model("tiny-random").tokenizer, "tiny-512",
-                    torch.bfloat16, "cpu")
-    runner = LlamaRunner(model, "triton", cuda_graphs=False, layout="triton")
+                    torch.bfloat16, device)
+    runner = LlamaRunner(model, "triton", cuda_graphs=device == "cuda", layout="triton")
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     # short prompts: the interpreter runs each prompt token's attention as a program of its own
     target = list(range(300, 320))
@@ -78,7 +81,7 @@ INVARIANT_SCRIPT = textwrap.dedent("""
         core.add(prefill.prefill([GenerationRequest(rid, p, params)])[0])
     core.step()  # one decode step: "a" has 2 of its 3 tokens when it is taken out
     ev = core.evict("a")
-    reprefilled = torch.equal(ev.kv.data, runner.prefill(target + ev.token_ids[:-1]).kv.data)
+    reprefilled = torch.equal(ev.kv.data.cpu(), runner.prefill(target + ev.token_ids[:-1]).kv.data.cpu())
     print(json.dumps({"alone": alone, "mixed": mixed, "chunked": chunked, "reprefilled": reprefilled,
                       "layout": runner.layout, "invariant": runner.invariant_attention}))
 """)
