@@ -53,8 +53,10 @@ class Linear:
         elif layout != "plain":
             raise ValueError(f"unknown weight layout {layout!r}")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in_features] -> [..., out_features]
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [..., in_features] -> [..., out_features]; residual (the triton layout only): added in the GEMM
+        if residual is not None and self.layout != "triton":
+            raise ValueError(f"a residual added in the GEMM needs the triton layout, not {self.layout!r}")
         flat = x.reshape(-1, self.in_features)
         if self.code:
             out = cpu_kernels.quant_gemm(flat.float(), self.packed, self.code, self.in_features, self.out_features,
@@ -73,7 +75,8 @@ class Linear:
         elif self.layout == "triton":
             from baton.engine.kernels import invariant_linear
 
-            out = invariant_linear(flat if flat.stride(-1) == 1 else flat.contiguous(), self.weight, self.bias)
+            out = invariant_linear(flat if flat.stride(-1) == 1 else flat.contiguous(), self.weight, self.bias,
+                                   None if residual is None else residual.reshape(-1, self.out_features))
         else:
             out = F.linear(flat, self.weight, self.bias)
         return out.view(*x.shape[:-1], self.out_features)

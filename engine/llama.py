@@ -20,9 +20,11 @@ was computed by prefill or by decode (batch invariance; prefill attention runs d
 In fp32, numerics follow transformers' Llama forward operation for operation (norms in fp32, the
 same rotary tables), so greedy tokens equal `generate`'s. On CUDA the model's dtype throughout.
 In bf16/fp16 there, batch invariance (`batch_invariant`, on by default) runs Baton's Triton
-kernels in the same spirit: a fixed-order GEMM and RMSNorm (`engine.kernels.invariant`), and
-decode and prefill attention through one query-tiled kernel (`engine.kernels.tiled`); without it
-cuBLAS and FlashAttention-style prefill, whose rounding depends on the batch. fp32 on
+kernels in the same spirit: a fixed-order GEMM and RMSNorm (`engine.kernels.invariant`, residuals
+added in the GEMM's launch), rotary with the KV write and SiLU * up each one kernel
+(`engine.kernels.fused`), and decode and prefill attention through one query-tiled kernel
+(`engine.kernels.tiled`); without it cuBLAS and torch's flash prefill, whose rounding depends on
+the batch. fp32 on
 CUDA keeps cuBLAS: its contract is equality with `generate`, which uses cuBLAS too.
 """
 from __future__ import annotations
@@ -245,6 +247,18 @@ class LlamaRunner:
         qk = qk * cos + qk.roll(d // 2, dims=-1) * signed_sin
         return qk[:, :hq], qk[:, hq:], v
 
+    def _fused_qkv(self, layer: _Layer, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                   k_dst: torch.Tensor, v_dst: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The triton layout's `_qkv` and KV write in one kernel after the projection: x [N, hidden]
+        -> q [N, Hq, D]; token i's keys and values written at k_dst / v_dst + offsets[i] (views
+        whose last two dimensions are KV heads and head dims)."""
+        from baton.engine.kernels import rotary_kv
+
+        qkv = layer.qkv(x)  # [N, (Hq + 2 Hkv) * D]
+        cos, signed_sin = rotary
+        rotary_kv(qkv, cos[:, 0], signed_sin[:, 0], self.num_heads, self.num_kv_heads, k_dst, v_dst, offsets)
+        return qkv[:, :self.num_heads * self.head_dim].view(-1, self.num_heads, self.head_dim)
+
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return self._lookup(ids)
@@ -266,18 +280,25 @@ class LlamaRunner:
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         gate_up = layer.gate_up(self._rms_norm(h, layer.post_norm))
         if self.layout == "panels":  # the decode step's own SiLU, so prefill computes as decode does
-            return h + self._project(layer.down, cpu_kernels.silu_mul(gate_up), "intermediate")
-        gate, up = gate_up.chunk(2, dim=-1)
-        return h + self._project(layer.down, F.silu(gate) * up, "intermediate")
+            return self._project(layer.down, cpu_kernels.silu_mul(gate_up), "intermediate", h)
+        if self.layout == "triton":  # one kernel for SiLU(gate) * up
+            from baton.engine.kernels import silu_mul
 
-    def _project(self, linear: Linear, x: torch.Tensor, part: str) -> torch.Tensor:
-        """linear(x) for the O and down projections. With tensor parallelism x is this rank's part
-        of the input (the `part` axis) and linear holds this rank's output features: the input is
-        gathered whole first and the output after, so each feature is one kernel's full sum."""
+            return self._project(layer.down, silu_mul(gate_up), "intermediate", h)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self._project(layer.down, F.silu(gate) * up, "intermediate", h)
+
+    def _project(self, linear: Linear, x: torch.Tensor, part: str, residual: torch.Tensor) -> torch.Tensor:
+        """residual + linear(x) for the O and down projections (the triton layout adds it in the
+        GEMM's own launch). With tensor parallelism x is this rank's part of the input (the `part`
+        axis) and linear holds this rank's output features: the input is gathered whole first and
+        the output after, so each feature is one kernel's full sum."""
         if self.tp is None:
-            return linear(x)
+            if self.layout == "triton":
+                return linear(x, residual=residual)
+            return residual + linear(x)
         out = linear(self.tp.all_gather(x, -1, self.widths[part]))
-        return self.tp.all_gather(out, -1, self.widths["hidden"])
+        return residual + self.tp.all_gather(out, -1, self.widths["hidden"])
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head (its vocabulary split over ranks with tensor parallelism, then gathered)."""
@@ -337,12 +358,19 @@ class LlamaRunner:
         last = ctx.lengths - 1  # each row's new token: page and slot
         page = ctx.table.gather(1, (last // page_size)[:, None])[:, 0]
         slot = last % page_size
+        fused = self.layout == "triton"
+        offsets = page * pages.stride(2) + slot * pages.stride(4) if fused else None  # in one layer's keys
         for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, self._rms_norm(h, layer.input_norm), rotary)
-            pages[index, 0, page, :, slot] = k.to(pages.dtype)  # [R, Hkv, D], as stored (fp32 sums, bf16 KV)
-            pages[index, 1, page, :, slot] = v.to(pages.dtype)
+            x = self._rms_norm(h, layer.input_norm)
+            if fused:  # keys [pages, P, Hkv, D] as the kernel addresses them
+                q = self._fused_qkv(layer, x, rotary, pages[index, 0].transpose(1, 2), pages[index, 1].transpose(1, 2),
+                                    offsets)
+            else:
+                q, k, v = self._qkv(layer, x, rotary)
+                pages[index, 0, page, :, slot] = k.to(pages.dtype)  # [R, Hkv, D], as stored (fp32 sums, bf16 KV)
+                pages[index, 1, page, :, slot] = v.to(pages.dtype)
             out = self._decode_attention(q, pages, index, ctx)  # [R, Hq, D]
-            h = h + self._project(layer.o, out.reshape(rows, -1), "attention")
+            h = self._project(layer.o, out.reshape(rows, -1), "attention", h)
             h = self._mlp(layer, h)
         return h
 
@@ -401,12 +429,21 @@ class LlamaRunner:
         shared = self._own_heads(prefix.data).to(kv) if cached else None
         rotary = self._rotary(positions)
         h = self._embed(ids.view(-1))  # [B * T, hidden]
+        fused = self.layout == "triton"
+        if fused:  # token (i, j)'s place in one layer's keys [B, Hkv, T, D]
+            offsets = (torch.arange(b, device=self.device)[:, None] * kv.stride(2)
+                       + torch.arange(t, device=self.device)[None, :] * kv.stride(4)).view(-1)
         for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, self._rms_norm(h, layer.input_norm), rotary)
-            kv[index, 0] = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            kv[index, 1] = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            x = self._rms_norm(h, layer.input_norm)
+            if fused:
+                q = self._fused_qkv(layer, x, rotary, kv[index, 0].transpose(1, 2), kv[index, 1].transpose(1, 2),
+                                    offsets)
+            else:
+                q, k, v = self._qkv(layer, x, rotary)
+                kv[index, 0] = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                kv[index, 1] = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
             out = self._prefill_attention(q, kv[index], None if shared is None else shared[index], b, t)
-            h = h + self._project(layer.o, out, "attention")
+            h = self._project(layer.o, out, "attention", h)
             h = self._mlp(layer, h)
             if self.between_layers is not None:
                 self.between_layers()

@@ -48,6 +48,15 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> 
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def assert_exact(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Bit for bit where the kernel rounds as torch does: fp32, and any dtype compiled on a GPU. The
+    interpreter rounds fp32 to bf16/fp16 by truncation, not to nearest: there within an ulp."""
+    if CUDA or out.dtype == torch.float32:
+        assert torch.equal(out, ref)
+    else:
+        assert_matches(out, ref, out.dtype)
+
+
 def make_q(n: int, heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     # like the engine's query[:, :, 0] of [n, H, Tq, D]: a non-contiguous view
     return torch.randn(n, heads, 2, head_dim, generator=gen).to(dtype).to(DEVICE)[:, :, 1]
@@ -355,8 +364,8 @@ def test_invariant_linear_prefill_tiles_only_where_they_give_the_decode_tiles_bi
 
     launch = invariant._launch
 
-    def rounding_otherwise(x, w, b, tiles, interpreted):
-        out = launch(x, w, b, tiles, interpreted)
+    def rounding_otherwise(x, w, b, tiles, *args):
+        out = launch(x, w, b, tiles, *args)
         return out + 1e-3 if tiles == invariant.PREFILL_TILES else out
 
     monkeypatch.setattr(invariant, "_AGREE", {})
@@ -364,6 +373,59 @@ def test_invariant_linear_prefill_tiles_only_where_they_give_the_decode_tiles_bi
     with caplog.at_level("WARNING", logger=invariant.__name__):
         assert torch.equal(invariant.linear(rows, weight), out)
     assert list(invariant._AGREE.values()) == [False] and "uses the decode tiles" in caplog.text
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_linear_adds_the_residual_as_torch_does(dtype):
+    """residual + linear(x) in the GEMM's own launch: the same bits as adding it after."""
+    from baton.engine.kernels import invariant_linear
+
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(5, 96, generator=gen).to(dtype).to(DEVICE)
+    weight = torch.randn(80, 96, generator=gen).to(dtype).to(DEVICE)
+    residual = torch.randn(5, 80, generator=gen).to(dtype).to(DEVICE)
+    assert_exact(invariant_linear(x, weight, residual=residual), residual + invariant_linear(x, weight))
+    with pytest.raises(ValueError, match="residual must be"):
+        invariant_linear(x, weight, residual=residual[:, :79])
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_kv_rotates_in_place_and_writes_keys_and_values_where_they_live(dtype):
+    """The fused rotary and KV write against the torch ops the executor ran before (x * cos +
+    roll(x, D/2) * signed_sin, each op rounded to the dtype), into a paged layer's page slots."""
+    from baton.engine.kernels import rotary_kv
+
+    gen = torch.Generator().manual_seed(13)
+    n, hq, hkv, d = 5, 6, 2, 64
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=gen).to(dtype).to(DEVICE)
+    cos = torch.randn(n, d, generator=gen).to(dtype).to(DEVICE)
+    signed_sin = torch.randn(n, d, generator=gen).to(dtype).to(DEVICE)
+    heads = qkv.view(n, hq + 2 * hkv, d)
+    qk = heads[:, :hq + hkv]
+    expected = qk * cos[:, None] + qk.roll(d // 2, dims=-1) * signed_sin[:, None]
+    values = heads[:, hq + hkv:].clone()
+    pages = torch.full((2, 7, hkv, 4, d), NAN, dtype=dtype, device=DEVICE)  # [k/v, pages, Hkv, P, D]
+    page = torch.tensor([3, 3, 6, 1, 5], device=DEVICE)
+    slot = torch.tensor([0, 1, 3, 2, 0], device=DEVICE)
+    offsets = page * pages.stride(1) + slot * pages.stride(3)
+    rotary_kv(qkv, cos, signed_sin, hq, hkv, pages[0].transpose(1, 2), pages[1].transpose(1, 2), offsets)
+    assert_exact(heads[:, :hq + hkv], expected)
+    assert_exact(pages[0, page, :, slot], expected[:, hq:])
+    assert torch.equal(pages[1, page, :, slot], values)
+    assert int(pages[0].isnan().sum()) == (7 * 4 - n) * hkv * d  # nothing else written
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype):
+    from baton.engine.kernels import silu_mul
+
+    gen = torch.Generator().manual_seed(14)
+    gate_up = (4 * torch.randn(3, 2 * 300, generator=gen)).to(dtype).to(DEVICE)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_matches(silu_mul(gate_up), F.silu(gate) * up, dtype)
 
 
 @in_process

@@ -11,7 +11,7 @@
   (`prefill_over_pages`, a prompt's tokens) run the same compiled kernel, so a token's bits do
   not depend on which computed it. With `invariant_linear` / `invariant_rms_norm` (fixed-order
   GEMM and norm), on CUDA in bf16/fp16 these make a request's tokens independent of its batch
-  (`engine.llama`).
+  (`engine.llama`), with `rotary_kv` and `silu_mul`, a layer's elementwise steps fused.
 - `reference`: the same contracts in plain torch (CPU path and test oracle).
 
 The Triton modules are imported lazily, on first use of a kernel name, because
@@ -35,6 +35,8 @@ _LAZY = {
     "prefill_over_pages": ("baton.engine.kernels.tiled", "prefill_over_pages"),
     "invariant_linear": ("baton.engine.kernels.invariant", "linear"),
     "invariant_rms_norm": ("baton.engine.kernels.invariant", "rms_norm"),
+    "rotary_kv": ("baton.engine.kernels.fused", "rotary_kv"),
+    "silu_mul": ("baton.engine.kernels.fused", "silu_mul"),
 }
 
 __all__ = [*_LAZY, "triton_available", "paged_decode_attention_ref", "prefill_attention_ref",

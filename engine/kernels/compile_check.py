@@ -13,7 +13,7 @@ import sys
 import triton
 from triton.compiler import ASTSource
 
-from baton.engine.kernels import _common, invariant, paged, prefill, tiled
+from baton.engine.kernels import _common, fused, invariant, paged, prefill, tiled
 
 SCALARS = {"qk_scale": "fp32", "eps": "fp32"}
 
@@ -47,12 +47,19 @@ def _specs(dtype: str, upcast: bool):
             GROUP=8, HEAD_DIM=128, BLOCK_M=prefill.BLOCK_M, BLOCK_N=prefill.BLOCK_N, BLOCK_D=128, UPCAST=upcast,
             SHARED=shared)
     # the batch-invariant GEMM (with a bias, as Qwen2's QKV has) and RMSNorm
-    gemm = {name: f"*{dtype}" for name in ("X", "W", "Bias", "Out")}
+    gemm = {name: f"*{dtype}" for name in ("X", "W", "Bias", "Res", "Out")}
     decode = invariant.Tiles(invariant.DECODE_ROWS, 16, 64, warps=4, stages=4)  # the narrowest decode tile
-    for bias, tiles in ((False, decode), (True, decode), (False, invariant.PREFILL_TILES)):
-        yield (f"invariant linear {tiles.block_m}x{tiles.block_n}" + " bias" * bias, invariant._linear_kernel, gemm,
-               dict(HAS_BIAS=bias, UPCAST=upcast, IEEE=dtype == "fp32", BLOCK_M=tiles.block_m,
+    for bias, res, tiles in ((False, True, decode), (True, False, decode), (False, True, invariant.PREFILL_TILES)):
+        yield (f"invariant linear {tiles.block_m}x{tiles.block_n}" + " bias" * bias + " residual" * res,
+               invariant._linear_kernel, gemm,
+               dict(HAS_BIAS=bias, HAS_RES=res, UPCAST=upcast, IEEE=dtype == "fp32", BLOCK_M=tiles.block_m,
                     BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps))
+    # the fused elementwise steps of a layer (rotary and the KV write; SiLU * up)
+    fused_kv = {"QKV": f"*{dtype}", "Cos": f"*{dtype}", "Sin": f"*{dtype}", "KDst": f"*{dtype}", "VDst": f"*{dtype}",
+                "Offsets": "*i64"}
+    yield "rotary_kv", fused._rotary_kv_kernel, fused_kv, dict(HQ=32, HKV=8, HALF=64, BLOCK_H=64, BLOCK_HALF=64,
+                                                               BLOCK_KV=8)
+    yield "silu_mul", fused._silu_mul_kernel, {"X": f"*{dtype}", "Out": f"*{dtype}"}, dict(BLOCK=4096)
     yield "invariant rms_norm", invariant._rms_norm_kernel, {"X": f"*{dtype}", "W": f"*{dtype}",
                                                               "Out": f"*{dtype}"}, dict(BLOCK=1024)
     yield "merge", _common._merge_kernel, {"MidO": "*fp32", "MidLse": "*fp32", "Out": f"*{dtype}"}, dict(

@@ -53,10 +53,10 @@ def decode_tiles(n: int, device: torch.device) -> Tiles:
 
 
 @triton.jit
-def _linear_kernel(X, W, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om,
-                   HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+def _linear_kernel(X, W, Bias, Res, Out, M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Out[m, n] = sum_k X[m, k] * W[n, k] (+ Bias[n]), k in BLOCK_K steps from 0."""
+    """Out[m, n] = sum_k X[m, k] * W[n, k] (+ Bias[n]) (+ Res[m, n]), k in BLOCK_K steps from 0."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -81,12 +81,19 @@ def _linear_kernel(X, W, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om,
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = Out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(Out.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    mask = m_mask[:, None] & n_mask[None, :]
+    y = acc.to(Out.dtype.element_ty)
+    if HAS_RES:  # the residual added as `res + linear(x)` adds it: to the product rounded to the dtype
+        res = tl.load(Res + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
+        y = (res.to(tl.float32) + y.to(tl.float32)).to(Out.dtype.element_ty)
+    tl.store(out, y, mask=mask)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K] (stride 1 along K); weight: [N, K] contiguous; bias: [N] or None -> [M, N] in x's
-    dtype, each row computed alone in a fixed order."""
+    dtype, each row computed alone in a fixed order; residual: [M, N] (stride 1 along N) or None,
+    added to the result in the same launch (`residual + linear(x)`, the same bits)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear needs x [M, K] and weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype not in _FLOATS or weight.dtype != x.dtype:
@@ -95,6 +102,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"bias must be contiguous [{weight.shape[0]}]; got {tuple(bias.shape)}")
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("x's rows and the weight must be contiguous along K")
+    if residual is not None and (residual.shape != (x.shape[0], weight.shape[0]) or residual.stride(1) != 1
+                                 or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be [{x.shape[0]}, {weight.shape[0]}] in {x.dtype} with contiguous rows; got "
+                         f"{residual.dtype} {tuple(residual.shape)}")
     interpreted = is_interpreted(_linear_kernel)
     if x.device.type != "cuda" and not interpreted:
         raise RuntimeError("the invariant GEMM needs CUDA tensors (or TRITON_INTERPRET=1 before the kernels import)")
@@ -102,18 +113,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     tiles = decode_tiles(weight.shape[0], x.device)
     if m > DECODE_ROWS and _tiles_agree(weight, bias, tiles):
         tiles = PREFILL_TILES
-    return _launch(x, weight, bias, tiles, interpreted)
+    return _launch(x, weight, bias, tiles, interpreted, residual)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiles,
-            interpreted: bool) -> torch.Tensor:
+            interpreted: bool, residual: torch.Tensor | None = None) -> torch.Tensor:
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
-    _linear_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0),
-                         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, UPCAST=interpreted,
+    res = residual if residual is not None else out  # not read without HAS_RES
+    _linear_kernel[grid](x, weight, bias if bias is not None else weight, res, out, m, n, k, x.stride(0),
+                         weight.stride(0), res.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                         HAS_RES=residual is not None, UPCAST=interpreted,
                          IEEE=x.dtype == torch.float32, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                          BLOCK_K=tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages)
     return out
