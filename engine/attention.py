@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from baton.engine.cpu import kernels as cpu_kernels
 
@@ -127,6 +126,8 @@ def prefill(query, key, value, ctx: PrefillAttention, scale):
     if ctx.prefix_len == 0:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
     elif query.device.type == "cuda":  # the mask aligned to the bottom right, without building it
+        from torch.nn.attention.bias import causal_lower_right  # imports torch's compiler: not at start
+
         group = query.shape[1] // key.shape[1]
         mask = causal_lower_right(query.shape[2], key.shape[2])
         out = F.scaled_dot_product_attention(query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1),
