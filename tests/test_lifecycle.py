@@ -257,10 +257,18 @@ def test_a_sigterm_taken_by_any_thread_drains_the_process(role):
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_serving(f"127.0.0.1:{port}", proc, 120)
-        threads = {tid: Path(f"/proc/{proc.pid}/task/{tid}/comm").read_text().strip()
-                   for tid in os.listdir(f"/proc/{proc.pid}/task")}
-        other = next(int(tid) for tid, name in threads.items() if int(tid) != proc.pid and name != "python")
-        os.kill(other, signal.SIGTERM)
+        threads = {}
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            try:  # a thread may end between the listing and the read
+                threads[tid] = Path(f"/proc/{proc.pid}/task/{tid}/comm").read_text().strip()
+            except FileNotFoundError:
+                pass
+        for other in (int(tid) for tid, name in threads.items() if int(tid) != proc.pid and name != "python"):
+            try:
+                os.kill(other, signal.SIGTERM)
+                break
+            except ProcessLookupError:  # ended meanwhile: the next one
+                continue
         started = time.monotonic()
         status = proc.wait(timeout=60)
         stderr = proc.stderr.read()
