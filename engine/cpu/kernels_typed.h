@@ -373,6 +373,44 @@ static inline void NAME(gather_keys)(v16 *buf, struct NAME(tokens) s, int64_t fr
       _mm512_mask_storeu_ps(to + 16 * h, (__mmask16)((1u << left) - 1), (__m512)r);                 \
     }                                                                                               \
   }
+/* tile_scores for 4 units at once (4 query heads, of one row or of consecutive rows), each with its
+ * own q, destination and count: each key vector is loaded once for the 4 of them, where one unit
+ * at a time loaded it for one multiply-add (two loads an FMA: the load ports, not the FMA units,
+ * bounded it). Every unit's operations are tile_scores' own, in the same order: the same bits. */
+#define TILE_SCORES4(NV)                                                                            \
+  static inline void NAME(tile_scores4_##NV)(const float *const *q, const v16 *kt, float scale,    \
+                                             float *const *to, const int64_t *count) {              \
+    const int64_t D = NV * 16;                                                                      \
+    v16 s8[4][TILE_BLOCK / 16][8];                                                                  \
+    for (int l = 0; l < 8; ++l) {                                                                   \
+      v16 a[4][TILE_BLOCK / 16], b[4][TILE_BLOCK / 16];                                             \
+      for (int h = 0; h < TILE_BLOCK / 16; ++h) {                                                   \
+        const v16 k0 = kt[h * D + l], k1 = kt[h * D + l + 8];                                       \
+        for (int u = 0; u < 4; ++u) a[u][h] = q[u][l] * k0, b[u][h] = q[u][l + 8] * k1;             \
+      }                                                                                             \
+      /* unrolled whole, as tile_scores' shorter loop is: the compiler then fuses each unit's       \
+       * products into multiply-adds as it fuses tile_scores' (the same bits) */                    \
+      _Pragma("GCC unroll 16")                                                                      \
+      for (int j = 1; j < NV; ++j)                                                                  \
+        for (int h = 0; h < TILE_BLOCK / 16; ++h) {                                                 \
+          const v16 k0 = kt[h * D + 16 * j + l], k1 = kt[h * D + 16 * j + l + 8];                   \
+          for (int u = 0; u < 4; ++u) {                                                             \
+            a[u][h] += q[u][16 * j + l] * k0;                                                       \
+            b[u][h] += q[u][16 * j + l + 8] * k1;                                                   \
+          }                                                                                         \
+        }                                                                                           \
+      for (int u = 0; u < 4; ++u)                                                                   \
+        for (int h = 0; h < TILE_BLOCK / 16; ++h) s8[u][h][l] = a[u][h] + b[u][h];                  \
+    }                                                                                               \
+    for (int u = 0; u < 4; ++u)                                                                     \
+      for (int h = 0; h < TILE_BLOCK / 16 && 16 * h < count[u]; ++h) {                              \
+        v16 s4[4];                                                                                  \
+        for (int l = 0; l < 4; ++l) s4[l] = s8[u][h][l] + s8[u][h][l + 4];                          \
+        const v16 r = ((s4[0] + s4[2]) + (s4[1] + s4[3])) * scale;                                  \
+        const int64_t left = count[u] - 16 * h < 16 ? count[u] - 16 * h : 16;                       \
+        _mm512_mask_storeu_ps(to[u] + 16 * h, (__mmask16)((1u << left) - 1), (__m512)r);           \
+      }                                                                                             \
+  }
 #define GATHER_KEYS NAME(gather_keys)
 #else
 /* Without AVX-512, group_attention sums each token's vector of products by hsum16. */
@@ -386,6 +424,11 @@ static inline void NAME(gather_keys)(v16 *buf, struct NAME(tokens) s, int64_t fr
       for (int j = 1; j < NV; ++j) acc += qv[j] * k[s * NV + j];                                    \
       to[s] = hsum16(acc) * scale;                                                                  \
     }                                                                                               \
+  }
+#define TILE_SCORES4(NV)                                                                            \
+  static inline void NAME(tile_scores4_##NV)(const float *const *q, const v16 *k, float scale,     \
+                                             float *const *to, const int64_t *count) {              \
+    for (int u = 0; u < 4; ++u) NAME(tile_scores_##NV)(q[u], k, scale, to[u], count[u]);            \
   }
 #define GATHER_KEYS NAME(gather)
 #endif
@@ -419,6 +462,7 @@ static inline void NAME(gather_keys)(v16 *buf, struct NAME(tokens) s, int64_t fr
  * (first + rows - 1) floats of scratch. */
 #define TILE_ATTENTION(NV, UNITS)                                                                   \
   TILE_SCORES(NV)                                                                                   \
+  TILE_SCORES4(NV)                                                                                  \
   WEIGH(NV, 1)                                                                                      \
   WEIGH(NV, UNITS)                                                                                  \
   static NOIPA void NAME(tile_attention_##NV)(const float *q, int64_t q_row_stride, int64_t rows,   \
@@ -431,12 +475,21 @@ static inline void NAME(gather_keys)(v16 *buf, struct NAME(tokens) s, int64_t fr
     NAME(prefetch)(keys, &ahead, TILE_BLOCK, n, D);                                                 \
     for (int64_t block = 0; block < n; block += TILE_BLOCK) {                                       \
       GATHER_KEYS(buf, keys, block, n - block < TILE_BLOCK ? n - block : TILE_BLOCK, D);            \
-      for (int64_t i = rows - 1; i >= 0 && first + i > block; --i) { /* the rows that see it */   \
-        const int64_t count = first + i - block < TILE_BLOCK ? first + i - block : TILE_BLOCK;      \
-        NAME(prefetch)(keys, &ahead, (TILE_BLOCK + rows - 1) / rows, n, D); /* its share */         \
-        for (int64_t g = 0; g < group; ++g)                                                         \
-          NAME(tile_scores_##NV)(q + i * q_row_stride + g * D, buf, scale, scores + (i * group + g) * n + block, \
-                                 count);                                                            \
+      /* the units of the rows that see it (row i sees tokens [0, first + i)), 4 at a time */       \
+      const int64_t seen = block + 1 - first > 0 ? block + 1 - first : 0;                           \
+      for (int64_t u = seen * group; u < rows * group;) {                                           \
+        const int take = rows * group - u >= 4 ? 4 : 1;                                             \
+        const float *qs[4];                                                                         \
+        float *to[4];                                                                               \
+        int64_t count[4];                                                                           \
+        for (int k = 0; k < take; ++k, ++u) {                                                       \
+          const int64_t i = u / group, left = first + i - block;                                    \
+          qs[k] = q + i * q_row_stride + u % group * D, to[k] = scores + u * n + block;             \
+          count[k] = left < TILE_BLOCK ? left : TILE_BLOCK;                                         \
+        }                                                                                           \
+        NAME(prefetch)(keys, &ahead, (TILE_BLOCK * take + rows * group - 1) / (rows * group), n, D); \
+        if (take == 4) NAME(tile_scores4_##NV)(qs, buf, scale, to, count);                          \
+        else NAME(tile_scores_##NV)(qs[0], buf, scale, to[0], count[0]);                            \
       }                                                                                             \
     }                                                                                               \
     ahead = 0;                                                                                      \
@@ -467,6 +520,7 @@ static inline void NAME(gather_keys)(v16 *buf, struct NAME(tokens) s, int64_t fr
 TILE_ATTENTION(4, 4)
 TILE_ATTENTION(8, 2)
 #undef TILE_SCORES
+#undef TILE_SCORES4
 #undef GATHER_KEYS
 #undef WEIGH
 #undef TILE_ATTENTION
