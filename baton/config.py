@@ -17,8 +17,8 @@ from baton.transport import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES, max_chunk_bytes_
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 EXECUTOR_CHOICES = ("auto", "baton", "transformers")
 # how a model's weights are held: floats in the dtype; the GGUF file's own blocks; Q8_0 blocks
-# made at load (engine.quantized; CPU, Baton's executor)
-QUANTIZATIONS = ("none", "gguf", "int8")
+# made at load (engine.quantized; CPU, Baton's executor); e4m3 made at load (engine.fp8; GPU)
+QUANTIZATIONS = ("none", "gguf", "int8", "fp8")
 TP_SIZES = (1, 2, 4, 8)  # model.tensor_parallel_size
 QUANTIZED_INPUT_BITS = (16, 8)  # what a quantized GEMM quantizes its inputs to (model.quantized_inputs)
 
@@ -31,7 +31,8 @@ class ModelSettings:
     attention_backend: str = "auto"
     executor: str = "auto"  # 'baton' (Llama family), 'transformers' (any model); auto: baton where it applies
     # 'none': float weights in `dtype`; 'gguf': the model's GGUF blocks as stored (Q8_0, Q4_0,
-    # Q4_1); 'int8': Q8_0 blocks made from the floats at load. Quantized: CPU, Baton's executor.
+    # Q4_1); 'int8': Q8_0 blocks made from the floats at load (those two: CPU, Baton's executor);
+    # 'fp8': e4m3 with a scale per output feature, made at load, for GPUs with fp8 tensor cores.
     quantization: str = "none"
     # Quantized weights' GEMM quantizes its inputs per block of 32 to 16-bit codes (the float model's
     # answers: KL 0.0001 on the default model) or 8-bit ones (llama.cpp's arithmetic: half the dot

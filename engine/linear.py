@@ -9,7 +9,8 @@ prepacked layout serves the few rows instead. Both read weights faster than `F.l
 1-16 rows (docs/bench.md, `baton bench engine`). On CUDA in bf16/fp16 with batch invariance,
 the plain weight through Baton's fixed-order Triton GEMM (`engine.kernels.invariant`; cuBLAS
 rounds a row differently with the row count). Elsewhere the plain weight and `F.linear`.
-Quantized weights (engine.quantized) run on Baton's CPU kernels only, in their own blocks.
+Quantized weights (engine.quantized) run on Baton's CPU kernels only, in their own blocks; fp8
+weights (engine.fp8) on the invariant Triton GEMM ('triton') or torch._scaled_mm ('plain').
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from baton.engine import fp8
 from baton.engine.cpu import kernels as cpu_kernels
 from baton.engine.quantized import FLOAT_FORMAT, BlockWeight
 
@@ -31,7 +33,8 @@ ONEDNN_PACK_ROWS = 8
 
 
 class Linear:
-    def __init__(self, weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None = None, *, layout: str = "plain"):
+    def __init__(self, weight: torch.Tensor | BlockWeight | fp8.Fp8Weight, bias: torch.Tensor | None = None, *,
+                 layout: str = "plain"):
         # weight: [out_features, in_features], floats or quantized blocks (engine.quantized)
         self.out_features, self.in_features = weight.shape
         self.weight = weight
@@ -39,7 +42,12 @@ class Linear:
         self.layout = layout
         self.packed = None
         self.code = FLOAT_FORMAT  # the C kernels' weight format: quantized panels where not 0
-        if isinstance(weight, BlockWeight):
+        self.fp8 = weight if isinstance(weight, fp8.Fp8Weight) else None
+        if self.fp8 is not None:
+            if layout not in ("triton", "plain"):
+                raise ValueError(f"fp8 weights run on the 'triton' or 'plain' layout, not {layout!r}")
+            self.weight = None
+        elif isinstance(weight, BlockWeight):
             if layout != "panels":
                 raise ValueError(f"{weight.format} weights run on Baton's CPU kernels only, not the {layout!r} layout")
             self.weight, self.code, self.format, self.input_bits = None, weight.code, weight.format, weight.input_bits
@@ -58,6 +66,15 @@ class Linear:
         if residual is not None and self.layout != "triton":
             raise ValueError(f"a residual added in the GEMM needs the triton layout, not {self.layout!r}")
         flat = x.reshape(-1, self.in_features)
+        if self.fp8 is not None:
+            if self.layout == "triton":
+                from baton.engine.kernels import invariant_fp8_linear
+
+                out = invariant_fp8_linear(flat if flat.stride(-1) == 1 else flat.contiguous(), self.fp8, self.bias,
+                                           None if residual is None else residual.reshape(-1, self.out_features))
+            else:
+                out = fp8.linear(flat, self.fp8, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.code:
             out = cpu_kernels.quant_gemm(flat.float(), self.packed, self.code, self.in_features, self.out_features,
                                          self.input_bits)

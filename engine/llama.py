@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from baton.engine import attention, checkpoint, quantized
+from baton.engine import attention, checkpoint, fp8, quantized
 from baton.engine.attention import DecodeAttention, PrefillAttention
 from baton.engine.collectives import Group
 from baton.engine.cpu import kernels as cpu_kernels
@@ -75,6 +75,8 @@ def _fused(loaded: LoadedModel, names: list[str]) -> torch.Tensor:
     the weights are held once."""
     if any(isinstance(loaded.tensors[name], BlockWeight) for name in names):  # module-less: no views to make
         return quantized.cat([_blocks(loaded.tensors[name]) for name in names])
+    if any(isinstance(loaded.tensors[name], fp8.Fp8Weight) for name in names):
+        return fp8.cat([loaded.tensors[name] for name in names])
     parts = [loaded.tensors[name].detach() for name in names]
     fused = torch.cat(parts)
     if loaded.model is not None:
@@ -136,7 +138,10 @@ class LlamaRunner:
         } if shard else None
         self.eps = float(cfg.rms_norm_eps)
         self.dtype = loaded.dtype  # weights and KV as stored
-        self.layout = layout or best_layout(loaded.device, loaded.dtype, batch_invariant and self.backend == "triton")
+        invariant = batch_invariant and self.backend == "triton"
+        if layout is None and loaded.quantization == "fp8":  # the fp8 GEMMs: Baton's invariant one, or cuBLASLt's
+            layout = "triton" if invariant and loaded.device.type == "cuda" else "plain"
+        self.layout = layout or best_layout(loaded.device, loaded.dtype, invariant)
         if self.layout == "triton" and self.backend != "triton":
             raise ValueError("the triton weight layout needs the triton attention backend")
         # where the kernels must be batch-invariant, decode attention runs prefill's query-tiled kernel

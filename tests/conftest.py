@@ -94,7 +94,7 @@ TIERS = {
         "test_progress.py",
     },
     "engine": {  # loads a model and runs forwards in this process
-        "test_engine_exact.py", "test_executor.py", "test_kernels.py", "test_local_engine.py",
+        "test_engine_exact.py", "test_executor.py", "test_fp8.py", "test_kernels.py", "test_local_engine.py",
         "test_prefill_core.py", "test_triton_backend.py", "test_cuda.py", "test_batch_invariance.py",
         "test_cpu_prefill_attention.py", "test_checkpoint.py", "test_quantized.py", "test_tensor_parallel.py",
     },

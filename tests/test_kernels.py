@@ -429,6 +429,36 @@ def test_silu_mul_matches_torch(dtype):
 
 
 @in_process
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_gives_a_row_the_same_bits_in_any_batch(bias):
+    """fp8 weights (engine.fp8) on the invariant GEMM: each row's activations quantized on their own
+    scale, the e4m3 products summed in fp32 in a fixed order and scaled back; against the same
+    arithmetic in torch, and the same bits for a row alone, beside others, above and below the 64
+    rows where the tiles change."""
+    from baton.engine import fp8
+    from baton.engine.kernels import invariant, invariant_fp8_linear
+
+    gen = torch.Generator().manual_seed(15)
+    weight = fp8.quantize(torch.randn(200, 160, generator=gen).to(DEVICE))
+    b = torch.randn(200, generator=gen).to(torch.bfloat16).to(DEVICE) if bias else None
+    rows = (3 * torch.randn(70, 160, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    codes, scales = invariant.quantize_rows(rows)
+    ref_codes, ref_scales = fp8.quantize_rows(rows)
+    torch.testing.assert_close(scales, ref_scales)
+    if CUDA:  # the codes torch rounds to (Triton's interpreter converts fp32 to e4m3 otherwise: not checked)
+        assert torch.equal(codes, ref_codes)
+    expected = (codes.float() * scales[:, None]) @ weight.dequantize().t() + (0 if b is None else b.float())
+    out = invariant_fp8_linear(rows, weight, b)
+    assert out.dtype == torch.bfloat16
+    assert_matches(out, expected.to(torch.bfloat16), torch.bfloat16)
+    alone = torch.cat([invariant_fp8_linear(rows[i:i + 1], weight, b) for i in range(0, 70, 9)])
+    for count, at in ((2, 1), (16, 7), (67, 64)):
+        others = torch.randn(count, 160, generator=gen).to(torch.bfloat16).to(DEVICE)
+        mixed = torch.cat([others[:at], rows[::9], others[at:]])
+        assert torch.equal(invariant_fp8_linear(mixed, weight, b)[at:at + alone.shape[0]], alone), (count, at)
+
+
+@in_process
 def test_invariant_linear_and_norm_refuse_bad_inputs():
     from baton.engine.kernels import invariant_linear, invariant_rms_norm
 

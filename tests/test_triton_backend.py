@@ -61,6 +61,12 @@ INVARIANT_SCRIPT = textwrap.dedent("""
     device = os.environ.get("BATON_TEST_DEVICE", "cpu")
     model = _finish(tiny_random_model(vocab_size=512), load_model("tiny-random").tokenizer, "tiny-512",
                     torch.bfloat16, device)
+    if os.environ.get("BATON_TEST_QUANTIZATION") == "fp8":  # the projections as fp8 weights (engine.fp8)
+        from baton.engine import fp8
+        for key, weight in list(model.tensors.items()):
+            if key.endswith("proj.weight"):
+                model.tensors[key] = fp8.quantize(weight)
+        model.quantization = "fp8"
     runner = LlamaRunner(model, "triton", cuda_graphs=device == "cuda", layout="triton")
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     # short prompts: the interpreter runs each prompt token's attention as a program of its own

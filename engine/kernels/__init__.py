@@ -35,6 +35,7 @@ _LAZY = {
     "prefill_over_pages": ("baton.engine.kernels.tiled", "prefill_over_pages"),
     "invariant_linear": ("baton.engine.kernels.invariant", "linear"),
     "invariant_rms_norm": ("baton.engine.kernels.invariant", "rms_norm"),
+    "invariant_fp8_linear": ("baton.engine.kernels.invariant", "fp8_linear"),
     "rotary_kv": ("baton.engine.kernels.fused", "rotary_kv"),
     "silu_mul": ("baton.engine.kernels.fused", "silu_mul"),
 }

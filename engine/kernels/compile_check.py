@@ -47,13 +47,21 @@ def _specs(dtype: str, upcast: bool):
             GROUP=8, HEAD_DIM=128, BLOCK_M=prefill.BLOCK_M, BLOCK_N=prefill.BLOCK_N, BLOCK_D=128, UPCAST=upcast,
             SHARED=shared)
     # the batch-invariant GEMM (with a bias, as Qwen2's QKV has) and RMSNorm
-    gemm = {name: f"*{dtype}" for name in ("X", "W", "Bias", "Res", "Out")}
+    gemm = {**{name: f"*{dtype}" for name in ("X", "W", "Bias", "Res", "Out")}, "XS": "*fp32", "WS": "*fp32"}
     decode = invariant.Tiles(invariant.DECODE_ROWS, 16, 64, warps=4, stages=4)  # the narrowest decode tile
     for bias, res, tiles in ((False, True, decode), (True, False, decode), (False, True, invariant.PREFILL_TILES)):
         yield (f"invariant linear {tiles.block_m}x{tiles.block_n}" + " bias" * bias + " residual" * res,
                invariant._linear_kernel, gemm,
-               dict(HAS_BIAS=bias, HAS_RES=res, UPCAST=upcast, IEEE=dtype == "fp32", BLOCK_M=tiles.block_m,
-                    BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps))
+               dict(HAS_BIAS=bias, HAS_RES=res, SCALED=False, UPCAST=upcast, IEEE=dtype == "fp32",
+                    BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps))
+    if dtype != "fp32":  # fp8 weights (engine.fp8): e4m3 codes on Hopper's fp8 tensor cores, scaled back
+        codes = {**gemm, "X": "*fp8e4nv", "W": "*fp8e4nv"}
+        for tiles in (decode, invariant.PREFILL_TILES):
+            yield (f"fp8 linear {tiles.block_m}x{tiles.block_n}", invariant._linear_kernel, codes,
+                   dict(HAS_BIAS=False, HAS_RES=True, SCALED=True, UPCAST=False, IEEE=False, BLOCK_M=tiles.block_m,
+                        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps))
+        yield "fp8 rows", invariant._quantize_rows_kernel, {"X": f"*{dtype}", "Q": "*fp8e4nv", "S": "*fp32"}, dict(
+            FP8_MAX=448.0, BLOCK=16384, num_warps=16)
     # the fused elementwise steps of a layer (rotary and the KV write; SiLU * up)
     fused_kv = {"QKV": f"*{dtype}", "Cos": f"*{dtype}", "Sin": f"*{dtype}", "KDst": f"*{dtype}", "VDst": f"*{dtype}",
                 "Offsets": "*i64"}

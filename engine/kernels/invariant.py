@@ -53,10 +53,12 @@ def decode_tiles(n: int, device: torch.device) -> Tiles:
 
 
 @triton.jit
-def _linear_kernel(X, W, Bias, Res, Out, M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
-                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+def _linear_kernel(X, W, Bias, Res, Out, XS, WS, M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SCALED: tl.constexpr, UPCAST: tl.constexpr,
+                   IEEE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Out[m, n] = sum_k X[m, k] * W[n, k] (+ Bias[n]) (+ Res[m, n]), k in BLOCK_K steps from 0."""
+    """Out[m, n] = sum_k X[m, k] * W[n, k] (x XS[m] * WS[n]) (+ Bias[n]) (+ Res[m, n]), k in BLOCK_K
+    steps from 0. SCALED: X and W are fp8 codes, XS and WS each row's and each feature's scale."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -78,6 +80,9 @@ def _linear_kernel(X, W, Bias, Res, Out, M, N, K, stride_xm, stride_wn, stride_r
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
+    if SCALED:  # fp8: the codes' products times the token's and the feature's scales
+        acc = acc * tl.load(XS + offs_m, mask=m_mask, other=0.0)[:, None] \
+            * tl.load(WS + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = Out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -109,49 +114,105 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     interpreted = is_interpreted(_linear_kernel)
     if x.device.type != "cuda" and not interpreted:
         raise RuntimeError("the invariant GEMM needs CUDA tensors (or TRITON_INTERPRET=1 before the kernels import)")
-    m = x.shape[0]
+    return _gemm(x, weight, bias, residual, x.dtype)
+
+
+def fp8_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` for an fp8 weight (`engine.fp8.Fp8Weight`: e4m3 codes [N, K], a scale per output
+    feature): each row of x [M, K] quantized to e4m3 on its own largest magnitude (a kernel of its
+    own), the codes multiplied on the tensor cores and summed in fp32 in the same fixed order,
+    scaled back -> [M, N] in x's dtype, each row alone (batch-invariant)."""
+    if x.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype not in _FLOATS:
+        raise ValueError(f"fp8_linear needs float x [M, {weight.shape[1]}]; got {x.dtype} {tuple(x.shape)}")
+    if residual is not None and (residual.shape != (x.shape[0], weight.shape[0]) or residual.stride(1) != 1
+                                 or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be [{x.shape[0]}, {weight.shape[0]}] in {x.dtype} with contiguous rows")
+    codes, scales = quantize_rows(x)
+    return _gemm(codes, weight.data, bias, residual, x.dtype, scales, weight.scale)
+
+
+def _gemm(x, weight, bias, residual, out_dtype, x_scale=None, w_scale=None) -> torch.Tensor:
+    """The tiles for this weight and row count (module docstring), then the launch."""
+    interpreted = is_interpreted(_linear_kernel)
     tiles = decode_tiles(weight.shape[0], x.device)
-    if m > DECODE_ROWS and _tiles_agree(weight, bias, tiles):
+    if x.shape[0] > DECODE_ROWS and _tiles_agree(weight, bias, tiles, x_scale is not None, out_dtype):
         tiles = PREFILL_TILES
-    return _launch(x, weight, bias, tiles, interpreted, residual)
+    return _launch(x, weight, bias, tiles, interpreted, residual, out_dtype, x_scale, w_scale)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiles,
-            interpreted: bool, residual: torch.Tensor | None = None) -> torch.Tensor:
+            interpreted: bool, residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+            x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None) -> torch.Tensor:
     (m, k), n = x.shape, weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
     res = residual if residual is not None else out  # not read without HAS_RES
-    _linear_kernel[grid](x, weight, bias if bias is not None else weight, res, out, m, n, k, x.stride(0),
-                         weight.stride(0), res.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                         HAS_RES=residual is not None, UPCAST=interpreted,
-                         IEEE=x.dtype == torch.float32, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                         BLOCK_K=tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages)
+    scaled = x_scale is not None
+    _linear_kernel[grid](x, weight, bias if bias is not None else out, res, out, x_scale if scaled else out,
+                         w_scale if scaled else out, m, n, k, x.stride(0), weight.stride(0), res.stride(0),
+                         out.stride(0), HAS_BIAS=bias is not None, HAS_RES=residual is not None, SCALED=scaled,
+                         UPCAST=interpreted, IEEE=x.dtype == torch.float32, BLOCK_M=tiles.block_m,
+                         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps,
+                         num_stages=tiles.stages)
     return out
 
 
-def _tiles_agree(weight: torch.Tensor, bias: torch.Tensor | None, decode: Tiles) -> bool:
+def _tiles_agree(weight: torch.Tensor, bias: torch.Tensor | None, decode: Tiles, scaled: bool,
+                 out_dtype: torch.dtype) -> bool:
     """Whether the prefill tiles give every element the decode tiles' bits for this weight's
     shape on this device: checked once, on random rows (rounding that differs shows on most of
     them). Not during a CUDA graph capture (it synchronises): the decode tiles serve until then."""
-    key = (str(weight.device), weight.dtype, *weight.shape, bias is not None)
+    key = (str(weight.device), weight.dtype, *weight.shape, bias is not None, scaled)
     if key not in _AGREE:
         if weight.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False
         gen = torch.Generator(device=weight.device).manual_seed(0)
         x = torch.randn(2 * PREFILL_TILES.block_m, weight.shape[1], generator=gen, device=weight.device)
-        x = x.to(weight.dtype)
+        x, x_scale, w_scale = x.to(weight.dtype), None, None
+        if scaled:
+            x_scale = torch.rand(x.shape[0], device=x.device) + 0.5
+            w_scale = torch.rand(weight.shape[0], device=x.device) + 0.5
         interpreted = is_interpreted(_linear_kernel)
-        agree = torch.equal(_launch(x, weight, bias, decode, interpreted),
-                            _launch(x, weight, bias, PREFILL_TILES, interpreted))
+        agree = torch.equal(_launch(x, weight, bias, decode, interpreted, None, out_dtype, x_scale, w_scale),
+                            _launch(x, weight, bias, PREFILL_TILES, interpreted, None, out_dtype, x_scale, w_scale))
         if not agree:
             log.warning("the invariant GEMM's prefill tiles round a [%d, %d] %s weight differently from its "
                         "decode tiles on %s: prefill uses the decode tiles for it (slower, still invariant)",
                         weight.shape[0], weight.shape[1], str(weight.dtype).removeprefix("torch."), weight.device)
         _AGREE[key] = agree
     return _AGREE[key]
+
+
+@triton.jit
+def _quantize_rows_kernel(X, Q, S, K, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    """Row `row` of X to fp8 codes scaled to its largest magnitude, and its scale."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX, 1e-12)
+    tl.store(S + row, scale)
+    codes = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+    tl.store(Q + row * stride_q + offs, codes.to(Q.dtype.element_ty), mask=mask)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 codes [M, K], fp32 scales [M]): engine.fp8.quantize_rows, one program a row."""
+    from baton.engine.fp8 import FP8, FP8_MAX
+
+    if x.device.type != "cuda" and not is_interpreted(_quantize_rows_kernel):
+        raise RuntimeError("fp8 rows need CUDA tensors (or TRITON_INTERPRET=1 before the kernels import)")
+    m, k = x.shape
+    codes = torch.empty(m, k, dtype=FP8, device=x.device)
+    scales = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        block = triton.next_power_of_2(k)
+        _quantize_rows_kernel[(m,)](x, codes, scales, k, x.stride(0), codes.stride(0), FP8_MAX=FP8_MAX, BLOCK=block,
+                                    num_warps=min(16, max(1, block // 512)))
+    return codes, scales
 
 
 @triton.jit

@@ -1,0 +1,84 @@
+"""fp8 weights (engine.fp8, issue 50): e4m3 codes with a scale per output feature, made at load
+(`--quantization fp8`). Their speed is a GPU's (Hopper's fp8 tensor cores); here, what they compute:
+the weights' rounding, the GEMM against its arithmetic in torch, a model that loads and answers
+close to its floats, and the invariant path's bit tests in Triton's interpreter."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from baton.engine import fp8
+from baton.engine.model import ModelLoadError, load_model
+
+
+def test_weights_keep_each_rows_range():
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 96, generator=gen) * torch.logspace(-3, 1, 64)[:, None]  # rows of very different ranges
+    q = fp8.quantize(weight)
+    assert q.data.dtype == torch.float8_e4m3fn and q.shape == (64, 96) and q.nbytes == 64 * 96 + 64 * 4
+    assert fp8.quantization_error(weight, q) < 0.04  # e4m3's 3 mantissa bits, whatever a row's scale
+    per_row = (q.dequantize() - weight).norm(dim=1) / weight.norm(dim=1)
+    assert per_row.max() < 0.06
+    part = q.rows(torch.tensor([5, 2]))
+    assert torch.equal(part.data.float(), q.data[[5, 2]].float()) and torch.equal(part.scale, q.scale[[5, 2]])
+    both = fp8.cat([q, part])
+    assert both.shape == (66, 96) and torch.equal(both.scale[64:], part.scale)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8.Fp8Weight(weight, q.scale)
+
+
+def test_the_scaled_gemm_computes_its_codes_products():
+    """torch._scaled_mm (the non-invariant path; here on the CPU) against the codes' products in fp32."""
+    gen = torch.Generator().manual_seed(2)
+    weight = fp8.quantize(torch.randn(48, 80, generator=gen))
+    x = torch.randn(5, 80, generator=gen).to(torch.bfloat16)
+    codes, scales = fp8.quantize_rows(x)
+    expected = (codes.float() * scales[:, None]) @ weight.dequantize().t()
+    out = fp8.linear(x, weight)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_a_model_loads_in_fp8_and_answers_close_to_its_floats():
+    floats = load_model("default", dtype="float32", module=False)
+    quantized = load_model("default", dtype="float32", module=False, quantization="fp8")
+    assert quantized.fingerprint.quantization == "fp8" and str(quantized.fingerprint) != str(floats.fingerprint)
+    projections = [k for k in quantized.tensors if k.endswith("proj.weight")]
+    assert projections and all(isinstance(quantized.tensors[k], fp8.Fp8Weight) for k in projections)
+    assert isinstance(quantized.tensors["model.embed_tokens.weight"], torch.Tensor)
+    assert quantized.weight_bytes < 0.65 * floats.weight_bytes
+    from baton.engine.llama import LlamaRunner
+
+    exact, q = LlamaRunner(floats), LlamaRunner(quantized)
+    assert q.layout == "plain"  # on CPU: torch._scaled_mm
+    prompt = floats.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    a, b = exact.prompt_logits(prompt).log_softmax(-1), q.prompt_logits(prompt).log_softmax(-1)
+    kl = (a.exp() * (a - b)).sum(-1)
+    print(f"\nfp8 against float32 over {len(prompt)} positions: KL mean {kl.mean():.4f}, "
+          f"argmax agreement {(a.argmax(-1) == b.argmax(-1)).float().mean():.2f}")
+    assert kl.mean() < 0.5 and (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.6
+
+
+def test_fp8_needs_baton_s_executor():
+    with pytest.raises(ModelLoadError, match="Baton's executor"):
+        load_model("tiny-random", quantization="fp8")  # module=True: transformers' forward
+
+
+def test_invariant_fp8_kernels_in_the_interpreter():
+    """The path a GPU takes with fp8 weights and batch invariance (the fp8 Triton GEMM with the
+    other invariant kernels), interpreted: a request's tokens beside other rows, chunked prefill =
+    whole, decode's KV = prefill's."""
+    from test_triton_backend import INVARIANT_SCRIPT
+
+    env = dict(os.environ, TRITON_INTERPRET="1", BATON_TEST_QUANTIZATION="fp8")
+    done = subprocess.run([sys.executable, "-c", INVARIANT_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["layout"] == "triton" and len(result["alone"]) == 3 and result["mixed"] == result["alone"]
+    assert result["chunked"] and result["reprefilled"]
