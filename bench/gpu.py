@@ -12,12 +12,14 @@ downloaded: the bytes and FLOPs of the real models). Measured in one run:
 - prefill attention alone at 2k-16k tokens: Baton's query-tiled kernel (the invariant mode's),
   Baton's flash-style Triton kernel, and torch SDPA (flash), in TFLOP/s.
 Both modes: batch_invariant on (Baton's fixed-order Triton GEMM and RMSNorm, the tiled attention)
-and off (cuBLAS, split-K decode, torch's flash prefill). Without CUDA the suite measures the same
+and off (cuBLAS, split-K decode, torch's flash prefill); then both again with fp8 weights
+(issue 50: e4m3 with a scale per output feature) at 1-64 rows of 512 tokens and 2k-8k prompts. Without CUDA the suite measures the same
 things on this CPU with a small model in fp32 (one mode: Baton's CPU kernels are invariant), a
 check of the suite itself, not a GPU figure.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -141,34 +143,43 @@ def run_shape(opts: BenchOptions, shape: str, device, dtype, rates: dict) -> dic
     loaded, module = build(shape, dtype, device, max(contexts + prefills) + 64)
     cfg = loaded.config
     kv_token = loaded.kv_shape.bytes_per_token()
-    embed = loaded.tensors["model.embed_tokens.weight"]
-    # a decode step reads every weight but the embedding table (a row per token), unless it is the LM head too
-    read_bytes = loaded.weight_bytes - (0 if cfg.tie_word_embeddings else embed.nbytes)
+    read_bytes = weights_read(loaded)
     linear_params = sum(t.numel() for n, t in loaded.tensors.items() if n.endswith("proj.weight"))
     free = torch.cuda.mem_get_info()[0] if cuda else 8 << 30
     kv_budget = int(KV_SHARE * free)
     opts.say(f"\n{shape}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads}/"
              f"{cfg.num_key_value_heads} heads of {loaded.kv_shape.head_dim}, vocab {cfg.vocab_size}: weights "
              f"{loaded.weight_bytes / 1e9:.2f} GB, KV {kv_token / 1024:.0f} KiB a token")
-    modes = (True, False) if cuda else (True,)
+    # (label, weights, invariant, whether every shape or the fp8 subset: 1-64 rows of 512, 2k-8k prompts)
+    modes = [("invariant", loaded, True, True), ("not invariant", loaded, False, True)] if cuda else \
+        [("cpu", loaded, True, True)]
+    if cuda and not opts.quick:  # issue 50: the same shape with fp8 weights
+        from baton.engine import fp8
+
+        fp8_loaded = dataclasses.replace(loaded, quantization="fp8", tensors={
+            k: fp8.quantize(t) if k.endswith("proj.weight") else t for k, t in loaded.tensors.items()})
+        modes += [("fp8 invariant", fp8_loaded, True, False), ("fp8 not invariant", fp8_loaded, False, False)]
     decode, prefill = [], []
-    for invariant in modes:
-        mode = ("invariant" if invariant else "not invariant") if cuda else "cpu"
-        runner = LlamaRunner(loaded, cuda_graphs=cuda, batch_invariant=invariant)
+    for mode, weights, invariant, every in modes:
+        runner = LlamaRunner(weights, cuda_graphs=cuda, batch_invariant=invariant)
         for n in rows:
             for context in contexts:
                 if n > 1 and context > contexts[0] and n not in (1, 64):  # long contexts at 1 and 64 rows
+                    continue
+                if not every and (n > 64 or context > contexts[0]):
                     continue
                 kv_bytes = n * context * kv_token
                 if kv_bytes > kv_budget:
                     decode.append({"mode": mode, "rows": n, "context": context, "skipped": "KV over the budget"})
                     continue
                 opts.progress(f"{shape} {mode}: decode, {n} rows of {context}")
-                seconds = decode_step(runner, loaded, n, context, device)
-                floor = (read_bytes + kv_bytes) / rates["copy_bytes_per_s"]
+                seconds = decode_step(runner, weights, n, context, device)
+                floor = (weights_read(weights) + kv_bytes) / rates["copy_bytes_per_s"]
                 decode.append({"mode": mode, "rows": n, "context": context, "ms": 1e3 * seconds,
                                "floor_ms": 1e3 * floor, "of_floor": floor / seconds})
         for tokens in [*prefills, "8x512"]:
+            if not every and tokens not in (2048, 8192):
+                continue
             opts.progress(f"{shape} {mode}: prefill {tokens}")
             prompts = [list(range(1, 513))] * 8 if tokens == "8x512" else [list(range(1, tokens + 1))]
             seconds = timed(lambda: runner.prefill_batch(prompts), device, reps=3)
@@ -188,6 +199,13 @@ def run_shape(opts: BenchOptions, shape: str, device, dtype, rates: dict) -> dic
     if cuda:
         torch.cuda.empty_cache()
     return {"decode": decode, "prefill": prefill, "decode_read_bytes": read_bytes, "kv_token_bytes": kv_token}
+
+
+def weights_read(loaded) -> int:
+    """The bytes a decode step reads: every weight but the embedding table (a row per token),
+    unless the table is the LM head too."""
+    embed = loaded.tensors["model.embed_tokens.weight"]
+    return loaded.weight_bytes - (0 if loaded.config.tie_word_embeddings else embed.nbytes)
 
 
 def decode_step(runner, loaded, rows: int, context: int, device) -> float:
