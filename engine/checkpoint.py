@@ -100,7 +100,7 @@ def unreadable_reason(path: Path) -> str | None:
     arch = (getattr(cfg, "architectures", None) or ["?"])[0]
     if arch not in ARCHITECTURES:
         return f"architecture {arch}"
-    if getattr(cfg, "quantization_config", None):
+    if getattr(cfg, "quantization_config", None) and not stored_fp8(cfg):
         return "quantized weights"
     params = rope_parameters(cfg)
     if not rope_computed_here(params):
@@ -108,6 +108,17 @@ def unreadable_reason(path: Path) -> str | None:
     if not weight_files(path):
         return "no safetensors files"
     return None
+
+
+def stored_fp8(cfg) -> bool:
+    """Whether the checkpoint holds vLLM's fp8 layout, which this reader takes: e4m3 projection
+    weights, each with a scale per tensor or per output feature (quant_method 'fp8' without
+    weight_block_size; block-wise scales are not read here)."""
+    q = getattr(cfg, "quantization_config", None)
+    if not q:
+        return False
+    q = q if isinstance(q, dict) else q.to_dict()
+    return q.get("quant_method") == "fp8" and not q.get("weight_block_size")
 
 
 def read_weights(path: Path, dtype: torch.dtype, device: torch.device,
@@ -125,9 +136,13 @@ def read_weights(path: Path, dtype: torch.dtype, device: torch.device,
         with safe_open(file, framework="pt", device=target) as f:
             for name in f.keys():
                 span = rows(name) if rows is not None else None
+                if span is not None and len(f.get_slice(name).get_shape()) == 0:
+                    span = None  # a scale per tensor: every rank's
                 tensor = f.get_tensor(name) if span is None else f.get_slice(name)[span[0]:span[1]]
                 progress(tensor.nbytes)
-                tensors[name] = tensor.to(dtype)
+                # fp8 codes and their scales as stored (engine.fp8.from_checkpoint); the rest in dtype
+                keep = tensor.dtype == torch.float8_e4m3fn or name.endswith(("_scale", "_scale_inv"))
+                tensors[name] = tensor if keep else tensor.to(dtype)
     return tensors
 
 

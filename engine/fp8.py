@@ -88,3 +88,24 @@ def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None)
     out = torch._scaled_mm(xq, weight.data.t(), scale_a=xs[:, None], scale_b=weight.scale[None, :],
                            out_dtype=x.dtype if x.dtype != torch.float32 else torch.float32)
     return out if bias is None else out + bias
+
+
+def from_checkpoint(tensors: dict[str, torch.Tensor], dtype: torch.dtype, keep: bool) -> dict:
+    """An fp8 checkpoint's tensors in vLLM's layout: projection 'x.weight' in e4m3 beside
+    'x.weight_scale' (one per tensor, or one per output feature) -> Fp8Weight (keep) or floats in
+    dtype. 'x.input_scale' (static activation scales) is dropped: activations are scaled per token."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith(("_scale", "_scale_inv")):
+            continue
+        if tensor.dtype != FP8:
+            out[name] = tensor
+            continue
+        scale = tensors.get(name + "_scale")
+        if scale is None or scale.numel() not in (1, tensor.shape[0]):
+            raise ValueError(f"{name} is stored in fp8 without a scale per tensor or per output feature "
+                             f"({name}_scale)")
+        scale = scale.float().reshape(-1).expand(tensor.shape[0]).contiguous()
+        weight = Fp8Weight(tensor.contiguous(), scale)
+        out[name] = weight if keep else weight.dequantize(dtype)
+    return out

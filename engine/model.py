@@ -172,6 +172,12 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
         raise ModelLoadError(f"quantized inputs are 8 or 16 bits, not {quantized_inputs!r}")
     if quantization != "none":
         return _load_quantized(name, dtype, device, module, quantization, quantized_inputs, rank)
+    return _load(name, dtype, device, module, rank)
+
+
+def _load(name: str, dtype: str, device: str, module: bool, rank: tuple[int, int] | None,
+          keep_fp8: bool = False) -> LoadedModel:
+    """load_model's float weights (keep_fp8: an fp8 checkpoint's codes kept, engine.fp8)."""
     torch_dtype = resolve_dtype(dtype, resolve_device(device))
     if name == DEFAULT_MODEL:
         path, tokenizer, shown = default_model_dir(), default_tokenizer(), "SmolLM2-135M-Instruct"
@@ -194,7 +200,7 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = 
                      extra={"model": shown, "device": str(on), "weight_bytes": size})
     if reader:
         progress = Progress(started_log, f"loading {shown}", size)
-        loaded = _read(path, tokenizer, shown, torch_dtype, on, progress.advance, rank)
+        loaded = _read(path, tokenizer, shown, torch_dtype, on, progress.advance, rank, keep_fp8)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -285,18 +291,19 @@ def _load_quantized(name: str, dtype: str, device: str, module: bool, quantizati
 
 def _load_fp8(name: str, dtype: str, device: str, rank: tuple[int, int] | None) -> LoadedModel:
     """The float checkpoint read as usual, then each projection's weight made fp8 (engine.fp8):
-    e4m3 codes and a scale per output feature; norms, embeddings and the LM head stay floats. Made
-    for Hopper GPUs' fp8 tensor cores; on CPU it computes the same answers, slowly."""
+    e4m3 codes and a scale per output feature; norms, embeddings and the LM head stay floats. An
+    fp8 checkpoint (vLLM's layout) keeps its own codes and scales. Made for Hopper GPUs' fp8 tensor
+    cores; on CPU it computes the same answers, slowly."""
     from baton.engine import fp8
 
-    loaded = load_model(name, dtype=dtype, device=device, module=False, rank=rank)
+    loaded = _load(name, dtype, device, False, rank, keep_fp8=True)
     if loaded.model is not None:
         raise ModelLoadError(f"quantization 'fp8' reads the weights of a Llama-family checkpoint; {name} is not one "
                              f"({checkpoint.unreadable_reason(model_dir(name))})")
     started = time.monotonic()
     for key, weight in list(loaded.tensors.items()):
-        if not key.endswith("proj.weight") or weight.dim() != 2:
-            continue
+        if not key.endswith("proj.weight") or isinstance(weight, fp8.Fp8Weight) or weight.dim() != 2:
+            continue  # norms stay floats; an fp8 checkpoint's weights stay as stored
         q = fp8.quantize(weight)
         error = fp8.quantization_error(weight, q)
         if error > fp8.MAX_ERROR:
@@ -331,10 +338,17 @@ def _gguf_source(name: str) -> tuple[Path, Path, object, str]:
 
 
 def _read(path: Path, tokenizer, name: str, dtype: torch.dtype, device: torch.device, progress,
-          rank: tuple[int, int] | None = None) -> LoadedModel:
+          rank: tuple[int, int] | None = None, keep_fp8: bool = False) -> LoadedModel:
+    from baton.engine import fp8
+
     cfg = checkpoint.read_config(path)
     rows = Shard.of(cfg, *rank).rows if rank else None
     tensors = checkpoint.read_weights(path, dtype, device, progress, rows)
+    if checkpoint.stored_fp8(cfg):  # vLLM's fp8 layout: the codes kept, or made floats in dtype
+        tensors = fp8.from_checkpoint(tensors, dtype, keep_fp8)
+        if not keep_fp8:
+            started_log.info("%s stores fp8 weights: served as %s floats (--quantization fp8 keeps them as stored)",
+                             name, str(dtype).removeprefix("torch."), extra={"model": name})
     generation = path / "generation_config.json"
     eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else getattr(cfg, "eos_token_id", None)
     fingerprint = ModelFingerprint(cfg.architectures[0], checkpoint.fingerprint(path), str(dtype).removeprefix("torch."))

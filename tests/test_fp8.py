@@ -82,3 +82,61 @@ def test_invariant_fp8_kernels_in_the_interpreter():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["layout"] == "triton" and len(result["alone"]) == 3 and result["mixed"] == result["alone"]
     assert result["chunked"] and result["reprefilled"]
+
+
+def fp8_checkpoint(tmp_path, per_tensor: bool = True):
+    """tiny-random saved in vLLM's fp8 layout: e4m3 projections, a scale per tensor (or per output
+    feature), static input scales beside them, quantization_config naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from baton.engine.model import tiny_model_dir
+    from baton.engine.model_files import default_model_dir
+
+    source, target = tiny_model_dir(), tmp_path / "tiny-fp8"
+    target.mkdir()
+    tensors = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if name.endswith("proj.weight"):
+            w = tensor.float()
+            scale = (w.abs().amax() if per_tensor else w.abs().amax(dim=1)) / fp8.FP8_MAX
+            tensors[name] = (w / (scale if per_tensor else scale[:, None])).to(fp8.FP8)
+            tensors[name + "_scale"], tensors[name.replace(".weight", ".input_scale")] = scale, torch.tensor(1.0)
+        else:
+            tensors[name] = tensor
+    save_file(tensors, target / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (target / "config.json").write_text(json.dumps(config))
+    for file in default_model_dir().glob("tokenizer*"):
+        shutil.copy(file, target)
+    return target, tensors
+
+
+@pytest.mark.parametrize("per_tensor", [True, False])
+def test_an_fp8_checkpoint_keeps_its_codes_or_is_served_as_floats(tmp_path, per_tensor):
+    path, stored = fp8_checkpoint(tmp_path, per_tensor)
+    kept = load_model(str(path), dtype="float32", module=False, quantization="fp8")
+    weight = kept.tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert isinstance(weight, fp8.Fp8Weight) and kept.fingerprint.quantization == "fp8"
+    assert torch.equal(weight.data.float(), stored["model.layers.0.self_attn.q_proj.weight"].float())
+    assert not any(k.endswith("_scale") for k in kept.tensors)
+    floats = load_model(str(path), dtype="float32", module=False)  # quantization none: dequantized
+    assert torch.equal(floats.tensors["model.layers.0.self_attn.q_proj.weight"], weight.dequantize())
+    from baton.engine.llama import LlamaRunner
+
+    ids = list(range(100, 120))
+    a, b = LlamaRunner(floats).prefill(ids).logits, LlamaRunner(kept).prefill(ids).logits
+    # the same weights: what differs is the fp8 rounding of each token's activations
+    assert (a - b).norm() < 0.3 * a.norm()  # tiny-random's wide weights make it loose; the default model: test above
+
+
+def test_block_scaled_fp8_checkpoints_are_not_read_as_per_feature_ones(tmp_path):
+    from baton.engine import checkpoint
+
+    path, _ = fp8_checkpoint(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [128, 128]
+    (path / "config.json").write_text(json.dumps(config))
+    assert checkpoint.unreadable_reason(path) == "quantized weights"
