@@ -1,13 +1,11 @@
 """fp8 weights (engine.fp8, issue 50): e4m3 codes with a scale per output feature, made at load
 (`--quantization fp8`). Their speed is a GPU's (Hopper's fp8 tensor cores); here, what they compute:
 the weights' rounding, the GEMM against its arithmetic in torch, a model that loads and answers
-close to its floats, and the invariant path's bit tests in Triton's interpreter."""
+close to its floats, fp8 checkpoints as stored. The invariant path's bit tests with fp8 weights run
+in Triton's interpreter in test_triton_backend.py, its GEMM in test_kernels.py."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -67,21 +65,6 @@ def test_a_model_loads_in_fp8_and_answers_close_to_its_floats():
 def test_fp8_needs_baton_s_executor():
     with pytest.raises(ModelLoadError, match="Baton's executor"):
         load_model("tiny-random", quantization="fp8")  # module=True: transformers' forward
-
-
-def test_invariant_fp8_kernels_in_the_interpreter():
-    """The path a GPU takes with fp8 weights and batch invariance (the fp8 Triton GEMM with the
-    other invariant kernels), interpreted: a request's tokens beside other rows, chunked prefill =
-    whole, decode's KV = prefill's."""
-    from test_triton_backend import INVARIANT_SCRIPT
-
-    env = dict(os.environ, TRITON_INTERPRET="1", BATON_TEST_QUANTIZATION="fp8")
-    done = subprocess.run([sys.executable, "-c", INVARIANT_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["layout"] == "triton" and len(result["alone"]) == 3 and result["mixed"] == result["alone"]
-    assert result["chunked"] and result["reprefilled"]
 
 
 def fp8_checkpoint(tmp_path, per_tensor: bool = True):
