@@ -13,7 +13,8 @@ Every timing is the best of --repeats rounds (3), the variants taking turns with
   `SmolLM2-135M-Instruct.Q8_0.gguf`) pinned to one core beside Baton.
 - accuracy against the same weights' float model (fp32): KL of each relay query's first-token
   distribution, first-token agreement, whole greedy answers equal, and the perplexity of a text
-  the project ships (bench/data/perplexity.txt).
+  the project ships (bench/data/perplexity.txt); for fp8 weights too (a GPU format: on the CPU
+  its accuracy is measured, not its speed).
 """
 from __future__ import annotations
 
@@ -77,6 +78,9 @@ def run(opts: BenchOptions) -> dict[str, Any]:
                 best["shape"] = shape
     accuracy = {name: _measure_accuracy(loaded, prompts, max_tokens, text, floats)
                 for name, loaded in models.items() if loaded.quantization != "none"}
+    opts.progress("quant: fp8's accuracy")  # a GPU's format: its speed here would say nothing
+    accuracy["fp8"] = _measure_accuracy(load_model(opts.model, dtype="bfloat16", module=False, quantization="fp8"),
+                                        prompts, max_tokens, text, floats)
     peer = _llama_cpp(opts, rows, max_tokens, repeats) if opts.extra.get("llama_cpp") else {}
     return _report(opts, results, accuracy, floats, peer)
 

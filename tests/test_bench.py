@@ -440,8 +440,9 @@ def test_quant_quick_races_quantized_weights_and_measures_what_they_lose(tmp_pat
     for name, result in document["results"].items():
         assert result["race"]["tokens"] > 0 and result["shape"]["decode_tokens_per_s"] > 0, name
     assert document["results"]["int8"]["weight_bytes"] < 0.6 * document["results"]["bf16"]["weight_bytes"]
+    assert set(document["accuracy"]) == {"int8", "int8-i8", "fp8"}  # fp8: its accuracy alone (a GPU's format)
     for name, measured in document["accuracy"].items():
-        assert 0 <= measured["kl_mean"] < 0.05 and measured["perplexity"] > 0, name
+        assert 0 <= measured["kl_mean"] < (0.05 if name != "fp8" else 1.0) and measured["perplexity"] > 0, name
     assert "accuracy against the float model" in printed
 
 
