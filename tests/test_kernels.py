@@ -107,8 +107,11 @@ def test_paged_decode_matches_reference_fp32(page_size, kv_heads, group, head_di
     q = make_q(len(lengths), kv_heads * group, head_dim, torch.float32, gen)
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     ref = paged_decode_attention_ref(q, k, v, table, lens, None)
-    for s in splits:
-        out = paged_decode_attention(q, k, v, table, lens, None, num_splits=s)
+    from baton.engine.kernels import tiled_attention
+
+    for s in splits + ("tiled",):  # split-K, and the invariant path's query-tiled kernel (one split)
+        out = tiled_attention(q, k, v, table, lens, None) if s == "tiled" else \
+            paged_decode_attention(q, k, v, table, lens, None, num_splits=s)
         assert_matches(out, ref, torch.float32)
         for r, n in enumerate(lengths):
             if n == 0:
@@ -486,23 +489,6 @@ def test_invariant_rms_norm_matches_transformers_order_per_row(dtype):
     expected = weight.float() * F.rms_norm(x.float(), (576,), None, 1e-5).to(dtype).float()
     assert_matches(out, expected.to(dtype), dtype)
     assert torch.equal(invariant_rms_norm(x[4:5], weight, 1e-5), out[4:5])
-
-
-@in_process
-@pytest.mark.parametrize("page_size,kv_heads,group,head_dim,lengths,splits", PAGED_CASES)
-def test_tiled_decode_matches_reference_fp32(page_size, kv_heads, group, head_dim, lengths, splits):
-    """The invariant path's decode (one query a sequence) over the same paged rows as the split-K kernel."""
-    from baton.engine.kernels import tiled_attention
-
-    gen = torch.Generator().manual_seed(page_size * 100 + len(lengths))
-    k, v, table, _ = paged_kv(lengths, page_size, kv_heads, head_dim, torch.float32, gen)
-    q = make_q(len(lengths), kv_heads * group, head_dim, torch.float32, gen)
-    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
-    out = tiled_attention(q, k, v, table, lens, None)
-    assert_matches(out, paged_decode_attention_ref(q, k, v, table, lens, None), torch.float32)
-    for r, n in enumerate(lengths):
-        if n == 0:
-            assert torch.all(out[r] == 0), "a row of length 0 must give zeros"
 
 
 @in_process

@@ -152,6 +152,30 @@ def check_launchable(kernel, *tensors: torch.Tensor) -> bool:
     return interpreted
 
 
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validate queries [N, Hq, D] over a paged KV layer ([num_pages, Hkv, P, D] keys and values
+    alike) -> (Hq, Hkv, P, D)."""
+    if q.dim() != 3 or k_pages.dim() != 4:
+        raise ValueError(f"q must be [N, Hq, D] and k_pages [num_pages, Hkv, P, D]; got q {tuple(q.shape)}, "
+                         f"k_pages {tuple(k_pages.shape)}")
+    _, num_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, _ = k_pages.shape
+    if k_pages.shape != v_pages.shape or k_pages.shape[3] != head_dim:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k_pages {tuple(k_pages.shape)}, "
+                         f"v_pages {tuple(v_pages.shape)}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if page_size < 1:
+        raise ValueError(f"page size (k_pages.shape[2]) must be >= 1, got {page_size}")
+    if q.dtype not in _FLOATS or k_pages.dtype not in _FLOATS or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"q, k_pages, v_pages must be float32/float16/bfloat16 with k and v alike; got "
+                         f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    return num_heads, num_kv_heads, page_size, head_dim
+
+
 def needs_upcast(interpreted: bool, q: torch.Tensor, k: torch.Tensor) -> bool:
     return interpreted or k.dtype == torch.float32 or q.dtype != k.dtype
 

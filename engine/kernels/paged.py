@@ -24,20 +24,20 @@ import torch
 import triton
 import triton.language as tl
 
-from baton.engine.kernels._common import (LOG2E, attend_block, block_d, block_g, check_launchable,
+from baton.engine.kernels._common import (LOG2E, attend_block, block_d, block_g, check_launchable, check_paged,
                                           default_splits, merge_partials, needs_upcast, store_result)
 
 BLOCK_N = 64
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
 def attend_pages(acc, m_i, l_i, q, k_base, v_base, table, stride_tc, stride_kp, stride_kt, stride_vp, stride_vt,
-                 lo, hi, offs_d, d_mask, qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 UPCAST: tl.constexpr):
-    """`attend_range` (non-causal) over columns [lo, hi) of one row's paged KV.
+                 lo, hi, offs_d, d_mask, qk_scale, pos, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+    """`attend_range` over columns [lo, hi) of one sequence's paged KV (CAUSAL: query row r sees
+    columns <= pos[r] only; else pos is unused).
 
-    table points at the row's page-table entries; column c is at
+    table points at the sequence's page-table entries; column c is at
     `base + table[c // P] * stride_page + (c % P) * stride_token`.
     """
     offs_n = tl.arange(0, BLOCK_N)
@@ -56,7 +56,10 @@ def attend_pages(acc, m_i, l_i, q, k_base, v_base, table, stride_tc, stride_kp, 
                     other=0.0)
         v = tl.load(v_base + (page * stride_vp + slot * stride_vt)[:, None] + offs_d[None, :], mask=kv_mask,
                     other=0.0)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, n_mask[None, :], qk_scale, UPCAST=UPCAST)
+        visible = n_mask[None, :]
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= pos[:, None])
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, UPCAST=UPCAST)
     return acc, m_i, l_i
 
 
@@ -93,8 +96,8 @@ def _paged_decode_kernel(Q, K, V, Table, Lengths, Out, Lse, max_cols, num_splits
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc, m_i, l_i = attend_pages(acc, m_i, l_i, q, K + kv_head * stride_kh, V + kv_head * stride_vh,
                                  Table + row.to(tl.int64) * stride_tr, stride_tc, stride_kp, stride_kt, stride_vp,
-                                 stride_vt, lo, hi, offs_d, d_mask, qk_scale, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
-                                 UPCAST=UPCAST)
+                                 stride_vt, lo, hi, offs_d, d_mask, qk_scale, 0, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
+                                 CAUSAL=False, UPCAST=UPCAST)
     out_offs = row * stride_on + heads * stride_oh + split * stride_os
     lse_offs = row * stride_ln + heads * stride_lh + split
     store_result(Out, Lse, out_offs, lse_offs, acc, m_i, l_i, g_mask, offs_d, d_mask, WRITE_LSE=WRITE_LSE)
@@ -113,21 +116,8 @@ def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
     scale: None means head_dim ** -0.5. num_splits: KV chunks per row (None: enough to fill the
     GPU, sized from max_pages * P). Returns [R, Hq, D] in q's dtype.
     """
-    if q.dim() != 3 or k_pages.dim() != 4:
-        raise ValueError(f"q must be [R, Hq, D] and k_pages [num_pages, Hkv, P, D]; got q {tuple(q.shape)}, "
-                         f"k_pages {tuple(k_pages.shape)}")
-    rows, num_heads, head_dim = q.shape
-    _, num_kv_heads, page_size, _ = k_pages.shape
-    if k_pages.shape != v_pages.shape or k_pages.shape[3] != head_dim:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k_pages {tuple(k_pages.shape)}, "
-                         f"v_pages {tuple(v_pages.shape)}")
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if page_size < 1:
-        raise ValueError(f"page size (k_pages.shape[2]) must be >= 1, got {page_size}")
-    if q.dtype not in _FLOATS or k_pages.dtype not in _FLOATS or v_pages.dtype != k_pages.dtype:
-        raise ValueError(f"q, k_pages, v_pages must be float32/float16/bfloat16 with k and v alike; got "
-                         f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    num_heads, num_kv_heads, page_size, head_dim = check_paged(q, k_pages, v_pages)
+    rows = q.shape[0]
     if page_table.dim() != 2 or page_table.shape[0] != rows or page_table.dtype != torch.int32:
         raise ValueError(f"page_table must be int32 [{rows}, max_pages]; got {page_table.dtype} "
                          f"{tuple(page_table.shape)}")

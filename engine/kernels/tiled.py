@@ -6,7 +6,8 @@ prefix). This kernel is built for that:
 - a program takes one sequence's KV head and a tile of BLOCK_M query rows: TILE_T consecutive
   tokens times the GQA group of query heads that read that KV head (padded to a power of two);
 - it folds the sequence's KV into them in BLOCK_N-column blocks from column 0, through the
-  sequence's page table, with one online softmax (`attend_block`) and a causal mask per row;
+  sequence's page table, with one online softmax (`attend_pages`, the split-K decode kernel's loop)
+  and a causal mask per row;
 - a row's dots do not depend on the tile's other rows, and a block past a row's last column
   leaves its state exactly as it was (alpha = 1, p = 0);
 - a decode step is the same launch with one query per sequence, so decode and prefill run the
@@ -24,11 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from baton.engine.kernels._common import LOG2E, attend_block, block_d, check_launchable, needs_upcast, store_result
+from baton.engine.kernels._common import LOG2E, block_d, check_launchable, check_paged, needs_upcast, store_result
+from baton.engine.kernels.paged import attend_pages
 
 BLOCK_M = 64  # query rows per program: >= 64 makes them one warpgroup's tensor-core tile on Hopper
 BLOCK_N = 64  # KV columns per step, counted from column 0 in every phase
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def group_block(group: int) -> int:
@@ -60,7 +61,6 @@ def _tiled_kernel(Q, K, V, Table, CuQ, Lengths, Out, max_cols, qk_scale,
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     token = tile * TILE_T + offs_m // BLOCK_G
     head = kv_head * GROUP + offs_m % BLOCK_G
     m_mask = (token < num_q) & (offs_m % BLOCK_G < GROUP)
@@ -72,27 +72,13 @@ def _tiled_kernel(Q, K, V, Table, CuQ, Lengths, Out, max_cols, qk_scale,
 
     q_rows = (q_begin + token).to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    table = Table + seq.to(tl.int64) * stride_tr
-    k_base = K + kv_head * stride_kh
-    v_base = V + kv_head * stride_vh
-    for col in range(0, hi, BLOCK_N):
-        cols = col + offs_n
-        n_mask = cols < hi
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        # int64: page * stride_page overflows int32 on a pool of a few GiB
-        page = tl.load(table + (cols // PAGE_SIZE) * stride_tc, mask=n_mask, other=0).to(tl.int64)
-        slot = cols % PAGE_SIZE
-        k = tl.load(k_base + (page * stride_kp + slot * stride_kt)[:, None] + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        v = tl.load(v_base + (page * stride_vp + slot * stride_vt)[:, None] + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        visible = n_mask[None, :] & (cols[None, :] <= pos[:, None])
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, UPCAST=UPCAST)
+    acc, m_i, l_i = attend_pages(acc, m_i, l_i, q, K + kv_head * stride_kh, V + kv_head * stride_vh,
+                                 Table + seq.to(tl.int64) * stride_tr, stride_tc, stride_kp, stride_kt, stride_vp,
+                                 stride_vt, 0, hi, offs_d, d_mask, qk_scale, pos, PAGE_SIZE=PAGE_SIZE,
+                                 BLOCK_N=BLOCK_N, CAUSAL=True, UPCAST=UPCAST)
     out_offs = (q_begin + token).to(tl.int64) * stride_ot + head * stride_oh
     store_result(Out, Out, out_offs, out_offs, acc, m_i, l_i, m_mask, offs_d, d_mask, WRITE_LSE=False)
 
@@ -109,21 +95,8 @@ def tiled_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     >= n_s (0 for a decode row: zeros), read on the device with the offsets, so a captured CUDA
     graph replays with new ones; max_seqlen_q: the largest n_s (sizes the grid). scale: None means
     head_dim ** -0.5. Returns [total_q, Hq, D] in q's dtype."""
-    if q.dim() != 3 or k_pages.dim() != 4:
-        raise ValueError(f"q must be [total_q, Hq, D] and k_pages [num_pages, Hkv, P, D]; got q {tuple(q.shape)}, "
-                         f"k_pages {tuple(k_pages.shape)}")
-    total_q, num_heads, head_dim = q.shape
-    _, num_kv_heads, page_size, _ = k_pages.shape
-    if k_pages.shape != v_pages.shape or k_pages.shape[3] != head_dim:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k_pages {tuple(k_pages.shape)}, "
-                         f"v_pages {tuple(v_pages.shape)}")
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if page_size < 1:
-        raise ValueError(f"page size (k_pages.shape[2]) must be >= 1, got {page_size}")
-    if q.dtype not in _FLOATS or k_pages.dtype not in _FLOATS or v_pages.dtype != k_pages.dtype:
-        raise ValueError(f"q, k_pages, v_pages must be float32/float16/bfloat16 with k and v alike; got "
-                         f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    num_heads, num_kv_heads, page_size, head_dim = check_paged(q, k_pages, v_pages)
+    total_q = q.shape[0]
     sequences = lengths.shape[0] if lengths.dim() == 1 else -1
     if lengths.dtype != torch.int32 or sequences < 0:
         raise ValueError(f"lengths must be int32 [S]; got {lengths.dtype} {tuple(lengths.shape)}")
