@@ -31,6 +31,7 @@ class DecodeAttention:
     lengths32: torch.Tensor | None = None
     mask: torch.Tensor | None = None  # torch path: bool [rows, 1, 1, width x page_size]
     invariant: bool = False  # triton: the query-tiled kernel prefill shares (one split a row), not split-K
+    cu_q: torch.Tensor | None = None  # invariant: int32 [rows + 1], one query a row, made once a step
 
     @classmethod
     def for_step(cls, table: torch.Tensor, lengths: torch.Tensor, page_size: int, backend: str,
@@ -38,6 +39,8 @@ class DecodeAttention:
         ctx = cls(table, lengths, backend, invariant=invariant)
         if backend == "triton":
             ctx.table32, ctx.lengths32 = table.to(torch.int32), lengths.to(torch.int32)
+            if invariant:
+                ctx.cu_q = torch.arange(table.shape[0] + 1, dtype=torch.int32, device=table.device)
         else:  # every layer reads the same mask: built once, not per layer
             columns = torch.arange(table.shape[1] * page_size, device=table.device)
             ctx.mask = (columns[None, :] < lengths[:, None])[:, None, None, :]
@@ -89,7 +92,7 @@ def decode(query, pages, layer: int, ctx: DecodeAttention, scale):
         from baton.engine.kernels import paged_decode_attention, tiled_attention
 
         if ctx.invariant:  # the kernel prefill runs too: a token's bits whichever phase computed it
-            return tiled_attention(query, keys, values, ctx.table32, ctx.lengths32, scale)
+            return tiled_attention(query, keys, values, ctx.table32, ctx.lengths32, scale, ctx.cu_q, 1)
         return paged_decode_attention(query, keys, values, ctx.table32, ctx.lengths32, scale)
     if query.dtype == torch.float32 and query.device.type == "cpu" and cpu_kernels.stores(keys.dtype):
         return cpu_kernels.decode_attention(query, keys, values, ctx.table, ctx.lengths, scale)

@@ -17,6 +17,7 @@ same with persistent matmuls; this one is the plain tiled form).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -47,7 +48,12 @@ _AGREE: dict[tuple, bool] = {}  # (device, dtype, N, K, bias) -> the prefill til
 def decode_tiles(n: int, device: torch.device) -> Tiles:
     """64-row tiles with the widest column block that still gives every SM a program (decode
     reads each weight once: with fewer programs than SMs, part of the memory bandwidth idles)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return _decode_tiles(n, str(device))
+
+
+@functools.cache
+def _decode_tiles(n: int, device: str) -> Tiles:  # every GEMM asks: once per width and device
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.startswith("cuda") else 4
     block_n = next((b for b in (128, 64, 32) if triton.cdiv(n, b) >= sms), 16)
     return Tiles(DECODE_ROWS, block_n, 64, warps=4, stages=4)
 
