@@ -132,8 +132,6 @@ def build(shape: str, dtype, device, max_context: int):
 def run_shape(opts: BenchOptions, shape: str, device, dtype, rates: dict) -> dict:
     import torch
 
-    from baton.engine.llama import LlamaRunner
-
     cuda = device.type == "cuda"
     few = 1 if opts.quick and not cuda else 2  # --quick on a CPU: the smallest of each, a smoke test
     contexts = CONTEXTS[:few] if opts.quick or not cuda else CONTEXTS
@@ -144,7 +142,6 @@ def run_shape(opts: BenchOptions, shape: str, device, dtype, rates: dict) -> dic
     cfg = loaded.config
     kv_token = loaded.kv_shape.bytes_per_token()
     read_bytes = weights_read(loaded)
-    linear_params = sum(t.numel() for n, t in loaded.tensors.items() if n.endswith("proj.weight"))
     free = torch.cuda.mem_get_info()[0] if cuda else 8 << 30
     kv_budget = int(KV_SHARE * free)
     opts.say(f"\n{shape}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads}/"
@@ -159,34 +156,16 @@ def run_shape(opts: BenchOptions, shape: str, device, dtype, rates: dict) -> dic
         fp8_loaded = dataclasses.replace(loaded, quantization="fp8", tensors={
             k: fp8.quantize(t) if k.endswith("proj.weight") else t for k, t in loaded.tensors.items()})
         modes += [("fp8 invariant", fp8_loaded, True, False), ("fp8 not invariant", fp8_loaded, False, False)]
-    decode, prefill = [], []
+    decode, prefill, failed = [], [], {}
     for mode, weights, invariant, every in modes:
-        runner = LlamaRunner(weights, cuda_graphs=cuda, batch_invariant=invariant)
-        for n in rows:
-            for context in contexts:
-                if n > 1 and context > contexts[0] and n not in (1, 64):  # long contexts at 1 and 64 rows
-                    continue
-                if not every and (n > 64 or context > contexts[0]):
-                    continue
-                kv_bytes = n * context * kv_token
-                if kv_bytes > kv_budget:
-                    decode.append({"mode": mode, "rows": n, "context": context, "skipped": "KV over the budget"})
-                    continue
-                opts.progress(f"{shape} {mode}: decode, {n} rows of {context}")
-                seconds = decode_step(runner, weights, n, context, device)
-                floor = (weights_read(weights) + kv_bytes) / rates["copy_bytes_per_s"]
-                decode.append({"mode": mode, "rows": n, "context": context, "ms": 1e3 * seconds,
-                               "floor_ms": 1e3 * floor, "of_floor": floor / seconds})
-        for tokens in [*prefills, "8x512"]:
-            if not every and tokens not in (2048, 8192):
-                continue
-            opts.progress(f"{shape} {mode}: prefill {tokens}")
-            prompts = [list(range(1, 513))] * 8 if tokens == "8x512" else [list(range(1, tokens + 1))]
-            seconds = timed(lambda: runner.prefill_batch(prompts), device, reps=3)
-            flops = prefill_flops(cfg, linear_params, [len(p) for p in prompts], loaded.kv_shape.head_dim)
-            prefill.append({"mode": mode, "tokens": str(tokens), "ms": 1e3 * seconds,
-                            "of_matmul_rate": flops / seconds / rates["matmul_flop_per_s"]})
-        del runner
+        try:  # one device call runs them all: a mode that fails is reported, the others still run
+            measure_mode(opts, shape, mode, weights, invariant, every, rows, contexts, prefills, kv_budget, rates,
+                         device, decode, prefill)
+        except Exception as exc:  # noqa: BLE001
+            failed[mode] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            opts.say(f"{shape} {mode}: FAILED {failed[mode]}")
+            if cuda:
+                torch.cuda.empty_cache()
     for tokens in [*prefills, "8x512"]:  # transformers' forward of the same weights, the last position's logits
         ids = torch.arange(1, 513, device=device).repeat(8, 1) if tokens == "8x512" else \
             torch.arange(1, tokens + 1, device=device)[None]
@@ -195,10 +174,49 @@ def run_shape(opts: BenchOptions, shape: str, device, dtype, rates: dict) -> dic
                             reps=3)
         prefill.append({"mode": "transformers", "tokens": str(tokens), "ms": 1e3 * seconds})
     report(opts, shape, decode, prefill)
+    if failed:
+        opts.say(f"{shape}: modes that failed: {failed}")
     del loaded, module
     if cuda:
         torch.cuda.empty_cache()
-    return {"decode": decode, "prefill": prefill, "decode_read_bytes": read_bytes, "kv_token_bytes": kv_token}
+    return {"decode": decode, "prefill": prefill, "failed": failed, "decode_read_bytes": read_bytes,
+            "kv_token_bytes": kv_token}
+
+
+def measure_mode(opts: BenchOptions, shape: str, mode: str, weights, invariant: bool, every: bool, rows, contexts,
+                 prefills, kv_budget: int, rates: dict, device, decode: list, prefill: list) -> None:
+    """One mode's decode steps and prefills, appended to decode and prefill."""
+    from baton.engine.llama import LlamaRunner
+
+    cfg = weights.config
+    kv_token = weights.kv_shape.bytes_per_token()
+    linear_params = sum(t.shape[0] * t.shape[1] for n, t in weights.tensors.items() if n.endswith("proj.weight"))
+    runner = LlamaRunner(weights, cuda_graphs=device.type == "cuda", batch_invariant=invariant)
+    for n in rows:
+        for context in contexts:
+            if n > 1 and context > contexts[0] and n not in (1, 64):  # long contexts at 1 and 64 rows
+                continue
+            if not every and (n > 64 or context > contexts[0]):
+                continue
+            kv_bytes = n * context * kv_token
+            if kv_bytes > kv_budget:
+                decode.append({"mode": mode, "rows": n, "context": context, "skipped": "KV over the budget"})
+                continue
+            opts.progress(f"{shape} {mode}: decode, {n} rows of {context}")
+            seconds = decode_step(runner, weights, n, context, device)
+            floor = (weights_read(weights) + kv_bytes) / rates["copy_bytes_per_s"]
+            decode.append({"mode": mode, "rows": n, "context": context, "ms": 1e3 * seconds,
+                           "floor_ms": 1e3 * floor, "of_floor": floor / seconds})
+    for tokens in [*prefills, "8x512"]:
+        if not every and tokens not in (2048, 8192):
+            continue
+        opts.progress(f"{shape} {mode}: prefill {tokens}")
+        prompts = [list(range(1, 513))] * 8 if tokens == "8x512" else [list(range(1, tokens + 1))]
+        seconds = timed(lambda: runner.prefill_batch(prompts), device, reps=3)
+        flops = prefill_flops(cfg, linear_params, [len(p) for p in prompts], weights.kv_shape.head_dim)
+        prefill.append({"mode": mode, "tokens": str(tokens), "ms": 1e3 * seconds,
+                        "of_matmul_rate": flops / seconds / rates["matmul_flop_per_s"]})
+    del runner
 
 
 def weights_read(loaded) -> int:
