@@ -456,3 +456,15 @@ def test_tp_quick_times_tp1_and_tp2_on_the_same_cores_and_compares_their_bits(tm
     for run in model["runs"].values():
         assert run["prefill_s"] > 0 and run["step_ms_1"] > 0 and run["step_ms_4"] > 0
     assert "TP=2's logits are TP=1's bits" in printed
+
+
+def test_the_gpu_check_script_parses_and_says_what_to_prepare(tmp_path):
+    """bench/gpu_check.sh runs where nothing can be fixed between tries (a GPU lent for minutes):
+    it must at least parse, and without its prepared folder say how to make it, before any work."""
+    script = Path(__file__).parents[1] / "bench" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "gpu_check.sh").write_text(script.read_text())
+    done = subprocess.run(["bash", str(tmp_path / "bench" / "gpu_check.sh")], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 1 and "bash bench/gpu_check.sh prepare" in done.stderr
