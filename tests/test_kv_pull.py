@@ -4,6 +4,8 @@ holder of the request's push token reads, only what the registration holds, and 
 leaves the reader computing instead, its memory bound untouched."""
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -48,6 +50,14 @@ def test_only_the_requests_own_push_token_reads_and_only_what_is_held(decode_wor
             assert err.value.code().name == code and words in err.value.details(), err.value.details()
         waiting.cancel()
         with pytest.raises(grpc.RpcError) as err:  # cancelled: no longer registered with that token
+            list(stub.ReadKV(workers_pb2.ReadKVRequest(request_id="r", push_token="secret", num_tokens=16), timeout=10))
+        # the loop forgets it first and the staging pool a moment later: a read between the two finds
+        # no request (NOT_FOUND), one after no registration for the token (PERMISSION_DENIED)
+        assert err.value.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_FOUND), err.value.details()
+        deadline = time.monotonic() + 10
+        while loop.pool.expects_token("r", "secret") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as err:
             list(stub.ReadKV(workers_pb2.ReadKVRequest(request_id="r", push_token="secret", num_tokens=16), timeout=10))
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         load = stub.GetLoad(common_pb2.LoadRequest(), timeout=10)
