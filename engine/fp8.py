@@ -54,11 +54,8 @@ class Fp8Weight:
 
 
 def quantize(weight: torch.Tensor) -> Fp8Weight:
-    """A float weight [N, K] -> e4m3 rows, each scaled to its own largest magnitude."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
-    data = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return Fp8Weight(data.contiguous(), scale.contiguous())
+    """A float weight [N, K] -> e4m3 rows, each scaled to its own largest magnitude (as activations are)."""
+    return Fp8Weight(*quantize_rows(weight.detach()))
 
 
 def quantization_error(weight: torch.Tensor, q: Fp8Weight) -> float:
@@ -86,7 +83,7 @@ def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None)
     `engine.kernels.invariant.fp8_linear`."""
     xq, xs = quantize_rows(x)
     out = torch._scaled_mm(xq, weight.data.t(), scale_a=xs[:, None], scale_b=weight.scale[None, :],
-                           out_dtype=x.dtype if x.dtype != torch.float32 else torch.float32)
+                           out_dtype=x.dtype)
     return out if bias is None else out + bias
 
 

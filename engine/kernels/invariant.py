@@ -113,10 +113,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"bias must be contiguous [{weight.shape[0]}]; got {tuple(bias.shape)}")
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("x's rows and the weight must be contiguous along K")
-    if residual is not None and (residual.shape != (x.shape[0], weight.shape[0]) or residual.stride(1) != 1
-                                 or residual.dtype != x.dtype):
-        raise ValueError(f"residual must be [{x.shape[0]}, {weight.shape[0]}] in {x.dtype} with contiguous rows; got "
-                         f"{residual.dtype} {tuple(residual.shape)}")
+    _check_residual(x, weight.shape[0], residual)
     interpreted = is_interpreted(_linear_kernel)
     if x.device.type != "cuda" and not interpreted:
         raise RuntimeError("the invariant GEMM needs CUDA tensors (or TRITON_INTERPRET=1 before the kernels import)")
@@ -131,11 +128,16 @@ def fp8_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     scaled back -> [M, N] in x's dtype, each row alone (batch-invariant)."""
     if x.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype not in _FLOATS:
         raise ValueError(f"fp8_linear needs float x [M, {weight.shape[1]}]; got {x.dtype} {tuple(x.shape)}")
-    if residual is not None and (residual.shape != (x.shape[0], weight.shape[0]) or residual.stride(1) != 1
-                                 or residual.dtype != x.dtype):
-        raise ValueError(f"residual must be [{x.shape[0]}, {weight.shape[0]}] in {x.dtype} with contiguous rows")
+    _check_residual(x, weight.shape[0], residual)
     codes, scales = quantize_rows(x)
     return _gemm(codes, weight.data, bias, residual, x.dtype, scales, weight.scale)
+
+
+def _check_residual(x: torch.Tensor, n: int, residual: torch.Tensor | None) -> None:
+    if residual is not None and (residual.shape != (x.shape[0], n) or residual.stride(1) != 1
+                                 or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be [{x.shape[0]}, {n}] in {x.dtype} with contiguous rows; got "
+                         f"{residual.dtype} {tuple(residual.shape)}")
 
 
 def _gemm(x, weight, bias, residual, out_dtype, x_scale=None, w_scale=None) -> torch.Tensor:
