@@ -193,7 +193,7 @@ def routing_rate(prompts, index, seconds: float) -> dict[str, Any]:
             index.apply_event(f"10.0.0.{1 + i % 2}:1", stored=dispatcher.block_hashes(prompt))
         count, started = 0, time.perf_counter()
         while time.perf_counter() - started < seconds:
-            dispatcher.route(prompts[count % len(prompts)][1])
+            dispatcher.route(prompts[count % len(prompts)][1]).release()  # as if its calls took it over
             count += 1
         elapsed = time.perf_counter() - started
         return {"routes": count, "seconds": elapsed, "routes_per_s": count / elapsed,

@@ -258,10 +258,15 @@ class BatchRunner:
         pin_id = uuid.uuid4().hex
         try:
             route = self.dispatcher.route(list(tokens), prefill_address=address)
+        except DispatchError:
+            return None
+        try:
             reply = route.prefill.stub.PinPrefix(
                 workers_pb2.PinPrefixRequest(group_id=pin_id, token_ids=tokens), timeout=120)
-        except (grpc.RpcError, DispatchError):
+        except grpc.RpcError:
             return None
+        finally:
+            route.release()
         # The worker may hold less than asked (no prefix cache, or no room for a partial block).
         return _Pin(pin_id, route.prefill.view.address, tuple(tokens[:reply.pinned_tokens]), reply.computed_tokens)
 

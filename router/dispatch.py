@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -73,10 +73,20 @@ class Route:
     predicted_cached_tokens: int
     seconds: float = 0.0  # the router's own time choosing
     reason: str = ""
+    # The workers chosen count the request in flight from the choice on (`Dispatcher.route`) until
+    # the calls that take them over count it themselves; then `release`.
+    held: list[Worker] = field(default_factory=list)
+    pool: WorkerPool | None = None
 
     @property
     def local(self) -> bool:
         return self.prefill is None
+
+    def release(self) -> None:
+        """Stop counting the request on its chosen workers (idempotent)."""
+        held, self.held = self.held, []
+        for worker in held:
+            self.pool.release(worker)
 
 
 class Dispatcher:
@@ -100,6 +110,7 @@ class Dispatcher:
         self._stats_lock = threading.Lock()
         self._hashers: dict[str, BlockHasher] = {}
         self.inflight = InFlight()  # how far each request has come (router/progress.py)
+        self._routing = threading.Lock()  # a choice and its workers' in-flight counts, together
 
     def block_hashes(self, prompt: list[int]) -> list[int]:
         """The prompt's chained block hashes under the served model's fingerprint; none before any
@@ -131,7 +142,21 @@ class Dispatcher:
 
     def route(self, prompt: list[int], prefill_address: str | None = None, avoid: set[str] = frozenset(),
               allow_local: bool = False) -> Route:
-        """allow_local: the request may be prefilled on a decode worker that holds most of it."""
+        """allow_local: the request may be prefilled on a decode worker that holds most of it.
+
+        The workers chosen count the request in flight at once (`Route.held`; the caller releases
+        it once its calls count the request themselves): a burst of requests routed before the
+        first one's calls began all saw the same idle worker, and went there together."""
+        with self._routing:
+            route = self._route(prompt, prefill_address, avoid, allow_local)
+            route.pool = self.pool
+            for worker in (route.prefill, route.decode):
+                if worker is not None:
+                    self.pool.acquire(worker)
+                    route.held.append(worker)
+        return route
+
+    def _route(self, prompt: list[int], prefill_address: str | None, avoid: set[str], allow_local: bool) -> Route:
         started = time.perf_counter()
         hashes = self.block_hashes(prompt)
         matches = self.index.match(hashes) if hashes else {}
@@ -245,6 +270,8 @@ class Dispatcher:
                 log.warning("request %s (%s) lost its decode worker %s after %d tokens (%s); prefilling it %s",
                             request_id, key, lost.worker.view.address, len(sent), lost.error.message,
                             "again" if lost.prefilled else "for another")
+            finally:
+                route.release()  # if its calls did not take it over (they failed to start)
 
     def _attempt(self, request_id, prompt, sent: list[int], sampling, deadline, route: Route, on_done, arrived,
                  metadata=(), track=lambda **progress: None):
@@ -256,7 +283,7 @@ class Dispatcher:
         draining worker pushing the request's KV there (`Handoff`) instead of by a prefill."""
         prefill = LocalPrefill() if route.local else PrefillChain(
             self, route, request_id, prompt + sent, _left(sampling, len(sent)), len(sent), _until(deadline), metadata)
-        leg = _Leg(route.decode, request_id, prompt + sent, len(sent), prefill)
+        leg = _Leg(route.decode, request_id, prompt + sent, len(sent), prefill, on_counted=route.release)
         sources = [prefill]  # kept until the end: the prefill reply gives the usage and trace
 
         def finish(out, msg, decode: Worker) -> None:
@@ -295,6 +322,7 @@ class Dispatcher:
                 timeout=_until(deadline), metadata=metadata or None)
             registered = next(call)  # its KV will be accepted
             leg.source.start(on_give_up=call.cancel, held_tokens=registered.held_prefix_tokens)
+            leg.on_counted()  # the Decode call and the KV source count the request on their workers now
             on_done(lambda: (call.cancel(), leg.source.cancel()))
             track(stage=f"waiting for its first token from {where}", detail=leg.source.describe)
             for msg in call:
@@ -410,3 +438,4 @@ class _Leg:
     prompt: list[int]  # the tokens whose KV it gets
     resume_step: int  # tokens generated before; after a handoff, its first token is the last of them again
     source: "KVSource"
+    on_counted: Callable[[], None] = lambda: None  # told once its calls count the request on their workers

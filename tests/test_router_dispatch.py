@@ -167,22 +167,51 @@ def test_routing_before_any_worker_reported_its_model_predicts_nothing_rather_th
         pool.stop()
 
 
-def test_two_requests_with_the_same_new_prefix_meet_on_one_prefill_worker():
-    """Before the first one's cache events arrive, the second is steered to the worker computing
-    the prefix (a pending entry), and told to expect it there."""
+def _views_pool(prefill: int, decode: int) -> WorkerPool:
     pool = WorkerPool()
-    pool.set_workers("prefill", [f"127.0.0.1:{free_port()}" for _ in range(2)])
-    pool.set_workers("decode", [f"127.0.0.1:{free_port()}"])
+    pool.set_workers("prefill", [f"127.0.0.1:{free_port()}" for _ in range(prefill)])
+    pool.set_workers("decode", [f"127.0.0.1:{free_port()}" for _ in range(decode)])
     for worker in pool.all():
         worker.view.healthy = True
         worker.fingerprint = "model-a"
+    return pool
+
+
+def test_two_requests_with_the_same_new_prefix_meet_on_one_prefill_worker():
+    """Once the first one's prefill is done but before its cache events arrive, the second is
+    steered to the worker that computed the prefix (a pending entry), and told to expect it there."""
+    pool = _views_pool(prefill=2, decode=1)
     dispatcher = Dispatcher(pool, build_prefix_index(PrefixIndexConfig()), block_size=16)
     try:
         prompt = list(range(100, 150))  # 3 whole blocks and 2 tokens
-        first, second = dispatcher.route(prompt), dispatcher.route(prompt + [7])
+        first = dispatcher.route(prompt)
+        first.release()  # its calls ended
+        second = dispatcher.route(prompt + [7])
         assert first.predicted_cached_tokens == 0
         assert second.prefill is first.prefill and second.predicted_cached_tokens == 48
         assert dispatcher.route([5] + prompt).predicted_cached_tokens == 0  # another prefix
+    finally:
+        pool.stop()
+
+
+def test_a_burst_routed_before_any_call_began_spreads_over_the_idle_workers():
+    """Requests count on the workers chosen for them from the choice on: ten prompts sharing a
+    system prompt's block, routed together before any of their calls started, go to both prefill
+    and both decode workers, not all to the one that the pending prefix made look cheapest."""
+    pool = _views_pool(prefill=2, decode=2)
+    dispatcher = Dispatcher(pool, build_prefix_index(PrefixIndexConfig()), block_size=16)
+    try:
+        system = list(range(1000, 1016))  # one whole block in common
+        routes = [dispatcher.route(system + [2000 + i] * 19) for i in range(10)]
+        prefills = [r.prefill.view.address for r in routes]
+        decodes = [r.decode.view.address for r in routes]
+        assert sorted(prefills.count(w.view.address) for w in pool.all() if w.role == "prefill") == [5, 5]
+        assert sorted(decodes.count(w.view.address) for w in pool.all() if w.role == "decode") == [5, 5]
+        assert all(w.view.inflight == 5 for w in pool.all())
+        for route in routes:
+            route.release()
+            route.release()  # once only
+        assert all(w.view.inflight == 0 for w in pool.all())
     finally:
         pool.stop()
 
