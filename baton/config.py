@@ -31,7 +31,7 @@ class ModelSettings:
     attention_backend: str = "auto"
     executor: str = "auto"  # 'baton' (Llama family), 'transformers' (any model); auto: baton where it applies
     # 'none': float weights in `dtype`; 'gguf': the model's GGUF blocks as stored (Q8_0, Q4_0,
-    # Q4_1); 'int8': Q8_0 blocks made from the floats at load (those two: CPU, Baton's executor);
+    # Q4_1, Q4_K); 'int8': Q8_0 blocks made from the floats at load (those two: CPU, Baton's executor);
     # 'fp8': e4m3 with a scale per output feature, made at load, for GPUs with fp8 tensor cores.
     quantization: str = "none"
     # Quantized weights' GEMM quantizes its inputs per block of 32 to 16-bit codes (the float model's

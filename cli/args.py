@@ -46,7 +46,7 @@ def sampling_from_args(args):
 EXECUTOR_HELP = ("auto (default): Baton's own executor for Llama-family models, else the transformers forward; "
                  "baton; transformers (the reference)")
 QUANTIZATION_HELP = ("none (default): float weights in --dtype; gguf: the model's GGUF blocks as stored (Q8_0, "
-                     "Q4_0, Q4_1; the default model's Q4_1 file); int8: Q8_0 blocks made from the floats at load "
+                     "Q4_0, Q4_1, Q4_K; the default model's Q4_1 file); int8: Q8_0 blocks made from the floats at load "
                      "(both on the CPU); fp8: e4m3 weights with a scale per output feature made at load, for GPUs "
                      "with fp8 tensor cores. Activations and KV in --dtype")
 QUANTIZED_INPUTS_HELP = ("bits each block of 32 inputs of a quantized weight's GEMM is quantized to: 16 (default; "

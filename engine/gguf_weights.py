@@ -1,6 +1,7 @@
 """A Llama-family GGUF file's weights by their Hugging Face names, quantized ones kept as their
-blocks (`model.quantization: gguf`): Q8_0, Q4_0 and Q4_1 exactly as stored; another quantized type
-(Q4_K, Q6_K, ...) dequantized and made Q8_0, said once in the log; float tensors in the dtype
+blocks (`model.quantization: gguf`): Q8_0, Q4_0 and Q4_1 exactly as stored, Q4_K as its 32-weight
+blocks (engine.quantized.from_q4_k); another quantized type (Q6_K, Q5_K, ...) dequantized and made
+Q8_0, said once in the log; float tensors in the dtype
 served. Queries' and keys' rows are put back in Hugging Face's order (llama.cpp's converter
 interleaves each head's halves for its rotary), as transformers' GGUF loader does."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from baton.engine.quantized import FORMATS, BlockWeight, quantize_q8_0
+from baton.engine.quantized import FORMATS, BlockWeight, from_q4_k, quantize_q8_0
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,9 @@ def read_gguf(path: Path, cfg, dtype: torch.dtype, progress=lambda nbytes: None)
         kind = tensor.tensor_type.name.lower()
         raw = np.asarray(tensor.data)
         progress(raw.nbytes)
-        if kind in FORMATS:
+        if kind == "q4_k" and raw.ndim == 2:
+            weight = from_q4_k(torch.from_numpy(raw.copy()), int(tensor.shape[0]))
+        elif kind in FORMATS and kind != "q4_k":
             weight = BlockWeight(kind, torch.from_numpy(raw.copy()).reshape(raw.shape[0], -1), int(tensor.shape[0]))
         elif kind in ("f32", "f16", "bf16"):
             values = torch.from_numpy(raw.copy())

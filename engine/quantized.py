@@ -1,12 +1,17 @@
-"""Weights that stay quantized in memory: GGUF's Q8_0, Q4_0 and Q4_1 blocks, as a GGUF file holds
-them (`model.quantization: gguf`) or made from float weights at load (`int8`: Q8_0 blocks).
+"""Weights that stay quantized in memory: GGUF's Q8_0, Q4_0, Q4_1 and Q4_K blocks, as a GGUF file
+holds them (`model.quantization: gguf`) or made from float weights at load (`int8`: Q8_0 blocks).
 
 A `BlockWeight` is a weight [N, K] as GGUF lays it out: each row K / 32 blocks of 32 weights, a
 block an fp16 scale d (Q4_1: and an fp16 minimum m) and its 32 codes q:
     Q8_0: w = d q, q int8;   Q4_0: w = d (q - 8), q in 0..15;   Q4_1: w = d q + m, q in 0..15
 (Q4 codes two to a byte: byte i holds q[i] low and q[i + 16] high). `panels()` repacks the same
-bytes for Baton's CPU GEMM (engine/cpu/quantized.h), which reads them as they are. Policy-free:
-what a file or a setting asks for is decided in engine.model.
+bytes for Baton's CPU GEMM (engine/cpu/quantized.h), which reads them as they are.
+
+Q4_K (GGUF's 256-weight super-blocks: an fp16 d and dmin, a 6-bit scale s and minimum n for each of
+its eight 32-weight blocks, 4-bit codes) is held as eight Q4_1-like blocks with an fp32 d s and
+-dmin n each: w = (d s) q - dmin n, the very values gguf-py computes (the products are exact in
+fp32), 24 bytes a block where the file has 18 (`from_q4_k`). Policy-free: what a file or a setting
+asks for is decided in engine.model.
 """
 from __future__ import annotations
 
@@ -16,8 +21,11 @@ import torch
 
 QBLOCK = 32  # weights per block, along k
 PANEL = 16  # output features per panel, as the C GEMM reads them
-# format -> (the C kernels' code, the bytes of one GGUF block)
-FORMATS = {"q8_0": (1, 34), "q4_0": (2, 18), "q4_1": (3, 20)}
+# format -> (the C kernels' code, the bytes of one block of 32 weights)
+FORMATS = {"q8_0": (1, 34), "q4_0": (2, 18), "q4_1": (3, 20), "q4_k": (4, 24)}
+# format -> its blocks' scale fields before the codes: (offset, bytes) each, fp16 or fp32
+_FIELDS = {"q8_0": ((0, 2),), "q4_0": ((0, 2),), "q4_1": ((0, 2), (2, 2)), "q4_k": ((0, 4), (4, 4))}
+Q4_K_WEIGHTS, Q4_K_BYTES = 256, 144  # a GGUF Q4_K super-block
 FLOAT_FORMAT = 0  # the C kernels' code for panels in the model's float dtype
 
 
@@ -78,7 +86,8 @@ class BlockWeight:
         padded[:n] = self._blocks()
         per_feature = padded.view(panels, PANEL, blocks, size).transpose(1, 2)  # [P, B, 16, size]
         head = _head(self.format)
-        scales = [per_feature[..., at:at + 2].reshape(panels, blocks, 2 * PANEL) for at in range(0, head, 2)]
+        scales = [per_feature[..., at:at + width].reshape(panels, blocks, width * PANEL)
+                  for at, width in _FIELDS[self.format]]
         codes = per_feature[..., head:].reshape(panels, blocks, PANEL, -1, 4).transpose(2, 3)  # [P, B, group, 16, 4]
         if self.format == "q8_0":
             codes = codes ^ 0x80
@@ -86,8 +95,8 @@ class BlockWeight:
 
 
 def _head(format: str) -> int:
-    """The bytes before a GGUF block's codes: its scale, and Q4_1's minimum."""
-    return 4 if format == "q4_1" else 2
+    """The bytes before a block's codes: its scale, and Q4_1's or Q4_K's minimum."""
+    return sum(width for _, width in _FIELDS[format])
 
 
 def panel_rows(format: str, packed: torch.Tensor, index: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -98,27 +107,52 @@ def panel_rows(format: str, packed: torch.Tensor, index: torch.Tensor, in_featur
     blocks = in_features // QBLOCK
     picked = packed[panel]  # [n, B, panel block bytes]
     head, n = _head(format), index.numel()
-    scales = [picked[..., at * PANEL:(at + 2) * PANEL].contiguous().view(n, blocks, PANEL, 2)
-              for at in range(0, head, 2)]
+    scales = [picked[..., at * PANEL:(at + width) * PANEL].contiguous().view(n, blocks, PANEL, width)
+              for at, width in _FIELDS[format]]
     codes = picked[..., head * PANEL:].reshape(n, blocks, -1, PANEL, 4)  # [n, B, group, 16, 4]
     rows = torch.arange(n)
-    gguf = [scale[rows, :, lane] for scale in scales]  # [n, B, 2] each
+    gguf = [scale[rows, :, lane] for scale in scales]  # [n, B, 2 or 4] each
     own = codes[rows, :, :, lane].reshape(n, blocks, -1)  # [n, B, code bytes]
     gguf.append(own ^ 0x80 if format == "q8_0" else own)
     return _values(format, torch.cat(gguf, dim=-1)).reshape(n, in_features)
 
 
 def _values(format: str, blocks: torch.Tensor) -> torch.Tensor:
-    """GGUF blocks uint8 [..., block bytes] -> float32 [..., 32] (gguf-py's arithmetic)."""
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [..., 1]
+    """Blocks uint8 [..., block bytes] -> float32 [..., 32] (gguf-py's arithmetic)."""
+    (at, width), *rest = _FIELDS[format]
+    d = blocks[..., at:at + width].contiguous().view(torch.float16 if width == 2 else torch.float32).float()
     if format == "q8_0":
         return d * blocks[..., 2:].contiguous().view(torch.int8).float()
     packed = blocks[..., _head(format):]
     codes = torch.cat([packed & 15, packed >> 4], dim=-1)
     if format == "q4_0":
         return d * (codes.to(torch.int8) - 8).float()
-    m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    at, width = rest[0]
+    m = blocks[..., at:at + width].contiguous().view(torch.float16 if width == 2 else torch.float32).float()
     return d * codes.float() + m
+
+
+def from_q4_k(data: torch.Tensor, in_features: int) -> BlockWeight:
+    """GGUF Q4_K rows (uint8 [N, K / 256 * 144]) as "q4_k" blocks: per 32 weights an fp32 d s and
+    -dmin n (exact), then the block's codes two to a byte as Q4_1 holds them."""
+    if in_features % Q4_K_WEIGHTS:
+        raise ValueError(f"a Q4_K weight needs rows of a multiple of {Q4_K_WEIGHTS} values, not {in_features}")
+    n = data.shape[0]
+    supers = data.reshape(n, in_features // Q4_K_WEIGHTS, Q4_K_BYTES)
+    d = supers[..., 0:2].contiguous().view(torch.float16).float()  # [N, S, 1]
+    dmin = supers[..., 2:4].contiguous().view(torch.float16).float()
+    packed = supers[..., 4:16].to(torch.int32)  # the eight 6-bit scales and minimums, 12 bytes
+    low, high, both = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat([low & 63, (both & 15) | ((low >> 2) & 48)], dim=-1)  # [N, S, 8]
+    mins = torch.cat([high & 63, (both >> 4) | ((high >> 2) & 48)], dim=-1)
+    # the codes: 32 bytes per two blocks, the first's codes in the low nibbles, the second's high
+    qs = supers[..., 16:].reshape(n, -1, 4, 1, 32)
+    codes = torch.cat([qs & 15, qs >> 4], dim=-2).reshape(n, -1, 32)  # [N, blocks, 32], in k order
+    q4_1 = codes[..., :16] | (codes[..., 16:] << 4)  # byte i: q[i] low, q[i + 16] high
+    block_d = (d * scales.float()).reshape(n, -1, 1)
+    block_m = -(dmin * mins.float()).reshape(n, -1, 1)
+    blocks = torch.cat([block_d.view(torch.uint8), block_m.view(torch.uint8), q4_1], dim=-1)
+    return BlockWeight("q4_k", blocks.reshape(n, -1).contiguous(), in_features)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> BlockWeight:

@@ -1,5 +1,6 @@
-"""Quantized weights (engine.quantized, engine/cpu/quantized.h): the GEMM over Q8_0, Q4_0 and Q4_1
-blocks (inputs in 16-bit or 8-bit codes) against the same arithmetic in float64 and row by row; the default model's
+"""Quantized weights (engine.quantized, engine/cpu/quantized.h): the GEMM over Q8_0, Q4_0, Q4_1 and
+Q4_K blocks (inputs in 16-bit or 8-bit codes) against the same arithmetic in float64 and row by row;
+Q4_K's values those of gguf-py, read from a GGUF file without becoming Q8_0; the default model's
 GGUF read with its blocks kept and its values those transformers' loader reads; int8 made at load
 and refused where 8 bits lose too much; the fused decode step equal to the layer-by-layer one;
 the fingerprint that keeps quantized KV away from a float worker. Batch invariance over Q8_0
@@ -23,11 +24,23 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="Baton's CPU
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 
 
+def random_q4_k(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """GGUF Q4_K rows, uint8 [n, k / 256 * 144]: codes, 6-bit scales and minimums anywhere in their
+    range, d and dmin of a trained model's size."""
+    g = torch.Generator().manual_seed(seed)
+    supers = torch.randint(0, 256, (n, k // 256, 144), dtype=torch.uint8, generator=g)
+    supers[..., 0:2] = (torch.rand(n, k // 256, 1, generator=g) * 2e-3 + 1e-4).half().view(torch.uint8)
+    supers[..., 2:4] = (torch.rand(n, k // 256, 1, generator=g) * 2e-3 + 1e-4).half().view(torch.uint8)
+    return supers.reshape(n, -1)
+
+
 def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> BlockWeight:
     """Codes anywhere in their range, scales (and minimums) of a trained model's size."""
     g = torch.Generator().manual_seed(seed)
     if fmt == "q8_0":
         return quantize_q8_0(torch.randn(n, k, generator=g) * 0.02)
+    if fmt == "q4_k":
+        return quantized.from_q4_k(random_q4_k(n, k, seed), k)
     size = quantized.FORMATS[fmt][1]
     data = torch.randint(0, 256, (n, k // 32, size), dtype=torch.uint8, generator=g)
     data[..., 0:2] = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-3).half().view(torch.uint8)
@@ -47,22 +60,25 @@ def blockwise_product(x: torch.Tensor, weight: BlockWeight, bits: int) -> torch.
     steps = 256 if bits == 16 else 1
     xq = torch.round(xb * torch.where(dx > 0, steps / dx, torch.zeros_like(dx))[..., None]).double()
     dx = dx / steps
-    d = blocks[..., 0:2].contiguous().view(torch.float16).double()[..., 0]
+    wide = weight.format == "q4_k"  # fp32 scales and minimums
+    d = blocks[..., 0:4 if wide else 2].contiguous().view(torch.float32 if wide else torch.float16).double()[..., 0]
     if weight.format == "q8_0":
         q = blocks[..., 2:].contiguous().view(torch.int8).double()
     else:
-        codes = blocks[..., 4 if weight.format == "q4_1" else 2:]
+        codes = blocks[..., {"q4_0": 2, "q4_1": 4, "q4_k": 8}[weight.format]:]
         q = torch.cat([codes & 15, codes >> 4], dim=-1).double() - (8 if weight.format == "q4_0" else 0)
     out = (torch.einsum("rbk,nbk->rnb", xq, q) * d[None] * dx.double()[:, None]).sum(-1)
-    if weight.format == "q4_1":
-        m = blocks[..., 2:4].contiguous().view(torch.float16).double()[..., 0]
+    if weight.format in ("q4_1", "q4_k"):
+        m = (blocks[..., 4:8].contiguous().view(torch.float32) if wide
+             else blocks[..., 2:4].contiguous().view(torch.float16)).double()[..., 0]
         out += (m[None] * xb.double().sum(-1)[:, None]).sum(-1)
     return out
 
 
 @pytest.mark.parametrize("bits", [16, 8])
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
-@pytest.mark.parametrize("n,k", [(37, 64), (960, 576), (49, 1536)])
+@pytest.mark.parametrize("fmt,n,k", [(fmt, n, k) for fmt in ("q8_0", "q4_0", "q4_1")
+                                     for n, k in ((37, 64), (960, 576), (49, 1536))]
+                         + [("q4_k", 37, 256), ("q4_k", 49, 1536)])  # Q4_K: rows of whole super-blocks
 def test_the_gemm_computes_the_blockwise_product_row_by_row(fmt, n, k, bits):
     weight = random_blocks(fmt, n, k)
     packed = weight.panels()
@@ -80,6 +96,39 @@ def test_the_gemm_computes_the_blockwise_product_row_by_row(fmt, n, k, bits):
             assert torch.equal(cpu_kernels.quant_gemm(x[r:r + 1], packed, weight.code, k, n, bits)[0].double(), out[r])
     ids = torch.tensor([0, n - 1, n // 2, 5 % n])
     assert torch.equal(panel_rows(fmt, packed, ids, k), weight.dequantize()[ids])  # the tied embedding's lookup
+
+
+def test_q4_k_blocks_hold_the_values_gguf_reads_and_a_gguf_file_keeps_them(tmp_path):
+    """A Q4_K tensor read from a GGUF file becomes Q4_K blocks (not Q8_0), their values equal to
+    gguf-py's dequantization bit for bit, the projection's rows in Hugging Face's order."""
+    import gguf
+
+    from baton.engine.gguf_weights import read_gguf
+
+    raw = random_q4_k(64, 512, seed=3)
+    down = random_q4_k(32, 256, seed=4)
+    assert torch.equal(quantized.from_q4_k(raw, 512).dequantize(),
+                       torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.Q4_K)))
+    path = tmp_path / "q4k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, rows in (("blk.0.attn_q.weight", raw), ("blk.0.ffn_down.weight", down)):
+        writer.add_tensor(name, rows.numpy(), raw_dtype=gguf.GGMLQuantizationType.Q4_K)  # shape: from its bytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    class Config:
+        num_attention_heads, num_key_value_heads = 4, 4
+
+    weights = read_gguf(path, Config(), torch.float32)
+    q, ffn = weights["model.layers.0.self_attn.q_proj.weight"], weights["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(q, BlockWeight) and q.format == "q4_k" and isinstance(ffn, BlockWeight) and ffn.format == "q4_k"
+    assert torch.equal(ffn.dequantize(), quantized.from_q4_k(down, 256).dequantize())
+    hf_rows = torch.arange(64).reshape(4, 8, 2).transpose(1, 2).reshape(64)  # llama.cpp's rotary interleave undone
+    assert torch.equal(q.dequantize(), quantized.from_q4_k(raw, 512).dequantize()[hf_rows])
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quantized.from_q4_k(random_q4_k(4, 256), 128)
 
 
 def test_blocks_refuse_what_they_cannot_hold():
@@ -149,6 +198,51 @@ def test_a_quantized_runner_steps_in_one_call_and_answers_as_its_floats():
             want = floats.prefill(prompt).logits.double().log_softmax(-1)
             got = engine.runner.prefill(prompt).logits.double().log_softmax(-1)
             assert (want.exp() * (want - got)).sum() < bound, bits
+
+
+def q4_k_of(weight: torch.Tensor) -> torch.Tensor:
+    """Floats [N, K] -> GGUF Q4_K rows, quantized plainly (llama.cpp searches its scales; this
+    takes each block's range): per 32 weights a 6-bit scale and minimum under the super-block's
+    fp16 d and dmin, codes round((w + dmin n) / (d s))."""
+    n, k = weight.shape
+    w = weight.double().reshape(n, k // 256, 8, 32)
+    low = w.amin(-1).clamp(max=0)
+    step = ((w.amax(-1) - low) / 15).clamp(min=1e-12)
+    d = (step.amax(-1, keepdim=True) / 63).half()
+    dmin = ((-low).amax(-1, keepdim=True).clamp(min=1e-12) / 63).half()
+    scales = (step / d.double()).round().clamp(1, 63).to(torch.int32)
+    mins = (-low / dmin.double()).round().clamp(0, 63).to(torch.int32)
+    codes = ((w + (dmin.double() * mins)[..., None]) / (d.double() * scales)[..., None]).round().clamp(0, 15)
+    codes = codes.to(torch.uint8).reshape(n, k // 256, 4, 2, 32)
+    qs = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(n, k // 256, 128)
+    packed = torch.cat([(scales[..., :4] & 63) | ((scales[..., 4:] >> 4) << 6),
+                        (mins[..., :4] & 63) | ((mins[..., 4:] >> 4) << 6),
+                        (scales[..., 4:] & 15) | ((mins[..., 4:] & 15) << 4)], dim=-1).to(torch.uint8)
+    return torch.cat([d.view(torch.uint8), dmin.view(torch.uint8), packed, qs], dim=-1).reshape(n, -1)
+
+
+def test_q4_k_weights_step_in_one_call_and_answer_as_their_floats():
+    """The default model from its GGUF with every down projection made Q4_K (the one width of this
+    model that holds whole 256-weight super-blocks): the fused decode step gives the bits of the
+    layer-by-layer one, and the next-token distributions are those of the same values as floats."""
+    loaded = load_model("default", dtype="float32", module=False, quantization="gguf")
+    floats = load_model("default", dtype="float32", module=False)
+    for name, weight in list(loaded.tensors.items()):
+        if name.endswith("down_proj.weight"):
+            blocks = quantized.from_q4_k(q4_k_of(weight.dequantize()), weight.in_features)
+            loaded.tensors[name], floats.tensors[name] = blocks, blocks.dequantize()
+    engine = LocalEngine(loaded, DecodeConfig(max_rows=2))
+    assert {layer.down.format for layer in engine.runner.layers} == {"q4_k"}
+    prompts = [loaded.encode_chat([{"role": "user", "content": q}])
+               for q in ("What is the capital of France?", "Name three colours.")]
+    fused = engine.generate(prompts, GREEDY)
+    engine.runner.decode_layers = None  # layer by layer from Python, the same kernels
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == [o.token_ids for o in fused]
+    reference = make_runner(floats)
+    for prompt in prompts:
+        want = reference.prefill(prompt).logits.double().log_softmax(-1)
+        got = engine.runner.prefill(prompt).logits.double().log_softmax(-1)
+        assert (want.exp() * (want - got)).sum() < 1e-4
 
 
 def test_int8_is_made_at_load_and_refused_where_8_bits_lose_too_much(tmp_path):

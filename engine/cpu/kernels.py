@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels.c")
 SOURCES = (SOURCE, *(Path(__file__).with_name(name) for name in ("kernels_typed.h", "quantized.h")))  # kernels.c includes them
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+SIXTEEN_BIT_INPUTS = 8  # added to a quantized format's code: its inputs go to 16-bit codes (quantized.h)
 
 
 @functools.cache
@@ -240,7 +241,7 @@ class DecodeLayers:
                                  "float32 norms and biases")
             if layer.o.bias is not None or layer.gate_up.bias is not None or layer.down.bias is not None:
                 raise ValueError("the fused decode step has no bias for the O, gate/up and down projections")
-            tensors.append((row, [linear.code + (4 if linear.code and linear.input_bits == 16 else 0)
+            tensors.append((row, [linear.code + (SIXTEEN_BIT_INPUTS if linear.code and linear.input_bits == 16 else 0)
                                   for linear in linears]))
         self._held = [t for row, _ in tensors for t in row if t is not None]  # C reads their addresses
         self.addresses = torch.tensor([[0 if t is None else t.data_ptr() for t in row] + codes

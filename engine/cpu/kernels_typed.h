@@ -125,14 +125,16 @@ int NAME(baton_small_gemm)(const float *x, const ELEMENT *packed, float *out, in
 }
 
 /* A linear layer whose weight is panels of ELEMENT (FORMAT_FLOAT) or quantized panels (format:
- * the quantized format, plus 4 where its inputs are quantized to 16 bits rather than 8). */
+ * the quantized format, plus FORMAT_16_BIT_INPUTS where its inputs are quantized to 16 bits
+ * rather than 8). */
 static int NAME(linear)(int64_t format, const float *x, const void *w, float *out, int64_t M, int64_t K, int64_t N,
                         int threads, float *xt) {
   if (format == FORMAT_FLOAT) {
     NAME(gemm)(x, (const ELEMENT *)w, out, M, K, N, threads, xt);
     return 0;
   }
-  return quant_gemm(format & 3, format >> 2, x, (const uint8_t *)w, out, M, K, N, threads);
+  return quant_gemm(format % FORMAT_16_BIT_INPUTS, format / FORMAT_16_BIT_INPUTS, x, (const uint8_t *)w, out, M, K, N,
+                    threads);
 }
 
 /* Attention of one (query token, KV head): its `group` query heads (qg, [group, D] fp32) over n
@@ -583,7 +585,7 @@ int NAME(baton_prefill_attention)(const float *q, int64_t q_row_stride, int64_t 
  * h: [R, H] fp32, the residual stream, updated in place. weights: per layer 7 addresses (input
  * norm fp32, packed QKV, QKV bias fp32 or 0, packed O, post norm fp32, packed gate/up, packed
  * down), then the formats of QKV, O, gate/up and down (FORMAT_FLOAT: panels of ELEMENT; else
- * quantized panels, quantized.h, plus 4 for 16-bit inputs). cos, signed_sin: [R, D] fp32. kv: the paged KV [layers, 2, pages, Hkv, P, D] given by its
+ * quantized panels, quantized.h, plus FORMAT_16_BIT_INPUTS for 16-bit inputs). cos, signed_sin: [R, D] fp32. kv: the paged KV [layers, 2, pages, Hkv, P, D] given by its
  * strides in elements; table: each row's pages (table_stride apart); lengths: each row's tokens,
  * this step's included, which is stored at position lengths[r] - 1. Returns 0, or -1 when out of
  * memory. */

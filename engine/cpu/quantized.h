@@ -10,6 +10,8 @@
  *   Q8_0: d dx (sum (q + 128) xq - 128 sum xq)      (weights stored as the unsigned q + 128)
  *   Q4_0: d dx (sum q xq - 8 sum xq)
  *   Q4_1: d dx sum q xq + m sum x                    (sum x: the row's floats, in k order)
+ *   Q4_K: as Q4_1, with an fp32 d and m (GGUF's Q4_K: a 256-weight super-block's fp16 d and dmin
+ *         times each 32-weight block's 6-bit scale and minimum, products exact in fp32)
  * to the feature's fp32 sum, blocks in k order. Widening each weight to fp32 instead took as many
  * vector instructions a weight as reading bf16 does, and a few rows are compute-bound on a CPU
  * core: int8 dots do a block in a quarter of them. Everything a row's result depends on (its own
@@ -17,16 +19,21 @@
  * holds, and the integers are the same on any CPU.
  *
  * A panel is K / 32 blocks in k order; a block holds, for its 16 features, 16 fp16 scales (Q4_1:
- * then 16 fp16 minimums), then the codes in groups of four consecutive k, a group's 16 features
- * side by side (64 bytes, one vector: feature j's four bytes in lane j):
+ * then 16 fp16 minimums; Q4_K: 16 fp32 scales, 16 fp32 minimums), then the codes in groups of four
+ * consecutive k, a group's 16 features side by side (64 bytes, one vector: feature j's four bytes
+ * in lane j):
  *   Q8_0: 8 groups (k = 4g .. 4g + 3) of q + 128                           (32 + 512 bytes)
- *   Q4:   4 groups of bytes q[4g + i] | q[16 + 4g + i] << 4, GGUF's own bytes (32 or 64 + 256)
+ *   Q4:   4 groups of bytes q[4g + i] | q[16 + 4g + i] << 4, GGUF's own bytes (32, 64 or 128 + 256)
  * so packing moves whole bytes (Q8_0: flips their top bit) and the bytes a step reads are the
- * file's. */
-enum { FORMAT_FLOAT = 0, FORMAT_Q8_0 = 1, FORMAT_Q4_0 = 2, FORMAT_Q4_1 = 3 };
+ * file's (Q4_K's codes are laid out as Q4_1's at load: 6 bits a weight in memory, not the file's 4.5,
+ * so that its blocks run through the same kernel). */
+enum { FORMAT_FLOAT = 0, FORMAT_Q8_0 = 1, FORMAT_Q4_0 = 2, FORMAT_Q4_1 = 3, FORMAT_Q4_K = 4 };
+#define FORMAT_16_BIT_INPUTS 8 /* added to a format code: its inputs are quantized to 16 bits */
 #define QBLOCK 32
 
-static inline int64_t quant_head_bytes(int64_t format) { return format == FORMAT_Q4_1 ? 64 : 32; }
+static inline int64_t quant_head_bytes(int64_t format) {
+  return format == FORMAT_Q4_K ? 128 : format == FORMAT_Q4_1 ? 64 : 32;
+}
 static inline int64_t quant_block_bytes(int64_t format) {
   return quant_head_bytes(format) + (format == FORMAT_Q8_0 ? QBLOCK * PANEL : QBLOCK / 2 * PANEL);
 }
@@ -60,6 +67,12 @@ static inline v16 load16_half(const void *p) {
   }
   return out;
 #endif
+}
+
+static inline v16 load16_float(const void *p) {
+  v16 out;
+  memcpy(&out, p, sizeof(out));
+  return out;
 }
 
 /* 16 lanes of int32: lane j += the dot product of the four unsigned bytes of lane j of w with the
@@ -160,13 +173,16 @@ struct quantized_rows {
           }                                                                                        \
         }                                                                                          \
       }                                                                                            \
-      const v16 d = load16_half(block);                                                            \
+      const v16 d = F == FORMAT_Q4_K ? load16_float(block) : load16_half(block);                   \
+      const v16 mins = F == FORMAT_Q4_K   ? load16_float(block + 64)                             \
+                       : F == FORMAT_Q4_1 ? load16_half(block + 32)                              \
+                                          : d; /* no minimums */                                 \
       for (int m = 0; m < M; ++m) {                                                                \
         const int64_t at = (row0 + m) * x.blocks + b;                                              \
         v16d sum = P ? add16d(shift8(one[m]), two[m]) : add16d(one[m], two[m]);                    \
         if (offset) sum = minus_times(sum, offset, x.code_sum[at]);                                \
         acc[m] += int_to_float(sum) * (d * x.scale[at]);                                           \
-        if (F == FORMAT_Q4_1) acc[m] += load16_half(block + 32) * x.sum[at];                       \
+        if (F == FORMAT_Q4_1 || F == FORMAT_Q4_K) acc[m] += mins * x.sum[at];                      \
       }                                                                                            \
     }                                                                                              \
     const int64_t width = N - col < PANEL ? N - col : PANEL;                                       \
@@ -177,7 +193,9 @@ struct quantized_rows {
   QUANT_PANEL_KERNEL(4, F, P) QUANT_PANEL_KERNEL(5, F, P) QUANT_PANEL_KERNEL(6, F, P)              \
   QUANT_PANEL_KERNEL(7, F, P) QUANT_PANEL_KERNEL(8, F, P)
 QUANT_PANEL_KERNELS(1, 0) QUANT_PANEL_KERNELS(2, 0) QUANT_PANEL_KERNELS(3, 0) /* Q8_0, Q4_0, Q4_1; 8-bit */
+QUANT_PANEL_KERNELS(4, 0)                                                       /* Q4_K */
 QUANT_PANEL_KERNELS(1, 1) QUANT_PANEL_KERNELS(2, 1) QUANT_PANEL_KERNELS(3, 1) /* 16-bit inputs */
+QUANT_PANEL_KERNELS(4, 1)
 #undef QUANT_PANEL_KERNELS
 #undef QUANT_PANEL_KERNEL
 
@@ -185,9 +203,9 @@ typedef void (*quant_panel_fn)(const struct quantized_rows *, int64_t, const uin
 #define QUANT_ROW_COUNTS(F, P)                                                                     \
   {0, quant_panel_##F##_##P##_1, quant_panel_##F##_##P##_2, quant_panel_##F##_##P##_3, quant_panel_##F##_##P##_4, \
    quant_panel_##F##_##P##_5, quant_panel_##F##_##P##_6, quant_panel_##F##_##P##_7, quant_panel_##F##_##P##_8}
-static const quant_panel_fn QUANT_PANELS[2][4][9] = {
-    {{0}, QUANT_ROW_COUNTS(1, 0), QUANT_ROW_COUNTS(2, 0), QUANT_ROW_COUNTS(3, 0)},
-    {{0}, QUANT_ROW_COUNTS(1, 1), QUANT_ROW_COUNTS(2, 1), QUANT_ROW_COUNTS(3, 1)}};
+static const quant_panel_fn QUANT_PANELS[2][5][9] = {
+    {{0}, QUANT_ROW_COUNTS(1, 0), QUANT_ROW_COUNTS(2, 0), QUANT_ROW_COUNTS(3, 0), QUANT_ROW_COUNTS(4, 0)},
+    {{0}, QUANT_ROW_COUNTS(1, 1), QUANT_ROW_COUNTS(2, 1), QUANT_ROW_COUNTS(3, 1), QUANT_ROW_COUNTS(4, 1)}};
 #undef QUANT_ROW_COUNTS
 
 /* Row r of x [M, K] per block of 32, with dx = max |x| / 127: 8-bit codes round(x / dx) (to
@@ -264,6 +282,6 @@ static int quant_gemm(int64_t format, int precise, const float *x, const uint8_t
 
 int baton_quant_gemm(int64_t format, int64_t precise, const float *x, const uint8_t *packed, float *out, int64_t M,
                      int64_t K, int64_t N, int threads) {
-  if (format < FORMAT_Q8_0 || format > FORMAT_Q4_1 || K % QBLOCK) return -2;
+  if (format < FORMAT_Q8_0 || format > FORMAT_Q4_K || K % QBLOCK) return -2;
   return quant_gemm(format, precise != 0, x, packed, out, M, K, N, threads);
 }
