@@ -412,6 +412,16 @@ class LlamaRunner:
         return self._prefill(prompts, prefix)
 
     @torch.no_grad()
+    def prefill_on_own_heads(self, token_ids: list[int], prefix: SequenceKV | None) -> PrefillOutput:
+        """prefill, continuing a prefix of which this rank holds its own KV heads only ([layers, 2,
+        own heads, C, D]: a tensor-parallel rank's kept chunks, engine.tensor_parallel). The new
+        tokens' KV comes back whole, as from prefill; the prefix does not (rank 0 holds it whole)."""
+        cached = prefix.num_tokens if prefix is not None else 0
+        if not 0 <= cached < len(token_ids):
+            raise ValueError(f"a prefix of {cached} tokens must be shorter than the {len(token_ids)}-token prompt")
+        return self._prefill([token_ids], prefix, own_heads=True)[0]
+
+    @torch.no_grad()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """The next-token logits after every token of a prompt: [T, vocab] float32 (a text's
         perplexity, its tokens' log-probabilities)."""
@@ -419,7 +429,9 @@ class LlamaRunner:
             raise ValueError("prompt_logits needs at least one token")
         return self._prefill([token_ids], None, every_position=True)
 
-    def _prefill(self, prompts: list[list[int]], prefix: SequenceKV | None, every_position: bool = False):
+    def _prefill(self, prompts: list[list[int]], prefix: SequenceKV | None, every_position: bool = False,
+                 own_heads: bool = False):
+        """own_heads: `prefix` holds this rank's KV heads only (`prefill_on_own_heads`)."""
         cached = prefix.num_tokens if prefix is not None else 0
         suffixes = [p[cached:] for p in prompts]
         b, t = len(prompts), max(map(len, suffixes))
@@ -431,7 +443,7 @@ class LlamaRunner:
         # prompt's attention reads (a BatchLLM group's members reference it, none copies it)
         kv = torch.empty(len(self.layers), 2, b, self.num_kv_heads, t, self.head_dim,
                          dtype=self.dtype, device=self.device)
-        shared = self._own_heads(prefix.data).to(kv) if cached else None
+        shared = (prefix.data if own_heads else self._own_heads(prefix.data)).to(kv) if cached else None
         rotary = self._rotary(positions)
         h = self._embed(ids.view(-1))  # [B * T, hidden]
         fused = self.layout == "triton"
@@ -458,7 +470,7 @@ class LlamaRunner:
         logits = self._logits(self._rms_norm(h[last], self.norm)).float()  # [B, vocab]
         if self.tp is not None:  # the KV leaves the worker whole: every rank's heads
             kv = self.tp.all_gather(kv, 3, self.widths["kv_heads"])
-            shared = prefix.data.to(kv) if cached else None
+            shared = prefix.data.to(kv) if cached and not own_heads else None
         self.prompt_tokens_forwarded += sum(map(len, suffixes))
         own = (kv[:, :, i, :, :len(s)] for i, s in enumerate(suffixes))
         reference = SequenceKV(shared) if shared is not None else None

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -51,8 +52,67 @@ def _compact(kv: SequenceKV | None) -> SequenceKV | None:
     return SequenceKV(kv.data.clone())
 
 
-def execute(runner, pools: dict[int, PagedKV], op: str, args: tuple):
+class KeptChunks:
+    """A rank's own KV heads of the prompts being prefilled a chunk at a time: each chunk continues
+    what its rank kept of the chunks before, so no chunk sends the prompt's KV so far to the ranks
+    again (that moved O(n^2) bytes between them for an n-token prompt). Every rank runs the same
+    calls on it in the same order, so rank 0's tells what all of them hold. At most LIMIT prompts;
+    a prompt evicted (or never told to end) is sent whole again at its next chunk."""
+
+    LIMIT = 8
+
+    def __init__(self):
+        self.prompts: OrderedDict[str, tuple[torch.Tensor, int]] = OrderedDict()  # key -> (buffer, tokens)
+
+    def holds(self, key: str, tokens: int) -> bool:
+        return key in self.prompts and self.prompts[key][1] == tokens
+
+    def prefix(self, key: str) -> SequenceKV:
+        buffer, tokens = self.prompts[key]
+        return SequenceKV(buffer[:, :, :, :tokens])
+
+    def extend(self, key: str, runner, prefix: SequenceKV | None, own_prefix: bool, new: SequenceKV,
+               total: int) -> None:
+        """The prompt's KV so far is `prefix` (whole, or this rank's heads if `own_prefix`) and then
+        `new` (whole): keep this rank's heads of both, in a buffer sized for all `total` tokens."""
+        held = self.prompts.pop(key, None)
+        start = prefix.num_tokens if prefix is not None else 0
+        if held is None or held[1] != start:
+            mine = runner._own_heads(new.data)
+            buffer = torch.empty(*mine.shape[:3], total, mine.shape[4], dtype=mine.dtype, device=mine.device)
+            if start:
+                buffer[:, :, :, :start] = prefix.data if own_prefix else runner._own_heads(prefix.data)
+            held = (buffer, start)
+        buffer = held[0]
+        end = start + new.num_tokens
+        buffer[:, :, :, start:end] = runner._own_heads(new.data)
+        self.prompts[key] = (buffer, end)
+        while len(self.prompts) > self.LIMIT:
+            self.prompts.popitem(last=False)
+
+    def drop(self, key: str) -> None:
+        self.prompts.pop(key, None)
+
+
+KEPT = "kept"  # a prefill_chunk's prefix: what each rank kept of the prompt's chunks before
+
+
+def execute(runner, pools: dict[int, PagedKV], kept: KeptChunks, op: str, args: tuple):
     """Run one broadcast call on this rank (rank 0 included, so every rank runs the same code)."""
+    if op == "prefill_chunk":
+        key, tokens, prefix, total = args
+        own = prefix == KEPT
+        if own:
+            prefix = kept.prefix(key)
+        out = runner.prefill_on_own_heads(tokens, prefix) if own else runner.prefill(tokens, prefix)
+        if len(tokens) < total:
+            kept.extend(key, runner, prefix, own, out.own, total)
+        else:  # the last chunk
+            kept.drop(key)
+        return out
+    if op == "kept_drop":
+        kept.drop(args[0])
+        return None
     if op == "kv_alloc":
         pool_id, num_pages, page_size = args
         shape = dataclasses.replace(runner.loaded.kv_shape, num_kv_heads=runner.num_kv_heads)
@@ -83,6 +143,7 @@ class TensorParallelRunner:
         self.ranks = ranks or []
         self.stopping = stopping or threading.Event()  # set: the ranks' exits are expected
         self.pools: dict[int, PagedKV] = {}
+        self.kept = KeptChunks()
         self._ids = itertools.count()
         self._lock = threading.RLock()  # one call at a time across ranks; a nested one from between_layers
         self._between: object = None
@@ -113,7 +174,7 @@ class TensorParallelRunner:
         with self._lock:
             try:
                 self.group.broadcast((op, args, self._between is not None))
-                return execute(self.runner, self.pools, op, args)
+                return execute(self.runner, self.pools, self.kept, op, args)
             except ValueError:  # a refused input: every rank refused it alike, before any collective
                 raise
             except Exception as exc:  # a rank gone mid-call: the ranks can no longer agree on anything
@@ -130,6 +191,19 @@ class TensorParallelRunner:
 
     def prompt_logits(self, token_ids: list[int]):
         return self._call("prompt_logits", token_ids)
+
+    def prefill_chunk(self, key: str, token_ids: list[int], prefix: SequenceKV | None, total: int):
+        """One chunk of a long prompt (`key`: the prompt's, `total`: its length): `prefill` of
+        token_ids on the KV so far, `prefix`, which is sent to the ranks only when they do not
+        keep it from the chunks before (`KeptChunks`). As `prefill`'s output, its prefix whole."""
+        with self._lock:
+            kept = prefix is not None and self.kept.holds(key, prefix.num_tokens)
+            out = self._call("prefill_chunk", key, token_ids, KEPT if kept else _compact(prefix), total)
+        return dataclasses.replace(out, prefix=prefix) if kept else out
+
+    def end_chunks(self, key: str) -> None:
+        """The ranks forget what they keep of a chunked prompt that ended before its last chunk."""
+        self._call("kept_drop", key)
 
     def decode(self, kv: "ShardedKV", step, input_ids: list[int]):
         return self._call("decode", kv.pool_id, step, input_ids)
@@ -279,13 +353,14 @@ def _end_with_parent() -> None:
 def follow(runner, group: Group) -> None:
     """Ranks 1.. : run rank 0's calls until it says STOP."""
     pools: dict[int, PagedKV] = {}
+    kept = KeptChunks()
 
     def serve(message) -> None:
         op, args, pausable = message
         saved = runner.between_layers
         runner.between_layers = boundary if pausable else None
         try:
-            execute(runner, pools, op, args)
+            execute(runner, pools, kept, op, args)
         except ValueError as exc:  # rank 0 raised the same on the same input and told its caller
             log.debug("tensor-parallel call %s refused: %s", op, exc)
         finally:

@@ -9,6 +9,7 @@ partial block, so members reuse the shared prefix to the token, not just to the 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ class Chunked:
     buffer: torch.Tensor = field(repr=False)  # [layers, 2, kv_heads, prompt tokens, head_dim]
     done: int
     chunks: int = 0
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)  # a tensor-parallel runner's name for it
 
     @property
     def kv(self) -> SequenceKV | None:
@@ -192,7 +194,11 @@ class PrefillCore:
             raise ValueError(f"a chunk needs at least one token (got a budget of {budget})")
         prompt = chunked.request.prompt_token_ids
         start, end = chunked.done, min(len(prompt), chunked.done + budget)
-        out = self.runner.prefill_batch([prompt[:end]], chunked.kv)[0]
+        chunk = getattr(self.runner, "prefill_chunk", None)  # tensor parallel: each rank keeps its heads of it
+        if chunk is not None:
+            out = chunk(chunked.key, prompt[:end], chunked.kv, len(prompt))
+        else:
+            out = self.runner.prefill_batch([prompt[:end]], chunked.kv)[0]
         chunked.buffer[:, :, :, start:end].copy_(joined(out.prefix, out.own, start).data)  # a view for Baton's executor
         chunked.done = end
         chunked.chunks += 1
@@ -203,6 +209,13 @@ class PrefillCore:
             self._remember(chunked.plan.hashes[:end // self.block_size], whole.prefix, whole.own)
             return None
         return self._finish(chunked.request, chunked.plan, whole)
+
+    def end_chunks(self, chunked: "Chunked") -> None:
+        """A chunked prompt ended before its last chunk (cancelled, failed): whatever the runner
+        keeps of it goes."""
+        end = getattr(self.runner, "end_chunks", None)
+        if end is not None and chunked.done < len(chunked.request.prompt_token_ids):
+            end(chunked.key)
 
     def _run_on_prefix(self, prompts: list[list[int]], plan: Reuse) -> list[PrefillOutput]:
         """Prefill prompts that share `plan`'s cached blocks and pinned partial block; with

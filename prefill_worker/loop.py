@@ -374,6 +374,7 @@ class PrefillLoop:
         job, chunked = self._chunking[pick]
         if job.cancelled:
             del self._chunking[pick]
+            self.core.end_chunks(chunked)
             job.end_stream("cancelled")
             job.done.set_exception(RequestError("cancelled"))
             return
@@ -383,6 +384,7 @@ class PrefillLoop:
         except Exception as exc:  # this prompt alone fails
             log.exception("chunked prefill of request %s failed", job.request.request_id)
             del self._chunking[pick]
+            self.core.end_chunks(chunked)
             job.end_stream("its prefill failed")
             job.done.set_exception(exc)
             return

@@ -83,6 +83,48 @@ def test_collectives_too_large_for_shared_memory_go_through_gloo_with_the_same_b
         two.close()
 
 
+def test_prompts_prefilled_in_chunks_send_the_ranks_only_their_new_tokens():
+    """Each rank keeps its heads of a chunked prompt's KV so far, so a chunk's call carries its
+    tokens and not that KV (it carried all of it before: O(n^2) bytes for an n-token prompt), and
+    two prompts' chunks interleaved give the bits of TP=1's whole prefill."""
+    import pickle
+
+    from baton.engine.request import GenerationRequest
+    from baton.prefill_worker.core import PrefillCore
+    from baton.sampling import SamplingParams
+
+    settings = dict(name="tiny-random", dtype="float32")
+    prompts = [list(range(100, 400)), list(range(900, 1130))]
+    one = load_runner(ModelSettings(**settings))
+    want = [one.prefill(p) for p in prompts]
+    two = load_runner(ModelSettings(**settings, tensor_parallel_size=2))
+    try:
+        sent, broadcast = [], two.group.broadcast
+        two.group.broadcast = lambda obj=None: (sent.append(len(pickle.dumps(obj))), broadcast(obj))[1]
+        core = PrefillCore(two, prefix_cache_bytes=0)
+        chunked = [core.begin_chunks(GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=1)))
+                   for i, p in enumerate(prompts)]
+        done = [None, None]
+        while None in done:
+            for i, c in enumerate(chunked):
+                if done[i] is None:
+                    done[i] = core.advance(c, 64)
+                    assert done[i] is not None or two.kept.holds(c.key, c.done)
+        assert not two.kept.prompts  # each prompt's last chunk let its KV go
+        for got, expected in zip(done, want):
+            assert torch.equal(got.whole_kv().data, expected.kv.data)
+            assert got.first_token == int(expected.logits.argmax())
+        assert max(sent) < 64 * two.loaded.kv_shape.bytes_per_token()  # not even one chunk's KV
+        # a prompt that ends before its last chunk (cancelled) is forgotten on every rank
+        ended = core.begin_chunks(GenerationRequest("r2", prompts[0], SamplingParams(max_tokens=1)))
+        assert core.advance(ended, 64) is None and two.kept.holds(ended.key, 64)
+        core.end_chunks(ended)
+        assert not two.kept.prompts
+        assert torch.equal(two.prefill(prompts[1]).logits, want[1].logits)  # the ranks are in step
+    finally:
+        two.close()
+
+
 def test_a_forward_paused_between_layers_runs_nested_forwards_on_every_rank():
     """A prefill worker runs urgent prompts between two layers of a long forward: on a TP worker
     the other ranks run them there too, and neither forward changes."""
