@@ -101,7 +101,7 @@ def execute(runner, pools: dict[int, PagedKV], kept: KeptChunks, op: str, args: 
     """Run one broadcast call on this rank (rank 0 included, so every rank runs the same code)."""
     if op == "prefill_chunk":
         key, tokens, prefix, total = args
-        own = prefix == KEPT
+        own = isinstance(prefix, str)  # KEPT
         if own:
             prefix = kept.prefix(key)
         out = runner.prefill_on_own_heads(tokens, prefix) if own else runner.prefill(tokens, prefix)
