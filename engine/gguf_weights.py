@@ -61,10 +61,9 @@ def read_gguf(path: Path, cfg, dtype: torch.dtype, progress=lambda nbytes: None)
         kind = tensor.tensor_type.name.lower()
         raw = np.asarray(tensor.data)
         progress(raw.nbytes)
-        if kind == "q4_k" and raw.ndim == 2:
-            weight = from_q4_k(torch.from_numpy(raw.copy()), int(tensor.shape[0]))
-        elif kind in FORMATS and kind != "q4_k":
-            weight = BlockWeight(kind, torch.from_numpy(raw.copy()).reshape(raw.shape[0], -1), int(tensor.shape[0]))
+        if kind in FORMATS:
+            rows, width = torch.from_numpy(raw.copy()).reshape(raw.shape[0], -1), int(tensor.shape[0])
+            weight = from_q4_k(rows, width) if kind == "q4_k" else BlockWeight(kind, rows, width)
         elif kind in ("f32", "f16", "bf16"):
             values = torch.from_numpy(raw.copy())
             if kind == "bf16":

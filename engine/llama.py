@@ -395,11 +395,14 @@ class LlamaRunner:
     # -- prefill ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def prefill(self, token_ids: list[int], prefix: SequenceKV | None = None) -> PrefillOutput:
+    def prefill(self, token_ids: list[int], prefix: SequenceKV | None = None, own_heads: bool = False) -> PrefillOutput:
+        """own_heads: `prefix` holds this rank's KV heads only ([layers, 2, own heads, C, D]: a
+        tensor-parallel rank's kept chunks, engine.tensor_parallel); the new tokens' KV still comes
+        back whole, the prefix does not (rank 0 holds it whole)."""
         cached = prefix.num_tokens if prefix is not None else 0
         if not 0 <= cached < len(token_ids):
             raise ValueError(f"a prefix of {cached} tokens must be shorter than the {len(token_ids)}-token prompt")
-        return self._prefill([token_ids], prefix)[0]
+        return self._prefill([token_ids], prefix, own_heads=own_heads)[0]
 
     @torch.no_grad()
     def prefill_batch(self, prompts: list[list[int]], prefix: SequenceKV | None = None) -> list[PrefillOutput]:
@@ -412,16 +415,6 @@ class LlamaRunner:
         return self._prefill(prompts, prefix)
 
     @torch.no_grad()
-    def prefill_on_own_heads(self, token_ids: list[int], prefix: SequenceKV | None) -> PrefillOutput:
-        """prefill, continuing a prefix of which this rank holds its own KV heads only ([layers, 2,
-        own heads, C, D]: a tensor-parallel rank's kept chunks, engine.tensor_parallel). The new
-        tokens' KV comes back whole, as from prefill; the prefix does not (rank 0 holds it whole)."""
-        cached = prefix.num_tokens if prefix is not None else 0
-        if not 0 <= cached < len(token_ids):
-            raise ValueError(f"a prefix of {cached} tokens must be shorter than the {len(token_ids)}-token prompt")
-        return self._prefill([token_ids], prefix, own_heads=True)[0]
-
-    @torch.no_grad()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """The next-token logits after every token of a prompt: [T, vocab] float32 (a text's
         perplexity, its tokens' log-probabilities)."""
@@ -431,7 +424,7 @@ class LlamaRunner:
 
     def _prefill(self, prompts: list[list[int]], prefix: SequenceKV | None, every_position: bool = False,
                  own_heads: bool = False):
-        """own_heads: `prefix` holds this rank's KV heads only (`prefill_on_own_heads`)."""
+        """own_heads: `prefix` holds this rank's KV heads only (`prefill`)."""
         cached = prefix.num_tokens if prefix is not None else 0
         suffixes = [p[cached:] for p in prompts]
         b, t = len(prompts), max(map(len, suffixes))

@@ -103,10 +103,13 @@ class PagedKV:
     def page_bytes(self) -> int:
         return self.page_size * self.shape.bytes_per_token()
 
-    def _slots(self, table: list[int], start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Page ids and in-page slots of tokens [start, start + count)."""
+    def _check(self, table: list[int], start: int, count: int) -> None:
         if start < 0 or start + count > len(table) * self.page_size:
             raise ValueError(f"tokens [{start}, {start + count}) do not fit {len(table)} pages of {self.page_size}")
+
+    def _slots(self, table: list[int], start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page ids and in-page slots of tokens [start, start + count)."""
+        self._check(table, start, count)
         positions = torch.arange(start, start + count)
         pages = torch.tensor(table, dtype=torch.int64)[positions // self.page_size]
         return pages.to(self.device), (positions % self.page_size).to(self.device)
@@ -114,7 +117,7 @@ class PagedKV:
     def _spans(self, table: list[int], start: int, count: int):
         """(page id, first slot, tokens' offset from `start`, how many) of each page tokens
         [start, start + count) of the row lie in, in order."""
-        self._slots(table, start, count)  # checks the range
+        self._check(table, start, count)
         at, size = start, self.page_size
         while at < start + count:
             slot = at % size
@@ -144,11 +147,9 @@ class PagedKV:
         if self.device.type != "cpu":  # one gather kernel, not a launch per page
             pages, slots = self._slots(table, start, num_tokens - start)
             return SequenceKV(to_host(self.pages[:, :, pages, :, slots].permute(1, 2, 3, 0, 4).contiguous()))
-        out = torch.empty(*self._shape_of(max(0, num_tokens - start)), dtype=self.pages.dtype, device=self.device)
+        shape = self.shape
+        out = torch.empty(shape.num_layers, 2, shape.num_kv_heads, max(0, num_tokens - start), shape.head_dim,
+                          dtype=self.pages.dtype, device=self.device)
         for page, slot, at, take in self._spans(table, start, num_tokens - start):
             out[:, :, :, at:at + take] = self.pages[:, :, page, :, slot:slot + take]
         return SequenceKV(to_host(out))
-
-    def _shape_of(self, tokens: int) -> tuple[int, ...]:
-        """A SequenceKV's shape for `tokens` tokens of this batch's KV."""
-        return (self.shape.num_layers, 2, self.shape.num_kv_heads, tokens, self.shape.head_dim)

@@ -119,17 +119,18 @@ def panel_rows(format: str, packed: torch.Tensor, index: torch.Tensor, in_featur
 
 def _values(format: str, blocks: torch.Tensor) -> torch.Tensor:
     """Blocks uint8 [..., block bytes] -> float32 [..., 32] (gguf-py's arithmetic)."""
-    (at, width), *rest = _FIELDS[format]
-    d = blocks[..., at:at + width].contiguous().view(torch.float16 if width == 2 else torch.float32).float()
+    def field(at: int, width: int) -> torch.Tensor:  # [..., 1] float32
+        return blocks[..., at:at + width].contiguous().view(torch.float16 if width == 2 else torch.float32).float()
+
+    scale, *minimum = _FIELDS[format]
+    d = field(*scale)
     if format == "q8_0":
         return d * blocks[..., 2:].contiguous().view(torch.int8).float()
     packed = blocks[..., _head(format):]
     codes = torch.cat([packed & 15, packed >> 4], dim=-1)
     if format == "q4_0":
         return d * (codes.to(torch.int8) - 8).float()
-    at, width = rest[0]
-    m = blocks[..., at:at + width].contiguous().view(torch.float16 if width == 2 else torch.float32).float()
-    return d * codes.float() + m
+    return d * codes.float() + field(*minimum[0])
 
 
 def from_q4_k(data: torch.Tensor, in_features: int) -> BlockWeight:

@@ -75,17 +75,16 @@ class KeptChunks:
                total: int) -> None:
         """The prompt's KV so far is `prefix` (whole, or this rank's heads if `own_prefix`) and then
         `new` (whole): keep this rank's heads of both, in a buffer sized for all `total` tokens."""
-        held = self.prompts.pop(key, None)
+        held, mine = self.prompts.pop(key, None), runner._own_heads(new.data)
         start = prefix.num_tokens if prefix is not None else 0
         if held is None or held[1] != start:
-            mine = runner._own_heads(new.data)
             buffer = torch.empty(*mine.shape[:3], total, mine.shape[4], dtype=mine.dtype, device=mine.device)
             if start:
                 buffer[:, :, :, :start] = prefix.data if own_prefix else runner._own_heads(prefix.data)
             held = (buffer, start)
         buffer = held[0]
         end = start + new.num_tokens
-        buffer[:, :, :, start:end] = runner._own_heads(new.data)
+        buffer[:, :, :, start:end] = mine
         self.prompts[key] = (buffer, end)
         while len(self.prompts) > self.LIMIT:
             self.prompts.popitem(last=False)
@@ -104,7 +103,7 @@ def execute(runner, pools: dict[int, PagedKV], kept: KeptChunks, op: str, args: 
         own = isinstance(prefix, str)  # KEPT
         if own:
             prefix = kept.prefix(key)
-        out = runner.prefill_on_own_heads(tokens, prefix) if own else runner.prefill(tokens, prefix)
+        out = runner.prefill(tokens, prefix, own_heads=own)
         if len(tokens) < total:
             kept.extend(key, runner, prefix, own, out.own, total)
         else:  # the last chunk
