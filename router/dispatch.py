@@ -82,10 +82,11 @@ class Route:
     def local(self) -> bool:
         return self.prefill is None
 
-    def release(self) -> None:
-        """Stop counting the request on its chosen workers (idempotent)."""
-        held, self.held = self.held, []
-        for worker in held:
+    def release(self, *workers: Worker) -> None:
+        """Stop counting the request on `workers`, or on every chosen one left (idempotent)."""
+        gone = [w for w in self.held if not workers or any(w is x for x in workers)]
+        self.held = [w for w in self.held if not any(w is g for g in gone)]
+        for worker in gone:
             self.pool.release(worker)
 
 
@@ -309,6 +310,7 @@ class Dispatcher:
         or (seed, call) when the worker began handing it off; that call then stays open (it holds
         the request's KV there) until the handoff is over. `track` is told each step it makes."""
         self.pool.acquire(leg.worker)
+        leg.on_counted(leg.worker)  # counted by this call now, not twice while it registers
         call, handing_off = None, False
         repeat = leg.resume_step < len(sent)  # after a handoff its first token is the last one sent
         where = f"decode worker {leg.worker.view.address}"
@@ -322,7 +324,7 @@ class Dispatcher:
                 timeout=_until(deadline), metadata=metadata or None)
             registered = next(call)  # its KV will be accepted
             leg.source.start(on_give_up=call.cancel, held_tokens=registered.held_prefix_tokens)
-            leg.on_counted()  # the Decode call and the KV source count the request on their workers now
+            leg.on_counted()  # the KV source counts it on its prefill worker now
             on_done(lambda: (call.cancel(), leg.source.cancel()))
             track(stage=f"waiting for its first token from {where}", detail=leg.source.describe)
             for msg in call:
@@ -438,4 +440,4 @@ class _Leg:
     prompt: list[int]  # the tokens whose KV it gets
     resume_step: int  # tokens generated before; after a handoff, its first token is the last of them again
     source: "KVSource"
-    on_counted: Callable[[], None] = lambda: None  # told once its calls count the request on their workers
+    on_counted: Callable[..., None] = lambda *workers: None  # told as its calls count the request on workers

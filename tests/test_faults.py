@@ -52,7 +52,11 @@ def test_killing_a_decode_and_a_prefill_worker_loses_no_token(tiny_reference):
             for t in threads:
                 t.start()
             started.wait()
-            time.sleep(1.0)  # streams are flowing on both decode workers
+            # Kill while streams flow on both decode workers (4 rows each) and most requests wait:
+            # a fixed sleep let a fast machine finish the whole workload first.
+            flowing = time.monotonic() + 60
+            while sum(1 for tokens in list(streamed.values()) if tokens) < 8 and time.monotonic() < flowing:
+                time.sleep(0.005)
             procs[cluster.decode_addrs[0]].send_signal(signal.SIGKILL)
             procs[cluster.prefill_addrs[0]].send_signal(signal.SIGKILL)
             for t in threads:

@@ -208,11 +208,63 @@ def test_a_burst_routed_before_any_call_began_spreads_over_the_idle_workers():
         assert sorted(prefills.count(w.view.address) for w in pool.all() if w.role == "prefill") == [5, 5]
         assert sorted(decodes.count(w.view.address) for w in pool.all() if w.role == "decode") == [5, 5]
         assert all(w.view.inflight == 5 for w in pool.all())
+        routes[0].release(routes[0].decode)  # one of its workers
+        assert routes[0].decode.view.inflight == 4 and routes[0].prefill.view.inflight == 5
         for route in routes:
             route.release()
             route.release()  # once only
         assert all(w.view.inflight == 0 for w in pool.all())
     finally:
+        pool.stop()
+
+
+class _DecodeServicer(workers_pb2_grpc.DecodeWorkerServicer):
+    """Registers each Decode once `register` is set, then finishes it once its Prefill arrived."""
+
+    def __init__(self, prefill: _PrefillServicer):
+        self.prefill = prefill
+        self.register = threading.Event()
+        self.arrived = threading.Event()
+
+    def Decode(self, request, context):
+        self.arrived.set()
+        self.register.wait(10)
+        yield workers_pb2.DecodeResponse()
+        self.prefill.arrived.wait(10)
+        yield workers_pb2.DecodeResponse(token_ids=[7], finish_reason="length")
+
+
+def test_a_request_counts_once_on_each_worker_while_its_calls_take_over_the_routes_hold(prefill_server,
+                                                                                         grpc_server):
+    """From the choice to the end, a request is one in flight on its decode worker and on its
+    prefill worker: the route's hold passes to the Decode call as it begins (not once it is
+    registered, which a busy worker can take long over) and to the prefill as it starts."""
+    prefill = _PrefillServicer()
+    decode = _DecodeServicer(prefill)
+    pool = WorkerPool()
+    pool.set_workers("prefill", [prefill_server(prefill)])
+    pool.set_workers("decode", [grpc_server(workers_pb2_grpc.add_DecodeWorkerServicer_to_server, decode)])
+    for worker in pool.all():
+        worker.view.healthy = True
+    dispatcher = Dispatcher(pool, build_prefix_index(PrefixIndexConfig()), block_size=16)
+    inflight = lambda: {w.role: w.view.inflight for w in pool.all()}
+    out = []
+    runner = threading.Thread(target=lambda: out.extend(dispatcher.run(
+        "r1", [1, 2, 3, 4], common_pb2.SamplingParams(max_tokens=1), 10.0, lambda cancel: None)), daemon=True)
+    try:
+        runner.start()
+        assert decode.arrived.wait(10)
+        assert inflight() == {"prefill": 1, "decode": 1}  # registering: the route holds the prefill worker
+        decode.register.set()
+        assert prefill.arrived.wait(10)
+        assert inflight() == {"prefill": 1, "decode": 1}  # prefilling: the calls count it
+        prefill.release.set()
+        runner.join(10)
+        assert not runner.is_alive() and out[-1].finish_reason == "length"
+        assert inflight() == {"prefill": 0, "decode": 0}
+    finally:
+        prefill.release.set()
+        decode.register.set()
         pool.stop()
 
 
