@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU check in one call of a lent GPU machine (a few minutes; docs/gpu.md, "Checking on a GPU"):
-# the CUDA tests and the kernel tests compiled (batch invariance's bit tests among them), then
-# `baton bench gpu` for the 8B shape. The machine has torch, triton and transformers, not this
+# the CUDA tests and the kernel tests compiled (batch invariance's bit tests among them), KV pushes
+# from GPU memory (shared memory against a CUDA IPC handle), then `baton bench gpu` for the 8B shape. The machine has torch, triton and transformers, not this
 # project's other packages, and no network:
 #   here:   bash bench/gpu_check.sh prepare       # .gpu/ (git-ignored): the tokenizer, grpcio and protobuf wheels
 #   there:  bash bench/gpu_check.sh               # carrying .gpu; logs and gpu.json land in $OUT
-# SHAPES (default 8b), TEST_S and BENCH_S (each part's time limit in seconds) change what runs.
+# SHAPES (default 8b), TEST_S, KV_S and BENCH_S (each part's time limit in seconds) change what runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -53,6 +53,9 @@ echo "== tests (CUDA, kernels compiled)"
 timeout "${TEST_S:-210}" python3 -m pytest -q -p no:cacheprovider -o addopts= -ra tests/test_cuda.py tests/test_kernels.py \
     > "$OUT/tests.log" 2>&1
 echo "tests exit $?"; grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -15
+echo "== KV from GPU memory to another process: shared memory against a CUDA IPC handle (8B KV of 512, 2,048, 8,192 tokens)"
+timeout "${KV_S:-60}" python3 -m baton.bench.kv_pushes --mbytes 64,256,1024 --repeats 2 > "$OUT/kv.log" 2>&1
+echo "kv exit $?"; tail -25 "$OUT/kv.log"
 echo "== baton bench gpu --shapes ${SHAPES:-8b}"
-timeout "${BENCH_S:-330}" python3 -m baton.bench gpu --shapes "${SHAPES:-8b}" --out "$OUT" > "$OUT/bench.log" 2>&1
+timeout "${BENCH_S:-280}" python3 -m baton.bench gpu --shapes "${SHAPES:-8b}" --out "$OUT" > "$OUT/bench.log" 2>&1
 echo "bench exit $?"; grep -v '^  \.\. ' "$OUT/bench.log" | tail -60

@@ -1,5 +1,7 @@
 """How close KV shipping gets to a plain memory copy of the same bytes: over gRPC loopback, and
-through shared memory (kvtransfer.shm) as a prefill worker does to a decode worker on its host.
+through shared memory (kvtransfer.shm) as a prefill worker does to a decode worker on its host;
+with CUDA, also from GPU memory: through shared memory (the KV copied to the host first) and by
+CUDA IPC handle (kvtransfer.cuda_ipc, the receiver copying into pinned staging).
 
     python -m baton.bench.kv_pushes --mbytes 64                 # receiver in its own process
     python -m baton.bench.kv_pushes --mbytes 64 --same-process  # sender and receiver share one GIL
@@ -53,7 +55,8 @@ def measure_transports(
     nbytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, repeats: int = 5, receiver_process: bool = True
 ) -> dict[str, float]:
     """Seconds to land nbytes of KV in a receiver's staging pool over gRPC on 127.0.0.1 ("grpc")
-    and through shared memory ("shm"), and to memcpy them ("memcpy").
+    and through shared memory ("shm"), and to memcpy them ("memcpy"); with CUDA, of KV in GPU
+    memory through shared memory ("shm_from_gpu") and by CUDA IPC handle ("cuda_ipc").
 
     Each is the best of `repeats`, after one warm-up push that opens the connection. A push
     covers everything a worker's does: encoding or the sealed memory file, both checksums, the
@@ -62,22 +65,27 @@ def measure_transports(
     """
     kv = bench_kv(nbytes)
     server = _receiver_in_subprocess(kv.nbytes) if receiver_process else _receiver_here(kv.nbytes)
-    times: dict[str, list[float]] = {"grpc": [], "shm": []}
+    on_gpu = SequenceKV(kv.data.cuda()) if torch.cuda.is_available() else None
+    times: dict[str, list[float]] = {}
     with server as target:
         port = int(target.rpartition(":")[2])
         channel = kvtransfer_channel(target)
+        pushes = {"grpc": lambda rid: push_kv(channel, rid, BENCH_FINGERPRINT, kv, chunk_bytes=chunk_bytes),
+                  "shm": lambda rid: push_kv_shm(port, rid, BENCH_FINGERPRINT, kv)}
+        if on_gpu is not None:
+            pushes["shm_from_gpu"] = lambda rid: push_kv_shm(port, rid, BENCH_FINGERPRINT, on_gpu)
+            pushes["cuda_ipc"] = lambda rid: push_kv_shm(port, rid, BENCH_FINGERPRINT, on_gpu, device=True)
         try:
             for attempt in range(repeats + 1):
-                for transport, push in (("grpc", lambda rid: push_kv(channel, rid, BENCH_FINGERPRINT, kv,
-                                                                     chunk_bytes=chunk_bytes)),
-                                        ("shm", lambda rid: push_kv_shm(port, rid, BENCH_FINGERPRINT, kv))):
+                for transport, push in pushes.items():
                     started = time.perf_counter()
                     push(f"bench-{transport}-{attempt}")
                     if attempt > 0:
-                        times[transport].append(time.perf_counter() - started)
+                        times.setdefault(transport, []).append(time.perf_counter() - started)
         finally:
             channel.close()
-    return {"grpc": min(times["grpc"]), "shm": min(times["shm"]), "memcpy": _memcpy_seconds(kv.data, repeats)}
+    return {**{transport: min(seconds) for transport, seconds in times.items()},
+            "memcpy": _memcpy_seconds(kv.data, repeats)}
 
 
 def _recycling_receiver(capacity_bytes: int) -> Receiver:
@@ -89,7 +97,9 @@ def _recycling_receiver(capacity_bytes: int) -> Receiver:
         pool.release(request_id)
 
     pool = StagingPool(StagingConfig(capacity_bytes=capacity_bytes, max_entries=1), on_landed=consume)
-    return Receiver(pool, ReceiverConfig(fingerprint=BENCH_FINGERPRINT, shape=BENCH_SHAPE))
+    # pinned staging where a decode worker would have it: on a CUDA host
+    return Receiver(pool, ReceiverConfig(fingerprint=BENCH_FINGERPRINT, shape=BENCH_SHAPE,
+                                         pin_memory=torch.cuda.is_available()))
 
 
 @contextmanager
@@ -175,7 +185,7 @@ def _memcpy_seconds(source: torch.Tensor, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mbytes", default="64", help="KV size in MiB (with --push: comma-separated, MB)")
+    parser.add_argument("--mbytes", default="64", help="KV sizes in MiB, comma-separated (with --push: MB)")
     parser.add_argument("--chunk-kib", type=int, default=DEFAULT_CHUNK_BYTES // 1024)
     parser.add_argument("--same-process", action="store_true", help="run the receiver in this process")
     parser.add_argument("--serve", metavar="HOST", help="be the receiver between hosts, on HOST")
@@ -190,15 +200,22 @@ def main(argv: list[str] | None = None) -> None:
         sizes = [int(float(m) * 1e6) for m in args.mbytes.split(",")]
         print(json.dumps({n: push_seconds(args.push, n, args.transports.split(","), args.repeats) for n in sizes}))
         return
-    nbytes = int(args.mbytes) * 1024 * 1024
-    times = measure_transports(nbytes, chunk_bytes=args.chunk_kib * 1024, receiver_process=not args.same_process)
-    mib = nbytes / 2**20
-    where = "same process" if args.same_process else "separate processes"
-    print(f"KV {mib:.0f} MiB, chunks {args.chunk_kib} KiB, sender and receiver in {where}")
-    for name, label in (("grpc", "gRPC loopback:"), ("shm", "shared memory:"), ("memcpy", "memcpy:")):
-        print(f"{label:15s}{times[name] * 1e3:8.1f} ms  {mib / times[name]:8.0f} MiB/s")
-    print(f"shared memory is {times['grpc'] / times['shm']:.1f}x faster than the gRPC push; "
-          f"memcpy {times['shm'] / times['memcpy']:.1f}x faster than shared memory")
+    for size in args.mbytes.split(","):
+        nbytes = int(size) * 1024 * 1024
+        times = measure_transports(nbytes, chunk_bytes=args.chunk_kib * 1024, receiver_process=not args.same_process,
+                                   repeats=args.repeats)
+        mib = nbytes / 2**20
+        where = "same process" if args.same_process else "separate processes"
+        print(f"KV {mib:.0f} MiB, chunks {args.chunk_kib} KiB, sender and receiver in {where}")
+        for name, label in (("grpc", "gRPC loopback:"), ("shm", "shared memory:"), ("memcpy", "memcpy:"),
+                            ("shm_from_gpu", "GPU via shm:"), ("cuda_ipc", "CUDA IPC:")):
+            if name in times:
+                print(f"{label:15s}{times[name] * 1e3:8.1f} ms  {mib / times[name]:8.0f} MiB/s")
+        print(f"shared memory is {times['grpc'] / times['shm']:.1f}x faster than the gRPC push; "
+              f"memcpy {times['shm'] / times['memcpy']:.1f}x faster than shared memory")
+        if "cuda_ipc" in times:
+            print(f"from GPU memory, the CUDA IPC handle is {times['shm_from_gpu'] / times['cuda_ipc']:.1f}x faster "
+                  "than shared memory")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
     encode(rid, fingerprint, kv, metadata)  --->  Receiver.receive(chunks)
       header, data chunks (crc32), end              validates, reserves staging bytes,
     over push_kv (gRPC), or a sealed memfd          assembles, lands in StagingPool -> on_landed
-    (push_kv_shm, same host)                         (Receiver.receive_whole for a memfd)
+    (push_kv_shm, same host), or a CUDA IPC         (Receiver.receive_whole for a memfd,
+    handle to the KV on the GPU (cuda_ipc)           receive_device for a CUDA IPC handle)
 
 Refusals are `KVTransferError` subclasses whose `.code` names the gRPC status (errors.py).
 """
@@ -14,6 +15,7 @@ from baton.kvtransfer.errors import (
     KVCorrupt,
     KVDuplicate,
     KVForeignModel,
+    KVNoDeviceIPC,
     KVNotLanded,
     KVPoolFull,
     KVPushFailed,
@@ -36,6 +38,7 @@ __all__ = [
     "KVCorrupt",
     "KVDuplicate",
     "KVForeignModel",
+    "KVNoDeviceIPC",
     "KVNotLanded",
     "KVPoolFull",
     "KVPushFailed",

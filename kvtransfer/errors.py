@@ -69,6 +69,13 @@ class KVDuplicate(KVTransferError):
     code = "ALREADY_EXISTS"
 
 
+class KVNoDeviceIPC(KVTransferError):
+    """The decode worker cannot open a push's CUDA memory handle (no CUDA, or not that GPU, or
+    not permitted): the sender pushes the bytes instead."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class KVNotLanded(KVTransferError):
     """take() on a request id whose KV has not landed (or was already taken)."""
 

@@ -1,8 +1,10 @@
-"""One KV push by the best way its target allows: shared memory to a decode worker on this host
+"""One KV push by the best way its target allows: to a decode worker on this host, a CUDA IPC
+handle where both hold KV in CUDA memory (kvtransfer.cuda_ipc), else shared memory
 (kvtransfer.shm); to any other, a NIXL write where both workers take them (`library="nixl"`,
 kvtransfer.nixl), else gRPC; and gRPC's retries when either of the others breaks."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable
@@ -10,14 +12,17 @@ from typing import Callable
 import grpc
 
 from baton.engine.kv import SequenceKV
+import baton.kvtransfer.cuda_ipc as cuda_ipc
 from baton.kvtransfer.errors import KVPushFailed
 from baton.kvtransfer.grpc_transport import RETRYABLE_PUSH_CODES, PushRetry, push_kv_retrying
 from baton.kvtransfer.nixl import LIBRARY, NixlSender
 from baton.kvtransfer.sender import kv_header
-from baton.kvtransfer.shm import NoSharedMemoryPeer, local_port, push_kv_shm
+from baton.kvtransfer.shm import NoDeviceIPC, NoSharedMemoryPeer, local_port, push_kv_shm
 from baton.kvtransfer.wire import DEFAULT_CHUNK_BYTES
 from baton.v1 import kvtransfer_pb2 as pb
 from baton.v1 import kvtransfer_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 # A target found without a shared-memory listener, or one that takes no library writes (or that
 # the library could not reach), is tried that way again this late.
@@ -43,20 +48,32 @@ class KVPusher:
         self._lock = threading.Lock()
         self._no_listener: dict[str, float] = {}  # target -> when it had no shared-memory listener
         self._no_library: dict[str, float] = {}  # target -> when it took no library writes
+        self._no_device: dict[str, float] = {}  # target -> when it could not open a CUDA IPC handle
 
     def push(self, target: str, channel: Callable[[], grpc.Channel], request_id: str, fingerprint: str,
              kv: SequenceKV, metadata: bytes = b"", *, timeout_s: float, retry: PushRetry = PushRetry(),
              should_stop: Callable[[], bool] = lambda: False,
              on_retry: Callable[[int, KVPushFailed], None] | None = None, push_token: str = "",
              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> str:
-        """Push kv to the decode worker at `target`; returns the transport that landed it ("shm",
-        "nixl" or "grpc"). `channel()` gives the gRPC channel to `target` when gRPC is needed. Raises the
+        """Push kv to the decode worker at `target`; returns the transport that landed it ("cuda_ipc",
+        "shm", "nixl" or "grpc"). `channel()` gives the gRPC channel to `target` when gRPC is needed. Raises the
         last KVPushFailed."""
         deadline = time.monotonic() + timeout_s
         port = self._shm_port(target)
         if port is not None:
             try:
-                push_kv_shm(port, request_id, fingerprint, kv, metadata, push_token, self.cluster_token, timeout_s)
+                if cuda_ipc.exportable(kv.data) and not self._recently_refused(self._no_device, target):
+                    try:
+                        push_kv_shm(port, request_id, fingerprint, kv, metadata, push_token, self.cluster_token,
+                                    timeout_s, device=True)
+                        return "cuda_ipc"
+                    except NoDeviceIPC as refusal:
+                        log.info("decode worker %s cannot open this worker's CUDA memory (%s): pushing KV bytes "
+                                 "to it through shared memory", target, refusal)
+                        with self._lock:
+                            self._no_device[target] = time.monotonic()
+                push_kv_shm(port, request_id, fingerprint, kv, metadata, push_token, self.cluster_token,
+                            max(0.001, deadline - time.monotonic()))
                 return "shm"
             except NoSharedMemoryPeer:
                 with self._lock:

@@ -15,6 +15,7 @@ import torch
 
 from baton.v1 import kvtransfer_pb2 as pb
 from baton.engine.kv import KVShape, SequenceKV, host_tensor
+import baton.kvtransfer.cuda_ipc as cuda_ipc
 from baton.kvtransfer.errors import (
     KVBadStream,
     KVCancelled,
@@ -112,6 +113,28 @@ class Receiver:
             memoryview(data.view(torch.uint8).reshape(-1).numpy())[:] = (
                 source if source.format == "B" else source.cast("B"))  # a ctypes buffer says '<B'
             return SequenceKV(data), 1, bytes(header.metadata)
+
+        return self._land(header, started, timeout_s, fill)
+
+    def receive_device(self, header: pb.KVHeader, description: dict, timeout_s: float | None = None) -> ReceiveResult:
+        """Land KV that a process on this host holds in CUDA memory (kvtransfer.cuda_ipc): the
+        header is checked, the handle opened and the digest checked on the device before staging
+        room is taken; the KV is then copied into host staging memory (pinned for a CUDA worker)
+        and the handle closed. KVNoDeviceIPC, before anything is reserved, where it cannot open."""
+        started = time.monotonic()
+        self._check_header(header)
+        rid = header.request_id
+        if header.layout != pb.KV_LAYOUT_LAYER_MAJOR:
+            raise KVBadStream(f"KV for {rid!r} arrived whole, so it must be LAYER_MAJOR (got layout {header.layout})")
+        data, expected = cuda_ipc.open_handle(description, header.total_bytes)  # closed as it goes
+        if cuda_ipc.digest(data) != expected:
+            raise KVCorrupt(f"KV for {rid!r}: its digest on the device does not match the sender's; the "
+                            "handle or the data was damaged")
+
+        def fill(_reservation) -> tuple[SequenceKV, int, bytes]:
+            kv = self._new_kv(header.num_tokens)
+            kv.view(torch.uint8).reshape(-1).copy_(data)
+            return SequenceKV(kv), 1, bytes(header.metadata)
 
         return self._land(header, started, timeout_s, fill)
 

@@ -10,6 +10,9 @@ charged to the sender's memory cgroup: containers that share a network namespace
 memory limits should leave the prefill side room for the decode side's staged KV, or use
 kv_transport: grpc.)
 
+KV in CUDA memory goes over the same socket as a CUDA IPC handle instead of a memory file
+(`device=True`; kvtransfer.cuda_ipc), with every check below.
+
 The socket lives in the abstract namespace under the decode worker's gRPC port, so it is
 reachable exactly where a prefill worker shares the decode worker's network namespace (`baton
 up`, compose's host network, containers of one pod) and a push targets a local address; anywhere
@@ -44,7 +47,8 @@ import torch
 from baton.auth import TokenCheck
 from baton.v1 import kvtransfer_pb2 as pb
 from baton.engine.kv import SequenceKV
-from baton.kvtransfer.errors import KVBadStream, KVPushFailed, KVTransferError
+import baton.kvtransfer.cuda_ipc as cuda_ipc
+from baton.kvtransfer.errors import KVBadStream, KVNoDeviceIPC, KVPushFailed, KVTransferError
 from baton.kvtransfer.receiver import Receiver
 from baton.kvtransfer.sender import _check_sendable, kv_header
 from baton.kvtransfer.wire import CHUNK_IDLE_TIMEOUT_S, DEFAULT_CHUNK_BYTES, MAX_METADATA_BYTES
@@ -52,7 +56,9 @@ from baton.kvtransfer.wire import CHUNK_IDLE_TIMEOUT_S, DEFAULT_CHUNK_BYTES, MAX
 log = logging.getLogger(__name__)
 
 MAGIC = b"BKV1"
+DEVICE_MAGIC = b"BKD1"  # the KV is in CUDA memory: a description of its handle follows the token
 _PREFIX = struct.Struct("<4sIH")  # magic, crc32 of the KV bytes, cluster-token length
+_DESCRIPTION = struct.Struct("<I")  # a device push's description (JSON) length
 MAX_REQUEST_BYTES = MAX_METADATA_BYTES + (64 << 10)  # header (metadata included) and token
 HEARTBEAT_S = 0.25
 CONNECT_TIMEOUT_S = 1.0
@@ -63,6 +69,11 @@ INLINE_CRC_BYTES = 8 << 20  # below this the sender checksums the KV before writ
 
 class NoSharedMemoryPeer(Exception):
     """Nothing listens for shared-memory pushes for that target here: push over gRPC instead."""
+
+
+class NoDeviceIPC(Exception):
+    """The decode worker cannot open this sender's CUDA memory (kvtransfer.cuda_ipc): push the
+    bytes through a memory file instead. Nothing was reserved."""
 
 
 def socket_name(port: int) -> bytes:
@@ -102,17 +113,28 @@ class _Unauthenticated(KVTransferError):
 # -- sender -------------------------------------------------------------------------------------
 
 def push_kv_shm(port: int, request_id: str, fingerprint: str, kv: SequenceKV, metadata: bytes = b"",
-                push_token: str = "", cluster_token: str | None = None, timeout_s: float | None = None) -> pb.PushReply:
-    """Push kv to the decode worker on this host serving gRPC on `port`.
+                push_token: str = "", cluster_token: str | None = None, timeout_s: float | None = None,
+                device: bool = False) -> pb.PushReply:
+    """Push kv to the decode worker on this host serving gRPC on `port`. `device` (kv in CUDA
+    memory): hand over a CUDA IPC handle to a device copy of it instead of a memory file
+    (kvtransfer.cuda_ipc).
 
-    Raises NoSharedMemoryPeer when no decode worker listens for it here (nothing was sent), and
-    KVPushFailed with gRPC's status names otherwise: UNAVAILABLE when the receiver went silent
-    or the connection broke (the push may be retried, over gRPC too), the receiver's refusal
-    codes as a gRPC push would get them."""
+    Raises NoSharedMemoryPeer when no decode worker listens for it here (nothing was sent),
+    NoDeviceIPC when it cannot open the handle, and KVPushFailed with gRPC's status names
+    otherwise: UNAVAILABLE when the receiver went silent or the connection broke (the push may
+    be retried, over gRPC too), the receiver's refusal codes as a gRPC push would get them."""
     _check_sendable(request_id, kv, metadata, DEFAULT_CHUNK_BYTES)
     header = kv_header(request_id, fingerprint, kv, metadata, DEFAULT_CHUNK_BYTES, push_token)
     token = (cluster_token or "").encode()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    if device:
+        description, copy = cuda_ipc.export(kv.data)  # kept until the receiver answered
+        blob = json.dumps(description).encode()
+        frame = (_PREFIX.pack(DEVICE_MAGIC, 0, len(token)) + token + _DESCRIPTION.pack(len(blob)) + blob
+                 + header.SerializeToString())
+        reply = _exchange(port, request_id, frame, [], deadline)
+        del copy
+        return reply
     # The memory file first, then the connection: the receiver gives a connection a second for its
     # frame, and copying a long prompt's KV on a busy host can take longer (it closed, the send
     # broke, the copy was made again).
@@ -121,27 +143,29 @@ def push_kv_shm(port: int, request_id: str, fingerprint: str, kv: SequenceKV, me
     except OSError as exc:  # no memory or descriptors for the file here: gRPC needs neither
         raise KVPushFailed("UNAVAILABLE", f"no memory file for the shared-memory push of {request_id!r}: "
                            f"{exc}") from None
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
-            sock.settimeout(CONNECT_TIMEOUT_S)
-            try:
-                sock.connect(socket_name(port))
-            except (ConnectionRefusedError, FileNotFoundError) as exc:
-                raise NoSharedMemoryPeer(f"no decode worker takes shared-memory pushes for port {port} here") from exc
-            except OSError as exc:  # its backlog is full, say: gRPC may still get through
-                raise KVPushFailed("UNAVAILABLE", f"could not connect for the shared-memory push of {request_id!r}: "
-                                   f"{exc}") from None
-            frame = _PREFIX.pack(MAGIC, crc, len(token)) + token + header.SerializeToString()
-            try:
-                socket.send_fds(sock, [frame], [fd])
-            except OSError as exc:
-                raise KVPushFailed("UNAVAILABLE", f"the shared-memory push of {request_id!r} broke: {exc}") from None
-            os.close(fd)  # the receiver holds its own descriptor now: the memory goes when it is done
-            fd = -1
-            return _await_reply(sock, request_id, deadline)
+    try:  # the receiver takes its own descriptor: the memory goes when it is done with it
+        return _exchange(port, request_id, _PREFIX.pack(MAGIC, crc, len(token)) + token + header.SerializeToString(),
+                         [fd], deadline)
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)
+
+
+def _exchange(port: int, request_id: str, frame: bytes, fds: list[int], deadline: float | None) -> pb.PushReply:
+    """Send one push's frame (and descriptors) to the receiver for `port`; its reply."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        try:
+            sock.connect(socket_name(port))
+        except (ConnectionRefusedError, FileNotFoundError) as exc:
+            raise NoSharedMemoryPeer(f"no decode worker takes shared-memory pushes for port {port} here") from exc
+        except OSError as exc:  # its backlog is full, say: gRPC may still get through
+            raise KVPushFailed("UNAVAILABLE", f"could not connect for the shared-memory push of {request_id!r}: "
+                               f"{exc}") from None
+        try:
+            socket.send_fds(sock, [frame], fds)
+        except OSError as exc:
+            raise KVPushFailed("UNAVAILABLE", f"the shared-memory push of {request_id!r} broke: {exc}") from None
+        return _await_reply(sock, request_id, deadline)
 
 
 def _sealed_copy(kv: SequenceKV, request_id: str) -> tuple[int, int]:
@@ -216,6 +240,8 @@ def _await_reply(sock: socket.socket, request_id: str, deadline: float | None) -
                                "with something unreadable") from None
         if reply.get("waiting"):
             continue
+        if reply.get("no_device_ipc"):
+            raise NoDeviceIPC(reply.get("details", ""))
         if "code" in reply:
             raise KVPushFailed(reply["code"], reply.get("details", ""))
         return pb.PushReply(request_id=request_id, bytes_received=reply["bytes"], num_chunks=1,
@@ -291,7 +317,7 @@ class ShmKVServer:
                 try:
                     reply = self._receive(conn, sending)
                 except KVTransferError as err:
-                    reply = {"code": err.code, "details": str(err)}
+                    reply = {"code": err.code, "details": str(err), "no_device_ipc": isinstance(err, KVNoDeviceIPC)}
                 except (socket.timeout, ConnectionError):
                     return  # the sender went away or never sent: nothing was reserved
                 except Exception:
@@ -307,10 +333,18 @@ class ShmKVServer:
         conn.settimeout(CHUNK_IDLE_TIMEOUT_S)
         message, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 1)
         try:
-            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(fds) != 1:
-                raise KVBadStream("a shared-memory push is one frame of at most "
-                                  f"{MAX_REQUEST_BYTES} bytes carrying one memory file")
-            crc, header = self._parse(message)
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                raise KVBadStream(f"a shared-memory push is one frame of at most {MAX_REQUEST_BYTES} bytes")
+            magic, crc, header, description = self._parse(message)
+            if magic == DEVICE_MAGIC:
+                if fds:
+                    raise KVBadStream(f"KV for {header.request_id!r} in CUDA memory comes as a handle, not a file")
+                with self._heartbeats.beating(conn, sending):
+                    result = self._receiver.receive_device(header, description)
+                return {"bytes": result.nbytes, "staging_wait_s": result.staging_wait_seconds,
+                        "receive_s": result.receive_seconds}
+            if len(fds) != 1:
+                raise KVBadStream("a shared-memory push carries one memory file")
             fd = fds[0]
             try:
                 sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
@@ -339,22 +373,33 @@ class ShmKVServer:
         if uid not in (0, os.getuid()):
             raise _Unauthenticated(f"shared-memory pushes are taken only from user {os.getuid()} (got {uid})")
 
-    def _parse(self, message: bytes) -> tuple[int, pb.KVHeader]:
+    def _parse(self, message: bytes) -> tuple[bytes, int, pb.KVHeader, dict | None]:
+        """(magic, crc32, header, a device push's handle description or None) of a checked frame."""
         if len(message) < _PREFIX.size:
             raise KVBadStream("a shared-memory push frame is too short")
         magic, crc, token_length = _PREFIX.unpack_from(message)
-        if magic != MAGIC:
+        if magic not in (MAGIC, DEVICE_MAGIC):
             raise KVBadStream("not a Baton shared-memory KV push")
         token = message[_PREFIX.size:_PREFIX.size + token_length]
         if self._token is not None and not self._token.matches(token):
             raise _Unauthenticated("the cluster credential is missing or not valid for this worker; check "
                                    "cluster.token")
+        rest, description = message[_PREFIX.size + token_length:], None
+        if magic == DEVICE_MAGIC:
+            (length,) = _DESCRIPTION.unpack_from(rest) if len(rest) >= _DESCRIPTION.size else (-1,)
+            if not 0 < length <= min(cuda_ipc.MAX_DESCRIPTION_BYTES, len(rest) - _DESCRIPTION.size):
+                raise KVBadStream("a device KV push's handle description is missing or too long")
+            try:
+                description = json.loads(rest[_DESCRIPTION.size:_DESCRIPTION.size + length])
+            except ValueError:
+                raise KVBadStream("a device KV push's handle description is not JSON") from None
+            rest = rest[_DESCRIPTION.size + length:]
         header = pb.KVHeader()
         try:
-            header.ParseFromString(message[_PREFIX.size + token_length:])
+            header.ParseFromString(rest)
         except Exception:  # noqa: BLE001 - protobuf's DecodeError, whatever its module
             raise KVBadStream("the shared-memory push's header does not parse") from None
-        return crc, header
+        return magic, crc, header, description
 
 
 class _Heartbeats:

@@ -142,6 +142,49 @@ def test_kv_landing_on_a_cuda_worker_waits_in_pinned_memory():
     assert torch.equal(paged.read([5, 2, 7], 33).data, kv.data)
 
 
+_IPC_RECEIVER = """
+import sys, torch
+from baton.engine.kv import KVShape
+from baton.kvtransfer import Receiver, ReceiverConfig, StagingConfig, StagingPool
+from baton.kvtransfer.shm import ShmKVServer
+pool = StagingPool(StagingConfig(capacity_bytes=1 << 30))
+shape = KVShape(num_layers=4, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+with ShmKVServer(Receiver(pool, ReceiverConfig("m", shape, pin_memory=True)), int(sys.argv[1])):
+    print("ready", flush=True)
+    for rid in sys.stdin.read().split():
+        staged = pool.take(rid).kv.data
+        want = torch.randn(4, 2, 8, 3000, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        print(rid, staged.is_pinned() and torch.equal(staged, want), flush=True)
+"""
+
+
+def test_kv_in_cuda_memory_reaches_a_decode_process_on_this_gpu_by_handle():
+    """A CUDA IPC push (kvtransfer.cuda_ipc) to another process: the receiver checks the digest on
+    the device and stages the KV's exact bits in pinned memory; the pusher says which way it went."""
+    import subprocess
+    import sys
+
+    from baton.engine.kv import SequenceKV
+    from baton.kvtransfer.push import KVPusher
+    from baton.launch.up import free_port
+
+    port = free_port()
+    receiver = subprocess.Popen([sys.executable, "-c", _IPC_RECEIVER, str(port)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert receiver.stdout.readline().strip() == "ready"
+        kv = torch.randn(4, 2, 8, 3000, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        pusher = KVPusher()
+        for rid in ("r1", "r2"):
+            assert pusher.push(f"127.0.0.1:{port}", lambda: None, rid, "m", SequenceKV(kv.cuda()), timeout_s=60) \
+                == "cuda_ipc"
+        out, _ = receiver.communicate("r1 r2\n", timeout=60)
+        assert out.split() == ["r1", "True", "r2", "True"]
+    finally:
+        receiver.kill()
+        receiver.wait()
+
+
 def test_the_invariant_kernels_compiled_keep_a_rows_bits():
     """The bit tests of the batch-invariant path, compiled on the GPU (in the interpreter on CPU:
     test_triton_backend.py): a row's tokens beside other rows, chunked prefill = whole, and the KV

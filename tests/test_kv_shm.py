@@ -275,3 +275,133 @@ def test_a_receiver_asked_for_pinned_memory_copies_the_pushed_pages():
     assert mapped_memfds() == [], "copied, not mapped"
     staged = pool.take("r1").kv.data
     assert torch.equal(staged, kv.data) and staged.is_pinned() == torch.cuda.is_available()
+
+
+# -- KV in CUDA memory, handed over by handle (kvtransfer/cuda_ipc.py) ----------------------------
+# A device push needs two CUDA processes (test_cuda.py runs one); here the protocol around it runs:
+# a CPU receiver refuses the handle before reserving anything, and the sender pushes the bytes.
+
+def test_the_device_digest_changes_with_a_bit_a_words_place_or_the_length():
+    from baton.kvtransfer.cuda_ipc import ROW_WORDS, digest
+
+    data = torch.randint(0, 256, (4 * (3 * ROW_WORDS + 7),), dtype=torch.uint8)
+    assert digest(data) == digest(data.clone())
+    changed = []
+    flipped = data.clone()
+    flipped[4 * ROW_WORDS + 1] ^= 4
+    changed.append(flipped)
+    in_a_row = data.clone().view(torch.int32)
+    in_a_row[[3, 9]] = in_a_row[[9, 3]]
+    changed.append(in_a_row.view(torch.uint8))
+    across_rows = data.clone().view(torch.int32)
+    across_rows[[5, ROW_WORDS + 5]] = across_rows[[ROW_WORDS + 5, 5]]
+    changed.append(across_rows.view(torch.uint8))
+    in_the_tail = data.clone().view(torch.int32)
+    in_the_tail[[-1, -2]] = in_the_tail[[-2, -1]]
+    changed.append(in_the_tail.view(torch.uint8))
+    changed.append(data[:-4])
+    for other in changed:
+        if not torch.equal(other, data):  # a swap of equal words changes nothing
+            assert digest(other) != digest(data)
+    assert digest(data[:-1]) != digest(data[:-2])  # lengths that are not whole words
+
+
+def _cpu_description(kv: torch.Tensor, gpu: str = "GPU-00000000-0000-0000-0000-000000000000") -> dict:
+    """What `cuda_ipc.export` describes, for KV that is not on a GPU: a receiver without CUDA (or
+    without that GPU) must refuse it before reserving anything."""
+    import base64
+
+    from baton.kvtransfer.cuda_ipc import digest
+
+    raw = kv.reshape(-1).view(torch.uint8)
+    return {"gpu": gpu, "handle": base64.b64encode(b"h" * 64).decode(), "storage_bytes": raw.numel(),
+            "storage_offset": 0, "offset": 0, "ref_counter": base64.b64encode(b"/torch_1_2").decode(),
+            "ref_offset": 0, "event": "", "event_sync": False, "digest": digest(raw)}
+
+
+def test_a_cuda_handle_a_receiver_cannot_open_is_refused_unreserved_and_the_pusher_sends_bytes(monkeypatch):
+    from baton.kvtransfer import cuda_ipc
+    from baton.kvtransfer.push import KVPusher
+    from baton.kvtransfer.shm import NoDeviceIPC
+
+    exported = []
+
+    def export(data):  # CUDA's part: a description like the one for a device copy
+        exported.append(data)
+        return _cpu_description(data), data.clone()
+
+    monkeypatch.setattr(cuda_ipc, "export", export)
+    monkeypatch.setattr(cuda_ipc, "exportable", lambda data: True)
+    recv, port = receiver(), free_port()
+    kv = make_kv(19)
+    with ShmKVServer(recv, port, cluster_token="secret"):
+        recv.pool.expect("r1", "tok")
+        with pytest.raises(NoDeviceIPC, match="no CUDA device" if not torch.cuda.is_available() else "not visible"):
+            push_kv_shm(port, "r1", "model-a", kv, push_token="tok", cluster_token="secret", device=True)
+        assert recv.pool.stats().used_bytes == 0 and recv.pool.is_expected("r1")
+        pusher = KVPusher("secret")
+        for rid in ("r1", "r2"):
+            recv.pool.expect(rid, "tok")
+            landed_by = pusher.push(f"127.0.0.1:{port}", lambda: None, rid, "model-a", kv, b"m", timeout_s=10,
+                                    push_token="tok")
+            assert landed_by == "shm"
+            assert torch.equal(recv.pool.take(rid).kv.data, kv.data)
+    assert len(exported) == 2, "once by hand, once by the pusher: it then remembers the receiver cannot open them"
+
+
+@pytest.mark.parametrize("spoil, said", [
+    (lambda d: d.pop("handle"), "malformed"),
+    (lambda d: d.update(handle="not base64!"), "malformed"),
+    (lambda d: d.update(offset=-1), "malformed"),
+    (lambda d: d.update(storage_bytes=8), "covers 8 bytes"),
+    (lambda d: d.update(digest=[1, 2]), "three sums"),
+    (lambda d: d.clear(), "malformed"),
+])
+def test_a_malformed_cuda_handle_description_is_refused_as_a_bad_push(monkeypatch, spoil, said):
+    from baton.kvtransfer import cuda_ipc
+
+    def export(data):
+        description = _cpu_description(data)
+        spoil(description)
+        return description, data
+
+    monkeypatch.setattr(cuda_ipc, "export", export)
+    recv, port = receiver(), free_port()
+    recv.pool.expect("r1", "")
+    with ShmKVServer(recv, port):
+        with pytest.raises(KVPushFailed, match=said) as refused:
+            push_kv_shm(port, "r1", "model-a", make_kv(6), device=True)
+        assert refused.value.code == "INVALID_ARGUMENT"
+        push_kv_shm(port, "r1", "model-a", make_kv(6))  # the server took the next push as ever
+    assert recv.pool.stats().used_bytes > 0
+
+
+def test_a_device_push_frame_carrying_a_memory_file_or_no_description_is_refused():
+    import json
+
+    from baton.kvtransfer.shm import DEVICE_MAGIC, _DESCRIPTION
+
+    recv, port = receiver(), free_port()
+    kv = make_kv(3)
+    header = kv_header("r1", "model-a", kv).SerializeToString()
+    blob = json.dumps(_cpu_description(kv.data)).encode()
+    frames = {
+        "comes as a handle, not a file": (_PREFIX.pack(DEVICE_MAGIC, 0, 0) + _DESCRIPTION.pack(len(blob)) + blob + header,
+                                          True),
+        "missing or too long": (_PREFIX.pack(DEVICE_MAGIC, 0, 0) + _DESCRIPTION.pack(1 << 20) + header, False),
+        "not JSON": (_PREFIX.pack(DEVICE_MAGIC, 0, 0) + _DESCRIPTION.pack(3) + b"{{{" + header, False),
+    }
+    recv.pool.expect("r1", "")
+    with ShmKVServer(recv, port):
+        for said, (frame, with_file) in frames.items():
+            fd = os.memfd_create("baton-kv-test", os.MFD_CLOEXEC)
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+                    sock.connect(socket_name(port))
+                    socket.send_fds(sock, [frame], [fd] if with_file else [])
+                    sock.settimeout(5)
+                    reply = json.loads(sock.recv(4096))
+            finally:
+                os.close(fd)
+            assert reply["code"] == "INVALID_ARGUMENT" and said in reply["details"], reply
+    assert recv.pool.stats().used_bytes == 0

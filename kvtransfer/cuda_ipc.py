@@ -1,0 +1,130 @@
+"""KV in CUDA memory handed to a decode worker on the same host by handle (CUDA IPC), not by bytes.
+
+Without it a prefill worker on a GPU copies its KV to pageable host memory, checksums it on the
+CPU and writes it into a memory file, and the decode worker copies that into pinned memory and
+checksums it again: a few hundred MB/s for an 8B model's KV. Over the shared-memory socket
+(kvtransfer.shm: same user, cluster token, push token, the same admission checks) the sender
+passes a CUDA IPC handle to a private device copy of the KV and a digest computed on the device;
+the decode worker opens the handle, checks the digest on the device, and copies the KV straight
+into its pinned staging memory (one device-to-host copy at the bus's rate, no CPU checksum), then
+closes the handle. The host pool stays where KV waits for a row, as for every other transport,
+and the row's pages are filled from it asynchronously.
+
+The decode worker copies before it answers rather than keeping the sender's memory: a prefill
+worker that dies takes its allocations with it, and reading them then would fail the decode
+worker, not just the request.
+
+The handle names the sender's GPU by UUID, since processes number GPUs by what each sees. A
+decode worker without CUDA, or that cannot see that GPU or open the handle, refuses with
+`KVNoDeviceIPC` before reserving anything, and the sender pushes through a memory file instead.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+
+import torch
+
+from baton.kvtransfer.errors import KVBadStream, KVNoDeviceIPC
+
+ROW_WORDS = 1024  # the digest weighs words by row and by column of a [rows, ROW_WORDS] grid
+MAX_DESCRIPTION_BYTES = 4096
+
+
+def digest(data: torch.Tensor) -> list[int]:
+    """A checksum of `data`'s bytes (a flat uint8 tensor), computed where they live: the sum of its
+    32-bit words and two sums weighted by position (by row and by column of a [rows, 1024] grid),
+    modulo 2**64. It catches what a handle to the wrong memory, an offset or a copy cut short
+    would change; three reductions read the KV at the device's memory rate, and none of its
+    bytes come to the host."""
+    flat = data.reshape(-1)
+    words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat.to(torch.int32)
+    rows = words.numel() // ROW_WORDS
+    grid, tail = words[:rows * ROW_WORDS].view(rows, ROW_WORDS), words[rows * ROW_WORDS:]
+    position = functools.partial(torch.arange, 1, dtype=torch.int64, device=data.device)
+    sums = torch.stack([
+        words.sum(dtype=torch.int64),
+        (grid.sum(dim=1, dtype=torch.int64) * position(rows + 1)).sum(),
+        (grid.sum(dim=0, dtype=torch.int64) * position(ROW_WORDS + 1)).sum()
+        + (tail.to(torch.int64) * position(tail.numel() + 1)).sum(),
+    ])
+    return [int(s) for s in sums.tolist()]
+
+
+def exportable(data: torch.Tensor) -> bool:
+    """Whether `data` is in CUDA memory, which another process can open by handle."""
+    return data.is_cuda
+
+
+def gpu_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def export(kv: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """A description of a private device copy of `kv` (a CUDA tensor) that another process opens
+    with `open_handle`, and that copy: keep it until the receiver has answered. (torch's IPC
+    reference counts keep the memory alive while the receiver still holds it, should the sender
+    drop the copy first.)"""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    copy = kv.detach().clone(memory_format=torch.contiguous_format).view(torch.uint8).reshape(-1)
+    _, args = reduce_tensor(copy)
+    (_, _, _, offset, _, _, device, handle, storage_bytes, storage_offset, _, ref_counter, ref_offset,
+     event, event_sync) = args
+    description = {
+        "gpu": gpu_uuid(device), "handle": _b64(handle), "storage_bytes": storage_bytes,
+        "storage_offset": storage_offset, "offset": offset, "ref_counter": _b64(ref_counter),
+        "ref_offset": ref_offset, "event": _b64(event) if event else "", "event_sync": bool(event_sync),
+        "digest": digest(copy),
+    }
+    return description, copy
+
+
+def open_handle(description: dict, nbytes: int) -> tuple[torch.Tensor, list[int]]:
+    """The sender's KV (`nbytes`, a flat uint8 tensor in its CUDA memory) from `export`'s
+    description, and the digest the sender computed of it. KVNoDeviceIPC where this process cannot
+    open it, KVBadStream if the description is malformed."""
+    fields = _checked(description, nbytes)
+    if not torch.cuda.is_available():
+        raise KVNoDeviceIPC("this decode worker has no CUDA device to open the KV's handle on")
+    index = next((i for i in range(torch.cuda.device_count()) if gpu_uuid(i) == fields["gpu"]), None)
+    if index is None:
+        raise KVNoDeviceIPC(f"GPU {fields['gpu']} holding the KV is not visible to this decode worker")
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    try:
+        return rebuild_cuda_tensor(
+            torch.Tensor, (nbytes,), (1,), fields["offset"], torch.UntypedStorage, torch.uint8, index,
+            fields["handle"], fields["storage_bytes"], fields["storage_offset"], False, fields["ref_counter"],
+            fields["ref_offset"], fields["event"] or None, fields["event_sync"]), fields["digest"]
+    except RuntimeError as exc:  # another container's GPU, IPC not permitted, ...: bytes still travel
+        raise KVNoDeviceIPC(f"could not open the sender's CUDA memory here: {exc}") from None
+
+
+def _checked(description, nbytes: int) -> dict:
+    if not isinstance(description, dict):
+        raise KVBadStream("a device KV push's description must be an object")
+    try:
+        fields = {key: str(description[key]) for key in ("gpu",)}
+        for key in ("handle", "ref_counter", "event"):
+            fields[key] = base64.b64decode(description[key], validate=True)
+        for key in ("storage_bytes", "storage_offset", "offset", "ref_offset"):
+            value = description[key]
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{key} must be an integer >= 0")
+            fields[key] = value
+        fields["event_sync"] = bool(description["event_sync"])
+        fields["digest"] = [int(x) for x in description["digest"]]
+    except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+        raise KVBadStream(f"a device KV push's description is malformed: {exc}") from None
+    if not fields["handle"] or fields["offset"] + nbytes > fields["storage_bytes"]:
+        raise KVBadStream(f"a device KV push's handle covers {fields['storage_bytes']} bytes; its KV needs "
+                          f"{nbytes} from offset {fields['offset']}")
+    if len(fields["digest"]) != 3:
+        raise KVBadStream("a device KV push's digest must hold three sums")
+    return fields
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
