@@ -92,6 +92,11 @@ class KeptChunks:
     def drop(self, key: str) -> None:
         self.prompts.pop(key, None)
 
+    @property
+    def nbytes(self) -> int:
+        """What the buffers take on this rank (each sized for its whole prompt)."""
+        return sum(buffer.numel() * buffer.element_size() for buffer, _ in self.prompts.values())
+
 
 KEPT = "kept"  # a prefill_chunk's prefix: what each rank kept of the prompt's chunks before
 
@@ -203,6 +208,13 @@ class TensorParallelRunner:
     def end_chunks(self, key: str) -> None:
         """The ranks forget what they keep of a chunked prompt that ended before its last chunk."""
         self._call("kept_drop", key)
+
+    @property
+    def kept_chunk_bytes(self) -> int:
+        """What rank 0 keeps of chunked prompts' KV (its heads), beside the prompts' own buffers;
+        every other rank keeps as much."""
+        with self._lock:
+            return self.kept.nbytes
 
     def decode(self, kv: "ShardedKV", step, input_ids: list[int]):
         return self._call("decode", kv.pool_id, step, input_ids)

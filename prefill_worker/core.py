@@ -210,6 +210,12 @@ class PrefillCore:
             return None
         return self._finish(chunked.request, chunked.plan, whole)
 
+    @property
+    def kept_chunk_bytes(self) -> int:
+        """KV the runner keeps of the prompts being chunked beyond their buffers (a tensor-parallel
+        rank's heads)."""
+        return getattr(self.runner, "kept_chunk_bytes", 0)
+
     def end_chunks(self, chunked: "Chunked") -> None:
         """A chunked prompt ended before its last chunk (cancelled, failed): whatever the runner
         keeps of it goes."""

@@ -260,9 +260,9 @@ class PrefillLoop:
     def _kv_room(self) -> tuple[int | None, int]:
         """(prompt tokens the next batch may prefill within prefill.kv_memory_bytes, None without
         a limit; KV bytes held now): BatchLLM's M_threshold over the KV prefilled and not yet
-        pushed plus the chunked prompts' KV (each allocated for its whole prompt). With nothing
-        held, a lone prompt always goes."""
-        held = self.unpushed_kv_bytes + sum(c.held_bytes for _, c in self._chunking)
+        pushed plus the chunked prompts' KV (each allocated for its whole prompt, and what a
+        tensor-parallel rank keeps of its heads). With nothing held, a lone prompt always goes."""
+        held = self.unpushed_kv_bytes + sum(c.held_bytes for _, c in self._chunking) + self.core.kept_chunk_bytes
         limit = self.settings.kv_memory_bytes
         return (None if not limit else (limit - held) // self._kv_bytes_per_token), held
 

@@ -118,8 +118,12 @@ def test_prompts_prefilled_in_chunks_send_the_ranks_only_their_new_tokens():
         # a prompt that ends before its last chunk (cancelled) is forgotten on every rank
         ended = core.begin_chunks(GenerationRequest("r2", prompts[0], SamplingParams(max_tokens=1)))
         assert core.advance(ended, 64) is None and two.kept.holds(ended.key, 64)
+        # what rank 0 keeps counts in the worker's KV held (prefill.kv_memory_bytes): its heads,
+        # half the prompt's whole KV at TP 2, sized for the whole prompt
+        assert core.kept_chunk_bytes == ended.held_bytes // 2 > 0
         core.end_chunks(ended)
-        assert not two.kept.prompts
+        assert not two.kept.prompts and core.kept_chunk_bytes == 0
+        assert PrefillCore(one, prefix_cache_bytes=0).kept_chunk_bytes == 0
         assert torch.equal(two.prefill(prompts[1]).logits, want[1].logits)  # the ranks are in step
     finally:
         two.close()
