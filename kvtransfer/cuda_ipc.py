@@ -15,14 +15,22 @@ worker that dies takes its allocations with it, and reading them then would fail
 worker, not just the request.
 
 The handle names the sender's GPU by UUID, since processes number GPUs by what each sees. A
-decode worker without CUDA, or that cannot see that GPU or open the handle, refuses with
+decode worker without CUDA, or that cannot see that GPU or open the handle, or whose /dev/shm
+lacks torch's reference-count file for it (containers that do not share /dev/shm), refuses with
 `KVNoDeviceIPC` before reserving anything, and the sender pushes through a memory file instead.
+
+torch counts the receiver's references to the sender's copy in that file, and keeps the copy
+until the count falls to zero: a receiver that never opened the handle (it refused, or the
+push was never sent) says so, and the sender `release`s the count itself, or every such push
+would keep a KV's worth of GPU memory on the sender for good.
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import functools
+import os
+import re
 
 import torch
 
@@ -68,14 +76,17 @@ def export(kv: torch.Tensor) -> tuple[dict, torch.Tensor]:
     drop the copy first.)"""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    copy = kv.detach().clone(memory_format=torch.contiguous_format).view(torch.uint8).reshape(-1)
-    _, args = reduce_tensor(copy)
+    try:
+        copy = kv.detach().clone(memory_format=torch.contiguous_format).view(torch.uint8).reshape(-1)
+        _, args = reduce_tensor(copy)
+    except RuntimeError as exc:  # no memory for the copy, or an allocator that cannot share it
+        raise KVNoDeviceIPC(f"could not share this worker's CUDA memory: {exc}") from None
     (_, _, _, offset, _, _, device, handle, storage_bytes, storage_offset, _, ref_counter, ref_offset,
      event, event_sync) = args
     description = {
         "gpu": gpu_uuid(device), "handle": _b64(handle), "storage_bytes": storage_bytes,
         "storage_offset": storage_offset, "offset": offset, "ref_counter": _b64(ref_counter),
-        "ref_offset": ref_offset, "event": _b64(event) if event else "", "event_sync": bool(event_sync),
+        "ref_offset": ref_offset, "event": _b64(event or b""), "event_sync": bool(event_sync),
         "digest": digest(copy),
     }
     return description, copy
@@ -88,6 +99,9 @@ def open_handle(description: dict, nbytes: int) -> tuple[torch.Tensor, list[int]
     fields = _checked(description, nbytes)
     if not torch.cuda.is_available():
         raise KVNoDeviceIPC("this decode worker has no CUDA device to open the KV's handle on")
+    if not os.path.exists("/dev/shm" + fields["ref_counter"].decode()):  # else torch counts nothing, silently
+        raise KVNoDeviceIPC("the sender's CUDA IPC reference-count file is not in this worker's /dev/shm (share "
+                            "/dev/shm between the workers' containers to pass KV by handle)")
     index = next((i for i in range(torch.cuda.device_count()) if gpu_uuid(i) == fields["gpu"]), None)
     if index is None:
         raise KVNoDeviceIPC(f"GPU {fields['gpu']} holding the KV is not visible to this decode worker")
@@ -97,8 +111,8 @@ def open_handle(description: dict, nbytes: int) -> tuple[torch.Tensor, list[int]
         return rebuild_cuda_tensor(
             torch.Tensor, (nbytes,), (1,), fields["offset"], torch.UntypedStorage, torch.uint8, index,
             fields["handle"], fields["storage_bytes"], fields["storage_offset"], False, fields["ref_counter"],
-            fields["ref_offset"], fields["event"] or None, fields["event_sync"]), fields["digest"]
-    except RuntimeError as exc:  # another container's GPU, IPC not permitted, ...: bytes still travel
+            fields["ref_offset"], fields["event"], fields["event_sync"]), fields["digest"]
+    except (RuntimeError, TypeError) as exc:  # another container's GPU, IPC not permitted, ...: bytes still travel
         raise KVNoDeviceIPC(f"could not open the sender's CUDA memory here: {exc}") from None
 
 
@@ -121,9 +135,24 @@ def _checked(description, nbytes: int) -> dict:
     if not fields["handle"] or fields["offset"] + nbytes > fields["storage_bytes"]:
         raise KVBadStream(f"a device KV push's handle covers {fields['storage_bytes']} bytes; its KV needs "
                           f"{nbytes} from offset {fields['offset']}")
+    if not re.fullmatch(rb"/[\w.-]+", fields["ref_counter"]) or b".." in fields["ref_counter"]:
+        raise KVBadStream("a device KV push's reference-count file must be a plain shared-memory name")
     if len(fields["digest"]) != 3:
         raise KVBadStream("a device KV push's digest must hold three sums")
     return fields
+
+
+def release(description: dict) -> None:
+    """Give up the receiver's reference that `export` counted for a handle the receiver never
+    opened, so the sender's copy is freed when the sender drops it."""
+    torch.UntypedStorage._release_ipc_counter_cuda(base64.b64decode(description["ref_counter"]),
+                                                   description["ref_offset"])
+
+
+def collect() -> None:
+    """Free the copies whose receivers have let go since the sender dropped them (torch's limbo)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()
 
 
 def _b64(raw: bytes) -> str:

@@ -116,17 +116,20 @@ class Receiver:
 
         return self._land(header, started, timeout_s, fill)
 
-    def receive_device(self, header: pb.KVHeader, description: dict, timeout_s: float | None = None) -> ReceiveResult:
+    def receive_device(self, header: pb.KVHeader, description: dict, timeout_s: float | None = None,
+                       on_opened=lambda: None) -> ReceiveResult:
         """Land KV that a process on this host holds in CUDA memory (kvtransfer.cuda_ipc): the
-        header is checked, the handle opened and the digest checked on the device before staging
-        room is taken; the KV is then copied into host staging memory (pinned for a CUDA worker)
-        and the handle closed. KVNoDeviceIPC, before anything is reserved, where it cannot open."""
+        header is checked, the handle opened (`on_opened` told) and the digest checked on the
+        device before staging room is taken; the KV is then copied into host staging memory
+        (pinned for a CUDA worker) and the handle closed when this returns. KVNoDeviceIPC, before
+        anything is reserved, where it cannot open."""
         started = time.monotonic()
         self._check_header(header)
         rid = header.request_id
         if header.layout != pb.KV_LAYOUT_LAYER_MAJOR:
             raise KVBadStream(f"KV for {rid!r} arrived whole, so it must be LAYER_MAJOR (got layout {header.layout})")
         data, expected = cuda_ipc.open_handle(description, header.total_bytes)  # closed as it goes
+        on_opened()
         if cuda_ipc.digest(data) != expected:
             raise KVCorrupt(f"KV for {rid!r}: its digest on the device does not match the sender's; the "
                             "handle or the data was damaged")

@@ -128,13 +128,7 @@ def push_kv_shm(port: int, request_id: str, fingerprint: str, kv: SequenceKV, me
     token = (cluster_token or "").encode()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     if device:
-        description, copy = cuda_ipc.export(kv.data)  # kept until the receiver answered
-        blob = json.dumps(description).encode()
-        frame = (_PREFIX.pack(DEVICE_MAGIC, 0, len(token)) + token + _DESCRIPTION.pack(len(blob)) + blob
-                 + header.SerializeToString())
-        reply = _exchange(port, request_id, frame, [], deadline)
-        del copy
-        return reply
+        return _push_device(port, request_id, kv, header, token, deadline)
     # The memory file first, then the connection: the receiver gives a connection a second for its
     # frame, and copying a long prompt's KV on a busy host can take longer (it closed, the send
     # broke, the copy was made again).
@@ -150,8 +144,33 @@ def push_kv_shm(port: int, request_id: str, fingerprint: str, kv: SequenceKV, me
         os.close(fd)
 
 
-def _exchange(port: int, request_id: str, frame: bytes, fds: list[int], deadline: float | None) -> pb.PushReply:
-    """Send one push's frame (and descriptors) to the receiver for `port`; its reply."""
+def _push_device(port: int, request_id: str, kv: SequenceKV, header: pb.KVHeader, token: bytes,
+                 deadline: float | None) -> pb.PushReply:
+    try:
+        description, copy = cuda_ipc.export(kv.data)  # kept until the receiver answered
+    except KVNoDeviceIPC as exc:
+        raise NoDeviceIPC(str(exc)) from None
+    blob = json.dumps(description).encode()
+    frame = (_PREFIX.pack(DEVICE_MAGIC, 0, len(token)) + token + _DESCRIPTION.pack(len(blob)) + blob
+             + header.SerializeToString())
+    sent: list[bool] = []
+    try:
+        return _exchange(port, request_id, frame, [], deadline, sent)
+    except (NoSharedMemoryPeer, NoDeviceIPC, KVPushFailed) as failure:
+        # Never sent, or refused before the receiver opened the handle: its reference is ours to
+        # give up. (A receiver gone silent may still hold it: torch frees the copy once it lets go.)
+        if not sent or getattr(failure, "handle_opened", None) is False:
+            cuda_ipc.release(description)
+        raise
+    finally:
+        del copy
+        cuda_ipc.collect()
+
+
+def _exchange(port: int, request_id: str, frame: bytes, fds: list[int], deadline: float | None,
+              sent: list[bool] | None = None) -> pb.PushReply:
+    """Send one push's frame (and descriptors) to the receiver for `port`; its reply. `sent` is
+    told once the frame is out."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(CONNECT_TIMEOUT_S)
         try:
@@ -165,6 +184,8 @@ def _exchange(port: int, request_id: str, frame: bytes, fds: list[int], deadline
             socket.send_fds(sock, [frame], fds)
         except OSError as exc:
             raise KVPushFailed("UNAVAILABLE", f"the shared-memory push of {request_id!r} broke: {exc}") from None
+        if sent is not None:
+            sent.append(True)
         return _await_reply(sock, request_id, deadline)
 
 
@@ -240,10 +261,11 @@ def _await_reply(sock: socket.socket, request_id: str, deadline: float | None) -
                                "with something unreadable") from None
         if reply.get("waiting"):
             continue
-        if reply.get("no_device_ipc"):
-            raise NoDeviceIPC(reply.get("details", ""))
         if "code" in reply:
-            raise KVPushFailed(reply["code"], reply.get("details", ""))
+            failure = NoDeviceIPC(reply.get("details", "")) if reply.get("no_device_ipc") else \
+                KVPushFailed(reply["code"], reply.get("details", ""))
+            failure.handle_opened = bool(reply.get("opened"))  # a device push's handle, by the receiver
+            raise failure
         return pb.PushReply(request_id=request_id, bytes_received=reply["bytes"], num_chunks=1,
                             staging_wait_seconds=reply["staging_wait_s"], receive_seconds=reply["receive_s"])
 
@@ -312,10 +334,11 @@ class ShmKVServer:
 
     def _serve(self, conn: socket.socket) -> None:
         sending = threading.Lock()
+        opened: list[bool] = []  # a device push's handle was opened here (the sender must not release it)
         try:
             with conn:
                 try:
-                    reply = self._receive(conn, sending)
+                    reply = self._receive(conn, sending, opened)
                 except KVTransferError as err:
                     reply = {"code": err.code, "details": str(err), "no_device_ipc": isinstance(err, KVNoDeviceIPC)}
                 except (socket.timeout, ConnectionError):
@@ -323,12 +346,13 @@ class ShmKVServer:
                 except Exception:
                     log.exception("shared-memory KV push failed unexpectedly")
                     reply = {"code": "INTERNAL", "details": "KV receiver failed unexpectedly; see the decode worker log"}
+                reply["opened"] = bool(opened)  # the handle is closed by now: the error's frames went
                 with sending:
                     _send(conn, reply)
         finally:
             self._waiting.release()
 
-    def _receive(self, conn: socket.socket, sending: threading.Lock) -> dict:
+    def _receive(self, conn: socket.socket, sending: threading.Lock, opened: list[bool]) -> dict:
         self._check_peer(conn)
         conn.settimeout(CHUNK_IDLE_TIMEOUT_S)
         message, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 1)
@@ -340,7 +364,8 @@ class ShmKVServer:
                 if fds:
                     raise KVBadStream(f"KV for {header.request_id!r} in CUDA memory comes as a handle, not a file")
                 with self._heartbeats.beating(conn, sending):
-                    result = self._receiver.receive_device(header, description)
+                    result = self._receiver.receive_device(header, description,
+                                                           on_opened=lambda: opened.append(True))
                 return {"bytes": result.nbytes, "staging_wait_s": result.staging_wait_seconds,
                         "receive_s": result.receive_seconds}
             if len(fds) != 1:

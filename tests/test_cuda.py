@@ -149,18 +149,22 @@ from baton.kvtransfer import Receiver, ReceiverConfig, StagingConfig, StagingPoo
 from baton.kvtransfer.shm import ShmKVServer
 pool = StagingPool(StagingConfig(capacity_bytes=1 << 30))
 shape = KVShape(num_layers=4, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-with ShmKVServer(Receiver(pool, ReceiverConfig("m", shape, pin_memory=True)), int(sys.argv[1])):
+receiver = Receiver(pool, ReceiverConfig("m", shape, pin_memory=torch.cuda.is_available()))
+with ShmKVServer(receiver, int(sys.argv[1])):
     print("ready", flush=True)
     for rid in sys.stdin.read().split():
         staged = pool.take(rid).kv.data
         want = torch.randn(4, 2, 8, 3000, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-        print(rid, staged.is_pinned() and torch.equal(staged, want), flush=True)
+        print(rid, staged.is_pinned() == torch.cuda.is_available() and torch.equal(staged, want), flush=True)
 """
 
 
-def test_kv_in_cuda_memory_reaches_a_decode_process_on_this_gpu_by_handle():
+@pytest.mark.parametrize("receiver_sees_the_gpu", [True, False])
+def test_kv_in_cuda_memory_reaches_a_decode_process_on_this_gpu_by_handle(receiver_sees_the_gpu):
     """A CUDA IPC push (kvtransfer.cuda_ipc) to another process: the receiver checks the digest on
-    the device and stages the KV's exact bits in pinned memory; the pusher says which way it went."""
+    the device and stages the KV's exact bits in pinned memory; one that cannot see the GPU gets
+    the bytes through shared memory. Either way no copy stays behind on the sender's GPU."""
+    import os
     import subprocess
     import sys
 
@@ -169,17 +173,23 @@ def test_kv_in_cuda_memory_reaches_a_decode_process_on_this_gpu_by_handle():
     from baton.launch.up import free_port
 
     port = free_port()
+    env = {**os.environ, **({} if receiver_sees_the_gpu else {"CUDA_VISIBLE_DEVICES": ""})}
     receiver = subprocess.Popen([sys.executable, "-c", _IPC_RECEIVER, str(port)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert receiver.stdout.readline().strip() == "ready"
-        kv = torch.randn(4, 2, 8, 3000, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        kv = torch.randn(4, 2, 8, 3000, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).cuda()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
         pusher = KVPusher()
-        for rid in ("r1", "r2"):
-            assert pusher.push(f"127.0.0.1:{port}", lambda: None, rid, "m", SequenceKV(kv.cuda()), timeout_s=60) \
-                == "cuda_ipc"
+        went = [pusher.push(f"127.0.0.1:{port}", lambda: None, rid, "m", SequenceKV(kv), timeout_s=60)
+                for rid in ("r1", "r2")]
+        assert went == ["cuda_ipc" if receiver_sees_the_gpu else "shm"] * 2
         out, _ = receiver.communicate("r1 r2\n", timeout=60)
         assert out.split() == ["r1", "True", "r2", "True"]
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()
+        assert torch.cuda.memory_allocated() == before, "a pushed copy stayed on the sender's GPU"
     finally:
         receiver.kill()
         receiver.wait()

@@ -324,13 +324,14 @@ def test_a_cuda_handle_a_receiver_cannot_open_is_refused_unreserved_and_the_push
     from baton.kvtransfer.push import KVPusher
     from baton.kvtransfer.shm import NoDeviceIPC
 
-    exported = []
+    exported, released = [], []
 
     def export(data):  # CUDA's part: a description like the one for a device copy
         exported.append(data)
         return _cpu_description(data), data.clone()
 
     monkeypatch.setattr(cuda_ipc, "export", export)
+    monkeypatch.setattr(cuda_ipc, "release", released.append)
     monkeypatch.setattr(cuda_ipc, "exportable", lambda data: True)
     recv, port = receiver(), free_port()
     kv = make_kv(19)
@@ -347,6 +348,12 @@ def test_a_cuda_handle_a_receiver_cannot_open_is_refused_unreserved_and_the_push
             assert landed_by == "shm"
             assert torch.equal(recv.pool.take(rid).kv.data, kv.data)
     assert len(exported) == 2, "once by hand, once by the pusher: it then remembers the receiver cannot open them"
+    # never opened there, so the sender gave up the receiver's reference itself (torch would keep
+    # each copy on the sender's GPU for good)
+    assert len(released) == 2
+    with pytest.raises(NoSharedMemoryPeer):  # never sent at all: the same
+        push_kv_shm(free_port(), "r3", "model-a", kv, device=True)
+    assert len(released) == 3
 
 
 @pytest.mark.parametrize("spoil, said", [
@@ -355,6 +362,7 @@ def test_a_cuda_handle_a_receiver_cannot_open_is_refused_unreserved_and_the_push
     (lambda d: d.update(offset=-1), "malformed"),
     (lambda d: d.update(storage_bytes=8), "covers 8 bytes"),
     (lambda d: d.update(digest=[1, 2]), "three sums"),
+    (lambda d: d.update(ref_counter="Ly4uL2V0Yy9wYXNzd2Q="), "plain shared-memory name"),  # /../etc/passwd
     (lambda d: d.clear(), "malformed"),
 ])
 def test_a_malformed_cuda_handle_description_is_refused_as_a_bad_push(monkeypatch, spoil, said):
@@ -365,13 +373,15 @@ def test_a_malformed_cuda_handle_description_is_refused_as_a_bad_push(monkeypatc
         spoil(description)
         return description, data
 
+    released = []
     monkeypatch.setattr(cuda_ipc, "export", export)
+    monkeypatch.setattr(cuda_ipc, "release", released.append)
     recv, port = receiver(), free_port()
     recv.pool.expect("r1", "")
     with ShmKVServer(recv, port):
         with pytest.raises(KVPushFailed, match=said) as refused:
             push_kv_shm(port, "r1", "model-a", make_kv(6), device=True)
-        assert refused.value.code == "INVALID_ARGUMENT"
+        assert refused.value.code == "INVALID_ARGUMENT" and len(released) == 1  # refused before opening
         push_kv_shm(port, "r1", "model-a", make_kv(6))  # the server took the next push as ever
     assert recv.pool.stats().used_bytes > 0
 
