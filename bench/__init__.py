@@ -88,6 +88,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
                  "matmul rates measured in the same run: decode at 1-256 rows x 512-16k contexts, prefill at "
                  "512-16k tokens beside transformers' forward, prefill attention beside torch SDPA; both modes "
                  "(without CUDA: a small model on this CPU, a check of the suite)", "baton.bench.gpu"),
+    Suite("long", "issues 46 and 47: new prompts of 1,024-8,000 tokens through `baton up` on one host: TTFT, the "
+                  "prefill and transfer stages, how the KV travelled, TTFT growth against the tokens' (with "
+                  "--host-transport: the same tokens when KV goes through host memory)", "baton.bench.long_prompts"),
     Suite("invariance", "issue 32 on CUDA: decode step (1-64 rows) and prefill with batch invariance on and off, "
                         "and whether a row keeps its bits beside 15 others (needs a CUDA GPU)",
           "baton.bench.invariance"),

@@ -3,9 +3,10 @@
 # the CUDA tests and the kernel tests compiled (batch invariance's bit tests among them), KV pushes
 # from GPU memory (shared memory against a CUDA IPC handle), then `baton bench gpu` for the 8B shape. The machine has torch, triton and transformers, not this
 # project's other packages, and no network:
-#   here:   bash bench/gpu_check.sh prepare       # .gpu/ (git-ignored): the tokenizer, grpcio and protobuf wheels
+#   here:   bash bench/gpu_check.sh prepare       # .gpu/ (git-ignored): the tokenizer, the server's wheels
 #   there:  bash bench/gpu_check.sh               # carrying .gpu; logs and gpu.json land in $OUT
-# SHAPES (default 8b), TEST_S, KV_S and BENCH_S (each part's time limit in seconds) change what runs.
+#   there:  bash bench/gpu_check.sh served        # a second call: an 8B-shaped model through `baton up`
+# SHAPES (default 8b), TEST_S, KV_S, BENCH_S and SERVED_S (each part's time limit in seconds) change what runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -19,10 +20,17 @@ if [ "${1:-}" = prepare ]; then
     cp "$model"/*.json "$model"/*.jinja ".gpu/cache/models/$(basename "$model")/"
     $py -c "from baton.engine.model_files import _default_gguf_file as f; p = f(); print(p.name, p.stat().st_size)" \
         > .gpu/gguf || exit 1
-    pin() { sed -n "s/^$1==//p" constraints.txt; }
+    # what the workers and the router import beyond torch, triton and transformers (and theirs), at
+    # the versions pinned (or installed) here
+    pin() { v=$(sed -n "s/^$1==//p" constraints.txt); echo "${v:-$($py -m pip show "$1" | sed -n 's/^Version: //p')}"; }
+    wheels=()
+    for p in grpcio protobuf grpcio-health-checking grpcio-reflection prometheus-client python-json-logger \
+             starlette uvicorn anyio sniffio h11 click llguidance redis; do
+        wheels+=("$p==$(pin $p)")
+    done
     $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .gpu/wheels "grpcio==$(pin grpcio)" "protobuf==$(pin protobuf)" || exit 1
+        --platform any -d .gpu/wheels "${wheels[@]}" || exit 1
     du -sh .gpu
     exit 0
 fi
@@ -49,6 +57,31 @@ export PYTHONPATH=$SITE:$ROOT/tests PYTHONUNBUFFERED=1 BATON_CACHE_DIR=$ROOT/.gp
 'transformers', transformers.__version__)"
     git log -1 --format='commit %h %s' 2>/dev/null
 } 2>&1 | tee "$OUT/versions.txt"
+if [ "${1:-}" = served ]; then
+    # issues 46 and 47 through `baton up`: Llama-3-8B's shape (random bf16 weights) beside the
+    # default tokenizer, new prompts of 512-8,000 tokens through the SDK, the KV by CUDA IPC handle
+    # and again over gRPC through host memory (the same tokens)
+    echo "== writing an 8B-shaped model"
+    python3 - <<'PY' || exit 1
+import glob, os, shutil, time, torch, transformers
+from baton.bench.gpu import SHAPES
+started = time.perf_counter()
+config = transformers.LlamaConfig(**SHAPES["8b"], max_position_embeddings=16384)
+torch.set_default_dtype(torch.bfloat16)
+with torch.device("cuda"):
+    model = transformers.LlamaForCausalLM(config)
+model.save_pretrained("/tmp/llama8b")
+for f in glob.glob(os.path.join(os.environ["BATON_CACHE_DIR"], "models", "*", "*")):  # the default tokenizer
+    if os.path.basename(f) not in ("config.json", "generation_config.json"):
+        shutil.copy(f, "/tmp/llama8b/")
+print(f"written in {time.perf_counter() - started:.0f} s: {sorted(os.listdir('/tmp/llama8b'))}")
+PY
+    echo "== baton bench long --model /tmp/llama8b"
+    timeout "${SERVED_S:-480}" python3 -m baton.bench long --model /tmp/llama8b --dtype bfloat16 \
+        --lengths "${LENGTHS:-512,2048,4000,8000}" --repeats 2 --host-transport --out "$OUT" > "$OUT/long.log" 2>&1
+    echo "long exit $?"; grep -v '^  \.\. ' "$OUT/long.log" | tail -30
+    exit 0
+fi
 echo "== tests (CUDA, kernels compiled)"
 timeout "${TEST_S:-210}" python3 -m pytest -q -p no:cacheprovider -o addopts= -ra tests/test_cuda.py tests/test_kernels.py \
     > "$OUT/tests.log" 2>&1

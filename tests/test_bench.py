@@ -434,6 +434,18 @@ def test_local_quick_times_a_turn_prefilled_where_its_conversation_is(tmp_path, 
     assert "prefilled there" in printed
 
 
+def test_long_quick_times_new_prompts_through_a_cluster_and_compares_the_host_transport(tmp_path, capsys):
+    document, printed = run_suite("long", tmp_path, capsys)
+    assert document["lengths"] == [64, 256] and set(document["runs"]) == {"default", "grpc"}
+    for figures in document["by_length"].values():
+        assert figures["ttft_s"] > 0 and figures["prefill_s"] > 0 and figures["transfer_s"] >= 0
+    assert document["transports"] == {"shm": 2}  # this host, no GPU: shared memory
+    assert document["runs"]["grpc"]["transports"] == {"grpc": 2}
+    assert all(len(r["output"]) == 8 for r in document["runs"]["default"]["requests"])
+    assert document["identical_with_grpc"] == 2
+    assert "TTFT of 256 tokens over 64" in printed
+
+
 def test_quant_quick_races_quantized_weights_and_measures_what_they_lose(tmp_path, capsys):
     document, printed = run_suite("quant", tmp_path, capsys)
     assert set(document["results"]) == {"bf16", "int8", "int8-i8"}  # gguf: the default model's file only

@@ -1,0 +1,121 @@
+"""long (issues 46 and 47): new prompts of 1,024-8,000 tokens through `baton up` on one host, as a
+user sends them: time to first token, the trace's prefill and transfer stages, and which way the
+KV went from the prefill to the decode worker.
+
+A `LocalCluster` (1 router, 1 prefill and 1 decode worker, each on cores of its own; on a GPU
+both workers share it) serves `--model`. Each prompt is new (random token ids: nothing cached),
+streamed through the SDK with greedy sampling for 8 tokens, one request at a time, the lengths
+taken in turn `--repeats` times so drift on the machine falls on all of them alike. Per length,
+the medians: TTFT, the prefill stage, the transfer stage (prefill end to the KV staged on the
+decode worker) and its share of the prefill stage (issue 47: under 10% on a GPU); then the TTFT
+of the longest over the shortest beside their token ratio (issue 46 on this CPU: 8,000 over 1,024
+tokens within 16x). The prefill worker's metrics say how each KV travelled (cuda_ipc, shm, nixl,
+grpc). With `--host-transport` the same prompts go again through a cluster whose KV goes over
+gRPC through host memory, and the tokens of both are compared (issue 47: identical).
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any
+
+from baton.bench.common import NO_LOCAL_PREFILL, BenchOptions, table
+
+LENGTHS = (1024, 2048, 4000, 8000)
+QUICK_LENGTHS = (64, 256)
+OUTPUT_TOKENS = 8
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--lengths", default=None,
+                        help=f"prompt lengths in tokens, comma-separated (default {','.join(map(str, LENGTHS))})")
+    parser.add_argument("--repeats", type=int, default=None, help="prompts of each length (default 3; --quick 1)")
+    parser.add_argument("--host-transport", action="store_true",
+                        help="send the same prompts through a cluster pushing KV over gRPC and compare the tokens")
+
+
+def run(opts: BenchOptions) -> dict[str, Any]:
+    lengths = QUICK_LENGTHS if opts.quick else tuple(
+        int(n) for n in (opts.extra.get("lengths") or ",".join(map(str, LENGTHS))).split(",") if n.strip())
+    if not lengths or min(lengths) < 2:
+        raise ValueError(f"long: prompt lengths must be at least 2 tokens (got {lengths})")
+    repeats = opts.extra.get("repeats") or (1 if opts.quick else 3)
+    runs = {"default": _serve(opts, lengths, repeats, ())}
+    if opts.extra.get("host_transport") or opts.quick:
+        runs["grpc"] = _serve(opts, lengths, repeats, ("--kv-transport", "grpc"))
+    rows, by_length = [], {}
+    for n in lengths:
+        sent = [r for r in runs["default"]["requests"] if r["tokens"] == n]
+        medians = {key: statistics.median(r[key] for r in sent)
+                   for key in ("ttft_s", "prefill_s", "transfer_s")}
+        medians["transfer_share"] = statistics.median(r["transfer_s"] / r["prefill_s"] for r in sent if r["prefill_s"])
+        by_length[n] = medians
+        rows.append([n, 1e3 * medians["ttft_s"], 1e3 * medians["prefill_s"], 1e3 * medians["transfer_s"],
+                     f"{100 * medians['transfer_share']:.1f}%"])
+    opts.say(table(["prompt tokens", "TTFT ms", "prefill ms", "transfer ms", "transfer / prefill"], rows, digits=1))
+    shortest, longest = min(lengths), max(lengths)
+    growth = by_length[longest]["ttft_s"] / by_length[shortest]["ttft_s"]
+    opts.say(f"the KV went by {runs['default']['transports']}; TTFT of {longest} tokens over {shortest}: "
+             f"{growth:.2f}x for {longest / shortest:.2f}x the tokens")
+    same = None
+    if "grpc" in runs:
+        pairs = list(zip(runs["default"]["requests"], runs["grpc"]["requests"]))
+        same = sum(a["output"] == b["output"] for a, b in pairs)
+        opts.say(f"tokens identical with the KV pushed over gRPC through host memory ({runs['grpc']['transports']}): "
+                 f"{same} of {len(pairs)} requests")
+    return {"model": opts.model, "dtype": opts.dtype, "lengths": list(lengths), "repeats": repeats,
+            "by_length": {str(n): m for n, m in by_length.items()}, "ttft_growth": growth,
+            "transports": runs["default"]["transports"], "identical_with_grpc": same,
+            "runs": runs, "plots": []}
+
+
+def _serve(opts: BenchOptions, lengths, repeats: int, transport_args: tuple[str, ...]) -> dict[str, Any]:
+    """Each length's prompts through a fresh cluster; what each request saw, and the transports."""
+    from baton.client import BatonClient
+    from baton.launch.up import LocalCluster, free_port
+
+    label = " ".join(transport_args) or "the default transport"
+    opts.progress(f"long: starting a cluster serving {opts.model} ({label})")
+    metrics_port = free_port()
+    env = {**opts.worker_env(), "BATON_PREFILL_PREFIX_CACHE_BYTES": "0", **NO_LOCAL_PREFILL}
+    requests = []
+    with LocalCluster(model=opts.model, max_rows=4, share_cores=True, extra_env=env,
+                      prefill_args=("--metrics-port", str(metrics_port), *transport_args),
+                      decode_args=transport_args) as cluster, \
+            BatonClient(cluster.router_address, timeout=1800) as client:
+        info = client.model_info()
+        if max(lengths) + OUTPUT_TOKENS > info.max_context:
+            raise ValueError(f"long: {max(lengths)} prompt tokens and {OUTPUT_TOKENS} more exceed the model's context "
+                             f"({info.max_context})")
+        client.generate(token_ids=[11, 12, 13], max_tokens=2, temperature=0)  # warm
+        before = _transports(metrics_port)
+        rng = random.Random(46)  # the same prompts in every cluster
+        for repeat in range(repeats):
+            for n in lengths:
+                prompt = [rng.randrange(10, info.vocab_size) for _ in range(n)]
+                opts.progress(f"long: a new {n}-token prompt ({repeat + 1} of {repeats}, {label})")
+                started, first, output = time.perf_counter(), None, []
+                with client.stream(token_ids=prompt, max_tokens=OUTPUT_TOKENS, temperature=0,
+                                   ignore_eos=True) as stream:
+                    for chunk in stream:
+                        if first is None and chunk.token_ids:
+                            first = time.perf_counter() - started
+                        output += chunk.token_ids
+                    stages = stream.result().trace.stage_seconds
+                requests.append({"tokens": n, "ttft_s": first, "prefill_s": stages.get("prefill", 0.0),
+                                 "transfer_s": stages.get("transfer", 0.0), "output": output})
+        after = _transports(metrics_port)
+    transports = {name: count - before.get(name, 0) for name, count in after.items() if count > before.get(name, 0)}
+    return {"requests": requests, "transports": transports}
+
+
+def _transports(metrics_port: int) -> dict[str, int]:
+    """KV pushes the prefill worker landed so far, by transport (its /metrics)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return {s.labels["transport"]: int(s.value) for f in text_string_to_metric_families(scraped)
+            for s in f.samples if s.name == "baton_kv_transfer_transports_total"}
