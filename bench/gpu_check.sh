@@ -29,7 +29,7 @@ if [ "${1:-}" = prepare ]; then
         wheels+=("$p==$(pin $p)")
     done
     $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         --platform any -d .gpu/wheels "${wheels[@]}" || exit 1
     du -sh .gpu
     exit 0
