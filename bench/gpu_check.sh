@@ -72,7 +72,7 @@ with torch.device("cuda"):
     model = transformers.LlamaForCausalLM(config)
 model.save_pretrained("/tmp/llama8b")
 for f in glob.glob(os.path.join(os.environ["BATON_CACHE_DIR"], "models", "*", "*")):  # the default tokenizer
-    if os.path.basename(f) not in ("config.json", "generation_config.json"):
+    if os.path.basename(f).startswith(("tokenizer", "special_tokens")) or f.endswith(".jinja"):
         shutil.copy(f, "/tmp/llama8b/")
 print(f"written in {time.perf_counter() - started:.0f} s: {sorted(os.listdir('/tmp/llama8b'))}")
 PY
