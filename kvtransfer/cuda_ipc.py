@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import functools
 import os
 import re
+from typing import Iterator
 
 import torch
 
@@ -71,7 +73,7 @@ def gpu_uuid(index: int) -> str:
 
 def export(kv: torch.Tensor) -> tuple[dict, torch.Tensor]:
     """A description of a private device copy of `kv` (a CUDA tensor) that another process opens
-    with `open_handle`, and that copy: keep it until the receiver has answered. (torch's IPC
+    with `opened`, and that copy: keep it until the receiver has answered. (torch's IPC
     reference counts keep the memory alive while the receiver still holds it, should the sender
     drop the copy first.)"""
     from torch.multiprocessing.reductions import reduce_tensor
@@ -92,10 +94,13 @@ def export(kv: torch.Tensor) -> tuple[dict, torch.Tensor]:
     return description, copy
 
 
-def open_handle(description: dict, nbytes: int) -> tuple[torch.Tensor, list[int]]:
+@contextlib.contextmanager
+def opened(description: dict, nbytes: int) -> Iterator[tuple[torch.Tensor, list[int]]]:
     """The sender's KV (`nbytes`, a flat uint8 tensor in its CUDA memory) from `export`'s
-    description, and the digest the sender computed of it. KVNoDeviceIPC where this process cannot
-    open it, KVBadStream if the description is malformed."""
+    description, and the digest the sender computed of it, on a stream of its own as the current
+    one: the decode loop's steps on the default stream neither wait for this push's reads and
+    copies nor hold them up. KVNoDeviceIPC where this process cannot open it, KVBadStream if the
+    description is malformed. The caller's last reference closes the handle."""
     fields = _checked(description, nbytes)
     if not torch.cuda.is_available():
         raise KVNoDeviceIPC("this decode worker has no CUDA device to open the KV's handle on")
@@ -107,13 +112,19 @@ def open_handle(description: dict, nbytes: int) -> tuple[torch.Tensor, list[int]
         raise KVNoDeviceIPC(f"GPU {fields['gpu']} holding the KV is not visible to this decode worker")
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    try:
-        return rebuild_cuda_tensor(
-            torch.Tensor, (nbytes,), (1,), fields["offset"], torch.UntypedStorage, torch.uint8, index,
-            fields["handle"], fields["storage_bytes"], fields["storage_offset"], False, fields["ref_counter"],
-            fields["ref_offset"], fields["event"], fields["event_sync"]), fields["digest"]
-    except (RuntimeError, TypeError) as exc:  # another container's GPU, IPC not permitted, ...: bytes still travel
-        raise KVNoDeviceIPC(f"could not open the sender's CUDA memory here: {exc}") from None
+    stream = torch.cuda.Stream(device=index)  # torch's pool: streams that do not sync with the default one
+    with torch.cuda.stream(stream):  # the sender's event is waited for on it, too
+        try:
+            data = rebuild_cuda_tensor(
+                torch.Tensor, (nbytes,), (1,), fields["offset"], torch.UntypedStorage, torch.uint8, index,
+                fields["handle"], fields["storage_bytes"], fields["storage_offset"], False, fields["ref_counter"],
+                fields["ref_offset"], fields["event"], fields["event_sync"])
+        except (RuntimeError, TypeError) as exc:  # another container's GPU, IPC not permitted: bytes still travel
+            raise KVNoDeviceIPC(f"could not open the sender's CUDA memory here: {exc}") from None
+        try:
+            yield data, fields["digest"]
+        finally:
+            stream.synchronize()
 
 
 def _checked(description, nbytes: int) -> dict:

@@ -128,18 +128,18 @@ class Receiver:
         rid = header.request_id
         if header.layout != pb.KV_LAYOUT_LAYER_MAJOR:
             raise KVBadStream(f"KV for {rid!r} arrived whole, so it must be LAYER_MAJOR (got layout {header.layout})")
-        data, expected = cuda_ipc.open_handle(description, header.total_bytes)  # closed as it goes
-        on_opened()
-        if cuda_ipc.digest(data) != expected:
-            raise KVCorrupt(f"KV for {rid!r}: its digest on the device does not match the sender's; the "
-                            "handle or the data was damaged")
+        with cuda_ipc.opened(description, header.total_bytes) as (data, expected):
+            on_opened()
+            if cuda_ipc.digest(data) != expected:
+                raise KVCorrupt(f"KV for {rid!r}: its digest on the device does not match the sender's; the "
+                                "handle or the data was damaged")
 
-        def fill(_reservation) -> tuple[SequenceKV, int, bytes]:
-            kv = self._new_kv(header.num_tokens)
-            kv.view(torch.uint8).reshape(-1).copy_(data)
-            return SequenceKV(kv), 1, bytes(header.metadata)
+            def fill(_reservation) -> tuple[SequenceKV, int, bytes]:
+                kv = self._new_kv(header.num_tokens)
+                kv.view(torch.uint8).reshape(-1).copy_(data)  # waits for the copy (pinned or not)
+                return SequenceKV(kv), 1, bytes(header.metadata)
 
-        return self._land(header, started, timeout_s, fill)
+            return self._land(header, started, timeout_s, fill)
 
     def open_whole(self, header: pb.KVHeader, timeout_s: float | None = None) -> "OpenKV":
         """Take KV that a transfer library will write in one piece straight into memory: check the
