@@ -76,14 +76,15 @@ def _settings(opts: BenchOptions) -> dict[str, Any]:
     return s
 
 
-def one_request(base: str, body: dict) -> dict[str, Any]:
-    """One streaming chat completion: when it was sent, when each content chunk came, any error;
-    also the text it received and the usage event (with stream_options.include_usage; else None)."""
+def one_request(base: str, body: dict, path: str = "/v1/chat/completions") -> dict[str, Any]:
+    """One streaming chat completion (or completion, by `path`): when it was sent, when each content
+    chunk came, any error; also the text it received and the usage event (with
+    stream_options.include_usage; else None)."""
     url = urllib.parse.urlsplit(base)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
     sent, chunks, text, usage, error = time.monotonic(), [], [], None, None
     try:
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
+        conn.request("POST", path, body=json.dumps(body).encode(),
                      headers={"content-type": "application/json", "accept": "text/event-stream"})
         response = conn.getresponse()
         if response.status != 200:
@@ -96,7 +97,8 @@ def one_request(base: str, body: dict) -> dict[str, Any]:
             if "error" in event:
                 error = json.dumps(event["error"])[:500]
                 break
-            content = "".join((c.get("delta") or {}).get("content") or "" for c in event.get("choices") or [])
+            content = "".join((c.get("delta") or {}).get("content") or c.get("text") or ""
+                              for c in event.get("choices") or [])
             if content:
                 chunks.append(time.monotonic())
                 text.append(content)

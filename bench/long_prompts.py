@@ -9,9 +9,11 @@ taken in turn `--repeats` times so drift on the machine falls on all of them ali
 the medians: TTFT, the prefill stage, the transfer stage (prefill end to the KV staged on the
 decode worker) and its share of the prefill stage (issue 47: under 10% on a GPU); then the TTFT
 of the longest over the shortest beside their token ratio (issue 46 on this CPU: 8,000 over 1,024
-tokens within 16x). The prefill worker's metrics say how each KV travelled (cuda_ipc, shm, nixl,
-grpc). With `--host-transport` the same prompts go again through a cluster whose KV goes over
-gRPC through host memory, and the tokens of both are compared (issue 47: identical).
+tokens within 16x). Each prompt is then sent again through the OpenAI API (`/v1/completions` with
+its token ids, streamed): its TTFT there, and whether its text is the SDK's. The prefill worker's
+metrics say how each KV travelled (cuda_ipc, shm, nixl, grpc). With `--host-transport` the same
+prompts go again through a cluster whose KV goes over gRPC through host memory, and the tokens
+of both are compared (issue 47: identical).
 """
 from __future__ import annotations
 
@@ -48,16 +50,20 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     for n in lengths:
         sent = [r for r in runs["default"]["requests"] if r["tokens"] == n]
         medians = {key: statistics.median(r[key] for r in sent)
-                   for key in ("ttft_s", "prefill_s", "transfer_s")}
+                   for key in ("ttft_s", "prefill_s", "transfer_s", "openai_ttft_s")}
         medians["transfer_share"] = statistics.median(r["transfer_s"] / r["prefill_s"] for r in sent if r["prefill_s"])
         by_length[n] = medians
         rows.append([n, 1e3 * medians["ttft_s"], 1e3 * medians["prefill_s"], 1e3 * medians["transfer_s"],
-                     f"{100 * medians['transfer_share']:.1f}%"])
-    opts.say(table(["prompt tokens", "TTFT ms", "prefill ms", "transfer ms", "transfer / prefill"], rows, digits=1))
+                     f"{100 * medians['transfer_share']:.1f}%", 1e3 * medians["openai_ttft_s"]])
+    opts.say(table(["prompt tokens", "TTFT ms", "prefill ms", "transfer ms", "transfer / prefill",
+                    "OpenAI API TTFT ms"], rows, digits=1))
     shortest, longest = min(lengths), max(lengths)
     growth = by_length[longest]["ttft_s"] / by_length[shortest]["ttft_s"]
-    opts.say(f"the KV went by {runs['default']['transports']}; TTFT of {longest} tokens over {shortest}: "
-             f"{growth:.2f}x for {longest / shortest:.2f}x the tokens")
+    opts.say(f"the KV of the SDK's and the API's requests went by {runs['default']['transports']}; TTFT of "
+             f"{longest} tokens over {shortest}: {growth:.2f}x for {longest / shortest:.2f}x the tokens")
+    served = runs["default"]["requests"]
+    opts.say(f"the OpenAI API's text is the SDK's for {sum(r['openai_text'] == r['text'] for r in served)} of "
+             f"{len(served)} prompts")
     same = None
     if "grpc" in runs:
         pairs = list(zip(runs["default"]["requests"], runs["grpc"]["requests"]))
@@ -72,6 +78,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
 
 def _serve(opts: BenchOptions, lengths, repeats: int, transport_args: tuple[str, ...]) -> dict[str, Any]:
     """Each length's prompts through a fresh cluster; what each request saw, and the transports."""
+    from baton.bench.goodput import one_request
     from baton.client import BatonClient
     from baton.launch.up import LocalCluster, free_port
 
@@ -80,11 +87,12 @@ def _serve(opts: BenchOptions, lengths, repeats: int, transport_args: tuple[str,
     metrics_port = free_port()
     env = {**opts.worker_env(), "BATON_PREFILL_PREFIX_CACHE_BYTES": "0", **NO_LOCAL_PREFILL}
     requests = []
-    with LocalCluster(model=opts.model, max_rows=4, share_cores=True, extra_env=env,
+    with LocalCluster(model=opts.model, max_rows=4, share_cores=True, extra_env=env, http_port=-1,
                       prefill_args=("--metrics-port", str(metrics_port), *transport_args),
                       decode_args=transport_args) as cluster, \
             BatonClient(cluster.router_address, timeout=1800) as client:
         info = client.model_info()
+        base = cluster.http_url.removesuffix("/v1")
         if max(lengths) + OUTPUT_TOKENS > info.max_context:
             raise ValueError(f"long: {max(lengths)} prompt tokens and {OUTPUT_TOKENS} more exceed the model's context "
                              f"({info.max_context})")
@@ -95,16 +103,23 @@ def _serve(opts: BenchOptions, lengths, repeats: int, transport_args: tuple[str,
             for n in lengths:
                 prompt = [rng.randrange(10, info.vocab_size) for _ in range(n)]
                 opts.progress(f"long: a new {n}-token prompt ({repeat + 1} of {repeats}, {label})")
-                started, first, output = time.perf_counter(), None, []
+                started, first, output, text = time.perf_counter(), None, [], []
                 with client.stream(token_ids=prompt, max_tokens=OUTPUT_TOKENS, temperature=0,
                                    ignore_eos=True) as stream:
                     for chunk in stream:
                         if first is None and chunk.token_ids:
                             first = time.perf_counter() - started
                         output += chunk.token_ids
+                        text.append(chunk.text_delta)
                     stages = stream.result().trace.stage_seconds
+                # the same prompt through the OpenAI API (nothing of it is cached: computed again)
+                api = one_request(base, {"model": info.name, "prompt": prompt, "max_tokens": OUTPUT_TOKENS,
+                                         "temperature": 0, "ignore_eos": True, "stream": True}, "/v1/completions")
+                if api["error"] or not api["chunks"]:
+                    raise RuntimeError(f"long: the OpenAI API failed on a {n}-token prompt: {api['error']}")
                 requests.append({"tokens": n, "ttft_s": first, "prefill_s": stages.get("prefill", 0.0),
-                                 "transfer_s": stages.get("transfer", 0.0), "output": output})
+                                 "transfer_s": stages.get("transfer", 0.0), "output": output, "text": "".join(text),
+                                 "openai_ttft_s": api["chunks"][0] - api["sent"], "openai_text": api["text"]})
         after = _transports(metrics_port)
     transports = {name: count - before.get(name, 0) for name, count in after.items() if count > before.get(name, 0)}
     return {"requests": requests, "transports": transports}

@@ -439,11 +439,12 @@ def test_long_quick_times_new_prompts_through_a_cluster_and_compares_the_host_tr
     assert document["lengths"] == [64, 256] and set(document["runs"]) == {"default", "grpc"}
     for figures in document["by_length"].values():
         assert figures["ttft_s"] > 0 and figures["prefill_s"] > 0 and figures["transfer_s"] >= 0
-    assert document["transports"] == {"shm": 2}  # this host, no GPU: shared memory
-    assert document["runs"]["grpc"]["transports"] == {"grpc": 2}
+    assert document["transports"] == {"shm": 4}  # this host, no GPU: shared memory (SDK and OpenAI API)
+    assert document["runs"]["grpc"]["transports"] == {"grpc": 4}
     assert all(len(r["output"]) == 8 for r in document["runs"]["default"]["requests"])
     assert document["identical_with_grpc"] == 2
-    assert "TTFT of 256 tokens over 64" in printed
+    assert all(r["openai_ttft_s"] > 0 and r["openai_text"] == r["text"] for r in document["runs"]["default"]["requests"])
+    assert "TTFT of 256 tokens over 64" in printed and "the OpenAI API's text is the SDK's for 2 of 2" in printed
 
 
 def test_quant_quick_races_quantized_weights_and_measures_what_they_lose(tmp_path, capsys):
