@@ -1,6 +1,7 @@
 """One sequence's KV cache as it leaves prefill, crosses the wire and waits in staging."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,30 @@ def host_tensor(shape, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor
     """Host memory for KV on its way to or from a device: page-locked when `pinned` (a CUDA
     worker's), so the copy to the GPU can run asynchronously and at full bus speed."""
     return torch.empty(shape, dtype=dtype, pin_memory=pinned and torch.cuda.is_available())
+
+
+def ready_event(data: torch.Tensor) -> "torch.cuda.Event | None":
+    """Marks, on the calling thread's stream, the point where `data` (on a GPU) is complete; None
+    for host memory. For `after`, on the thread that made it."""
+    if not data.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(data.device))
+    return event
+
+
+@contextlib.contextmanager
+def after(ready: "torch.cuda.Event | None", device: torch.device):
+    """Another thread's GPU work on KV, on a stream of its own that starts once `ready` is
+    reached: on the default stream it would wait behind all that the compute thread launched
+    since (a prefill worker's next forward). Nothing changes for host memory (`ready` None)."""
+    if ready is None:
+        yield
+        return
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_event(ready)
+    with torch.cuda.stream(stream):
+        yield
 
 
 def to_host(data: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from baton.metrics import Metrics
 from baton.server import channel
 from baton.v1 import workers_pb2
 
-from baton.engine.kv import KVShape, SequenceKV
+from baton.engine.kv import KVShape, SequenceKV, after, ready_event
 from baton.engine.request import RequestError
 from baton.kvtransfer.errors import KVPushFailed
 from baton.kvtransfer.grpc_transport import PushRetry, push_kv_stream
@@ -168,7 +168,8 @@ class KVDelivery:
         job.sent = True
         with self._lock:  # its own KV: a group's shared prefix is one tensor for all its members
             self._unpushed += prefilled.kv.nbytes
-        self._senders.submit(job.request.params.priority, self._push_counted, job, prefilled)
+        ready = ready_event(prefilled.kv.data)  # here, on the compute thread, where the KV was made
+        self._senders.submit(job.request.params.priority, self._push_counted, job, prefilled, ready)
 
     def close(self) -> None:
         """Pushes not started are dropped (their Prefill calls end with the process); those under way end."""
@@ -186,9 +187,10 @@ class KVDelivery:
                 self._channels.popitem(last=False)[1].close()
             return self._channels[target]
 
-    def _push_counted(self, job: PrefillJob, prefilled) -> None:
+    def _push_counted(self, job: PrefillJob, prefilled, ready=None) -> None:
         try:
-            self._push(job, prefilled)
+            with after(ready, prefilled.kv.data.device):  # not behind the compute thread's next forward
+                self._push(job, prefilled)
         finally:
             with self._lock:
                 self._unpushed -= prefilled.kv.nbytes

@@ -195,6 +195,22 @@ def test_kv_in_cuda_memory_reaches_a_decode_process_on_this_gpu_by_handle(receiv
         receiver.wait()
 
 
+def test_kv_work_after_its_ready_event_does_not_wait_for_later_work_on_the_default_stream():
+    """A prefill worker's sender threads copy a prompt's KV on a stream of their own, from the
+    point the compute thread made it: not behind the next forward it launched since."""
+    from baton.engine.kv import after, ready_event
+
+    data = torch.randn(1 << 20, device="cuda")
+    expected = data.cpu()
+    ready = ready_event(data)
+    torch.cuda._sleep(int(2e9))  # the compute thread's next forward, say: about a second of the GPU
+    with after(ready, data.device):
+        host = data.to("cpu")
+    assert not torch.cuda.current_stream().query(), "the copy waited for the default stream's later work"
+    torch.cuda.synchronize()
+    assert torch.equal(host, expected)
+
+
 def test_the_invariant_kernels_compiled_keep_a_rows_bits():
     """The bit tests of the batch-invariant path, compiled on the GPU (in the interpreter on CPU:
     test_triton_backend.py): a row's tokens beside other rows, chunked prefill = whole, and the KV
