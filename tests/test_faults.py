@@ -52,11 +52,13 @@ def test_killing_a_decode_and_a_prefill_worker_loses_no_token(tiny_reference):
             for t in threads:
                 t.start()
             started.wait()
-            # Kill while streams flow on both decode workers (4 rows each) and most requests wait:
-            # a fixed sleep let a fast machine finish the whole workload first.
-            flowing = time.monotonic() + 60
-            while sum(1 for tokens in list(streamed.values()) if tokens) < 8 and time.monotonic() < flowing:
-                time.sleep(0.005)
+            # Kill while rows decode on the worker killed and most requests wait: a fixed sleep let
+            # a fast machine finish the whole workload first, and counting streams with tokens
+            # found them all on the other worker (this one's requests still prefilling).
+            with server_channel(cluster.decode_addrs[0], cluster_token=cluster.cluster_token) as ch:
+                load, flowing = workers_pb2_grpc.DecodeWorkerStub(ch).GetLoad, time.monotonic() + 60
+                while load(common_pb2.LoadRequest(), timeout=5).rows_in_use < 2 and time.monotonic() < flowing:
+                    time.sleep(0.005)
             procs[cluster.decode_addrs[0]].send_signal(signal.SIGKILL)
             procs[cluster.prefill_addrs[0]].send_signal(signal.SIGKILL)
             for t in threads:
