@@ -131,6 +131,7 @@ def _transports(metrics_port: int) -> dict[str, int]:
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+        scraped = response.read().decode()
     return {s.labels["transport"]: int(s.value) for f in text_string_to_metric_families(scraped)
             for s in f.samples if s.name == "baton_kv_transfer_transports_total"}

@@ -95,7 +95,7 @@ class KeptChunks:
     @property
     def nbytes(self) -> int:
         """What the buffers take on this rank (each sized for its whole prompt)."""
-        return sum(buffer.numel() * buffer.element_size() for buffer, _ in self.prompts.values())
+        return sum(buffer.nbytes for buffer, _ in self.prompts.values())
 
 
 KEPT = "kept"  # a prefill_chunk's prefix: what each rank kept of the prompt's chunks before

@@ -131,7 +131,7 @@ def _checked(description, nbytes: int) -> dict:
     if not isinstance(description, dict):
         raise KVBadStream("a device KV push's description must be an object")
     try:
-        fields = {key: str(description[key]) for key in ("gpu",)}
+        fields = {"gpu": str(description["gpu"])}
         for key in ("handle", "ref_counter", "event"):
             fields[key] = base64.b64decode(description[key], validate=True)
         for key in ("storage_bytes", "storage_offset", "offset", "ref_offset"):

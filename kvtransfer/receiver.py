@@ -94,10 +94,8 @@ class Receiver:
         The pool gets a copy, or with `adopt` (and no pinned memory asked for) the payload itself:
         a writable buffer no one else changes, such as a private mapping of a sealed memory file."""
         started = time.monotonic()
-        self._check_header(header)
+        self._check_whole(header, "arrived whole")
         rid = header.request_id
-        if header.layout != pb.KV_LAYOUT_LAYER_MAJOR:
-            raise KVBadStream(f"KV for {rid!r} arrived whole, so it must be LAYER_MAJOR (got layout {header.layout})")
         if len(payload) != header.total_bytes:
             raise KVTruncated(f"KV for {rid!r} holds {len(payload)} bytes; its header declares {header.total_bytes}")
         if checksum(payload) != crc32:
@@ -124,10 +122,8 @@ class Receiver:
         (pinned for a CUDA worker) and the handle closed when this returns. KVNoDeviceIPC, before
         anything is reserved, where it cannot open."""
         started = time.monotonic()
-        self._check_header(header)
+        self._check_whole(header, "arrived whole")
         rid = header.request_id
-        if header.layout != pb.KV_LAYOUT_LAYER_MAJOR:
-            raise KVBadStream(f"KV for {rid!r} arrived whole, so it must be LAYER_MAJOR (got layout {header.layout})")
         with cuda_ipc.opened(description, header.total_bytes) as (data, expected):
             on_opened()
             if cuda_ipc.digest(data) != expected:
@@ -146,10 +142,7 @@ class Receiver:
         header, reserve its staging room (waiting up to timeout_s) and allocate the tensor it lands
         in. Then `land_opened` once the bytes are written, or `abort_opened`."""
         started = time.monotonic()
-        self._check_header(header)
-        if header.layout != pb.KV_LAYOUT_LAYER_MAJOR:
-            raise KVBadStream(f"KV for {header.request_id!r} is written whole, so it must be LAYER_MAJOR "
-                              f"(got layout {header.layout})")
+        self._check_whole(header, "is written whole")
         wait = self.config.reserve_timeout_s if timeout_s is None else min(timeout_s, self.config.reserve_timeout_s)
         reservation = self.pool.reserve(header.request_id, header.total_bytes, wait, header.push_token)
         try:
@@ -200,6 +193,13 @@ class Receiver:
     def _new_kv(self, num_tokens: int) -> torch.Tensor:
         """Host memory for one sequence's KV (pinned for a CUDA worker)."""
         return host_tensor(self._kv_dims(num_tokens), self.config.shape.dtype, self.config.pin_memory)
+
+    def _check_whole(self, header: pb.KVHeader, how: str) -> None:
+        """`_check_header` for KV that comes in one piece (`how`), which is LAYER_MAJOR."""
+        self._check_header(header)
+        if header.layout != pb.KV_LAYOUT_LAYER_MAJOR:
+            raise KVBadStream(f"KV for {header.request_id!r} {how}, so it must be LAYER_MAJOR (got layout "
+                              f"{header.layout})")
 
     def _check_header(self, header: pb.KVHeader) -> None:
         rid = header.request_id

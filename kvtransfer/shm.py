@@ -364,10 +364,8 @@ class ShmKVServer:
                 if fds:
                     raise KVBadStream(f"KV for {header.request_id!r} in CUDA memory comes as a handle, not a file")
                 with self._heartbeats.beating(conn, sending):
-                    result = self._receiver.receive_device(header, description,
-                                                           on_opened=lambda: opened.append(True))
-                return {"bytes": result.nbytes, "staging_wait_s": result.staging_wait_seconds,
-                        "receive_s": result.receive_seconds}
+                    return _landed(self._receiver.receive_device(header, description,
+                                                                 on_opened=lambda: opened.append(True)))
             if len(fds) != 1:
                 raise KVBadStream("a shared-memory push carries one memory file")
             fd = fds[0]
@@ -389,8 +387,7 @@ class ShmKVServer:
         finally:
             for fd in fds:
                 os.close(fd)
-        return {"bytes": result.nbytes, "staging_wait_s": result.staging_wait_seconds,
-                "receive_s": result.receive_seconds}
+        return _landed(result)
 
     def _check_peer(self, conn: socket.socket) -> None:
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -477,6 +474,11 @@ class _Heartbeats:
                         _send(conn, {"waiting": True})
                     finally:
                         sending.release()
+
+
+def _landed(result) -> dict:
+    """The reply to a push whose KV landed (a Receiver's ReceiveResult)."""
+    return {"bytes": result.nbytes, "staging_wait_s": result.staging_wait_seconds, "receive_s": result.receive_seconds}
 
 
 def _send(conn: socket.socket, reply: dict) -> None:

@@ -63,7 +63,7 @@ class Chunked:
 
     @property
     def held_bytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        return self.buffer.nbytes
 
 
 DEFAULT_MAX_PINS = 256
