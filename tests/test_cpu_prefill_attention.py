@@ -131,3 +131,61 @@ def test_a_prefix_read_in_place_from_a_longer_buffer(dtype):
     assert not view_k.is_contiguous()
     got = cpu_kernels.prefill_attention(query, keys, values, view_k, view_v, 0.125)
     assert torch.equal(got, cpu_kernels.prefill_attention(query, keys, values, prefix_k, prefix_v, 0.125))
+
+
+EQUAL_BITS_C = r"""
+#include "kernels.c"
+#include <stdio.h>
+/* Prefill of 70 tokens (a partial last tile) against decode of each token alone over one page of
+ * them, fp32 and bf16, head_dim 64 and 128, 6 query heads over 2: rows whose bits differ. */
+int main(void) {
+  const int64_t T = 70, Hq = 6, Hkv = 2;
+  int bad = 0;
+  for (int64_t D = 64; D <= 128; D += 64) {
+    float *q = malloc(4 * T * Hq * D), *k = malloc(4 * Hkv * T * D), *v = malloc(4 * Hkv * T * D);
+    float *out = malloc(4 * T * Hq * D), *one = malloc(4 * Hq * D);
+    uint16_t *kb = malloc(2 * Hkv * T * D), *vb = malloc(2 * Hkv * T * D);
+    srand(3);
+    for (int64_t i = 0; i < T * Hq * D; i++) q[i] = rand() / (float)RAND_MAX - 0.5f;
+    for (int64_t i = 0; i < Hkv * T * D; i++) {
+      k[i] = 2 * (rand() / (float)RAND_MAX - 0.5f), v[i] = rand() / (float)RAND_MAX - 0.5f;
+      kb[i] = store1_bf16(k[i]), vb[i] = store1_bf16(v[i]);
+    }
+    int64_t table[1] = {0};
+    baton_prefill_attention_f32(q, Hq * D, 1, T, k, v, Hkv * T * D, T * D, 0, 0, 0, 0, out, Hq, Hkv, D, 0.125f, 1);
+    for (int64_t t = 0, n = 1; t < T; ++t, ++n) {
+      baton_decode_attention_f32(q + t * Hq * D, k, v, table, 1, &n, one, 0, 1, Hq, Hkv, D, T, Hkv * T * D, T * D,
+                                 0.125f, 1);
+      bad += memcmp(one, out + t * Hq * D, 4 * Hq * D) != 0;
+    }
+    baton_prefill_attention_bf16(q, Hq * D, 1, T, kb, vb, Hkv * T * D, T * D, 0, 0, 0, 0, out, Hq, Hkv, D, 0.125f, 1);
+    for (int64_t t = 0, n = 1; t < T; ++t, ++n) {
+      baton_decode_attention_bf16(q + t * Hq * D, kb, vb, table, 1, &n, one, 0, 1, Hq, Hkv, D, T, Hkv * T * D,
+                                  T * D, 0.125f, 1);
+      bad += memcmp(one, out + t * Hq * D, 4 * Hq * D) != 0;
+    }
+  }
+  printf("%d\n", bad);
+  return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 with FMA; SSE2 without it
+def test_prefill_gives_decodes_bits_on_cpus_without_avx512(march, tmp_path):
+    """The machines CI runs on have AVX-512; these builds take the kernels' other paths, where the
+    compiler, not an intrinsic, would choose which product a multiply-add fuses."""
+    import platform
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if platform.machine() not in ("x86_64", "AMD64") or compiler is None:
+        pytest.skip("an x86-64 C compiler builds these")
+    source = tmp_path / "equal_bits.c"
+    source.write_text(EQUAL_BITS_C)
+    binary = tmp_path / "equal_bits"
+    subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-w", f"-I{Path(cpu_kernels.__file__).parent}",
+                    str(source), "-o", str(binary), "-lm"], check=True)
+    assert subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.strip() == "0"

@@ -26,7 +26,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -174,6 +174,177 @@ static NOIPA float softmax(float *s, int64_t n) {
   for (t = 0; t < n; ++t) s[t] *= inv;
   return top + __builtin_logf(total);
 }
+
+/* 16 lanes of x. */
+static inline v16 splat(float x) {
+  const v16 v = {x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+  return v;
+}
+
+/* a * b + c rounded once: attention's scores are chains of these, decode's and prefill's alike.
+ * Written out, not left to contraction: of `x * y + z * w` a compiler may fuse either product, and
+ * decode's and prefill's differently shaped code must fuse the same one. */
+static inline v16 fmadd16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  v8 h[6], r[2];
+  memcpy(h, &a, 64), memcpy(h + 2, &b, 64), memcpy(h + 4, &c, 64);
+  for (int i = 0; i < 2; ++i) r[i] = (v8)_mm256_fmadd_ps((__m256)h[i], (__m256)h[2 + i], (__m256)h[4 + i]);
+  v16 out;
+  memcpy(&out, r, 64);
+  return out;
+#elif defined(__FP_FAST_FMAF)
+  v16 out;
+  for (int i = 0; i < 16; ++i) out[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return out;
+#else
+  return a * b + c; /* no multiply-add instruction: a product, then a sum, wherever it is written */
+#endif
+}
+
+/* Prefill's scores: G query heads of a tile's rows (qt, [G][D] vectors, lane i = row i's query)
+ * against T tokens (k, [T][D] fp32): s[t * stride + g], lane i = row i's score of token t, summed
+ * as group_attention sums it for that row alone: there lane l of a vector of products holds the
+ * chain q[l] k[l], + q[16 + l] k[16 + l], ... (head_products), and the 16 lanes add up in hsum16's
+ * order; here each lane's chain is a vector of the tile's 16 rows and the adds between lanes are
+ * plain vector adds, so no key is transposed and no sum shuffled. hsum16's order pairs lanes l
+ * and l + 8 (s8[l]), then s8[m] and s8[m + 4] (s4[m]); the chains of a pair run together. */
+#define TILE_QK(NV, G, T)                                                                           \
+  static inline void tile_qk_lanes_##NV##_##G##_##T(const v16 *qt, const float *k, int64_t l, v16 out[G][T]) { \
+    const int64_t D = NV * 16; /* out: the chains of lanes l and l + 8, added (s8[l]) */           \
+    v16 a[G][T], b[G][T];                                                                           \
+    for (int t = 0; t < T; ++t) {                                                                   \
+      const v16 ka = splat(k[t * D + l]), kb = splat(k[t * D + l + 8]);                             \
+      for (int g = 0; g < G; ++g) a[g][t] = qt[g * D + l] * ka, b[g][t] = qt[g * D + l + 8] * kb;   \
+    }                                                                                               \
+    for (int64_t j = 16; j < D; j += 16)                                                            \
+      for (int t = 0; t < T; ++t) {                                                                 \
+        const v16 ka = splat(k[t * D + j + l]), kb = splat(k[t * D + j + l + 8]);                   \
+        for (int g = 0; g < G; ++g) {                                                               \
+          a[g][t] = fmadd16(qt[g * D + j + l], ka, a[g][t]);                                        \
+          b[g][t] = fmadd16(qt[g * D + j + l + 8], kb, b[g][t]);                                    \
+        }                                                                                           \
+      }                                                                                             \
+    for (int g = 0; g < G; ++g)                                                                     \
+      for (int t = 0; t < T; ++t) out[g][t] = a[g][t] + b[g][t];                                    \
+  }                                                                                                 \
+  static inline void tile_qk_##NV##_##G##_##T(const v16 *qt, const float *k, float scale, v16 *s, int64_t stride) { \
+    v16 s4[4][G][T], upper[G][T]; /* s4[m] = s8[m] + s8[m + 4] */                                   \
+    for (int m = 0; m < 4; ++m) {                                                                   \
+      tile_qk_lanes_##NV##_##G##_##T(qt, k, m, s4[m]);                                              \
+      tile_qk_lanes_##NV##_##G##_##T(qt, k, m + 4, upper);                                          \
+      for (int g = 0; g < G; ++g)                                                                   \
+        for (int t = 0; t < T; ++t) s4[m][g][t] += upper[g][t];                                     \
+    }                                                                                               \
+    for (int g = 0; g < G; ++g)                                                                     \
+      for (int t = 0; t < T; ++t)                                                                   \
+        s[t * stride + g] = ((s4[0][g][t] + s4[2][g][t]) + (s4[1][g][t] + s4[3][g][t])) * scale;    \
+  }
+/* A block of `count` tokens, T at a time (G x T x 4 chains in flight), then one at a time. */
+#define TILE_QK_BLOCK(NV, G, T)                                                                     \
+  TILE_QK(NV, G, 1)                                                                                 \
+  TILE_QK(NV, G, T)                                                                                 \
+  static void tile_qk_##NV##_##G(const v16 *qt, const float *k, int64_t count, float scale, v16 *s, int64_t stride) { \
+    int64_t t = 0;                                                                                  \
+    for (; t + T <= count; t += T) tile_qk_##NV##_##G##_##T(qt, k + t * NV * 16, scale, s + t * stride, stride); \
+    for (; t < count; ++t) tile_qk_##NV##_##G##_1(qt, k + t * NV * 16, scale, s + t * stride, stride); \
+  }
+#define TILE_QKS_NV(NV)                                                                             \
+  TILE_QK_BLOCK(NV, 1, 4) TILE_QK_BLOCK(NV, 2, 3) TILE_QK_BLOCK(NV, 3, 2) TILE_QK_BLOCK(NV, 4, 2)   \
+  static void (*const TILE_QKS_##NV[5])(const v16 *, const float *, int64_t, float, v16 *, int64_t) = { \
+      0, tile_qk_##NV##_1, tile_qk_##NV##_2, tile_qk_##NV##_3, tile_qk_##NV##_4};
+TILE_QKS_NV(4)
+TILE_QKS_NV(8)
+#undef TILE_QKS_NV
+#undef TILE_QK
+#undef TILE_QK_BLOCK
+
+/* Which rows of a tile see token x: row i sees tokens [0, first + i). */
+static inline v16i tile_sees(int64_t x, int64_t first) {
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return x < first ? (v16i){0} - 1 : (v16i)(lane > splat((float)(x - first)));
+}
+
+/* Softmax of one head's scores in a tile (s[x * stride], lane i = row i's score of token x), each
+ * row's exactly as softmax() computes it alone: its maximum (the same whatever the order), the same
+ * exponentials (in place), its sum as softmax's 16 lanes add it (lane l: the tokens x = l mod 16,
+ * in order; then hsum16's order) and the same quotient, returned: each probability is an
+ * exponential times it, taken as the weighted sums read them. */
+static v16 tile_softmax(v16 *s, int64_t stride, int64_t first, int64_t n) {
+  v16 top = (v16){0} - __builtin_inff(), part[16];
+  for (int64_t x = 0; x < n; ++x) {
+    const v16 v = s[x * stride];
+    const v16i above = (v16i)(v > top) & tile_sees(x, first); /* never NaN, as in softmax */
+    top = (v16)(((v16i)v & above) | ((v16i)top & ~above));
+  }
+  for (int l = 0; l < 16; ++l) part[l] = (v16){0};
+  for (int64_t x = 0; x < n; ++x) {
+    const v16 e = exp16(s[x * stride] - top);
+    s[x * stride] = e;
+    part[x & 15] += (v16)((v16i)e & tile_sees(x, first)); /* + 0 where the row does not see x: no change */
+  }
+  v16 s8[8], s4[4];
+  for (int l = 0; l < 8; ++l) s8[l] = part[l] + part[l + 8];
+  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+  return 1.0f / ((s4[0] + s4[2]) + (s4[1] + s4[3]));
+}
+
+/* c + a * b rounded once where `where` is set, c elsewhere. */
+static inline v16 fmadd16_where(v16i where, v16 a, v16 b, v16 c) {
+#ifdef __AVX512F__
+  return (v16)_mm512_mask3_fmadd_ps((__m512)a, (__m512)b, (__m512)c, _mm512_test_epi32_mask((__m512i)where, (__m512i)where));
+#else
+  const v16 r = a * b + c;
+  return (v16)(((v16i)r & where) | ((v16i)c & ~where));
+#endif
+}
+
+/* Prefill's weighted sums: G heads' outputs of a tile's rows (o[g * D + d], lane i = row i, head
+ * g, dimension d), DC dimensions at a time, over `count` tokens from x0 (p[x * stride + g]: row i's
+ * probability of token x0 + x; v: their values, [count][D] fp32). Each output is decode's chain of
+ * multiply-adds over the row's tokens in order; a row skips the tokens it does not see (x0 + x >=
+ * first + i). Each value broadcast once feeds G heads of 16 rows. */
+#define TILE_PV(G, DC)                                                                              \
+  static void tile_pv_##G(const v16 *p, int64_t stride, const float *v, int64_t D, int64_t count, int64_t x0, \
+                          int64_t first, v16 *o) {                                                  \
+    const int64_t all = first - x0 < 0 ? 0 : first - x0 < count ? first - x0 : count; /* seen by every row */ \
+    for (int64_t d0 = 0; d0 < D; d0 += DC) {                                                        \
+      v16 acc[G][DC];                                                                               \
+      for (int g = 0; g < G; ++g)                                                                   \
+        for (int c = 0; c < DC; ++c) acc[g][c] = o[g * D + d0 + c];                                 \
+      int64_t x = 0;                                                                                \
+      for (; x < all; ++x)                                                                          \
+        for (int c = 0; c < DC; ++c) {                                                              \
+          const v16 vd = splat(v[x * D + d0 + c]);                                                  \
+          for (int g = 0; g < G; ++g) acc[g][c] = fmadd16(p[x * stride + g], vd, acc[g][c]);        \
+        }                                                                                           \
+      for (; x < count; ++x) {                                                                      \
+        const v16i seen = tile_sees(x0 + x, first);                                                 \
+        for (int c = 0; c < DC; ++c) {                                                              \
+          const v16 vd = splat(v[x * D + d0 + c]);                                                  \
+          for (int g = 0; g < G; ++g) acc[g][c] = fmadd16_where(seen, p[x * stride + g], vd, acc[g][c]); \
+        }                                                                                           \
+      }                                                                                             \
+      for (int g = 0; g < G; ++g)                                                                   \
+        for (int c = 0; c < DC; ++c) o[g * D + d0 + c] = acc[g][c];                                 \
+    }                                                                                               \
+  }
+TILE_PV(1, 16)
+TILE_PV(2, 8)
+TILE_PV(3, 8)
+TILE_PV(4, 4)
+#undef TILE_PV
+static void (*const TILE_PVS[5])(const v16 *, int64_t, const float *, int64_t, int64_t, int64_t, int64_t, v16 *) = {
+    0, tile_pv_1, tile_pv_2, tile_pv_3, tile_pv_4};
+
+/* How many of a tile's `group` heads its score and weighted-sum kernels take at once (at most 4):
+ * 4 where they divide the group, else 3, the last chunk what is left. */
+static inline int64_t head_chunk(int64_t group, int64_t g0) {
+  const int64_t size = group % 4 == 0 ? 4 : 3, left = group - g0;
+  return left < size ? left : size;
+}
+
 
 /* RMSNorm of each row, as transformers computes it in fp32: y = w * (x / sqrt(mean(x^2) + eps)).
  * x, y: [R, N] contiguous (y may be x); w: [N] fp32. */

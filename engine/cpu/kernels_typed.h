@@ -142,7 +142,10 @@ static int NAME(linear)(int64_t format, const float *x, const void *w, float *ou
  * i holds counts[i] tokens of D values from kp[i] (keys) and vp[i] (values). Scores, softmax and
  * the weighted sum run over the tokens in order, so the result depends on the tokens alone, not on
  * how they are split. With head_dim NV x 16, the group's queries and each key, and each head's
- * output, live in vector registers; every key and value is read once for four heads. While a
+ * output, live in vector registers; every key and value is read once for four heads. A score is
+ * a vector of products, lane l the chain q[l] k[l], + q[16 + l] k[16 + l], ... (multiply-adds
+ * written out, not left to the compiler's contraction: prefill's tile_qk computes the same
+ * chains), its 16 lanes summed in hsum16's order. While a
  * segment is read, the same line of the next one is prefetched: hardware prefetchers stop at
  * page boundaries, and the next page may be anywhere. scores: group * n floats of scratch. */
 #ifdef __AVX512F__ /* a key's products per head wait in `products` until 16 are summed together */
@@ -175,8 +178,8 @@ static int NAME(linear)(int64_t format, const float *x, const void *w, float *ou
           v16 kv[NV];                                                                               \
           for (int j = 0; j < NV; ++j) kv[j] = LOAD16(k + 16 * j);                                  \
           for (int64_t g = 0; g < heads; ++g) {                                                     \
-            v16 acc = qv[g][0] * kv[0];                                                             \
-            for (int j = 1; j < NV; ++j) acc += qv[g][j] * kv[j];                                   \
+            v16 acc = qv[g][0] * kv[0]; /* then lane l: + q[16j + l] k[16j + l], j in order */    \
+            for (int j = 1; j < NV; ++j) acc = fmadd16(qv[g][j], kv[j], acc);                       \
             SCORE(g, acc);                                                                          \
           }                                                                                         \
           if (++filled == SCORE_BLOCK) {                                                            \
@@ -333,210 +336,74 @@ static inline void NAME(gather)(v16 *buf, struct NAME(tokens) s, int64_t from, i
     for (int64_t j = 0; j < D / 16; ++j) buf[c * D / 16 + j] = LOAD16(NAME(token)(s, from + c, D) + 16 * j);
 }
 
-#ifdef __AVX512F__
-/* A block of keys the same way but transposed, 16 tokens to a vector: buf[h * D + d], lane i holds
- * dimension d of token 16h + i (zero past count: lanes computed but never stored). */
-static inline void NAME(gather_keys)(v16 *buf, struct NAME(tokens) s, int64_t from, int64_t count, int64_t D) {
-  for (int64_t h = 0; h < TILE_BLOCK / 16; ++h)
-    for (int64_t j = 0; j < D; j += 16) {
-      v16 *r = buf + h * D + j;
-      for (int64_t c = 0; c < 16; ++c)
-        r[c] = 16 * h + c < count ? LOAD16(NAME(token)(s, from + 16 * h + c, D) + j) : (v16){0};
-      transpose16(r);
-    }
-}
-
-/* A unit's scores (query q, [D]) for a block of transposed keys, into to[0..count): the lanes of
- * vector d are 16 tokens' products with q[d], so a token's sum of 16 lanes in hsum16's order (lanes
- * l and l + 8, then l and l + 4, then (0 + 2) + (1 + 3)) is a sum of whole vectors: no shuffles,
- * and each q[d] is broadcast once for the block. Lane l's own sum runs over j as group_attention's
- * vector of products does: q[l] k[l], then + q[16j + l] k[16j + l]. */
-#define TILE_SCORES(NV)                                                                             \
-  static inline void NAME(tile_scores_##NV)(const float *q, const v16 *kt, float scale, float *to, \
-                                            int64_t count) {                                        \
-    const int64_t D = NV * 16;                                                                      \
-    v16 s8[TILE_BLOCK / 16][8];                                                                     \
-    for (int l = 0; l < 8; ++l) {                                                                   \
-      v16 a[TILE_BLOCK / 16], b[TILE_BLOCK / 16];                                                   \
-      for (int h = 0; h < TILE_BLOCK / 16; ++h)                                                     \
-        a[h] = q[l] * kt[h * D + l], b[h] = q[l + 8] * kt[h * D + l + 8];                           \
-      for (int j = 1; j < NV; ++j)                                                                  \
-        for (int h = 0; h < TILE_BLOCK / 16; ++h) {                                                 \
-          a[h] += q[16 * j + l] * kt[h * D + 16 * j + l];                                           \
-          b[h] += q[16 * j + l + 8] * kt[h * D + 16 * j + l + 8];                                   \
-        }                                                                                           \
-      for (int h = 0; h < TILE_BLOCK / 16; ++h) s8[h][l] = a[h] + b[h];                             \
-    }                                                                                               \
-    for (int h = 0; h < TILE_BLOCK / 16 && 16 * h < count; ++h) {                                   \
-      v16 s4[4];                                                                                    \
-      for (int l = 0; l < 4; ++l) s4[l] = s8[h][l] + s8[h][l + 4];                                  \
-      const v16 r = ((s4[0] + s4[2]) + (s4[1] + s4[3])) * scale;                                    \
-      const int64_t left = count - 16 * h < 16 ? count - 16 * h : 16;                               \
-      _mm512_mask_storeu_ps(to + 16 * h, (__mmask16)((1u << left) - 1), (__m512)r);                 \
-    }                                                                                               \
-  }
-/* tile_scores for 4 units at once (4 query heads, of one row or of consecutive rows), each with its
- * own q, destination and count: each key vector is loaded once for the 4 of them, where one unit
- * at a time loaded it for one multiply-add (two loads an FMA: the load ports, not the FMA units,
- * bounded it). Every unit's operations are tile_scores' own, in the same order: the same bits. */
-#define TILE_SCORES4(NV)                                                                            \
-  static inline void NAME(tile_scores4_##NV)(const float *const *q, const v16 *kt, float scale,    \
-                                             float *const *to, const int64_t *count) {              \
-    const int64_t D = NV * 16;                                                                      \
-    v16 s8[4][TILE_BLOCK / 16][8];                                                                  \
-    for (int l = 0; l < 8; ++l) {                                                                   \
-      v16 a[4][TILE_BLOCK / 16], b[4][TILE_BLOCK / 16];                                             \
-      for (int h = 0; h < TILE_BLOCK / 16; ++h) {                                                   \
-        const v16 k0 = kt[h * D + l], k1 = kt[h * D + l + 8];                                       \
-        for (int u = 0; u < 4; ++u) a[u][h] = q[u][l] * k0, b[u][h] = q[u][l + 8] * k1;             \
-      }                                                                                             \
-      /* unrolled whole, as tile_scores' shorter loop is: the compiler then fuses each unit's       \
-       * products into multiply-adds as it fuses tile_scores' (the same bits) */                    \
-      _Pragma("GCC unroll 16")                                                                      \
-      for (int j = 1; j < NV; ++j)                                                                  \
-        for (int h = 0; h < TILE_BLOCK / 16; ++h) {                                                 \
-          const v16 k0 = kt[h * D + 16 * j + l], k1 = kt[h * D + 16 * j + l + 8];                   \
-          for (int u = 0; u < 4; ++u) {                                                             \
-            a[u][h] += q[u][16 * j + l] * k0;                                                       \
-            b[u][h] += q[u][16 * j + l + 8] * k1;                                                   \
-          }                                                                                         \
-        }                                                                                           \
-      for (int u = 0; u < 4; ++u)                                                                   \
-        for (int h = 0; h < TILE_BLOCK / 16; ++h) s8[u][h][l] = a[u][h] + b[u][h];                  \
-    }                                                                                               \
-    for (int u = 0; u < 4; ++u)                                                                     \
-      for (int h = 0; h < TILE_BLOCK / 16 && 16 * h < count[u]; ++h) {                              \
-        v16 s4[4];                                                                                  \
-        for (int l = 0; l < 4; ++l) s4[l] = s8[u][h][l] + s8[u][h][l + 4];                          \
-        const v16 r = ((s4[0] + s4[2]) + (s4[1] + s4[3])) * scale;                                  \
-        const int64_t left = count[u] - 16 * h < 16 ? count[u] - 16 * h : 16;                       \
-        _mm512_mask_storeu_ps(to[u] + 16 * h, (__mmask16)((1u << left) - 1), (__m512)r);           \
-      }                                                                                             \
-  }
-#define GATHER_KEYS NAME(gather_keys)
-#else
-/* Without AVX-512, group_attention sums each token's vector of products by hsum16. */
-#define TILE_SCORES(NV)                                                                             \
-  static inline void NAME(tile_scores_##NV)(const float *q, const v16 *k, float scale, float *to,  \
-                                            int64_t count) {                                        \
-    v16 qv[NV];                                                                                     \
-    for (int j = 0; j < NV; ++j) memcpy(&qv[j], q + 16 * j, 64);                                    \
-    for (int64_t s = 0; s < count; ++s) {                                                           \
-      v16 acc = qv[0] * k[s * NV];                                                                  \
-      for (int j = 1; j < NV; ++j) acc += qv[j] * k[s * NV + j];                                    \
-      to[s] = hsum16(acc) * scale;                                                                  \
-    }                                                                                               \
-  }
-#define TILE_SCORES4(NV)                                                                            \
-  static inline void NAME(tile_scores4_##NV)(const float *const *q, const v16 *k, float scale,     \
-                                             float *const *to, const int64_t *count) {              \
-    for (int u = 0; u < 4; ++u) NAME(tile_scores_##NV)(q[u], k, scale, to[u], count[u]);            \
-  }
-#define GATHER_KEYS NAME(gather)
-#endif
-
-/* The weighted sums of U units (a query row's head each) over one block of values (v: [count][D]
- * fp32): unit u adds p[u][t] * v[t] to its output o[u], t in order, as group_attention does, its
- * sums in registers through the block and in o[u] between blocks (zeros before the first). */
-#define WEIGH(NV, U)                                                                                \
-  static inline void NAME(weigh_##NV##_##U)(const float *const *p, float *const *o, const v16 *v,   \
-                                            int64_t count, int fresh) {                             \
-    v16 acc[U][NV];                                                                                 \
-    for (int u = 0; u < U; ++u)                                                                     \
-      for (int j = 0; j < NV; ++j)                                                                  \
-        if (fresh) acc[u][j] = (v16){0};                                                            \
-        else memcpy(&acc[u][j], o[u] + 16 * j, 64);                                                 \
-    for (int64_t t = 0; t < count; ++t)                                                             \
-      for (int j = 0; j < NV; ++j)                                                                  \
-        for (int u = 0; u < U; ++u) acc[u][j] += p[u][t] * v[t * NV + j];                           \
-    for (int u = 0; u < U; ++u) memcpy(o[u], acc[u], sizeof(acc[u]));                              \
-  }
-
-/* Prefill attention of a tile of consecutive query tokens of one prompt and KV head: row i (query
- * q + i * q_row_stride, [group, D]; output out + i * Hq * D) attends the first n_i = first + i
- * tokens of keys and values. Each row computes what group_attention computes for it alone,
- * operation for operation: the same products summed the same way into its scores, the same
- * softmax over its own n_i scores, the same weighted sum over its tokens in order. Only the
- * reading is shared: each block of keys, then of values, is widened once into L1 and taken by
- * every row of the tile that sees it, so the tokens are streamed once per tile instead of once
- * per query token. A row's head is a unit, i * group + g; units take each value as it is read
- * UNITS at a time (NV x UNITS sums fill half the vector registers). scores: rows * group *
- * (first + rows - 1) floats of scratch. */
-#define TILE_ATTENTION(NV, UNITS)                                                                   \
-  TILE_SCORES(NV)                                                                                   \
-  TILE_SCORES4(NV)                                                                                  \
-  WEIGH(NV, 1)                                                                                      \
-  WEIGH(NV, UNITS)                                                                                  \
+/* Prefill attention of a tile of up to 16 consecutive query tokens of one prompt and KV head, the
+ * rows side by side in vector lanes: row i (query q + i * q_row_stride, [group, D]; output out +
+ * i * Hq * D) attends the first first + i tokens of keys and values. Each row computes what
+ * group_attention computes for it alone, operation for operation: each score the same chain of
+ * multiply-adds (tile_qk), the same softmax over its own tokens (tile_softmax), the same weighted
+ * sum over its tokens in order. Only the reading is shared: each block of keys, then of values, is
+ * widened once into L1 and taken by every row of the tile, so the tokens are streamed once per
+ * tile instead of once per query token, and each key or value broadcast once feeds 16 rows (no
+ * key is transposed, no sum shuffled). scratch: group * (2 D + first + rows + TILE_BLOCK) vectors:
+ * the queries transposed, the scores, the outputs, 1 / each head's sums, a block's probabilities. */
+#define TILE_ATTENTION(NV)                                                                          \
   static NOIPA void NAME(tile_attention_##NV)(const float *q, int64_t q_row_stride, int64_t rows,   \
                                               struct NAME(tokens) keys, struct NAME(tokens) values, \
                                               int64_t first, int64_t group, int64_t Hq, float scale, \
-                                              float *scores, float *out) {                          \
-    const int64_t D = NV * 16, n = first + rows - 1; /* the last row's tokens: every unit's stride */ \
+                                              v16 *scratch, float *out) {                           \
+    const int64_t D = NV * 16, n = first + rows - 1; /* the last row's tokens */                   \
+    v16 *qt = scratch, *s = scratch + group * D; /* s[x * group + g], lane i: row i, head g, token x */ \
     v16 buf[TILE_BLOCK * NV];                                                                       \
+    for (int64_t g = 0; g < group; ++g)                                                             \
+      for (int64_t d = 0; d < D; ++d)                                                               \
+        for (int64_t i = 0; i < 16; ++i) qt[g * D + d][i] = i < rows ? q[i * q_row_stride + g * D + d] : 0.f; \
     int64_t ahead = 0;                                                                              \
     NAME(prefetch)(keys, &ahead, TILE_BLOCK, n, D);                                                 \
     for (int64_t block = 0; block < n; block += TILE_BLOCK) {                                       \
-      GATHER_KEYS(buf, keys, block, n - block < TILE_BLOCK ? n - block : TILE_BLOCK, D);            \
-      /* the units of the rows that see it (row i sees tokens [0, first + i)), 4 at a time */       \
-      const int64_t seen = block + 1 - first > 0 ? block + 1 - first : 0;                           \
-      for (int64_t u = seen * group; u < rows * group;) {                                           \
-        const int take = rows * group - u >= 4 ? 4 : 1;                                             \
-        const float *qs[4];                                                                         \
-        float *to[4];                                                                               \
-        int64_t count[4];                                                                           \
-        for (int k = 0; k < take; ++k, ++u) {                                                       \
-          const int64_t i = u / group, left = first + i - block;                                    \
-          qs[k] = q + i * q_row_stride + u % group * D, to[k] = scores + u * n + block;             \
-          count[k] = left < TILE_BLOCK ? left : TILE_BLOCK;                                         \
+      const int64_t count = n - block < TILE_BLOCK ? n - block : TILE_BLOCK;                        \
+      const float *k = (const float *)buf;                                                          \
+      NAME(gather)(buf, keys, block, count, D);                                                     \
+      for (int64_t t = 0; t < count; t += 8) { /* the next block prefetched 8 tokens at a time */   \
+        NAME(prefetch)(keys, &ahead, 8, n, D);                                                      \
+        for (int64_t g0 = 0; g0 < group; g0 += 4) {                                                 \
+          const int64_t heads = group - g0 < 4 ? group - g0 : 4;                                    \
+          TILE_QKS_##NV[heads](qt + g0 * D, k + t * D, count - t < 8 ? count - t : 8, scale, s + (block + t) * group + g0, group); \
         }                                                                                           \
-        NAME(prefetch)(keys, &ahead, (TILE_BLOCK * take + rows * group - 1) / (rows * group), n, D); \
-        if (take == 4) NAME(tile_scores4_##NV)(qs, buf, scale, to, count);                          \
-        else NAME(tile_scores_##NV)(qs[0], buf, scale, to[0], count[0]);                            \
       }                                                                                             \
     }                                                                                               \
     ahead = 0;                                                                                      \
     NAME(prefetch)(values, &ahead, TILE_BLOCK, n, D);                                               \
-    for (int64_t u = 0; u < rows * group; ++u) softmax(scores + u * n, first + u / group);          \
+    /* the outputs so far (o[g * D + d], lane i: row i), each head's 1 / sum, a block's probabilities */ \
+    v16 *o = s + n * group, *inv = o + group * D, *p = inv + group;                                 \
+    for (int64_t g = 0; g < group; ++g) inv[g] = tile_softmax(s + g, group, first, n);              \
+    for (int64_t i = 0; i < group * D; ++i) o[i] = (v16){0};                                        \
     for (int64_t block = 0; block < n; block += TILE_BLOCK) {                                       \
-      NAME(gather)(buf, values, block, n - block < TILE_BLOCK ? n - block : TILE_BLOCK, D);         \
-      /* rows [lo, whole) see part of the block, each row's units run on their own count; rows    \
-       * [whole, rows) see all of it, and their units run together (i == whole) */                  \
-      const int64_t lo = block + 1 - first > 0 ? block + 1 - first : 0, past = block + TILE_BLOCK - first; \
-      const int64_t whole = past < lo ? lo : past > rows ? rows : past;                             \
-      for (int64_t i = lo; i <= whole && i < rows; ++i) {                                           \
-        const int64_t end = (i < whole ? i + 1 : rows) * group;                                     \
-        const int64_t count = i < whole ? first + i - block : TILE_BLOCK;                           \
-        for (int64_t u = i * group; u < end;) {                                                     \
-          const int take = end - u >= UNITS ? UNITS : 1;                                            \
-          const float *p[UNITS];                                                                    \
-          float *o[UNITS];                                                                          \
-          for (int k = 0; k < take; ++k, ++u)                                                       \
-            p[k] = scores + u * n + block, o[k] = out + (u / group * Hq + u % group) * D;           \
-          NAME(prefetch)(values, &ahead, (TILE_BLOCK * take + rows * group - 1) / (rows * group), n, D); \
-          (take == UNITS ? NAME(weigh_##NV##_##UNITS) : NAME(weigh_##NV##_1))(p, o, buf, count, block == 0); \
-        }                                                                                           \
+      const int64_t count = n - block < TILE_BLOCK ? n - block : TILE_BLOCK;                        \
+      NAME(gather)(buf, values, block, count, D);                                                   \
+      for (int64_t x = 0; x < count; ++x)                                                           \
+        for (int64_t g = 0; g < group; ++g) p[x * group + g] = s[(block + x) * group + g] * inv[g];  \
+      for (int64_t g0 = 0, heads; g0 < group; g0 += heads) {                                        \
+        heads = head_chunk(group, g0);                                                              \
+        NAME(prefetch)(values, &ahead, (TILE_BLOCK * heads + group - 1) / group, n, D);            \
+        TILE_PVS[heads](p + g0, group, (const float *)buf, D, count, block, first, o + g0 * D);     \
       }                                                                                             \
     }                                                                                               \
+    for (int64_t g = 0; g < group; ++g)                                                             \
+      for (int64_t d = 0; d < D; ++d)                                                               \
+        for (int64_t i = 0; i < rows; ++i) out[(i * Hq + g) * D + d] = o[g * D + d][i];            \
   }
 
-TILE_ATTENTION(4, 4)
-TILE_ATTENTION(8, 2)
-#undef TILE_SCORES
-#undef TILE_SCORES4
-#undef GATHER_KEYS
-#undef WEIGH
+TILE_ATTENTION(4)
+TILE_ATTENTION(8)
 #undef TILE_ATTENTION
-#undef TILE_BLOCK
 
 /* Prefill attention, each token exactly as a decode step would compute it: B prompts of T new
  * tokens each (query row b * T + t, q_row_stride floats apart, [Hq, D] each), token t seeing the
  * `cached` prefix tokens and its prompt's own tokens [0, t]. own_k, own_v: [B, Hkv, T, D]
  * (own_seq_stride, own_head_stride elements); prefix_k, prefix_v: [Hkv, cached, D] (heads
  * prefix_head_stride apart), shared by every prompt; out: [B * T, Hq, D]. One task per (prompt, KV
- * head, tile of PREFILL_TILE tokens), the longest tiles first; head_dim 64 and 128 take the tiled
- * kernel, any other each token through attend. Tiles of 16 tokens: 8 read the keys and values
- * twice as often, and 32 at 8k tokens held 3 MB of scores, past L2; both were slower (SmolLM2's
- * 9 heads over 3, one thread, 8192 tokens: 1.07-1.18 s and 1.30-1.38 s against 1.02-1.14 s). */
+ * head, tile of PREFILL_TILE tokens: a vector's lanes), the longest tiles first; head_dim 64 and
+ * 128 take the tiled kernel, any other each token through attend. */
 #define PREFILL_TILE 16
 int NAME(baton_prefill_attention)(const float *q, int64_t q_row_stride, int64_t B, int64_t T, const ELEMENT *own_k,
                                   const ELEMENT *own_v, int64_t own_seq_stride, int64_t own_head_stride,
@@ -557,11 +424,11 @@ int NAME(baton_prefill_attention)(const float *q, int64_t q_row_stride, int64_t 
     float *ot = out + (r0 * Hq + kvh * group) * D;
     if (D == 64 || D == 128) {
       const int64_t first = cached + t0 + 1;
-      float *scores = malloc(sizeof(float) * rows * group * (first + rows - 1));
-      if (!scores) { failed = 1; continue; }
+      v16 *scratch = aligned_alloc(sizeof(v16), sizeof(v16) * group * (2 * D + first + rows + TILE_BLOCK));
+      if (!scratch) { failed = 1; continue; }
       (D == 64 ? NAME(tile_attention_4) : NAME(tile_attention_8))(qt, q_row_stride, rows, keys, values, first, group,
-                                                                   Hq, scale, scores, ot);
-      free(scores);
+                                                                   Hq, scale, scratch, ot);
+      free(scratch);
       continue;
     }
     for (int64_t i = 0; i < rows; ++i) {
@@ -574,6 +441,7 @@ int NAME(baton_prefill_attention)(const float *q, int64_t q_row_stride, int64_t 
   return failed ? -1 : 0;
 }
 #undef PREFILL_TILE
+#undef TILE_BLOCK
 
 /* One decode step through every decoder layer of a Llama-family model, in one call: for each
  * layer, RMSNorm, fused QKV (+ bias), rotary on queries and keys, the new keys and values stored
