@@ -72,22 +72,33 @@ class Route:
     decode: Worker
     predicted_cached_tokens: int
     seconds: float = 0.0  # the router's own time choosing
+    prompt_tokens: int = 0
     reason: str = ""
     # The workers chosen count the request in flight from the choice on (`Dispatcher.route`) until
-    # the calls that take them over count it themselves; then `release`.
-    held: list[Worker] = field(default_factory=list)
+    # the calls that take them over count it themselves; then `release`. With each, the prompt
+    # tokens it counts (its prefill worker: those it will compute).
+    held: list[tuple[Worker, int]] = field(default_factory=list)
     pool: WorkerPool | None = None
 
     @property
     def local(self) -> bool:
         return self.prefill is None
 
+    @property
+    def prefill_tokens(self) -> int:
+        """The prompt tokens its prefill worker will compute, as predicted."""
+        return max(1, self.prompt_tokens - self.predicted_cached_tokens)
+
+    def hold(self, worker: Worker, tokens: int = 0) -> None:
+        self.pool.acquire(worker, tokens)
+        self.held.append((worker, tokens))
+
     def release(self, *workers: Worker) -> None:
         """Stop counting the request on `workers`, or on every chosen one left (idempotent)."""
-        gone = [w for w in self.held if not workers or any(w is x for x in workers)]
-        self.held = [w for w in self.held if not any(w is g for g in gone)]
-        for worker in gone:
-            self.pool.release(worker)
+        gone = [(w, n) for w, n in self.held if not workers or any(w is x for x in workers)]
+        self.held = [(w, n) for w, n in self.held if not any(w is g for g, _ in gone)]
+        for worker, tokens in gone:
+            self.pool.release(worker, tokens)
 
 
 class Dispatcher:
@@ -150,11 +161,10 @@ class Dispatcher:
         first one's calls began all saw the same idle worker, and went there together."""
         with self._routing:
             route = self._route(prompt, prefill_address, avoid, allow_local)
-            route.pool = self.pool
-            for worker in (route.prefill, route.decode):
-                if worker is not None:
-                    self.pool.acquire(worker)
-                    route.held.append(worker)
+            route.pool, route.prompt_tokens = self.pool, len(prompt)
+            if route.prefill is not None:
+                route.hold(route.prefill, route.prefill_tokens)
+            route.hold(route.decode)
         return route
 
     def _route(self, prompt: list[int], prefill_address: str | None, avoid: set[str], allow_local: bool) -> Route:

@@ -99,13 +99,23 @@ class PrefillChain(KVSource):
         call.add_done_callback(self._done)
 
     def _swap_acquired(self, worker: Worker) -> None:
+        self._release_acquired()
+        self._acquired = (worker, self.route.prefill_tokens)
+        self.dispatcher.pool.acquire(*self._acquired)
+
+    def _release_acquired(self) -> None:
+        """The prefill worker no longer counts this request (its prefill ended, or it was left)."""
         if self._acquired is not None:
-            self.dispatcher.pool.release(self._acquired)
-        self.dispatcher.pool.acquire(worker)
-        self._acquired = worker
+            self.dispatcher.pool.release(*self._acquired)
+            self._acquired = None
 
     def _done(self, call) -> None:
-        if call.cancelled() or call.exception() is None:
+        if call.cancelled():
+            return
+        if call.exception() is None:  # prefilled and pushed: no longer the worker's backlog
+            with self._lock:
+                if self.call is call:
+                    self._release_acquired()
             return
         err = call.exception()
         retry = self.tries < 2 and not self._cancelled and not self._delivered and err.code() in PREFILL_RETRYABLE
@@ -163,9 +173,7 @@ class PrefillChain(KVSource):
             self._cancelled = True
             if self.call is not None and not self.call.done():
                 self.call.cancel()
-            if self._acquired is not None:
-                self.dispatcher.pool.release(self._acquired)
-                self._acquired = None
+            self._release_acquired()
 
 
 # How long a finished request waits for its prefill's reply; it normally comes with the KV.

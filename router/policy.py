@@ -2,8 +2,9 @@
 
 A decode worker is chosen by how full it would be: the larger of its rows' fill (rows in use, KV
 waiting, and the requests this router already sent but the last load poll did not yet see) and
-its KV budget's once the prompt's KV lands there. A prefill worker is chosen by its queued prompt
-tokens less the prompt tokens it holds cached. Ties go round-robin, so idle workers share the work.
+its KV budget's once the prompt's KV lands there. A prefill worker is chosen by its backlog of
+prompt tokens (`prefill_backlog`) less the prompt tokens it holds cached. Ties go round-robin, so
+idle workers share the work.
 
 A decode worker that holds a prompt's prefix (a conversation's earlier turns, kept after they
 finished) and has room is chosen over the others (`pick_holder`): its KV need not travel again,
@@ -24,6 +25,7 @@ class WorkerView:
     address: str
     healthy: bool = True
     inflight: int = 0  # requests this router has in flight on it
+    inflight_tokens: int = 0  # prefill: prompt tokens of this router's requests it has not finished prefilling
     # From the worker's last load report:
     active: int = 0  # decode: rows in use + staged + waiting for KV; prefill: queued prompts
     capacity: int = 1  # decode: max rows; prefill: max queue
@@ -77,7 +79,7 @@ class Picker:
             return True, f"{said}: prefills the other {rest} there (no prefill worker is available)"
         here = rest * (1 + holder.active)
         found = max(prefill.predicted_cached_tokens, held if prefill.pulls_kv else 0)
-        there = prompt_tokens - found + prefill.queued_tokens
+        there = prompt_tokens - found + prefill_backlog(prefill)
         if here <= there:
             return True, f"{said}: prefills the other {rest} there (about {here} tokens of waiting, against " \
                          f"{there} on prefill worker {prefill.address})"
@@ -98,8 +100,7 @@ class Picker:
 
         def cost(w: WorkerView) -> float:
             # Tokens it must still compute before this prompt is done, less what it has cached.
-            backlog = w.queued_tokens + w.inflight * prompt_tokens
-            return w_load * backlog + prompt_tokens - w_cache * w.predicted_cached_tokens
+            return w_load * prefill_backlog(w) + prompt_tokens - w_cache * w.predicted_cached_tokens
 
         return self._cheapest(workers, cost, "prefill")
 
@@ -110,6 +111,14 @@ class Picker:
         turn = next(self._turns[role])
         rotated = healthy[turn % len(healthy):] + healthy[:turn % len(healthy)]
         return min(rotated, key=cost)
+
+
+def prefill_backlog(w: WorkerView) -> int:
+    """Prompt tokens a prefill worker has to compute before a new prompt: the larger of what its
+    last load report said waits in its queue (every router's prompts, up to a poll old, less the one
+    it is computing) and what this router has sent it and not yet seen prefilled. Summed, this
+    router's queued prompts would count twice."""
+    return max(w.queued_tokens, w.inflight_tokens)
 
 
 def decode_fill(w: WorkerView, prompt_tokens: int = 0, joining: bool = False) -> float:

@@ -107,13 +107,17 @@ class WorkerPool:
         with self._lock:
             return [w for workers in self._workers.values() for w in workers.values()]
 
-    def acquire(self, worker: Worker) -> None:
+    def acquire(self, worker: Worker, tokens: int = 0) -> None:
+        """Count a request in flight on `worker`; `tokens`: prompt tokens it will prefill there."""
         with self._lock:
             worker.view.inflight += 1
+            worker.view.inflight_tokens += tokens
 
-    def release(self, worker: Worker) -> None:
+    def release(self, worker: Worker, tokens: int = 0) -> None:
+        """Undo `acquire(worker, tokens)`."""
         with self._lock:
             worker.view.inflight -= 1
+            worker.view.inflight_tokens -= tokens
             worker.released_at = time.monotonic()
             if worker.role == "decode":
                 # Its row is free now; the next load report says so up to a poll later, and a

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -121,6 +122,8 @@ def test_a_prefill_the_worker_cancelled_is_retried_on_another_and_one_the_router
     try:
         gave_up = _start(chain)
         assert live.arrived.wait(10), "the prompt was not sent to the other worker"
+        # the retried call's reply (the worker may see the call before the chain holds it)
+        assert settles(lambda: chain.reply().first_token, 7)
         reply = chain.reply()
         chain.cancel()
     finally:
@@ -218,6 +221,14 @@ def test_a_burst_routed_before_any_call_began_spreads_over_the_idle_workers():
         pool.stop()
 
 
+def settles(read, expected, timeout_s: float = 5.0) -> bool:
+    """Whether read() comes to equal `expected` within timeout_s (a callback on another thread)."""
+    deadline = time.monotonic() + timeout_s
+    while read() != expected and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return read() == expected
+
+
 class _DecodeServicer(workers_pb2_grpc.DecodeWorkerServicer):
     """Registers each Decode once `register` is set, then finishes it once its Prefill arrived."""
 
@@ -225,13 +236,19 @@ class _DecodeServicer(workers_pb2_grpc.DecodeWorkerServicer):
         self.prefill = prefill
         self.register = threading.Event()
         self.arrived = threading.Event()
+        self.finish = threading.Event()  # its last token waits for it
+        self.finish.set()
+        self.decoding = threading.Event()  # set once its first token went out
 
     def Decode(self, request, context):
         self.arrived.set()
         self.register.wait(10)
         yield workers_pb2.DecodeResponse()
         self.prefill.arrived.wait(10)
-        yield workers_pb2.DecodeResponse(token_ids=[7], finish_reason="length")
+        yield workers_pb2.DecodeResponse(token_ids=[7])
+        self.decoding.set()
+        self.finish.wait(10)
+        yield workers_pb2.DecodeResponse(token_ids=[8], finish_reason="length")
 
 
 def test_a_request_counts_once_on_each_worker_while_its_calls_take_over_the_routes_hold(prefill_server,
@@ -250,14 +267,15 @@ def test_a_request_counts_once_on_each_worker_while_its_calls_take_over_the_rout
     inflight = lambda: {w.role: w.view.inflight for w in pool.all()}
     out = []
     runner = threading.Thread(target=lambda: out.extend(dispatcher.run(
-        "r1", [1, 2, 3, 4], common_pb2.SamplingParams(max_tokens=1), 10.0, lambda cancel: None)), daemon=True)
+        "r1", [1, 2, 3, 4], common_pb2.SamplingParams(max_tokens=2), 10.0, lambda cancel: None)), daemon=True)
     try:
         runner.start()
         assert decode.arrived.wait(10)
         assert inflight() == {"prefill": 1, "decode": 1}  # registering: the route holds the prefill worker
         decode.register.set()
         assert prefill.arrived.wait(10)
-        assert inflight() == {"prefill": 1, "decode": 1}  # prefilling: the calls count it
+        # prefilling: the calls count it (the prefill's count begins a moment before the route's ends)
+        assert settles(inflight, {"prefill": 1, "decode": 1})
         prefill.release.set()
         runner.join(10)
         assert not runner.is_alive() and out[-1].finish_reason == "length"
@@ -265,6 +283,43 @@ def test_a_request_counts_once_on_each_worker_while_its_calls_take_over_the_rout
     finally:
         prefill.release.set()
         decode.register.set()
+        pool.stop()
+
+
+def test_a_prefill_worker_counts_a_request_until_its_prefill_ends_not_while_it_decodes(prefill_server, grpc_server):
+    """A prefill worker's backlog is prompts to compute: a request it prefilled that is still
+    decoding elsewhere no longer counts there, in requests or in prompt tokens (it counted for the
+    whole request, so a worker whose earlier prompts decoded long looked busy and lost the prompts
+    whose prefix it held)."""
+    prefill = _PrefillServicer()
+    decode = _DecodeServicer(prefill)
+    decode.finish.clear()
+    pool = WorkerPool()
+    pool.set_workers("prefill", [prefill_server(prefill)])
+    pool.set_workers("decode", [grpc_server(workers_pb2_grpc.add_DecodeWorkerServicer_to_server, decode)])
+    for worker in pool.all():
+        worker.view.healthy = True
+    dispatcher = Dispatcher(pool, build_prefix_index(PrefixIndexConfig()), block_size=16)
+    counted = lambda role: next((w.view.inflight, w.view.inflight_tokens) for w in pool.all() if w.role == role)
+    out = []
+    runner = threading.Thread(target=lambda: out.extend(dispatcher.run(
+        "r1", list(range(1, 41)), common_pb2.SamplingParams(max_tokens=2), 10.0, lambda cancel: None)), daemon=True)
+    try:
+        runner.start()
+        decode.register.set()
+        assert prefill.arrived.wait(10)
+        assert settles(lambda: counted("prefill"), (1, 40))  # prefilling its 40 tokens
+        prefill.release.set()
+        assert decode.decoding.wait(10)
+        assert settles(lambda: counted("prefill"), (0, 0)) and counted("decode") == (1, 0)  # decoding
+        decode.finish.set()
+        runner.join(10)
+        assert not runner.is_alive() and out[-1].finish_reason == "length"
+        assert counted("prefill") == (0, 0) and counted("decode") == (0, 0)
+    finally:
+        prefill.release.set()
+        decode.register.set()
+        decode.finish.set()
         pool.stop()
 
 

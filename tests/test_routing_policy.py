@@ -13,8 +13,9 @@ def decode(address, active=0, capacity=8, used=0, budget=0, per_token=0, infligh
                       kv_used_bytes=used, kv_capacity_bytes=budget, kv_bytes_per_token=per_token)
 
 
-def prefill(address, queued_tokens=0, cached=0, inflight=0):
-    return WorkerView(address, inflight=inflight, queued_tokens=queued_tokens, predicted_cached_tokens=cached)
+def prefill(address, queued_tokens=0, cached=0, inflight=0, inflight_tokens=0):
+    return WorkerView(address, inflight=inflight, inflight_tokens=inflight_tokens, queued_tokens=queued_tokens,
+                      predicted_cached_tokens=cached)
 
 
 def test_decode_goes_where_fewer_rows_are_taken():
@@ -55,6 +56,19 @@ def test_prefill_weights_change_the_balance():
     workers = [prefill("a", queued_tokens=0), prefill("b", queued_tokens=300, cached=256)]
     assert Picker().pick_prefill(workers, 400).address == "a"
     assert Picker(RoutingWeights(load=0.5, cached_tokens=1.0)).pick_prefill(workers, 400).address == "b"
+
+
+def test_a_prompt_this_router_sent_counts_once_in_a_prefill_workers_backlog():
+    """Worker a holds 1,200 of the prompt's 1,500 tokens; its last report counts 1,000 queued
+    tokens, this router's own prompt there among them. Counted once, a has 1,000 + 300 tokens to
+    compute against b's 700 + 1,500; counted twice (queue plus this router's prompts) it looked
+    the busier, and the prompt lost its cached prefix."""
+    workers = [prefill("a", queued_tokens=1000, cached=1200, inflight=1, inflight_tokens=1000),
+               prefill("b", queued_tokens=700)]
+    assert Picker().pick_prefill(workers, prompt_tokens=1500).address == "a"
+    # before a poll reports it, what this router sent counts: a then has 2,500 + 300 to compute
+    workers[0].queued_tokens, workers[0].inflight_tokens = 0, 2500
+    assert Picker().pick_prefill(workers, prompt_tokens=1500).address == "b"
 
 
 def test_ties_go_round_robin_and_unhealthy_workers_are_skipped():
