@@ -251,11 +251,9 @@ class _DecodeServicer(workers_pb2_grpc.DecodeWorkerServicer):
         yield workers_pb2.DecodeResponse(token_ids=[8], finish_reason="length")
 
 
-def test_a_request_counts_once_on_each_worker_while_its_calls_take_over_the_routes_hold(prefill_server,
-                                                                                         grpc_server):
-    """From the choice to the end, a request is one in flight on its decode worker and on its
-    prefill worker: the route's hold passes to the Decode call as it begins (not once it is
-    registered, which a busy worker can take long over) and to the prefill as it starts."""
+def _one_request_through_one_worker_each(prefill_server, grpc_server, prompt: list[int]):
+    """A prefill and a decode worker (the servicers above, on real gRPC) and a thread, not yet
+    started, that sends `prompt` through a Dispatcher over them (its replies land in `out`)."""
     prefill = _PrefillServicer()
     decode = _DecodeServicer(prefill)
     pool = WorkerPool()
@@ -264,10 +262,19 @@ def test_a_request_counts_once_on_each_worker_while_its_calls_take_over_the_rout
     for worker in pool.all():
         worker.view.healthy = True
     dispatcher = Dispatcher(pool, build_prefix_index(PrefixIndexConfig()), block_size=16)
-    inflight = lambda: {w.role: w.view.inflight for w in pool.all()}
     out = []
     runner = threading.Thread(target=lambda: out.extend(dispatcher.run(
-        "r1", [1, 2, 3, 4], common_pb2.SamplingParams(max_tokens=2), 10.0, lambda cancel: None)), daemon=True)
+        "r1", prompt, common_pb2.SamplingParams(max_tokens=2), 10.0, lambda cancel: None)), daemon=True)
+    return prefill, decode, pool, out, runner
+
+
+def test_a_request_counts_once_on_each_worker_while_its_calls_take_over_the_routes_hold(prefill_server,
+                                                                                         grpc_server):
+    """From the choice to the end, a request is one in flight on its decode worker and on its
+    prefill worker: the route's hold passes to the Decode call as it begins (not once it is
+    registered, which a busy worker can take long over) and to the prefill as it starts."""
+    prefill, decode, pool, out, runner = _one_request_through_one_worker_each(prefill_server, grpc_server, [1, 2, 3, 4])
+    inflight = lambda: {w.role: w.view.inflight for w in pool.all()}
     try:
         runner.start()
         assert decode.arrived.wait(10)
@@ -291,19 +298,10 @@ def test_a_prefill_worker_counts_a_request_until_its_prefill_ends_not_while_it_d
     decoding elsewhere no longer counts there, in requests or in prompt tokens (it counted for the
     whole request, so a worker whose earlier prompts decoded long looked busy and lost the prompts
     whose prefix it held)."""
-    prefill = _PrefillServicer()
-    decode = _DecodeServicer(prefill)
+    prefill, decode, pool, out, runner = _one_request_through_one_worker_each(prefill_server, grpc_server,
+                                                                              list(range(1, 41)))
     decode.finish.clear()
-    pool = WorkerPool()
-    pool.set_workers("prefill", [prefill_server(prefill)])
-    pool.set_workers("decode", [grpc_server(workers_pb2_grpc.add_DecodeWorkerServicer_to_server, decode)])
-    for worker in pool.all():
-        worker.view.healthy = True
-    dispatcher = Dispatcher(pool, build_prefix_index(PrefixIndexConfig()), block_size=16)
     counted = lambda role: next((w.view.inflight, w.view.inflight_tokens) for w in pool.all() if w.role == role)
-    out = []
-    runner = threading.Thread(target=lambda: out.extend(dispatcher.run(
-        "r1", list(range(1, 41)), common_pb2.SamplingParams(max_tokens=2), 10.0, lambda cancel: None)), daemon=True)
     try:
         runner.start()
         decode.register.set()
