@@ -72,8 +72,8 @@ class Route:
     decode: Worker
     predicted_cached_tokens: int
     seconds: float = 0.0  # the router's own time choosing
-    prompt_tokens: int = 0
     reason: str = ""
+    prompt_tokens: int = 0
     # The workers chosen count the request in flight from the choice on (`Dispatcher.route`) until
     # the calls that take them over count it themselves; then `release`. With each, the prompt
     # tokens it counts (its prefill worker: those it will compute).
@@ -191,7 +191,7 @@ class Dispatcher:
             if decode is not None and allow_local and here:
                 seconds = time.perf_counter() - started
                 self.on_route(seconds)
-                return Route(None, decode, holder.predicted_cached_tokens, seconds, reason)
+                return Route(None, decode, holder.predicted_cached_tokens, seconds=seconds, reason=reason)
             if prefill_view is None:
                 raise DispatchError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker is available")
         try:
@@ -206,7 +206,7 @@ class Dispatcher:
         self.pending.add(prefill_view.address, hashes[:(len(prompt) - 1) // self.block_size])
         seconds = time.perf_counter() - started
         self.on_route(seconds)
-        return Route(prefill, decode, prefill_view.predicted_cached_tokens, seconds, reason)
+        return Route(prefill, decode, prefill_view.predicted_cached_tokens, seconds=seconds, reason=reason)
 
     def run(self, request_id: str, prompt: list[int], sampling, timeout: float | None, on_done,
             prefill_address: str | None = None, pinned_tokens: int = 0, span=tracing.NO_SPAN):

@@ -206,6 +206,7 @@ def test_a_burst_routed_before_any_call_began_spreads_over_the_idle_workers():
     try:
         system = list(range(1000, 1016))  # one whole block in common
         routes = [dispatcher.route(system + [2000 + i] * 19) for i in range(10)]
+        assert all(r.reason and r.prompt_tokens == 35 for r in routes)  # why, and for how many tokens
         prefills = [r.prefill.view.address for r in routes]
         decodes = [r.decode.view.address for r in routes]
         assert sorted(prefills.count(w.view.address) for w in pool.all() if w.role == "prefill") == [5, 5]
