@@ -91,25 +91,6 @@ static inline void hsum16x16(const v16 *x, float scale, float *out, int64_t coun
   const v16 scaled = (v16)r * scale;
   memcpy(out, &scaled, sizeof(float) * count);
 }
-
-/* Rows r[0..15] of a 16 x 16 block of floats become its columns: r[j][i] = the old r[i][j]. */
-static inline void transpose16(v16 *r) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 16; i += 2) { /* per 128-bit lane: elements 0, 1 (lo) and 2, 3 (hi) of rows i, i + 1 */
-    t[i] = _mm512_unpacklo_ps((__m512)r[i], (__m512)r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps((__m512)r[i], (__m512)r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) /* u[i + c], lane L: element 4L + c of rows i..i + 3 */
-    for (int c = 0; c < 4; ++c)
-      u[i + c] = _mm512_shuffle_ps(t[i + c / 2], t[i + 2 + c / 2], c % 2 ? 0xee : 0x44);
-  for (int c = 0; c < 4; ++c) { /* then the 128-bit lanes: column c, 4 + c, 8 + c, 12 + c */
-    const __m512 a = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), b = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd);
-    const __m512 e = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
-    const __m512 f = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
-    r[c] = (v16)_mm512_shuffle_f32x4(a, e, 0x88), r[8 + c] = (v16)_mm512_shuffle_f32x4(a, e, 0xdd);
-    r[4 + c] = (v16)_mm512_shuffle_f32x4(b, f, 0x88), r[12 + c] = (v16)_mm512_shuffle_f32x4(b, f, 0xdd);
-  }
-}
 #endif
 
 /* e^x for 16 lanes, x <= 88 (scores minus their maximum, SiLU's capped arguments): 2^n e^r with
@@ -206,7 +187,7 @@ static inline v16 fmadd16(v16 a, v16 b, v16 c) {
 /* Prefill's scores: G query heads of a tile's rows (qt, [G][D] vectors, lane i = row i's query)
  * against T tokens (k, [T][D] fp32): s[t * stride + g], lane i = row i's score of token t, summed
  * as group_attention sums it for that row alone: there lane l of a vector of products holds the
- * chain q[l] k[l], + q[16 + l] k[16 + l], ... (head_products), and the 16 lanes add up in hsum16's
+ * chain q[l] k[l], + q[16 + l] k[16 + l], ..., and the 16 lanes add up in hsum16's
  * order; here each lane's chain is a vector of the tile's 16 rows and the adds between lanes are
  * plain vector adds, so no key is transposed and no sum shuffled. hsum16's order pairs lanes l
  * and l + 8 (s8[l]), then s8[m] and s8[m + 4] (s4[m]); the chains of a pair run together. */
@@ -295,7 +276,7 @@ static inline v16 fmadd16_where(v16i where, v16 a, v16 b, v16 c) {
 #ifdef __AVX512F__
   return (v16)_mm512_mask3_fmadd_ps((__m512)a, (__m512)b, (__m512)c, _mm512_test_epi32_mask((__m512i)where, (__m512i)where));
 #else
-  const v16 r = a * b + c;
+  const v16 r = fmadd16(a, b, c);
   return (v16)(((v16i)r & where) | ((v16i)c & ~where));
 #endif
 }
@@ -344,7 +325,6 @@ static inline int64_t head_chunk(int64_t group, int64_t g0) {
   const int64_t size = group % 4 == 0 ? 4 : 3, left = group - g0;
   return left < size ? left : size;
 }
-
 
 /* RMSNorm of each row, as transformers computes it in fp32: y = w * (x / sqrt(mean(x^2) + eps)).
  * x, y: [R, N] contiguous (y may be x); w: [N] fp32. */

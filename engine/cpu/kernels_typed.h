@@ -365,8 +365,8 @@ static inline void NAME(gather)(v16 *buf, struct NAME(tokens) s, int64_t from, i
       NAME(gather)(buf, keys, block, count, D);                                                     \
       for (int64_t t = 0; t < count; t += 8) { /* the next block prefetched 8 tokens at a time */   \
         NAME(prefetch)(keys, &ahead, 8, n, D);                                                      \
-        for (int64_t g0 = 0; g0 < group; g0 += 4) {                                                 \
-          const int64_t heads = group - g0 < 4 ? group - g0 : 4;                                    \
+        for (int64_t g0 = 0, heads; g0 < group; g0 += heads) {                                      \
+          heads = head_chunk(group, g0);                                                            \
           TILE_QKS_##NV[heads](qt + g0 * D, k + t * D, count - t < 8 ? count - t : 8, scale, s + (block + t) * group + g0, group); \
         }                                                                                           \
       }                                                                                             \
