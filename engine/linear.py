@@ -4,7 +4,7 @@ Small-batch decode reads every weight once per step, so the weight layout decide
 time. On CPU a decode step's few rows go to Baton's own kernel over weights packed in k-major
 panels in the model's dtype (`engine.cpu.kernels`: fp32, bf16 or fp16 weights, fp32 activations
 and sums), and so do prompts' rows; fp32 weights hand forwards of more than `max_rows` rows (2048
-with AVX-512, else 16) to `F.linear` (MKL) over the plain weight. Without a C compiler, oneDNN's
+with AVX-512, else 64) to `F.linear` (MKL) over the plain weight. Without a C compiler, oneDNN's
 prepacked layout serves the few rows instead. Both read weights faster than `F.linear` does at
 1-16 rows (docs/bench.md, `baton bench engine`). On CUDA in bf16/fp16 with batch invariance,
 the plain weight through Baton's fixed-order Triton GEMM (`engine.kernels.invariant`; cuBLAS

@@ -171,10 +171,8 @@ int main(void) {
 """
 
 
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 with FMA; SSE2 without it
-def test_prefill_gives_decodes_bits_on_cpus_without_avx512(march, tmp_path):
-    """The machines CI runs on have AVX-512; these builds take the kernels' other paths, where the
-    compiler, not an intrinsic, would choose which product a multiply-add fuses."""
+def run_built(program: str, march: str, tmp_path) -> str:
+    """`program` (C, including kernels.c) built for `march` on this x86-64 machine and run: its output."""
     import platform
     import shutil
     import subprocess
@@ -183,9 +181,73 @@ def test_prefill_gives_decodes_bits_on_cpus_without_avx512(march, tmp_path):
     compiler = shutil.which("cc") or shutil.which("gcc")
     if platform.machine() not in ("x86_64", "AMD64") or compiler is None:
         pytest.skip("an x86-64 C compiler builds these")
-    source = tmp_path / "equal_bits.c"
-    source.write_text(EQUAL_BITS_C)
-    binary = tmp_path / "equal_bits"
+    source = tmp_path / f"{march}.c"
+    source.write_text(program)
+    binary = tmp_path / march
     subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-w", f"-I{Path(cpu_kernels.__file__).parent}",
                     str(source), "-o", str(binary), "-lm"], check=True)
-    assert subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.strip() == "0"
+    return subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 with FMA; SSE2 without it
+def test_prefill_gives_decodes_bits_on_cpus_without_avx512(march, tmp_path):
+    """The machines CI runs on have AVX-512; these builds take the kernels' other paths, where the
+    compiler, not an intrinsic, would choose which product a multiply-add fuses."""
+    assert run_built(EQUAL_BITS_C, march, tmp_path) == "0"
+
+
+SAME_BITS_C = r"""
+#include "kernels.c"
+#include <stdio.h>
+/* A hash of the bits of each kernel's output on fixed inputs (sizes not multiples of 16 included). */
+static uint64_t hash(const float *x, int64_t n) {
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    memcpy(&u, x + i, 4);
+    h = (h ^ u) * 1099511628211ull;
+  }
+  return h;
+}
+static float *filled(int64_t n, float scale) {
+  float *x = malloc(4 * n);
+  for (int64_t i = 0; i < n; ++i) x[i] = scale * (rand() / (float)RAND_MAX - 0.5f);
+  return x;
+}
+int main(void) {
+  srand(7);
+  const int64_t M = 11, K = 200, N = 72, T = 45, Hq = 6, Hkv = 2;
+  float *x = filled(M * K, 2), *w = filled(K * 80, 1), *out = malloc(4 * M * 2 * K);
+  uint16_t *wb = malloc(2 * K * 80);
+  for (int64_t i = 0; i < K * 80; ++i) wb[i] = store1_bf16(w[i]);
+  baton_small_gemm_f32(x, w, out, M, K, N, 1);
+  printf("gemm f32 %llx\n", (unsigned long long)hash(out, M * N));
+  baton_small_gemm_bf16(x, wb, out, M, K, N, 1);
+  printf("gemm bf16 %llx\n", (unsigned long long)hash(out, M * N));
+  baton_rms_norm(x, w, out, M, K, 1e-5f, 1);
+  printf("rms_norm %llx\n", (unsigned long long)hash(out, M * K));
+  baton_silu_mul(x, out, M, K / 2 - 3, 1);
+  printf("silu_mul %llx\n", (unsigned long long)hash(out, M * (K / 2 - 3)));
+  for (int64_t D = 48; D <= 128; D += D == 48 ? 16 : 64) {
+    float *q = filled(T * Hq * D, 1), *k = filled(Hkv * T * D, 4), *v = filled(Hkv * T * D, 1);
+    float *o = malloc(4 * T * Hq * D);
+    int64_t table[1] = {0}, n = T;
+    baton_prefill_attention_f32(q, Hq * D, 1, T, k, v, Hkv * T * D, T * D, 0, 0, 0, 0, o, Hq, Hkv, D, 0.125f, 1);
+    printf("prefill attention %ld %llx\n", D, (unsigned long long)hash(o, T * Hq * D));
+    baton_decode_attention_f32(q, k, v, table, 1, &n, o, 0, 1, Hq, Hkv, D, T, Hkv * T * D, T * D, 0.125f, 1);
+    printf("decode attention %ld %llx\n", D, (unsigned long long)hash(o, Hq * D));
+  }
+  return 0;
+}
+"""
+
+
+def test_an_avx2_build_computes_the_bits_of_this_cpus_build(tmp_path):
+    """The kernels hold a 16-lane vector as the CPU's own vectors (one with AVX-512, two with AVX2)
+    and add its lanes in one order, so a token's bits do not depend on which CPU of a cluster
+    computed it: KV prefilled on one node and decoded on another is what that one would compute."""
+    if not {"avx512f", "fma"} <= cpu_kernels._cpu_flags():
+        pytest.skip("compares an AVX-512 build with an AVX2 one")
+    native = run_built(SAME_BITS_C, "native", tmp_path)
+    assert len(native.splitlines()) == 10
+    assert run_built(SAME_BITS_C, "x86-64-v3", tmp_path) == native

@@ -16,10 +16,10 @@
  *
  * The weight is packed in panels of 16 output features, k-major: packed[p][k][j] = W[16p + j][k]
  * (zero-padded past N), so one panel is a contiguous stream that a core reads front to back
- * while up to 8 rows accumulate in vector registers, one 16-float vector per row: one weight load
+ * while up to GEMM_ROWS rows accumulate in vector registers, 16 floats per row: one weight load
  * and one broadcast of x feed 16 multiply-adds, and the 4-cycle chain of each accumulator covers
- * a whole vector of weights, so a few rows stream them at memory speed. Rows beyond 8 are taken 8
- * at a time while the panel is still in cache. Panels are split between `threads` OpenMP threads
+ * a whole vector of weights, so a few rows stream them at memory speed. Further rows are taken
+ * GEMM_ROWS at a time while the panel is still in cache. Panels are split between `threads` OpenMP threads
  * (torch's own runtime: libgomp is resolved by soname; the caller passes torch's thread count,
  * since the calling thread's own OpenMP setting may not be torch's).
  */
@@ -38,14 +38,32 @@ typedef float v4 __attribute__((vector_size(16)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16s __attribute__((vector_size(32)));
+/* The machine's own vector: 16 floats with AVX-512, 8 with AVX, else 4 (SSE, NEON). The kernels'
+ * 16-lane vectors are held as NH of these: each lane computes the same operations and each sum of
+ * 16 lanes adds in hsum16's order, so every CPU with FMA computes the same bits; only the registers
+ * differ. (Written with 64-byte vectors alone, GCC kept them in memory on CPUs without AVX-512:
+ * an AVX2 build ran its GEMM at a tenth of this core's AVX-512 rate.) */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+#define NH (16 / VW)
+typedef float vn __attribute__((vector_size(4 * VW)));
+typedef int32_t vni __attribute__((vector_size(4 * VW)));
+typedef uint32_t vnu __attribute__((vector_size(4 * VW)));
+typedef uint16_t vns __attribute__((vector_size(2 * VW)));
 /* Software prefetch, in bytes of a panel ahead: hardware prefetchers stop at page ends. Far ahead
  * into L2 keeps enough lines in flight; near ahead into L1 keeps the demand loads hitting. Into L1
  * alone from far ahead, the stream evicted the transposed input the broadcasts read, and 8 rows
  * streamed at 16 GB/s instead of 23. */
 #define GEMM_PREFETCH_L2 24576
 #define GEMM_PREFETCH_L1 4096
+/* Rows a panel kernel takes at once: their accumulators (16 floats each) and a panel's 16 weights
+ * fill the registers (32 with AVX-512, 16 otherwise). */
+#define GEMM_ROWS (VW == 16 ? 8 : VW == 8 ? 6 : 3)
 
 /* The sum of 16 lanes: lanes i and i + 8, then i and i + 4, then (0 + 2) + (1 + 3). Every kernel
  * sums a vector this way, and with AVX-512 the halves come from register extracts (the generic
@@ -66,6 +84,20 @@ static inline float hsum16(v16 x) {
   memcpy(&a, &s8, sizeof(v4));
   memcpy(&b, (const char *)&s8 + sizeof(v4), sizeof(v4));
   v4 s4 = a + b;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+#endif
+}
+
+/* hsum16 of 16 lanes held as NH native vectors (lanes h * VW onwards in p[h]): the same additions. */
+static inline float hsum16n(const vn *p) {
+#if VW == 16
+  return hsum16(p[0]);
+#elif VW == 8
+  const __m256 s8 = (__m256)(p[0] + p[1]);
+  const v4 s4 = (v4)_mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+#else
+  const v4 s4 = (p[0] + p[2]) + (p[1] + p[3]); /* lanes i + i+8, then i + i+4 */
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 #endif
 }
@@ -93,27 +125,27 @@ static inline void hsum16x16(const v16 *x, float scale, float *out, int64_t coun
 }
 #endif
 
-/* e^x for 16 lanes, x <= 88 (scores minus their maximum, SiLU's capped arguments): 2^n e^r with
+/* e^x for each lane, x <= 88 (scores minus their maximum, SiLU's capped arguments): 2^n e^r with
  * |r| <= ln2 / 2 and Cephes' degree-6 polynomial for e^r, within 2 ulp of expf; below -87.3 it
  * gives ~1e-38, not 0. */
-static inline v16 exp16(v16 x) {
-  const v16 lo = {0}, floor_x = lo - 87.3f;
-  const v16i below = x < floor_x; /* all ones where x is below: take floor_x there */
-  x = (v16)(((v16i)floor_x & below) | ((v16i)x & ~below));
-  const v16 magic = lo + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
-  v16 t = x * 1.44269504088896341f + magic;
-  const v16i n = (v16i)t - (v16i)magic;
+static inline vn expn(vn x) {
+  const vn lo = {0}, floor_x = lo - 87.3f;
+  const vni below = x < floor_x; /* all ones where x is below: take floor_x there */
+  x = (vn)(((vni)floor_x & below) | ((vni)x & ~below));
+  const vn magic = lo + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
+  vn t = x * 1.44269504088896341f + magic;
+  const vni n = (vni)t - (vni)magic;
   t -= magic;
-  v16 r = x - t * 0.693359375f;
+  vn r = x - t * 0.693359375f;
   r = r - t * -2.12194440e-4f;
-  v16 p = lo + 1.9875691500e-4f;
+  vn p = lo + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  return p * (v16)((n + 127) << 23);
+  return p * (vn)((n + 127) << 23);
 }
 
 /* Softmax of one head's scores in place (probabilities), returns its log-sum-exp. Softmax in fp32
@@ -123,61 +155,68 @@ static inline v16 exp16(v16 x) {
  * order, but for its sign when it is zero, and x - 0 and x + 0 are equal for every x but -0, whose
  * exponential is 1 either way. */
 static NOIPA float softmax(float *s, int64_t n) {
-  v16 tops = (v16){0} - __builtin_inff();
+  vn tops = (vn){0} - __builtin_inff();
   int64_t t = 0;
-  for (; t + 16 <= n; t += 16) {
-    v16 x;
-    memcpy(&x, s + t, sizeof(v16));
-    const v16i above = x > tops; /* never NaN: a NaN score compares false, as below */
-    tops = (v16)(((v16i)x & above) | ((v16i)tops & ~above));
+  for (; t + VW <= n; t += VW) {
+    vn x;
+    memcpy(&x, s + t, sizeof(vn));
+    const vni above = x > tops; /* never NaN: a NaN score compares false, as below */
+    tops = (vn)(((vni)x & above) | ((vni)tops & ~above));
   }
   float top = -__builtin_inff();
-  for (int i = 0; i < 16; ++i) top = tops[i] > top ? tops[i] : top;
+  for (int i = 0; i < VW; ++i) top = tops[i] > top ? tops[i] : top;
   for (; t < n; ++t) top = s[t] > top ? s[t] : top;
-  v16 sum = {0};
+  vn sum[NH] = {{0}}; /* lane l: the tokens t = l mod 16 */
   t = 0;
-  for (; t + 16 <= n; t += 16) {
-    v16 x;
-    memcpy(&x, s + t, sizeof(v16));
-    x = exp16(x - top);
-    memcpy(s + t, &x, sizeof(v16));
-    sum += x;
-  }
+  for (; t + 16 <= n; t += 16)
+    for (int h = 0; h < NH; ++h) {
+      vn x;
+      memcpy(&x, s + t + h * VW, sizeof(vn));
+      x = expn(x - top);
+      memcpy(s + t + h * VW, &x, sizeof(vn));
+      sum[h] += x;
+    }
   if (t < n) { /* the last few: lanes past the end count as nothing */
-    v16 x = {0};
-    memcpy(&x, s + t, sizeof(float) * (n - t));
-    x = exp16(x - top);
-    for (int64_t i = 0; i < n - t; ++i) sum[i] += x[i];
-    memcpy(s + t, &x, sizeof(float) * (n - t));
+    float x[16] = {0};
+    memcpy(x, s + t, sizeof(float) * (n - t));
+    for (int h = 0; h < NH; ++h) {
+      vn e;
+      memcpy(&e, x + h * VW, sizeof(vn));
+      e = expn(e - top);
+      memcpy(x + h * VW, &e, sizeof(vn));
+    }
+    for (int64_t i = 0; i < n - t; ++i) sum[i / VW][i % VW] += x[i];
+    memcpy(s + t, x, sizeof(float) * (n - t));
   }
-  const float total = hsum16(sum);
+  const float total = hsum16n(sum);
   const float inv = 1.0f / total;
   for (t = 0; t < n; ++t) s[t] *= inv;
   return top + __builtin_logf(total);
 }
 
-/* 16 lanes of x. */
-static inline v16 splat(float x) {
-  const v16 v = {x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+/* Every lane x. */
+static inline vn splat(float x) {
+#if VW == 16
+  const vn v = {x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#elif VW == 8
+  const vn v = {x, x, x, x, x, x, x, x};
+#else
+  const vn v = {x, x, x, x};
+#endif
   return v;
 }
 
 /* a * b + c rounded once: attention's scores are chains of these, decode's and prefill's alike.
  * Written out, not left to contraction: of `x * y + z * w` a compiler may fuse either product, and
  * decode's and prefill's differently shaped code must fuse the same one. */
-static inline v16 fmadd16(v16 a, v16 b, v16 c) {
+static inline vn fmadd(vn a, vn b, vn c) {
 #if defined(__AVX512F__)
-  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+  return (vn)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #elif defined(__FMA__)
-  v8 h[6], r[2];
-  memcpy(h, &a, 64), memcpy(h + 2, &b, 64), memcpy(h + 4, &c, 64);
-  for (int i = 0; i < 2; ++i) r[i] = (v8)_mm256_fmadd_ps((__m256)h[i], (__m256)h[2 + i], (__m256)h[4 + i]);
-  v16 out;
-  memcpy(&out, r, 64);
-  return out;
+  return (vn)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #elif defined(__FP_FAST_FMAF)
-  v16 out;
-  for (int i = 0; i < 16; ++i) out[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  vn out;
+  for (int i = 0; i < VW; ++i) out[i] = __builtin_fmaf(a[i], b[i], c[i]);
   return out;
 #else
   return a * b + c; /* no multiply-add instruction: a product, then a sum, wherever it is written */
@@ -188,30 +227,30 @@ static inline v16 fmadd16(v16 a, v16 b, v16 c) {
  * against T tokens (k, [T][D] fp32): s[t * stride + g], lane i = row i's score of token t, summed
  * as group_attention sums it for that row alone: there lane l of a vector of products holds the
  * chain q[l] k[l], + q[16 + l] k[16 + l], ..., and the 16 lanes add up in hsum16's
- * order; here each lane's chain is a vector of the tile's 16 rows and the adds between lanes are
+ * order; here each lane's chain is a vector of the tile's rows and the adds between lanes are
  * plain vector adds, so no key is transposed and no sum shuffled. hsum16's order pairs lanes l
  * and l + 8 (s8[l]), then s8[m] and s8[m + 4] (s4[m]); the chains of a pair run together. */
 #define TILE_QK(NV, G, T)                                                                           \
-  static inline void tile_qk_lanes_##NV##_##G##_##T(const v16 *qt, const float *k, int64_t l, v16 out[G][T]) { \
-    const int64_t D = NV * 16; /* out: the chains of lanes l and l + 8, added (s8[l]) */           \
-    v16 a[G][T], b[G][T];                                                                           \
+  static inline void tile_qk_lanes_##NV##_##G##_##T(const vn *qt, const float *k, int64_t l, vn out[G][T]) { \
+    const int64_t D = NV * 16; /* out: the chains of lanes l and l + 8, added (s8[l]) */            \
+    vn a[G][T], b[G][T];                                                                            \
     for (int t = 0; t < T; ++t) {                                                                   \
-      const v16 ka = splat(k[t * D + l]), kb = splat(k[t * D + l + 8]);                             \
+      const vn ka = splat(k[t * D + l]), kb = splat(k[t * D + l + 8]);                              \
       for (int g = 0; g < G; ++g) a[g][t] = qt[g * D + l] * ka, b[g][t] = qt[g * D + l + 8] * kb;   \
     }                                                                                               \
     for (int64_t j = 16; j < D; j += 16)                                                            \
       for (int t = 0; t < T; ++t) {                                                                 \
-        const v16 ka = splat(k[t * D + j + l]), kb = splat(k[t * D + j + l + 8]);                   \
+        const vn ka = splat(k[t * D + j + l]), kb = splat(k[t * D + j + l + 8]);                    \
         for (int g = 0; g < G; ++g) {                                                               \
-          a[g][t] = fmadd16(qt[g * D + j + l], ka, a[g][t]);                                        \
-          b[g][t] = fmadd16(qt[g * D + j + l + 8], kb, b[g][t]);                                    \
+          a[g][t] = fmadd(qt[g * D + j + l], ka, a[g][t]);                                          \
+          b[g][t] = fmadd(qt[g * D + j + l + 8], kb, b[g][t]);                                      \
         }                                                                                           \
       }                                                                                             \
     for (int g = 0; g < G; ++g)                                                                     \
       for (int t = 0; t < T; ++t) out[g][t] = a[g][t] + b[g][t];                                    \
   }                                                                                                 \
-  static inline void tile_qk_##NV##_##G##_##T(const v16 *qt, const float *k, float scale, v16 *s, int64_t stride) { \
-    v16 s4[4][G][T], upper[G][T]; /* s4[m] = s8[m] + s8[m + 4] */                                   \
+  static inline void tile_qk_##NV##_##G##_##T(const vn *qt, const float *k, float scale, vn *s, int64_t stride) { \
+    vn s4[4][G][T], upper[G][T]; /* s4[m] = s8[m] + s8[m + 4] */                                    \
     for (int m = 0; m < 4; ++m) {                                                                   \
       tile_qk_lanes_##NV##_##G##_##T(qt, k, m, s4[m]);                                              \
       tile_qk_lanes_##NV##_##G##_##T(qt, k, m + 4, upper);                                          \
@@ -226,14 +265,14 @@ static inline v16 fmadd16(v16 a, v16 b, v16 c) {
 #define TILE_QK_BLOCK(NV, G, T)                                                                     \
   TILE_QK(NV, G, 1)                                                                                 \
   TILE_QK(NV, G, T)                                                                                 \
-  static void tile_qk_##NV##_##G(const v16 *qt, const float *k, int64_t count, float scale, v16 *s, int64_t stride) { \
+  static void tile_qk_##NV##_##G(const vn *qt, const float *k, int64_t count, float scale, vn *s, int64_t stride) { \
     int64_t t = 0;                                                                                  \
     for (; t + T <= count; t += T) tile_qk_##NV##_##G##_##T(qt, k + t * NV * 16, scale, s + t * stride, stride); \
     for (; t < count; ++t) tile_qk_##NV##_##G##_1(qt, k + t * NV * 16, scale, s + t * stride, stride); \
   }
 #define TILE_QKS_NV(NV)                                                                             \
   TILE_QK_BLOCK(NV, 1, 4) TILE_QK_BLOCK(NV, 2, 3) TILE_QK_BLOCK(NV, 3, 2) TILE_QK_BLOCK(NV, 4, 2)   \
-  static void (*const TILE_QKS_##NV[5])(const v16 *, const float *, int64_t, float, v16 *, int64_t) = { \
+  static void (*const TILE_QKS_##NV[5])(const vn *, const float *, int64_t, float, vn *, int64_t) = { \
       0, tile_qk_##NV##_1, tile_qk_##NV##_2, tile_qk_##NV##_3, tile_qk_##NV##_4};
 TILE_QKS_NV(4)
 TILE_QKS_NV(8)
@@ -242,9 +281,15 @@ TILE_QKS_NV(8)
 #undef TILE_QK_BLOCK
 
 /* Which rows of a tile see token x: row i sees tokens [0, first + i). */
-static inline v16i tile_sees(int64_t x, int64_t first) {
-  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return x < first ? (v16i){0} - 1 : (v16i)(lane > splat((float)(x - first)));
+static inline vni tile_sees(int64_t x, int64_t first) {
+#if VW == 16
+  const vn lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#elif VW == 8
+  const vn lane = {0, 1, 2, 3, 4, 5, 6, 7};
+#else
+  const vn lane = {0, 1, 2, 3};
+#endif
+  return x < first ? (vni){0} - 1 : (vni)(lane > splat((float)(x - first)));
 }
 
 /* Softmax of one head's scores in a tile (s[x * stride], lane i = row i's score of token x), each
@@ -252,32 +297,32 @@ static inline v16i tile_sees(int64_t x, int64_t first) {
  * exponentials (in place), its sum as softmax's 16 lanes add it (lane l: the tokens x = l mod 16,
  * in order; then hsum16's order) and the same quotient, returned: each probability is an
  * exponential times it, taken as the weighted sums read them. */
-static v16 tile_softmax(v16 *s, int64_t stride, int64_t first, int64_t n) {
-  v16 top = (v16){0} - __builtin_inff(), part[16];
+static vn tile_softmax(vn *s, int64_t stride, int64_t first, int64_t n) {
+  vn top = (vn){0} - __builtin_inff(), part[16];
   for (int64_t x = 0; x < n; ++x) {
-    const v16 v = s[x * stride];
-    const v16i above = (v16i)(v > top) & tile_sees(x, first); /* never NaN, as in softmax */
-    top = (v16)(((v16i)v & above) | ((v16i)top & ~above));
+    const vn v = s[x * stride];
+    const vni above = (vni)(v > top) & tile_sees(x, first); /* never NaN, as in softmax */
+    top = (vn)(((vni)v & above) | ((vni)top & ~above));
   }
-  for (int l = 0; l < 16; ++l) part[l] = (v16){0};
+  for (int l = 0; l < 16; ++l) part[l] = (vn){0};
   for (int64_t x = 0; x < n; ++x) {
-    const v16 e = exp16(s[x * stride] - top);
+    const vn e = expn(s[x * stride] - top);
     s[x * stride] = e;
-    part[x & 15] += (v16)((v16i)e & tile_sees(x, first)); /* + 0 where the row does not see x: no change */
+    part[x & 15] += (vn)((vni)e & tile_sees(x, first)); /* + 0 where the row does not see x: no change */
   }
-  v16 s8[8], s4[4];
+  vn s8[8], s4[4];
   for (int l = 0; l < 8; ++l) s8[l] = part[l] + part[l + 8];
   for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
   return 1.0f / ((s4[0] + s4[2]) + (s4[1] + s4[3]));
 }
 
 /* c + a * b rounded once where `where` is set, c elsewhere. */
-static inline v16 fmadd16_where(v16i where, v16 a, v16 b, v16 c) {
+static inline vn fmadd_where(vni where, vn a, vn b, vn c) {
 #ifdef __AVX512F__
-  return (v16)_mm512_mask3_fmadd_ps((__m512)a, (__m512)b, (__m512)c, _mm512_test_epi32_mask((__m512i)where, (__m512i)where));
+  return (vn)_mm512_mask3_fmadd_ps((__m512)a, (__m512)b, (__m512)c, _mm512_test_epi32_mask((__m512i)where, (__m512i)where));
 #else
-  const v16 r = fmadd16(a, b, c);
-  return (v16)(((v16i)r & where) | ((v16i)c & ~where));
+  const vn r = fmadd(a, b, c);
+  return (vn)(((vni)r & where) | ((vni)c & ~where));
 #endif
 }
 
@@ -285,26 +330,26 @@ static inline v16 fmadd16_where(v16i where, v16 a, v16 b, v16 c) {
  * g, dimension d), DC dimensions at a time, over `count` tokens from x0 (p[x * stride + g]: row i's
  * probability of token x0 + x; v: their values, [count][D] fp32). Each output is decode's chain of
  * multiply-adds over the row's tokens in order; a row skips the tokens it does not see (x0 + x >=
- * first + i). Each value broadcast once feeds G heads of 16 rows. */
+ * first + i). Each value broadcast once feeds G heads of a vector of rows. */
 #define TILE_PV(G, DC)                                                                              \
-  static void tile_pv_##G(const v16 *p, int64_t stride, const float *v, int64_t D, int64_t count, int64_t x0, \
-                          int64_t first, v16 *o) {                                                  \
+  static void tile_pv_##G(const vn *p, int64_t stride, const float *v, int64_t D, int64_t count, int64_t x0, \
+                          int64_t first, vn *o) {                                                   \
     const int64_t all = first - x0 < 0 ? 0 : first - x0 < count ? first - x0 : count; /* seen by every row */ \
     for (int64_t d0 = 0; d0 < D; d0 += DC) {                                                        \
-      v16 acc[G][DC];                                                                               \
+      vn acc[G][DC];                                                                                \
       for (int g = 0; g < G; ++g)                                                                   \
         for (int c = 0; c < DC; ++c) acc[g][c] = o[g * D + d0 + c];                                 \
       int64_t x = 0;                                                                                \
       for (; x < all; ++x)                                                                          \
         for (int c = 0; c < DC; ++c) {                                                              \
-          const v16 vd = splat(v[x * D + d0 + c]);                                                  \
-          for (int g = 0; g < G; ++g) acc[g][c] = fmadd16(p[x * stride + g], vd, acc[g][c]);        \
+          const vn vd = splat(v[x * D + d0 + c]);                                                   \
+          for (int g = 0; g < G; ++g) acc[g][c] = fmadd(p[x * stride + g], vd, acc[g][c]);          \
         }                                                                                           \
       for (; x < count; ++x) {                                                                      \
-        const v16i seen = tile_sees(x0 + x, first);                                                 \
+        const vni seen = tile_sees(x0 + x, first);                                                  \
         for (int c = 0; c < DC; ++c) {                                                              \
-          const v16 vd = splat(v[x * D + d0 + c]);                                                  \
-          for (int g = 0; g < G; ++g) acc[g][c] = fmadd16_where(seen, p[x * stride + g], vd, acc[g][c]); \
+          const vn vd = splat(v[x * D + d0 + c]);                                                   \
+          for (int g = 0; g < G; ++g) acc[g][c] = fmadd_where(seen, p[x * stride + g], vd, acc[g][c]); \
         }                                                                                           \
       }                                                                                             \
       for (int g = 0; g < G; ++g)                                                                   \
@@ -316,7 +361,7 @@ TILE_PV(2, 8)
 TILE_PV(3, 8)
 TILE_PV(4, 4)
 #undef TILE_PV
-static void (*const TILE_PVS[5])(const v16 *, int64_t, const float *, int64_t, int64_t, int64_t, int64_t, v16 *) = {
+static void (*const TILE_PVS[5])(const vn *, int64_t, const float *, int64_t, int64_t, int64_t, int64_t, vn *) = {
     0, tile_pv_1, tile_pv_2, tile_pv_3, tile_pv_4};
 
 /* How many of a tile's `group` heads its score and weighted-sum kernels take at once (at most 4):
@@ -333,14 +378,15 @@ NOIPA void baton_rms_norm(const float *x, const float *w, float *y, int64_t R, i
   for (int64_t r = 0; r < R; ++r) {
     const float *xr = x + r * N;
     float *yr = y + r * N;
-    v16 acc = {0};
+    vn acc[NH] = {{0}};
     int64_t i = 0;
-    for (; i + 16 <= N; i += 16) {
-      v16 v;
-      memcpy(&v, xr + i, sizeof(v16));
-      acc += v * v;
-    }
-    float sum = hsum16(acc);
+    for (; i + 16 <= N; i += 16)
+      for (int h = 0; h < NH; ++h) {
+        vn v;
+        memcpy(&v, xr + i + h * VW, sizeof(vn));
+        acc[h] += v * v;
+      }
+    float sum = hsum16n(acc);
     for (; i < N; ++i) sum += xr[i] * xr[i];
     const float inv = 1.0f / __builtin_sqrtf(sum / (float)N + eps);
     for (i = 0; i < N; ++i) yr[i] = w[i] * (xr[i] * inv);
@@ -375,16 +421,16 @@ NOIPA void baton_silu_mul(const float *gate_up, float *out, int64_t R, int64_t I
     const float *g = gate_up + r * 2 * I, *u = g + I;
     float *o = out + r * I;
     int64_t i = 0;
-    for (; i + 16 <= I; i += 16) {
-      v16 x, up;
-      memcpy(&x, g + i, sizeof(v16));
-      memcpy(&up, u + i, sizeof(v16));
-      v16 minus = -x;
-      const v16 cap = (v16){0} + 88.0f;
-      const v16i over = minus > cap;
-      minus = (v16)(((v16i)cap & over) | ((v16i)minus & ~over));
-      const v16 y = x / (1.0f + exp16(minus)) * up;
-      memcpy(o + i, &y, sizeof(v16));
+    for (const int64_t whole = I - I % 16; i < whole; i += VW) { /* 16s as on every CPU; the rest one by one */
+      vn x, up;
+      memcpy(&x, g + i, sizeof(vn));
+      memcpy(&up, u + i, sizeof(vn));
+      vn minus = -x;
+      const vn cap = (vn){0} + 88.0f;
+      const vni over = minus > cap;
+      minus = (vn)(((vni)cap & over) | ((vni)minus & ~over));
+      const vn y = x / (1.0f + expn(minus)) * up;
+      memcpy(o + i, &y, sizeof(vn));
     }
     for (; i < I; ++i) o[i] = g[i] / (1.0f + __builtin_expf(-g[i])) * u[i];
   }
@@ -395,23 +441,23 @@ static inline int64_t max3(int64_t a, int64_t b, int64_t c) {
   return ab > c ? ab : c;
 }
 
-/* The storage types: how 16 stored values become 16 floats, and how a float is stored (rounded
- * to nearest, ties to even, as torch's casts round). */
-static inline v16 load16_f32(const float *p) {
-  v16 v;
-  memcpy(&v, p, sizeof(v16));
+/* The storage types: how VW stored values become a vector of floats, and how a float is stored
+ * (rounded to nearest, ties to even, as torch's casts round). */
+static inline vn loadn_f32(const float *p) {
+  vn v;
+  memcpy(&v, p, sizeof(vn));
   return v;
 }
 static inline float load1_f32(const float *p) { return *p; }
 static inline float store1_f32(float x) { return x; }
 
-static inline v16 load16_bf16(const uint16_t *p) {
+static inline vn loadn_bf16(const uint16_t *p) {
 #ifdef __AVX512F__ /* one widening load and one shift (the generic form compiled to four steps) */
-  return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+  return (vn)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 #else
-  v16s s;
-  memcpy(&s, p, sizeof(v16s));
-  return (v16)(__builtin_convertvector(s, v16u) << 16);
+  vns s;
+  memcpy(&s, p, sizeof(vns));
+  return (vn)(__builtin_convertvector(s, vnu) << 16);
 #endif
 }
 static inline float load1_bf16(const uint16_t *p) {
@@ -442,11 +488,11 @@ static inline uint16_t store1_bf16(float x) {
 #undef ELEMENT
 
 #ifdef __FLT16_MAX__ /* compilers with _Float16 (GCC 12+, clang 15+ on x86-64 and aarch64) */
-typedef _Float16 v16h __attribute__((vector_size(32)));
-static inline v16 load16_f16(const _Float16 *p) {
-  v16h h;
-  memcpy(&h, p, sizeof(v16h));
-  return __builtin_convertvector(h, v16);
+typedef _Float16 vnh __attribute__((vector_size(2 * VW)));
+static inline vn loadn_f16(const _Float16 *p) {
+  vnh h;
+  memcpy(&h, p, sizeof(vnh));
+  return __builtin_convertvector(h, vn);
 }
 static inline float load1_f16(const _Float16 *p) { return (float)*p; }
 static inline _Float16 store1_f16(float x) { return (_Float16)x; }

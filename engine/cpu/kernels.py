@@ -43,8 +43,10 @@ def max_rows() -> int:
     (weights stored in bf16 or fp16 always take the panels: MKL has no fp32-by-bf16 GEMM). With AVX-512 (a
     panel row is one register) the panels stay ahead far into prefill sizes: measured on an EPYC
     (2026-11-26), one thread, SmolLM2's layer shapes, 104-112 GFLOP/s against MKL's 49-100 at
-    16-1024 rows, 106 against 95 at 2048, 83 against 91 at 4096. Without it, MKL won past 16 rows."""
-    return 2048 if "avx512f" in _cpu_flags() else 16
+    16-1024 rows, 106 against 95 at 2048, 83 against 91 at 4096. An AVX2 build (two registers a
+    panel row), against MKL held to AVX2 on a Xeon (2026-11-29): 99-101 GFLOP/s against 66-90 at
+    16-32 rows, even at 64, MKL 8-15% ahead from 256."""
+    return 2048 if "avx512f" in _cpu_flags() else 64
 
 
 DISABLE_ENV = "BATON_CPU_KERNELS"  # '0' turns the kernels off (for A/B measurements)

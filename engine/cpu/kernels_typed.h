@@ -1,26 +1,29 @@
 /* The kernels that read stored weights and KV, for one storage type: kernels.c includes this once
  * per type with STORAGE (the name suffix: f32, bf16, f16) and ELEMENT (the C type) defined, and
- * load16_STORAGE / load1_STORAGE / store1_STORAGE in scope. Everything is computed in fp32. */
+ * loadn_STORAGE / load1_STORAGE / store1_STORAGE in scope. Everything is computed in fp32. */
 #define NAME(x) CAT(x, STORAGE)
-#define LOAD16 NAME(load16)
+#define LOADN NAME(loadn)
 #define LOAD1 NAME(load1)
 #define STORE1 NAME(store1)
 
 #define PANEL_KERNEL(M)                                                                            \
   static NOIPA void NAME(panel_##M)(const float *xt, int64_t rows, const ELEMENT *w, int64_t K,    \
                                     float *out, int64_t N, int64_t col) {                          \
-    v16 acc[M];                                                                                    \
-    for (int m = 0; m < M; ++m) acc[m] = (v16){0};                                                 \
+    vn acc[M][NH];                                                                                 \
+    for (int m = 0; m < M; ++m)                                                                    \
+      for (int h = 0; h < NH; ++h) acc[m][h] = (vn){0};                                            \
     for (int64_t k = 0; k < K; ++k) {                                                              \
       const ELEMENT *wk = w + k * PANEL;                                                           \
       __builtin_prefetch((const char *)wk + GEMM_PREFETCH_L2, 0, 1);                               \
       __builtin_prefetch((const char *)wk + GEMM_PREFETCH_L1);                                     \
-      const v16 wv = LOAD16(wk);                                                                   \
+      vn wv[NH];                                                                                   \
+      for (int h = 0; h < NH; ++h) wv[h] = LOADN(wk + h * VW);                                     \
       const float *xk = xt + k * rows;                                                             \
-      for (int m = 0; m < M; ++m) acc[m] += xk[m] * wv;                                            \
+      for (int m = 0; m < M; ++m)                                                                  \
+        for (int h = 0; h < NH; ++h) acc[m][h] += xk[m] * wv[h];                                   \
     }                                                                                              \
     int64_t width = N - col < PANEL ? N - col : PANEL;                                             \
-    for (int m = 0; m < M; ++m) memcpy(out + m * N + col, &acc[m], width * sizeof(float));        \
+    for (int m = 0; m < M; ++m) memcpy(out + m * N + col, &acc[m], width * sizeof(float));         \
   }
 
 PANEL_KERNEL(1)
@@ -53,7 +56,7 @@ static void (*const NAME(PANELS)[9])(const float *, int64_t, const ELEMENT *, in
       __builtin_prefetch((const char *)wk + GEMM_PREFETCH_L1);                                     \
       __builtin_prefetch((const char *)wk2 + GEMM_PREFETCH_L2, 0, 1);                              \
       __builtin_prefetch((const char *)wk2 + GEMM_PREFETCH_L1);                                    \
-      const v16 wv = LOAD16(wk), wv2 = LOAD16(wk2);                                                \
+      const v16 wv = LOADN(wk), wv2 = LOADN(wk2);                                                  \
       const float *xk = xt + k * rows;                                                             \
       for (int m = 0; m < M; ++m) {                                                                \
         acc[m] += xk[m] * wv;                                                                      \
@@ -87,9 +90,9 @@ static void (*const NAME(PANEL_PAIRS)[9])(const float *, int64_t, const ELEMENT 
  * xt: M * K floats of scratch. Each row's sums run over k in order: its result does not depend on M. */
 static void NAME(gemm)(const float *x, const ELEMENT *packed, float *out, int64_t M, int64_t K, int64_t N,
                        int threads, float *xt) {
-  /* x transposed, 8 rows at a time: the rows of one k side by side in one cache line */
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    int64_t rows = M - m0 < 8 ? M - m0 : 8;
+  /* x transposed, GEMM_ROWS rows at a time: the rows of one k side by side in one cache line */
+  for (int64_t m0 = 0; m0 < M; m0 += GEMM_ROWS) {
+    int64_t rows = M - m0 < GEMM_ROWS ? M - m0 : GEMM_ROWS;
     for (int64_t k = 0; k < K; ++k)
       for (int64_t m = 0; m < rows; ++m) xt[m0 * K + k * rows + m] = x[(m0 + m) * K + k];
   }
@@ -101,8 +104,8 @@ static void NAME(gemm)(const float *x, const ELEMENT *packed, float *out, int64_
 #endif
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < panels; p += step) {
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      const int64_t rows = M - m0 < 8 ? M - m0 : 8;
+    for (int64_t m0 = 0; m0 < M; m0 += GEMM_ROWS) {
+      const int64_t rows = M - m0 < GEMM_ROWS ? M - m0 : GEMM_ROWS;
 #ifdef __AVX512F__
       if (p + 1 < panels) {
         NAME(PANEL_PAIRS)[rows](xt + m0 * K, rows, packed + p * K * PANEL, K, out + m0 * N, N, p * PANEL);
@@ -150,13 +153,15 @@ static int NAME(linear)(int64_t format, const float *x, const void *w, float *ou
  * page boundaries, and the next page may be anywhere. scores: group * n floats of scratch. */
 #ifdef __AVX512F__ /* a key's products per head wait in `products` until 16 are summed together */
 #define SCORE_BLOCK 16
-#define SCORE(g, acc) products[g][SLOT16(filled)] = (acc)
+#define SCORE(g, acc) products[g][SLOT16(filled)] = (acc)[0]
 #define SCORES_DONE(count)                                                                          \
   for (int64_t g = 0; g < heads; ++g) hsum16x16(products[g], scale, scores + (g0 + g) * n + block, count)
+#define PV_HEADS 4
 #else
 #define SCORE_BLOCK 1
-#define SCORE(g, acc) scores[(g0 + (g)) * n + block] = hsum16(acc) * scale
+#define SCORE(g, acc) scores[(g0 + (g)) * n + block] = hsum16n(acc) * scale
 #define SCORES_DONE(count) (void)products
+#define PV_HEADS 2 /* 16 registers: two heads' outputs of head_dim 64 */
 #endif
 #define GROUP_ATTENTION(NV)                                                                         \
   static NOIPA void NAME(group_attention_##NV)(const float *qg, const ELEMENT *const *kp,           \
@@ -164,22 +169,27 @@ static int NAME(linear)(int64_t format, const float *x, const void *w, float *ou
                                                int64_t segs, int64_t n, int64_t group, float scale, \
                                                float *scores, float *og, float *lse) {              \
     const int64_t D = NV * 16, lines = (D * (int64_t)sizeof(ELEMENT) + 63) / 64;                    \
-    for (int64_t g0 = 0; g0 < group; g0 += 4) { /* four heads at a time keep q in registers */    \
+    for (int64_t g0 = 0; g0 < group; g0 += 4) { /* four heads at a time keep q in registers */      \
       const int64_t heads = group - g0 < 4 ? group - g0 : 4;                                        \
-      v16 qv[4][NV], products[4][SCORE_BLOCK];                                                      \
+      vn qv[4][NV][NH], products[4][SCORE_BLOCK];                                                   \
       for (int64_t g = 0; g < heads; ++g)                                                           \
-        for (int j = 0; j < NV; ++j) memcpy(&qv[g][j], qg + (g0 + g) * D + 16 * j, 64);            \
-      int64_t filled = 0, block = 0; /* products waiting to be summed, 16 tokens at a time */      \
+        for (int j = 0; j < NV; ++j)                                                                \
+          for (int h = 0; h < NH; ++h) memcpy(&qv[g][j][h], qg + (g0 + g) * D + 16 * j + h * VW, sizeof(vn)); \
+      int64_t filled = 0, block = 0; /* products waiting to be summed, 16 tokens at a time */       \
       for (int64_t i = 0; i < segs; ++i) {                                                          \
         const ELEMENT *kb = kp[i], *next = kp[i + 1 < segs ? i + 1 : i];                            \
         for (int64_t t = 0; t < counts[i]; ++t) {                                                   \
           const ELEMENT *k = kb + t * D;                                                            \
           for (int64_t j = 0; j < lines; ++j) __builtin_prefetch((const char *)(next + t * D) + 64 * j); \
-          v16 kv[NV];                                                                               \
-          for (int j = 0; j < NV; ++j) kv[j] = LOAD16(k + 16 * j);                                  \
+          vn kv[NV][NH];                                                                            \
+          for (int j = 0; j < NV; ++j)                                                              \
+            for (int h = 0; h < NH; ++h) kv[j][h] = LOADN(k + 16 * j + h * VW);                     \
           for (int64_t g = 0; g < heads; ++g) {                                                     \
-            v16 acc = qv[g][0] * kv[0]; /* then lane l: + q[16j + l] k[16j + l], j in order */    \
-            for (int j = 1; j < NV; ++j) acc = fmadd16(qv[g][j], kv[j], acc);                       \
+            vn acc[NH]; /* lane l: q[l] k[l], then + q[16j + l] k[16j + l], j in order */           \
+            for (int h = 0; h < NH; ++h) {                                                          \
+              acc[h] = qv[g][0][h] * kv[0][h];                                                      \
+              for (int j = 1; j < NV; ++j) acc[h] = fmadd(qv[g][j][h], kv[j][h], acc[h]);           \
+            }                                                                                       \
             SCORE(g, acc);                                                                          \
           }                                                                                         \
           if (++filled == SCORE_BLOCK) {                                                            \
@@ -194,21 +204,26 @@ static int NAME(linear)(int64_t format, const float *x, const void *w, float *ou
       const float l = softmax(scores + g * n, n);                                                   \
       if (lse) lse[g] = l;                                                                          \
     }                                                                                               \
-    for (int64_t g0 = 0; g0 < group; g0 += 4) { /* each value once for four heads' outputs */      \
-      const int64_t heads = group - g0 < 4 ? group - g0 : 4;                                        \
+    for (int64_t g0 = 0; g0 < group; g0 += PV_HEADS) { /* each value once for several heads */      \
+      const int64_t heads = group - g0 < PV_HEADS ? group - g0 : PV_HEADS;                          \
       const float *p = scores + g0 * n;                                                             \
-      v16 o[4][NV];                                                                                 \
+      vn o[PV_HEADS][NV][NH];                                                                       \
       for (int64_t g = 0; g < heads; ++g)                                                           \
-        for (int j = 0; j < NV; ++j) o[g][j] = (v16){0};                                            \
+        for (int j = 0; j < NV; ++j)                                                                \
+          for (int h = 0; h < NH; ++h) o[g][j][h] = (vn){0};                                        \
       for (int64_t i = 0, at = 0; i < segs; at += counts[i], ++i) {                                 \
         const ELEMENT *vb = vp[i], *next = vp[i + 1 < segs ? i + 1 : i];                            \
         for (int64_t t = 0; t < counts[i]; ++t) {                                                   \
           const ELEMENT *v = vb + t * D;                                                            \
           for (int64_t j = 0; j < lines; ++j) __builtin_prefetch((const char *)(next + t * D) + 64 * j); \
-          v16 vv[NV];                                                                               \
-          for (int j = 0; j < NV; ++j) vv[j] = LOAD16(v + 16 * j);                                  \
-          for (int64_t g = 0; g < heads; ++g)                                                       \
-            for (int j = 0; j < NV; ++j) o[g][j] += p[g * n + at + t] * vv[j];                      \
+          vn vv[NV][NH];                                                                            \
+          for (int j = 0; j < NV; ++j)                                                              \
+            for (int h = 0; h < NH; ++h) vv[j][h] = LOADN(v + 16 * j + h * VW);                     \
+          for (int64_t g = 0; g < heads; ++g) {                                                     \
+            const vn pg = splat(p[g * n + at + t]);                                                 \
+            for (int j = 0; j < NV; ++j)                                                            \
+              for (int h = 0; h < NH; ++h) o[g][j][h] = fmadd(pg, vv[j][h], o[g][j][h]);            \
+          }                                                                                         \
         }                                                                                           \
       }                                                                                             \
       for (int64_t g = 0; g < heads; ++g) memcpy(og + (g0 + g) * D, o[g], sizeof(o[g]));            \
@@ -221,6 +236,7 @@ GROUP_ATTENTION(8)
 #undef SCORE_BLOCK
 #undef SCORE
 #undef SCORES_DONE
+#undef PV_HEADS
 
 /* Any head_dim: the same maths with plain loops. */
 static NOIPA void NAME(group_attention_any)(const float *qg, const ELEMENT *const *kp, const ELEMENT *const *vp,
@@ -331,32 +347,32 @@ static inline void NAME(prefetch)(struct NAME(tokens) s, int64_t *at, int64_t co
 
 /* Tokens [from, from + count) widened to fp32 into buf, [count][D]: a block that a tile's rows
  * share from L1. */
-static inline void NAME(gather)(v16 *buf, struct NAME(tokens) s, int64_t from, int64_t count, int64_t D) {
+static inline void NAME(gather)(vn *buf, struct NAME(tokens) s, int64_t from, int64_t count, int64_t D) {
   for (int64_t c = 0; c < count; ++c)
-    for (int64_t j = 0; j < D / 16; ++j) buf[c * D / 16 + j] = LOAD16(NAME(token)(s, from + c, D) + 16 * j);
+    for (int64_t j = 0; j < D / VW; ++j) buf[c * D / VW + j] = LOADN(NAME(token)(s, from + c, D) + VW * j);
 }
 
-/* Prefill attention of a tile of up to 16 consecutive query tokens of one prompt and KV head, the
- * rows side by side in vector lanes: row i (query q + i * q_row_stride, [group, D]; output out +
+/* Prefill attention of a tile of up to VW consecutive query tokens of one prompt and KV head (a
+ * vector's lanes: 16 with AVX-512), the rows side by side in those lanes: row i (query q + i * q_row_stride, [group, D]; output out +
  * i * Hq * D) attends the first first + i tokens of keys and values. Each row computes what
  * group_attention computes for it alone, operation for operation: each score the same chain of
  * multiply-adds (tile_qk), the same softmax over its own tokens (tile_softmax), the same weighted
  * sum over its tokens in order. Only the reading is shared: each block of keys, then of values, is
  * widened once into L1 and taken by every row of the tile, so the tokens are streamed once per
- * tile instead of once per query token, and each key or value broadcast once feeds 16 rows (no
+ * tile instead of once per query token, and each key or value broadcast once feeds VW rows (no
  * key is transposed, no sum shuffled). scratch: group * (2 D + first + rows + TILE_BLOCK) vectors:
  * the queries transposed, the scores, the outputs, 1 / each head's sums, a block's probabilities. */
 #define TILE_ATTENTION(NV)                                                                          \
   static NOIPA void NAME(tile_attention_##NV)(const float *q, int64_t q_row_stride, int64_t rows,   \
                                               struct NAME(tokens) keys, struct NAME(tokens) values, \
                                               int64_t first, int64_t group, int64_t Hq, float scale, \
-                                              v16 *scratch, float *out) {                           \
-    const int64_t D = NV * 16, n = first + rows - 1; /* the last row's tokens */                   \
-    v16 *qt = scratch, *s = scratch + group * D; /* s[x * group + g], lane i: row i, head g, token x */ \
-    v16 buf[TILE_BLOCK * NV];                                                                       \
+                                              vn *scratch, float *out) {                            \
+    const int64_t D = NV * 16, n = first + rows - 1; /* the last row's tokens */                    \
+    vn *qt = scratch, *s = scratch + group * D; /* s[x * group + g], lane i: row i, head g, token x */ \
+    vn buf[TILE_BLOCK * NV * NH];                                                                   \
     for (int64_t g = 0; g < group; ++g)                                                             \
       for (int64_t d = 0; d < D; ++d)                                                               \
-        for (int64_t i = 0; i < 16; ++i) qt[g * D + d][i] = i < rows ? q[i * q_row_stride + g * D + d] : 0.f; \
+        for (int64_t i = 0; i < VW; ++i) qt[g * D + d][i] = i < rows ? q[i * q_row_stride + g * D + d] : 0.f; \
     int64_t ahead = 0;                                                                              \
     NAME(prefetch)(keys, &ahead, TILE_BLOCK, n, D);                                                 \
     for (int64_t block = 0; block < n; block += TILE_BLOCK) {                                       \
@@ -374,23 +390,23 @@ static inline void NAME(gather)(v16 *buf, struct NAME(tokens) s, int64_t from, i
     ahead = 0;                                                                                      \
     NAME(prefetch)(values, &ahead, TILE_BLOCK, n, D);                                               \
     /* the outputs so far (o[g * D + d], lane i: row i), each head's 1 / sum, a block's probabilities */ \
-    v16 *o = s + n * group, *inv = o + group * D, *p = inv + group;                                 \
+    vn *o = s + n * group, *inv = o + group * D, *p = inv + group;                                  \
     for (int64_t g = 0; g < group; ++g) inv[g] = tile_softmax(s + g, group, first, n);              \
-    for (int64_t i = 0; i < group * D; ++i) o[i] = (v16){0};                                        \
+    for (int64_t i = 0; i < group * D; ++i) o[i] = (vn){0};                                         \
     for (int64_t block = 0; block < n; block += TILE_BLOCK) {                                       \
       const int64_t count = n - block < TILE_BLOCK ? n - block : TILE_BLOCK;                        \
       NAME(gather)(buf, values, block, count, D);                                                   \
       for (int64_t x = 0; x < count; ++x)                                                           \
-        for (int64_t g = 0; g < group; ++g) p[x * group + g] = s[(block + x) * group + g] * inv[g];  \
+        for (int64_t g = 0; g < group; ++g) p[x * group + g] = s[(block + x) * group + g] * inv[g]; \
       for (int64_t g0 = 0, heads; g0 < group; g0 += heads) {                                        \
         heads = head_chunk(group, g0);                                                              \
-        NAME(prefetch)(values, &ahead, (TILE_BLOCK * heads + group - 1) / group, n, D);            \
+        NAME(prefetch)(values, &ahead, (TILE_BLOCK * heads + group - 1) / group, n, D);             \
         TILE_PVS[heads](p + g0, group, (const float *)buf, D, count, block, first, o + g0 * D);     \
       }                                                                                             \
     }                                                                                               \
     for (int64_t g = 0; g < group; ++g)                                                             \
       for (int64_t d = 0; d < D; ++d)                                                               \
-        for (int64_t i = 0; i < rows; ++i) out[(i * Hq + g) * D + d] = o[g * D + d][i];            \
+        for (int64_t i = 0; i < rows; ++i) out[(i * Hq + g) * D + d] = o[g * D + d][i];             \
   }
 
 TILE_ATTENTION(4)
@@ -404,7 +420,7 @@ TILE_ATTENTION(8)
  * prefix_head_stride apart), shared by every prompt; out: [B * T, Hq, D]. One task per (prompt, KV
  * head, tile of PREFILL_TILE tokens: a vector's lanes), the longest tiles first; head_dim 64 and
  * 128 take the tiled kernel, any other each token through attend. */
-#define PREFILL_TILE 16
+#define PREFILL_TILE VW
 int NAME(baton_prefill_attention)(const float *q, int64_t q_row_stride, int64_t B, int64_t T, const ELEMENT *own_k,
                                   const ELEMENT *own_v, int64_t own_seq_stride, int64_t own_head_stride,
                                   const ELEMENT *prefix_k, const ELEMENT *prefix_v, int64_t cached,
@@ -424,7 +440,7 @@ int NAME(baton_prefill_attention)(const float *q, int64_t q_row_stride, int64_t 
     float *ot = out + (r0 * Hq + kvh * group) * D;
     if (D == 64 || D == 128) {
       const int64_t first = cached + t0 + 1;
-      v16 *scratch = aligned_alloc(sizeof(v16), sizeof(v16) * group * (2 * D + first + rows + TILE_BLOCK));
+      vn *scratch = aligned_alloc(sizeof(vn), sizeof(vn) * group * (2 * D + first + rows + TILE_BLOCK));
       if (!scratch) { failed = 1; continue; }
       (D == 64 ? NAME(tile_attention_4) : NAME(tile_attention_8))(qt, q_row_stride, rows, keys, values, first, group,
                                                                    Hq, scale, scratch, ot);
@@ -504,6 +520,6 @@ int NAME(baton_decode_layers)(float *h, const int64_t *weights, int64_t L, int64
 }
 
 #undef NAME
-#undef LOAD16
+#undef LOADN
 #undef LOAD1
 #undef STORE1
