@@ -179,6 +179,17 @@ def test_the_default_models_gguf_is_served_from_its_blocks():
     assert held < 110e6  # the file's 98 MB, not the floats' 270 MB
 
 
+def test_loading_warns_where_the_cpu_has_no_integer_dot_products(monkeypatch, caplog):
+    """Without AVX512-VNNI the quantized GEMM takes its portable loop, slower than floats: said
+    once at load, with what to use instead (it still loads and serves)."""
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma"})
+    assert not cpu_kernels.fast_quantized()
+    with caplog.at_level("WARNING", logger="baton.engine.model"):
+        loaded = load_model("default", dtype="bfloat16", module=False, quantization="gguf")
+    assert loaded.quantization == "gguf"
+    assert [r.getMessage() for r in caplog.records if "AVX512-VNNI" in r.getMessage() and "'none'" in r.getMessage()]
+
+
 def test_a_quantized_runner_steps_in_one_call_and_answers_as_its_floats():
     """The default model from its GGUF: the fused decode step (one C call) gives the bits of the
     layer-by-layer step; with 16-bit inputs its next-token distributions are those of the same
