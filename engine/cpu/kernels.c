@@ -356,10 +356,17 @@ static inline vn fmadd_where(vni where, vn a, vn b, vn c) {
         for (int c = 0; c < DC; ++c) o[g * D + d0 + c] = acc[g][c];                                 \
     }                                                                                               \
   }
+#if VW == 16 /* G x DC accumulators of the 32 registers */
 TILE_PV(1, 16)
 TILE_PV(2, 8)
 TILE_PV(3, 8)
 TILE_PV(4, 4)
+#else /* of 16 (AVX2: 12% faster than the AVX-512 shapes) */
+TILE_PV(1, 8)
+TILE_PV(2, 4)
+TILE_PV(3, 4)
+TILE_PV(4, 2)
+#endif
 #undef TILE_PV
 static void (*const TILE_PVS[5])(const vn *, int64_t, const float *, int64_t, int64_t, int64_t, int64_t, vn *) = {
     0, tile_pv_1, tile_pv_2, tile_pv_3, tile_pv_4};
