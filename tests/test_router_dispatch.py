@@ -252,10 +252,11 @@ class _DecodeServicer(workers_pb2_grpc.DecodeWorkerServicer):
         yield workers_pb2.DecodeResponse(token_ids=[8], finish_reason="length")
 
 
-def _one_request_through_one_worker_each(prefill_server, grpc_server, prompt: list[int]):
+def _one_request_through_one_worker_each(prefill_server, grpc_server, prompt: list[int],
+                                         prefill_fails_with: grpc.StatusCode | None = None):
     """A prefill and a decode worker (the servicers above, on real gRPC) and a thread, not yet
     started, that sends `prompt` through a Dispatcher over them (its replies land in `out`)."""
-    prefill = _PrefillServicer()
+    prefill = _PrefillServicer(prefill_fails_with)
     decode = _DecodeServicer(prefill)
     pool = WorkerPool()
     pool.set_workers("prefill", [prefill_server(prefill)])
@@ -315,6 +316,33 @@ def test_a_prefill_worker_counts_a_request_until_its_prefill_ends_not_while_it_d
         runner.join(10)
         assert not runner.is_alive() and out[-1].finish_reason == "length"
         assert counted("prefill") == (0, 0) and counted("decode") == (0, 0)
+    finally:
+        prefill.release.set()
+        decode.register.set()
+        decode.finish.set()
+        pool.stop()
+
+
+def test_a_prefill_that_fails_after_its_kv_arrived_no_longer_counts_while_the_request_decodes(prefill_server,
+                                                                                              grpc_server):
+    """The KV landed and the request decodes on, but its Prefill call then failed (its worker died
+    right after the push): the prefill worker's backlog drops it then, not when the request ends."""
+    prefill, decode, pool, out, runner = _one_request_through_one_worker_each(
+        prefill_server, grpc_server, list(range(1, 41)), prefill_fails_with=grpc.StatusCode.UNAVAILABLE)
+    decode.finish.clear()
+    counted = lambda role: next((w.view.inflight, w.view.inflight_tokens) for w in pool.all() if w.role == role)
+    try:
+        runner.start()
+        decode.register.set()
+        assert prefill.arrived.wait(10)
+        assert decode.decoding.wait(10)  # its first token: the KV is there
+        assert counted("prefill") == (1, 40)
+        prefill.release.set()  # the Prefill call fails now
+        assert settles(lambda: counted("prefill"), (0, 0)) and counted("decode") == (1, 0)
+        decode.finish.set()
+        runner.join(10)
+        assert not runner.is_alive() and out[-1].finish_reason == "length"
+        assert len(prefill.requests) == 1  # not retried: the KV had landed
     finally:
         prefill.release.set()
         decode.register.set()
