@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-fast test-unit test-engine test-cluster test-deploy run serve proto clean compose-test
+.PHONY: setup arm-toolchain test test-fast test-unit test-engine test-cluster test-deploy run serve proto clean compose-test
 
 setup: $(STAMP)
 
@@ -18,8 +18,15 @@ $(STAMP): pyproject.toml constraints.txt
 	command -v redis-server >/dev/null && command -v docker-compose >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server docker-compose; }
 	touch $(STAMP)
 
-test: setup
+test: setup arm-toolchain
 	$(BIN)/python -m pytest -q --durations=30
+
+# A cross compiler and qemu let the tests build Baton's CPU kernels for 64-bit ARM and run them
+# (they must compute x86's bits); without them (no root for apt-get) those few tests skip.
+arm-toolchain:
+	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user; } || \
+	  echo "no ARM cross compiler or qemu: the tests that build the CPU kernels for ARM will skip"
 
 # Tiers (tests/README.md): test-fast is the unit tier, offline, well under a minute: it never
 # creates the venv or installs anything (`make setup` does that, once).

@@ -171,25 +171,38 @@ int main(void) {
 """
 
 
+ARM = "armv8-a"  # 64-bit ARM with NEON (Graviton, Ampere, Apple silicon under Linux)
+
+
 def run_built(program: str, march: str, tmp_path) -> str:
-    """`program` (C, including kernels.c) built for `march` on this x86-64 machine and run: its output."""
+    """`program` (C, including kernels.c) built for `march` and run: its output. x86-64 targets
+    build on an x86-64 machine; ARM ones with a cross compiler, run under qemu (`make test`
+    installs both where apt-get can)."""
     import platform
     import shutil
     import subprocess
     from pathlib import Path
 
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if platform.machine() not in ("x86_64", "AMD64") or compiler is None:
-        pytest.skip("an x86-64 C compiler builds these")
+    run = []
+    if march == ARM and platform.machine() != "aarch64":
+        compiler, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+        if compiler is None or qemu is None:
+            pytest.skip("an ARM build needs aarch64-linux-gnu-gcc and qemu-aarch64 "
+                        "(apt-get install gcc-aarch64-linux-gnu qemu-user)")
+        run = [qemu, "-L", "/usr/aarch64-linux-gnu"]
+    else:
+        compiler = shutil.which("cc") or shutil.which("gcc")
+        if compiler is None or platform.machine() != ("aarch64" if march == ARM else "x86_64"):
+            pytest.skip(f"a C compiler for {march} builds these")
     source = tmp_path / f"{march}.c"
     source.write_text(program)
     binary = tmp_path / march
     subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-w", f"-I{Path(cpu_kernels.__file__).parent}",
                     str(source), "-o", str(binary), "-lm"], check=True)
-    return subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.strip()
+    return subprocess.run([*run, str(binary)], check=True, capture_output=True, text=True, timeout=300).stdout.strip()
 
 
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 with FMA; SSE2 without it
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64", ARM])  # AVX2 with FMA; SSE2 without it; NEON
 def test_prefill_gives_decodes_bits_on_cpus_without_avx512(march, tmp_path):
     """The machines CI runs on have AVX-512; these builds take the kernels' other paths, where the
     compiler, not an intrinsic, would choose which product a multiply-add fuses."""
@@ -242,12 +255,19 @@ int main(void) {
 """
 
 
-def test_an_avx2_build_computes_the_bits_of_this_cpus_build(tmp_path):
-    """The kernels hold a 16-lane vector as the CPU's own vectors (one with AVX-512, two with AVX2)
-    and add its lanes in one order, so a token's bits do not depend on which CPU of a cluster
-    computed it: KV prefilled on one node and decoded on another is what that one would compute."""
+@pytest.mark.parametrize("march", ["x86-64-v3", ARM])
+def test_an_avx2_or_arm_build_computes_the_bits_of_an_avx512_build(march, tmp_path, avx512_bits):
+    """The kernels hold a 16-lane vector as the CPU's own vectors (one with AVX-512, two with AVX2,
+    four with NEON) and add its lanes in one order, so a token's bits do not depend on which CPU of
+    a cluster computed it: KV prefilled on one node and decoded on another is what that one would
+    compute."""
+    assert run_built(SAME_BITS_C, march, tmp_path) == avx512_bits
+
+
+@pytest.fixture(scope="module")
+def avx512_bits(tmp_path_factory) -> str:
     if not {"avx512f", "fma"} <= cpu_kernels._cpu_flags():
-        pytest.skip("compares an AVX-512 build with an AVX2 one")
-    native = run_built(SAME_BITS_C, "native", tmp_path)
+        pytest.skip("compares with this CPU's AVX-512 build")
+    native = run_built(SAME_BITS_C, "native", tmp_path_factory.mktemp("native"))
     assert len(native.splitlines()) == 10
-    assert run_built(SAME_BITS_C, "x86-64-v3", tmp_path) == native
+    return native
