@@ -91,6 +91,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("long", "issues 46 and 47: new prompts of 1,024-8,000 tokens through `baton up` on one host: TTFT, the "
                   "prefill and transfer stages, how the KV travelled, TTFT growth against the tokens' (with "
                   "--host-transport: the same tokens when KV goes through host memory)", "baton.bench.long_prompts"),
+    Suite("isa", "Baton's CPU kernels built for each instruction set this CPU runs (AVX-512, AVX2, SSE2), one "
+                 "core: GEMM fp32/bf16 at 1-64 rows against MKL held to the same set, prefill and decode "
+                 "attention; whether each build computes the native build's bits", "baton.bench.cpu_isa"),
     Suite("invariance", "issue 32 on CUDA: decode step (1-64 rows) and prefill with batch invariance on and off, "
                         "and whether a row keeps its bits beside 15 others (needs a CUDA GPU)",
           "baton.bench.invariance"),

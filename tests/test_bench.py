@@ -58,6 +58,20 @@ def test_kernels_suite_runs_or_says_why_not(tmp_path, capsys):
         assert document["plots"] and "geomean speedup" in printed
 
 
+def test_isa_suite_times_each_build_and_finds_the_avx2_one_computes_the_native_bits(tmp_path, capsys):
+    document, printed = run_suite("isa", tmp_path, capsys)
+    if document.get("skipped"):
+        assert "x86-64" in printed
+        return
+    builds = document["builds"]
+    assert set(builds) == {"native", "x86-64-v3", "x86-64"}
+    for figures in builds.values():
+        assert len(figures["ms"]) == 8 and all(ms > 0 for ms in figures["ms"].values())
+        assert set(figures["mkl_gflops"]) == {"GEMM fp32 1 row", "GEMM fp32 8 rows", "GEMM fp32 64 rows"}
+    assert builds["x86-64-v3"]["bits_as_native"]  # AVX2 with FMA: the same operations in the same order
+    assert "bits as the native build's: native yes, x86-64-v3 yes" in printed
+
+
 def test_structured_suite_validates_every_answer_and_times_the_mask(tmp_path, capsys):
     document, printed = run_suite("structured", tmp_path, capsys)
     baton = document["summary"]["baton"]

@@ -8,8 +8,9 @@ _Float16); activations and every sum are fp32. Each row is reduced on its own in
 a request's results do not depend on the rows beside it (batch invariance, kernels.c).
 
 Built on first use with the machine's C compiler (`cc`, or $CC) for this very CPU
-(-march=native) into Baton's cache directory, keyed by the sources, the flags and the CPU, so
-workers on one machine build it once. Where no compiler is found or the build fails,
+(-march=native; $BATON_CPU_MARCH names another instruction set, e.g. x86-64-v3 for AVX2, to
+measure what a CPU without AVX-512 gets) into Baton's cache directory, keyed by the sources, the
+flags and the CPU, so workers on one machine build it once. Where no compiler is found or the build fails,
 `available()` is False, with one log line, and linear layers use oneDNN instead.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels.c")
 SOURCES = (SOURCE, *(Path(__file__).with_name(name) for name in ("kernels_typed.h", "quantized.h")))  # kernels.c includes them
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+MARCH_ENV = "BATON_CPU_MARCH"  # the -march the kernels are built for (default native)
 SIXTEEN_BIT_INPUTS = 8  # added to a quantized format's code: its inputs go to 16-bit codes (quantized.h)
 
 
@@ -325,15 +327,17 @@ def _library() -> ctypes.CDLL | None:
 
 def _build(compiler: str) -> Path:
 
+    march = os.environ.get(MARCH_ENV) or "native"
+    flags = tuple(f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS)
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES))
-    digest.update(" ".join((compiler, *FLAGS, platform.machine(), _cpu_identity())).encode())
+    digest.update(" ".join((compiler, *flags, platform.machine(), _cpu_identity())).encode())
     target = cache_root() / "kernels" / f"cpu-kernels-{digest.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed into place
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
                        text=True, timeout=120)
         os.replace(built, target)
     log.info("built Baton's CPU kernels at %s", target)
