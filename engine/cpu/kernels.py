@@ -52,10 +52,11 @@ def max_rows() -> int:
 
 
 def fast_quantized() -> bool:
-    """Whether quantized weights' GEMM has its integer dot-product instruction here (AVX512-VNNI).
-    Elsewhere it takes a portable loop: with an AVX2 build of this Xeon, 35-55x slower (1 to 64
-    rows, Q4_1 and Q8_0, 2026-11-29), slower than floats."""
-    return {"avx512_vnni", "avx512bw"} <= _cpu_flags()
+    """Whether quantized weights' GEMM has integer dot products here: AVX512-VNNI, or AVX2's byte
+    multiply-adds (Q4_1 at one row 2.3x the bf16 GEMM of an AVX2 build, 1.6-4x off VNNI; docs/
+    quantization.md). Elsewhere (ARM, older x86) it takes a portable loop, 8-23x slower than AVX2's."""
+    flags = _cpu_flags()
+    return {"avx512_vnni", "avx512bw"} <= flags or "avx2" in flags
 
 
 DISABLE_ENV = "BATON_CPU_KERNELS"  # '0' turns the kernels off (for A/B measurements)

@@ -6,7 +6,8 @@
  * Arithmetic is llama.cpp's: each row's inputs are quantized per block of 32 to int8 with a scale
  * (dx = max |x| / 127, x = dx xq, rounded to nearest even), and a block's products are integer dot
  * products, exact, four at a time (AVX512-VNNI's vpdpbusd: unsigned bytes times signed bytes, 64
- * products an instruction; a plain C loop computing the same integers elsewhere). A block adds
+ * products an instruction; with AVX2, vpmaddubsw then vpmaddwd, 32 a pair; a plain C loop
+ * computing the same integers elsewhere). A block adds
  *   Q8_0: d dx (sum (q + 128) xq - 128 sum xq)      (weights stored as the unsigned q + 128)
  *   Q4_0: d dx (sum q xq - 8 sum xq)
  *   Q4_1: d dx sum q xq + m sum x                    (sum x: the row's floats, in k order)
@@ -30,6 +31,7 @@
 enum { FORMAT_FLOAT = 0, FORMAT_Q8_0 = 1, FORMAT_Q4_0 = 2, FORMAT_Q4_1 = 3, FORMAT_Q4_K = 4 };
 #define FORMAT_16_BIT_INPUTS 8 /* added to a format code: its inputs are quantized to 16 bits */
 #define QBLOCK 32
+#define QUANT_ROWS (VW == 16 ? 8 : 4) /* rows a panel kernel takes at once: their sums fill the registers */
 
 static inline int64_t quant_head_bytes(int64_t format) {
   return format == FORMAT_Q4_K ? 128 : format == FORMAT_Q4_1 ? 64 : 32;
@@ -38,16 +40,20 @@ static inline int64_t quant_block_bytes(int64_t format) {
   return quant_head_bytes(format) + (format == FORMAT_Q8_0 ? QBLOCK * PANEL : QBLOCK / 2 * PANEL);
 }
 
-static inline v16 load16_half(const void *p) {
+/* 16 fp16 values as NH vectors of floats. */
+static inline void load16_half(const void *p, vn out[NH]) {
 #ifdef __AVX512F__
-  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+  out[0] = (vn)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__) && VW == 8
+  for (int h = 0; h < 2; ++h) out[h] = (vn)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const char *)p + 16 * h)));
 #elif defined(__FLT16_MAX__)
   typedef _Float16 v16h_ __attribute__((vector_size(32)));
   v16h_ h;
   memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(h, v16);
+  const v16 f = __builtin_convertvector(h, v16);
+  memcpy(out, &f, sizeof(f));
 #else /* IEEE half to float by its bits */
-  v16 out;
+  float *lane = (float *)out;
   for (int i = 0; i < 16; ++i) {
     uint16_t h;
     memcpy(&h, (const char *)p + 2 * i, 2);
@@ -63,17 +69,12 @@ static inline v16 load16_half(const void *p) {
     memcpy(&u, &f, 4);
     u |= sign;
     memcpy(&f, &u, 4);
-    out[i] = f;
+    lane[i] = f;
   }
-  return out;
 #endif
 }
 
-static inline v16 load16_float(const void *p) {
-  v16 out;
-  memcpy(&out, p, sizeof(out));
-  return out;
-}
+static inline void load16_float(const void *p, vn out[NH]) { memcpy(out, p, 16 * sizeof(float)); }
 
 /* 16 lanes of int32: lane j += the dot product of the four unsigned bytes of lane j of w with the
  * four signed bytes at x. */
@@ -85,14 +86,69 @@ static inline v16d dot4(v16d acc, v64b w, const int8_t *x) {
   memcpy(&four, x, 4);
   return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(four));
 }
+#define dot4_bytes dot4
 static inline v16d zero16d(void) { return _mm512_setzero_si512(); }
 static inline v16d add16d(v16d a, v16d b) { return _mm512_add_epi32(a, b); }
 static inline v64b load64(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
 static inline v64b low_nibbles(v64b v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 static inline v64b high_nibbles(v64b v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
-static inline v16 int_to_float(v16d v) { return (v16)_mm512_cvtepi32_ps(v); }
+static inline void ints_to_floats(v16d v, vn out[NH]) { out[0] = (vn)_mm512_cvtepi32_ps(v); }
 static inline v16d minus_times(v16d v, int32_t a, int32_t b) { return _mm512_sub_epi32(v, _mm512_set1_epi32(a * b)); }
 static inline v16d shift8(v16d v) { return _mm512_slli_epi32(v, 8); }
+#elif defined(__AVX2__)
+/* AVX2 without VNNI: vpmaddubsw (unsigned times signed bytes, pairs summed into int16, saturating)
+ * then vpmaddwd (pairs into int32). No pair saturates for 4-bit codes (2 x 15 x 128); a Q8_0 byte
+ * goes in as its two nibbles, 16 high + low. The same integers as VNNI's, so the same bits. */
+typedef struct { __m256i h[2]; } v16d; /* lanes 0-7, 8-15 */
+typedef struct { __m256i h[2]; } v64b; /* bytes 0-31, 32-63 */
+static inline __m256i dot4_nibbles(__m256i w, __m256i x, __m256i times) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), times);
+}
+static inline v16d dot4(v16d acc, v64b w, const int8_t *x) { /* bytes of w at most 15 */
+  int32_t four;
+  memcpy(&four, x, 4);
+  const __m256i xv = _mm256_set1_epi32(four), one = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) acc.h[h] = _mm256_add_epi32(acc.h[h], dot4_nibbles(w.h[h], xv, one));
+  return acc;
+}
+static inline v16d dot4_bytes(v16d acc, v64b w, const int8_t *x) { /* any bytes of w */
+  int32_t four;
+  memcpy(&four, x, 4);
+  const __m256i xv = _mm256_set1_epi32(four), one = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+  const __m256i fifteen = _mm256_set1_epi8(15);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(w.h[h], 4), fifteen), low = _mm256_and_si256(w.h[h], fifteen);
+    acc.h[h] = _mm256_add_epi32(acc.h[h], _mm256_add_epi32(dot4_nibbles(high, xv, sixteen), dot4_nibbles(low, xv, one)));
+  }
+  return acc;
+}
+static inline v16d zero16d(void) { return (v16d){{_mm256_setzero_si256(), _mm256_setzero_si256()}}; }
+static inline v16d add16d(v16d a, v16d b) {
+  return (v16d){{_mm256_add_epi32(a.h[0], b.h[0]), _mm256_add_epi32(a.h[1], b.h[1])}};
+}
+static inline v64b load64(const uint8_t *p) {
+  return (v64b){{_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))}};
+}
+static inline v64b low_nibbles(v64b v) {
+  const __m256i fifteen = _mm256_set1_epi8(15);
+  return (v64b){{_mm256_and_si256(v.h[0], fifteen), _mm256_and_si256(v.h[1], fifteen)}};
+}
+static inline v64b high_nibbles(v64b v) {
+  const __m256i fifteen = _mm256_set1_epi8(15);
+  return (v64b){{_mm256_and_si256(_mm256_srli_epi16(v.h[0], 4), fifteen),
+                 _mm256_and_si256(_mm256_srli_epi16(v.h[1], 4), fifteen)}};
+}
+static inline void ints_to_floats(v16d v, vn out[NH]) { /* (AVX-512 without VNNI comes here too) */
+  for (int h = 0; h < 2; ++h) {
+    const __m256 f = _mm256_cvtepi32_ps(v.h[h]);
+    memcpy((float *)out + 8 * h, &f, sizeof(f));
+  }
+}
+static inline v16d minus_times(v16d v, int32_t a, int32_t b) {
+  const __m256i c = _mm256_set1_epi32(a * b);
+  return (v16d){{_mm256_sub_epi32(v.h[0], c), _mm256_sub_epi32(v.h[1], c)}};
+}
+static inline v16d shift8(v16d v) { return (v16d){{_mm256_slli_epi32(v.h[0], 8), _mm256_slli_epi32(v.h[1], 8)}}; }
 #else
 typedef v16i v16d;
 typedef uint8_t v64b __attribute__((vector_size(64)));
@@ -102,6 +158,7 @@ static inline v16d dot4(v16d acc, v64b w, const int8_t *x) {
               (int32_t)w[4 * j + 3] * x[3];
   return acc;
 }
+#define dot4_bytes dot4
 static inline v16d zero16d(void) { return (v16d){0}; }
 static inline v16d add16d(v16d a, v16d b) { return a + b; }
 static inline v64b load64(const uint8_t *p) {
@@ -111,7 +168,10 @@ static inline v64b load64(const uint8_t *p) {
 }
 static inline v64b low_nibbles(v64b v) { return v & 15; }
 static inline v64b high_nibbles(v64b v) { return v >> 4; }
-static inline v16 int_to_float(v16d v) { return __builtin_convertvector(v, v16); }
+static inline void ints_to_floats(v16d v, vn out[NH]) {
+  const v16 f = __builtin_convertvector(v, v16);
+  memcpy(out, &f, sizeof(f));
+}
 static inline v16d minus_times(v16d v, int32_t a, int32_t b) { return v - a * b; }
 static inline v16d shift8(v16d v) { return v * 256; }
 #endif
@@ -137,8 +197,9 @@ struct quantized_rows {
     const struct quantized_rows x = *xs; /* by address: a struct passed by value stalled each call */ \
     const int64_t head = quant_head_bytes(F), bytes = quant_block_bytes(F);                        \
     const int32_t offset = F == FORMAT_Q8_0 ? 128 : F == FORMAT_Q4_0 ? 8 : 0;                      \
-    v16 acc[M];                                                                                    \
-    for (int m = 0; m < M; ++m) acc[m] = (v16){0};                                                 \
+    vn acc[M][NH];                                                                                 \
+    for (int m = 0; m < M; ++m)                                                                    \
+      for (int h = 0; h < NH; ++h) acc[m][h] = (vn){0};                                            \
     for (int64_t b = 0; b < x.blocks; ++b) {                                                       \
       const uint8_t *block = w + b * bytes, *q = block + head;                                     \
       for (int64_t line = 0; line < bytes; line += 64)                                             \
@@ -151,11 +212,11 @@ struct quantized_rows {
           const v64b w0 = load64(q + 64 * g), w1 = load64(q + 64 * (g + 1));                     \
           for (int m = 0; m < M; ++m) {                                                            \
             if (P) {                                                                               \
-              one[m] = dot4(dot4(one[m], w0, xb + m * x.K + 4 * g), w1, xb + m * x.K + 4 * g + 4); \
-              two[m] = dot4(dot4(two[m], w0, lb + m * x.K + 4 * g), w1, lb + m * x.K + 4 * g + 4); \
+              one[m] = dot4_bytes(dot4_bytes(one[m], w0, xb + m * x.K + 4 * g), w1, xb + m * x.K + 4 * g + 4); \
+              two[m] = dot4_bytes(dot4_bytes(two[m], w0, lb + m * x.K + 4 * g), w1, lb + m * x.K + 4 * g + 4); \
             } else {                                                                               \
-              one[m] = dot4(one[m], w0, xb + m * x.K + 4 * g);                                     \
-              two[m] = dot4(two[m], w1, xb + m * x.K + 4 * g + 4);                                 \
+              one[m] = dot4_bytes(one[m], w0, xb + m * x.K + 4 * g);                               \
+              two[m] = dot4_bytes(two[m], w1, xb + m * x.K + 4 * g + 4);                           \
             }                                                                                      \
           }                                                                                        \
         }                                                                                          \
@@ -173,16 +234,20 @@ struct quantized_rows {
           }                                                                                        \
         }                                                                                          \
       }                                                                                            \
-      const v16 d = F == FORMAT_Q4_K ? load16_float(block) : load16_half(block);                   \
-      const v16 mins = F == FORMAT_Q4_K   ? load16_float(block + 64)                             \
-                       : F == FORMAT_Q4_1 ? load16_half(block + 32)                              \
-                                          : d; /* no minimums */                                 \
+      vn d[NH], mins[NH]; /* the features' scales and (Q4_1, Q4_K) minimums */                    \
+      if (F == FORMAT_Q4_K) load16_float(block, d), load16_float(block + 64, mins);                \
+      else load16_half(block, d);                                                                  \
+      if (F == FORMAT_Q4_1) load16_half(block + 32, mins);                                         \
       for (int m = 0; m < M; ++m) {                                                                \
         const int64_t at = (row0 + m) * x.blocks + b;                                              \
         v16d sum = P ? add16d(shift8(one[m]), two[m]) : add16d(one[m], two[m]);                    \
         if (offset) sum = minus_times(sum, offset, x.code_sum[at]);                                \
-        acc[m] += int_to_float(sum) * (d * x.scale[at]);                                           \
-        if (F == FORMAT_Q4_1 || F == FORMAT_Q4_K) acc[m] += mins * x.sum[at];                      \
+        vn f[NH];                                                                                  \
+        ints_to_floats(sum, f);                                                                    \
+        for (int h = 0; h < NH; ++h) {                                                             \
+          acc[m][h] = fmadd(f[h], d[h] * x.scale[at], acc[m][h]);                                  \
+          if (F == FORMAT_Q4_1 || F == FORMAT_Q4_K) acc[m][h] = fmadd(mins[h], splat(x.sum[at]), acc[m][h]); \
+        }                                                                                          \
       }                                                                                            \
     }                                                                                              \
     const int64_t width = N - col < PANEL ? N - col : PANEL;                                       \
@@ -274,8 +339,8 @@ static int quant_gemm(int64_t format, int precise, const float *x, const uint8_t
   const quant_panel_fn *kernels = QUANT_PANELS[precise != 0][format];
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < panels; ++p)
-    for (int64_t m0 = 0; m0 < M; m0 += 8)
-      kernels[M - m0 < 8 ? M - m0 : 8](&xq, m0, packed + p * panel_bytes, out + m0 * N, N, p * PANEL);
+    for (int64_t m0 = 0; m0 < M; m0 += QUANT_ROWS)
+      kernels[M - m0 < QUANT_ROWS ? M - m0 : QUANT_ROWS](&xq, m0, packed + p * panel_bytes, out + m0 * N, N, p * PANEL);
   free(codes), free(floats), free(code_sum);
   return 0;
 }
