@@ -133,9 +133,6 @@ class PrefillChain(KVSource):
                     self.route.predicted_cached_tokens = chosen.predicted_cached_tokens  # what it holds, not the first
                     self._launch(worker)
                     return
-        with self._lock:
-            if self.call is call:
-                self._release_acquired()  # its prefill ended, in failure: not the worker's backlog
         self._failed(err)
 
     def lost(self) -> DecodeLost | None:
