@@ -165,7 +165,7 @@ int main(void) {
       bad += memcmp(one, out + t * Hq * D, 4 * Hq * D) != 0;
     }
   }
-  printf("%d\n", bad);
+  printf("%d\n%d %d\n", bad, baton_vector_floats(), baton_quantized_dots());
   return 0;
 }
 """
@@ -202,11 +202,15 @@ def run_built(program: str, march: str, tmp_path) -> str:
     return subprocess.run([*run, str(binary)], check=True, capture_output=True, text=True, timeout=300).stdout.strip()
 
 
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64", ARM])  # AVX2 with FMA; SSE2 without it; NEON
-def test_prefill_gives_decodes_bits_on_cpus_without_avx512(march, tmp_path):
+@pytest.mark.parametrize("march,built_for", [("x86-64-v3", "8 1"), ("x86-64", "4 0"), (ARM, "4 0")])
+def test_prefill_gives_decodes_bits_on_cpus_without_avx512(march, built_for, tmp_path):
     """The machines CI runs on have AVX-512; these builds take the kernels' other paths, where the
-    compiler, not an intrinsic, would choose which product a multiply-add fuses."""
-    assert run_built(EQUAL_BITS_C, march, tmp_path) == "0"
+    compiler, not an intrinsic, would choose which product a multiply-add fuses. Each build also
+    says what it computes with (floats a vector; quantized dot products by instruction or not), which
+    kernels.py asks rather than the CPU: AVX2 with FMA; SSE2 without it; NEON."""
+    bad, floats_and_dots = run_built(EQUAL_BITS_C, march, tmp_path).splitlines()
+    assert bad == "0"
+    assert floats_and_dots == built_for
 
 
 SAME_BITS_C = r"""

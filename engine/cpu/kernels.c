@@ -19,9 +19,9 @@
  * while up to GEMM_ROWS rows accumulate in vector registers, 16 floats per row: one weight load
  * and one broadcast of x feed 16 multiply-adds, and the 4-cycle chain of each accumulator covers
  * a whole vector of weights, so a few rows stream them at memory speed. Further rows are taken
- * GEMM_ROWS at a time while the panel is still in cache. Panels are split between `threads` OpenMP threads
- * (torch's own runtime: libgomp is resolved by soname; the caller passes torch's thread count,
- * since the calling thread's own OpenMP setting may not be torch's).
+ * GEMM_ROWS at a time while the panel is still in cache. Panels are split between `threads`
+ * OpenMP threads (torch's own runtime: libgomp is resolved by soname; the caller passes torch's
+ * thread count, since the calling thread's own OpenMP setting may not be torch's).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -481,6 +481,12 @@ static inline uint16_t store1_bf16(float x) {
 }
 
 #include "quantized.h" /* weights kept in GGUF blocks; the typed kernels call quant_gemm */
+
+/* What this build computes with, for the choices made in Python (kernels.py): floats per vector
+ * register, and whether quantized weights' byte dot products have instructions (AVX512-VNNI, AVX2)
+ * rather than the portable loop. The build's, not the machine's: $BATON_CPU_MARCH may differ. */
+int baton_vector_floats(void) { return VW; }
+int baton_quantized_dots(void) { return QUANT_DOTS; }
 
 #define STORAGE f32
 #define ELEMENT float

@@ -10,8 +10,8 @@ a request's results do not depend on the rows beside it (batch invariance, kerne
 Built on first use with the machine's C compiler (`cc`, or $CC) for this very CPU
 (-march=native; $BATON_CPU_MARCH names another instruction set, e.g. x86-64-v3 for AVX2, to
 measure what a CPU without AVX-512 gets) into Baton's cache directory, keyed by the sources, the
-flags and the CPU, so workers on one machine build it once. Where no compiler is found or the build fails,
-`available()` is False, with one log line, and linear layers use oneDNN instead.
+flags and the CPU, so workers on one machine build it once. Where no compiler is found or the
+build fails, `available()` is False, with one log line, and linear layers use oneDNN instead.
 """
 from __future__ import annotations
 
@@ -47,16 +47,18 @@ def max_rows() -> int:
     (2026-11-26), one thread, SmolLM2's layer shapes, 104-112 GFLOP/s against MKL's 49-100 at
     16-1024 rows, 106 against 95 at 2048, 83 against 91 at 4096. An AVX2 build (two registers a
     panel row), against MKL held to AVX2 on a Xeon (2026-11-29): 99-101 GFLOP/s against 66-90 at
-    16-32 rows, even at 64, MKL 8-15% ahead from 256."""
-    return 2048 if "avx512f" in _cpu_flags() else 64
+    16-32 rows, even at 64, MKL 8-15% ahead from 256. Asked of the build ($BATON_CPU_MARCH may
+    build for less than this CPU has)."""
+    lib = _library()
+    return 2048 if lib is not None and lib.baton_vector_floats() == 16 else 64
 
 
 def fast_quantized() -> bool:
-    """Whether quantized weights' GEMM has integer dot products here: AVX512-VNNI, or AVX2's byte
-    multiply-adds (Q4_1 at one row 2.3x the bf16 GEMM of an AVX2 build, 1.6-4x off VNNI; docs/
+    """Whether the built kernels' quantized GEMM has integer dot products: AVX512-VNNI, or AVX2's
+    byte multiply-adds (Q4_1 at one row 2.3x the bf16 GEMM of an AVX2 build, 1.6-4x off VNNI; docs/
     quantization.md). Elsewhere (ARM, older x86) it takes a portable loop, 8-23x slower than AVX2's."""
-    flags = _cpu_flags()
-    return {"avx512_vnni", "avx512bw"} <= flags or "avx2" in flags
+    lib = _library()
+    return lib is not None and lib.baton_quantized_dots() == 1
 
 
 DISABLE_ENV = "BATON_CPU_KERNELS"  # '0' turns the kernels off (for A/B measurements)

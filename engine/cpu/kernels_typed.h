@@ -353,8 +353,9 @@ static inline void NAME(gather)(vn *buf, struct NAME(tokens) s, int64_t from, in
 }
 
 /* Prefill attention of a tile of up to VW consecutive query tokens of one prompt and KV head (a
- * vector's lanes: 16 with AVX-512), the rows side by side in those lanes: row i (query q + i * q_row_stride, [group, D]; output out +
- * i * Hq * D) attends the first first + i tokens of keys and values. Each row computes what
+ * vector's lanes: 16 with AVX-512), the rows side by side in those lanes: row i (query q + i *
+ * q_row_stride, [group, D]; output out + i * Hq * D) attends the first first + i tokens of keys and
+ * values. Each row computes what
  * group_attention computes for it alone, operation for operation: each score the same chain of
  * multiply-adds (tile_qk), the same softmax over its own tokens (tile_softmax), the same weighted
  * sum over its tokens in order. Only the reading is shared: each block of keys, then of values, is

@@ -79,6 +79,7 @@ static inline void load16_float(const void *p, vn out[NH]) { memcpy(out, p, 16 *
 /* 16 lanes of int32: lane j += the dot product of the four unsigned bytes of lane j of w with the
  * four signed bytes at x. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define QUANT_DOTS 1 /* byte dot products by instruction (baton_quantized_dots) */
 typedef __m512i v16d; /* 16 int32 sums */
 typedef __m512i v64b; /* 64 bytes of codes */
 static inline v16d dot4(v16d acc, v64b w, const int8_t *x) {
@@ -99,36 +100,9 @@ static inline v16d shift8(v16d v) { return _mm512_slli_epi32(v, 8); }
 /* AVX2 without VNNI: vpmaddubsw (unsigned times signed bytes, pairs summed into int16, saturating)
  * then vpmaddwd (pairs into int32). No pair saturates for 4-bit codes (2 x 15 x 128); a Q8_0 byte
  * goes in as its two nibbles, 16 high + low. The same integers as VNNI's, so the same bits. */
+#define QUANT_DOTS 1
 typedef struct { __m256i h[2]; } v16d; /* lanes 0-7, 8-15 */
 typedef struct { __m256i h[2]; } v64b; /* bytes 0-31, 32-63 */
-static inline __m256i dot4_nibbles(__m256i w, __m256i x, __m256i times) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), times);
-}
-static inline v16d dot4(v16d acc, v64b w, const int8_t *x) { /* bytes of w at most 15 */
-  int32_t four;
-  memcpy(&four, x, 4);
-  const __m256i xv = _mm256_set1_epi32(four), one = _mm256_set1_epi16(1);
-  for (int h = 0; h < 2; ++h) acc.h[h] = _mm256_add_epi32(acc.h[h], dot4_nibbles(w.h[h], xv, one));
-  return acc;
-}
-static inline v16d dot4_bytes(v16d acc, v64b w, const int8_t *x) { /* any bytes of w */
-  int32_t four;
-  memcpy(&four, x, 4);
-  const __m256i xv = _mm256_set1_epi32(four), one = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
-  const __m256i fifteen = _mm256_set1_epi8(15);
-  for (int h = 0; h < 2; ++h) {
-    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(w.h[h], 4), fifteen), low = _mm256_and_si256(w.h[h], fifteen);
-    acc.h[h] = _mm256_add_epi32(acc.h[h], _mm256_add_epi32(dot4_nibbles(high, xv, sixteen), dot4_nibbles(low, xv, one)));
-  }
-  return acc;
-}
-static inline v16d zero16d(void) { return (v16d){{_mm256_setzero_si256(), _mm256_setzero_si256()}}; }
-static inline v16d add16d(v16d a, v16d b) {
-  return (v16d){{_mm256_add_epi32(a.h[0], b.h[0]), _mm256_add_epi32(a.h[1], b.h[1])}};
-}
-static inline v64b load64(const uint8_t *p) {
-  return (v64b){{_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))}};
-}
 static inline v64b low_nibbles(v64b v) {
   const __m256i fifteen = _mm256_set1_epi8(15);
   return (v64b){{_mm256_and_si256(v.h[0], fifteen), _mm256_and_si256(v.h[1], fifteen)}};
@@ -137,6 +111,30 @@ static inline v64b high_nibbles(v64b v) {
   const __m256i fifteen = _mm256_set1_epi8(15);
   return (v64b){{_mm256_and_si256(_mm256_srli_epi16(v.h[0], 4), fifteen),
                  _mm256_and_si256(_mm256_srli_epi16(v.h[1], 4), fifteen)}};
+}
+/* w's bytes (each at most 15) times x's four bytes, each pair of products summed and multiplied by
+ * `times` into int32 */
+static inline __m256i dot4_nibbles(__m256i w, const int8_t *x, int16_t times) {
+  int32_t four;
+  memcpy(&four, x, 4);
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(four)), _mm256_set1_epi16(times));
+}
+static inline v16d dot4(v16d acc, v64b w, const int8_t *x) { /* bytes of w at most 15 */
+  for (int h = 0; h < 2; ++h) acc.h[h] = _mm256_add_epi32(acc.h[h], dot4_nibbles(w.h[h], x, 1));
+  return acc;
+}
+static inline v16d dot4_bytes(v16d acc, v64b w, const int8_t *x) { /* any bytes of w: 16 high + low */
+  const v64b high = high_nibbles(w), low = low_nibbles(w);
+  for (int h = 0; h < 2; ++h)
+    acc.h[h] = _mm256_add_epi32(acc.h[h], _mm256_add_epi32(dot4_nibbles(high.h[h], x, 16), dot4_nibbles(low.h[h], x, 1)));
+  return acc;
+}
+static inline v16d zero16d(void) { return (v16d){{_mm256_setzero_si256(), _mm256_setzero_si256()}}; }
+static inline v16d add16d(v16d a, v16d b) {
+  return (v16d){{_mm256_add_epi32(a.h[0], b.h[0]), _mm256_add_epi32(a.h[1], b.h[1])}};
+}
+static inline v64b load64(const uint8_t *p) {
+  return (v64b){{_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))}};
 }
 static inline void ints_to_floats(v16d v, vn out[NH]) { /* (AVX-512 without VNNI comes here too) */
   for (int h = 0; h < 2; ++h) {
@@ -150,6 +148,7 @@ static inline v16d minus_times(v16d v, int32_t a, int32_t b) {
 }
 static inline v16d shift8(v16d v) { return (v16d){{_mm256_slli_epi32(v.h[0], 8), _mm256_slli_epi32(v.h[1], 8)}}; }
 #else
+#define QUANT_DOTS 0 /* the portable loop */
 typedef v16i v16d;
 typedef uint8_t v64b __attribute__((vector_size(64)));
 static inline v16d dot4(v16d acc, v64b w, const int8_t *x) {
