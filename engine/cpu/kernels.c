@@ -298,14 +298,28 @@ static inline vni tile_sees(int64_t x, int64_t first) {
  * in order; then hsum16's order) and the same quotient, returned: each probability is an
  * exponential times it, taken as the weighted sums read them. */
 static vn tile_softmax(vn *s, int64_t stride, int64_t first, int64_t n) {
+  const int64_t all = first < n ? first : n; /* the tokens every row sees: no mask */
   vn top = (vn){0} - __builtin_inff(), part[16];
-  for (int64_t x = 0; x < n; ++x) {
+  int64_t x = 0;
+  for (; x < all; ++x) {
     const vn v = s[x * stride];
-    const vni above = (vni)(v > top) & tile_sees(x, first); /* never NaN, as in softmax */
+    const vni above = (vni)(v > top); /* never NaN, as in softmax */
+    top = (vn)(((vni)v & above) | ((vni)top & ~above));
+  }
+  for (; x < n; ++x) {
+    const vn v = s[x * stride];
+    const vni above = (vni)(v > top) & tile_sees(x, first);
     top = (vn)(((vni)v & above) | ((vni)top & ~above));
   }
   for (int l = 0; l < 16; ++l) part[l] = (vn){0};
-  for (int64_t x = 0; x < n; ++x) {
+  for (x = 0; x + 16 <= all; x += 16) /* 16 at a time: each lane's sum stays in a register */
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; ++l) {
+      const vn e = expn(s[(x + l) * stride] - top);
+      s[(x + l) * stride] = e;
+      part[l] += e;
+    }
+  for (; x < n; ++x) {
     const vn e = expn(s[x * stride] - top);
     s[x * stride] = e;
     part[x & 15] += (vn)((vni)e & tile_sees(x, first)); /* + 0 where the row does not see x: no change */

@@ -345,11 +345,15 @@ static inline void NAME(prefetch)(struct NAME(tokens) s, int64_t *at, int64_t co
     for (int64_t j = 0; j < lines; ++j) __builtin_prefetch((const char *)NAME(token)(s, *at, D) + 64 * j);
 }
 
-/* Tokens [from, from + count) widened to fp32 into buf, [count][D]: a block that a tile's rows
- * share from L1. */
-static inline void NAME(gather)(vn *buf, struct NAME(tokens) s, int64_t from, int64_t count, int64_t D) {
+/* Tokens [from, from + count) as fp32 [count][D], a block that a tile's rows share from L1: fp32
+ * tokens of one segment are read where they lie (copying them cost 5% of an 8,000-token prompt's
+ * attention), others are widened or joined into buf. */
+static inline const float *NAME(block)(vn *buf, struct NAME(tokens) s, int64_t from, int64_t count, int64_t D) {
+  if (sizeof(ELEMENT) == sizeof(float) && (from + count <= s.cached || from >= s.cached))
+    return (const float *)NAME(token)(s, from, D);
   for (int64_t c = 0; c < count; ++c)
     for (int64_t j = 0; j < D / VW; ++j) buf[c * D / VW + j] = LOADN(NAME(token)(s, from + c, D) + VW * j);
+  return (const float *)buf;
 }
 
 /* Prefill attention of a tile of up to VW consecutive query tokens of one prompt and KV head (a
@@ -378,8 +382,7 @@ static inline void NAME(gather)(vn *buf, struct NAME(tokens) s, int64_t from, in
     NAME(prefetch)(keys, &ahead, TILE_BLOCK, n, D);                                                 \
     for (int64_t block = 0; block < n; block += TILE_BLOCK) {                                       \
       const int64_t count = n - block < TILE_BLOCK ? n - block : TILE_BLOCK;                        \
-      const float *k = (const float *)buf;                                                          \
-      NAME(gather)(buf, keys, block, count, D);                                                     \
+      const float *k = NAME(block)(buf, keys, block, count, D);                                     \
       for (int64_t t = 0; t < count; t += 8) { /* the next block prefetched 8 tokens at a time */   \
         NAME(prefetch)(keys, &ahead, 8, n, D);                                                      \
         for (int64_t g0 = 0, heads; g0 < group; g0 += heads) {                                      \
@@ -396,13 +399,13 @@ static inline void NAME(gather)(vn *buf, struct NAME(tokens) s, int64_t from, in
     for (int64_t i = 0; i < group * D; ++i) o[i] = (vn){0};                                         \
     for (int64_t block = 0; block < n; block += TILE_BLOCK) {                                       \
       const int64_t count = n - block < TILE_BLOCK ? n - block : TILE_BLOCK;                        \
-      NAME(gather)(buf, values, block, count, D);                                                   \
+      const float *v = NAME(block)(buf, values, block, count, D);                                   \
       for (int64_t x = 0; x < count; ++x)                                                           \
         for (int64_t g = 0; g < group; ++g) p[x * group + g] = s[(block + x) * group + g] * inv[g]; \
       for (int64_t g0 = 0, heads; g0 < group; g0 += heads) {                                        \
         heads = head_chunk(group, g0);                                                              \
         NAME(prefetch)(values, &ahead, (TILE_BLOCK * heads + group - 1) / group, n, D);             \
-        TILE_PVS[heads](p + g0, group, (const float *)buf, D, count, block, first, o + g0 * D);     \
+        TILE_PVS[heads](p + g0, group, v, D, count, block, first, o + g0 * D);     \
       }                                                                                             \
     }                                                                                               \
     for (int64_t g = 0; g < group; ++g)                                                             \
@@ -429,31 +432,42 @@ int NAME(baton_prefill_attention)(const float *q, int64_t q_row_stride, int64_t 
                                   float scale, int threads) {
   const int64_t group = Hq / Hkv, tiles = (T + PREFILL_TILE - 1) / PREFILL_TILE;
   int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed) num_threads(threads)
-  for (int64_t task = 0; task < tiles * B * Hkv; ++task) {
-    const int64_t t0 = (tiles - 1 - task / (B * Hkv)) * PREFILL_TILE, b = task % (B * Hkv) / Hkv, kvh = task % Hkv;
-    const int64_t rows = T - t0 < PREFILL_TILE ? T - t0 : PREFILL_TILE, r0 = b * T + t0;
-    const struct NAME(tokens) keys = {prefix_k + kvh * prefix_head_stride,
-                                      own_k + b * own_seq_stride + kvh * own_head_stride, cached};
-    const struct NAME(tokens) values = {prefix_v + kvh * prefix_head_stride,
-                                        own_v + b * own_seq_stride + kvh * own_head_stride, cached};
-    const float *qt = q + r0 * q_row_stride + kvh * group * D;
-    float *ot = out + (r0 * Hq + kvh * group) * D;
-    if (D == 64 || D == 128) {
-      const int64_t first = cached + t0 + 1;
-      vn *scratch = aligned_alloc(sizeof(vn), sizeof(vn) * group * (2 * D + first + rows + TILE_BLOCK));
-      if (!scratch) { failed = 1; continue; }
-      (D == 64 ? NAME(tile_attention_4) : NAME(tile_attention_8))(qt, q_row_stride, rows, keys, values, first, group,
-                                                                   Hq, scale, scratch, ot);
-      free(scratch);
-      continue;
+#pragma omp parallel reduction(| : failed) num_threads(threads)
+  {
+    /* One scratch a thread, sized by its first tile (the longest come first): a fresh one a tile
+     * was mapped and faulted in again, page by page, whenever the allocator returned it. */
+    vn *scratch = 0;
+    int64_t held = 0;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tiles * B * Hkv; ++task) {
+      const int64_t t0 = (tiles - 1 - task / (B * Hkv)) * PREFILL_TILE, b = task % (B * Hkv) / Hkv, kvh = task % Hkv;
+      const int64_t rows = T - t0 < PREFILL_TILE ? T - t0 : PREFILL_TILE, r0 = b * T + t0;
+      const struct NAME(tokens) keys = {prefix_k + kvh * prefix_head_stride,
+                                        own_k + b * own_seq_stride + kvh * own_head_stride, cached};
+      const struct NAME(tokens) values = {prefix_v + kvh * prefix_head_stride,
+                                          own_v + b * own_seq_stride + kvh * own_head_stride, cached};
+      const float *qt = q + r0 * q_row_stride + kvh * group * D;
+      float *ot = out + (r0 * Hq + kvh * group) * D;
+      if (D == 64 || D == 128) {
+        const int64_t first = cached + t0 + 1, need = group * (2 * D + first + rows + TILE_BLOCK);
+        if (need > held) {
+          free(scratch);
+          scratch = aligned_alloc(sizeof(vn), sizeof(vn) * need);
+          held = scratch ? need : 0;
+        }
+        if (!scratch) { failed = 1; continue; }
+        (D == 64 ? NAME(tile_attention_4) : NAME(tile_attention_8))(qt, q_row_stride, rows, keys, values, first,
+                                                                     group, Hq, scale, scratch, ot);
+        continue;
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        const ELEMENT *kp[2] = {keys.prefix, keys.own}, *vp[2] = {values.prefix, values.own};
+        const int64_t counts[2] = {cached, t0 + i + 1};
+        failed |= NAME(attend)(qt + i * q_row_stride, kp, vp, counts, 2, cached + t0 + i + 1, group, D, scale,
+                               ot + i * Hq * D, 0) != 0;
+      }
     }
-    for (int64_t i = 0; i < rows; ++i) {
-      const ELEMENT *kp[2] = {keys.prefix, keys.own}, *vp[2] = {values.prefix, values.own};
-      const int64_t counts[2] = {cached, t0 + i + 1};
-      failed |= NAME(attend)(qt + i * q_row_stride, kp, vp, counts, 2, cached + t0 + i + 1, group, D, scale,
-                             ot + i * Hq * D, 0) != 0;
-    }
+    free(scratch);
   }
   return failed ? -1 : 0;
 }
