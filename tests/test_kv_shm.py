@@ -415,3 +415,37 @@ def test_a_device_push_frame_carrying_a_memory_file_or_no_description_is_refused
                 os.close(fd)
             assert reply["code"] == "INVALID_ARGUMENT" and said in reply["details"], reply
     assert recv.pool.stats().used_bytes == 0
+
+
+def test_a_write_seal_the_kernel_refuses_for_a_moment_is_asked_for_again(monkeypatch):
+    """EBUSY from F_ADD_SEALS (a page of the file briefly holding another reference) is retried;
+    any other error, or EBUSY that lasts, still fails the memory file (and the push goes by gRPC)."""
+    import errno
+
+    import baton.kvtransfer.shm as shm
+
+    real, refusals = fcntl.fcntl, []
+
+    def busy_then_real(fd, cmd, arg=0):
+        if cmd == fcntl.F_ADD_SEALS and len(refusals) < 2:
+            refusals.append(cmd)
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(shm.fcntl, "fcntl", busy_then_real)
+    fd, crc = shm._sealed_copy(make_kv(3), "r-busy")
+    try:
+        assert len(refusals) == 2 and real(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE
+    finally:
+        os.close(fd)
+
+    def always_busy(fd, cmd, arg=0):
+        if cmd == fcntl.F_ADD_SEALS:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(shm.fcntl, "fcntl", always_busy)
+    monkeypatch.setattr(shm.time, "sleep", lambda s: None)
+    with pytest.raises(OSError) as failed:
+        shm._sealed_copy(make_kv(3), "r-busy")
+    assert failed.value.errno == errno.EBUSY
