@@ -183,8 +183,9 @@ class RouterSettings:
     # instead of stalling after it. -1: every request is prefilled at once.
     decode_queue_per_worker: int = 2
     load_poll_seconds: float = 0.2
-    # A request that has not moved (no row, no KV, no token) for this long is logged once, where it
-    # waits and on which workers (router/progress.py), and counted in baton_router_stalled_requests.
+    # A request that has not moved (no row, no KV, no token, no chunk of its prompt prefilled) for
+    # this long is logged once, where it waits and on which workers (router/progress.py), and
+    # counted in baton_router_stalled_requests.
     stall_log_s: float = 30.0
     metrics_port: int = 0  # 0 = no metrics endpoint
     # A file holding the bearer token every public API call must send (`authorization: Bearer

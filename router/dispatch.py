@@ -336,7 +336,8 @@ class Dispatcher:
             leg.source.start(on_give_up=call.cancel, held_tokens=registered.held_prefix_tokens)
             leg.on_counted()  # the KV source counts it on its prefill worker now
             on_done(lambda: (call.cancel(), leg.source.cancel()))
-            track(stage=f"waiting for its first token from {where}", detail=leg.source.describe)
+            track(stage=f"waiting for its first token from {where}", detail=leg.source.describe,
+                  pulse=leg.source.pulse)
             for msg in call:
                 if msg.moving:
                     handing_off = True

@@ -55,6 +55,10 @@ class KVSource:
         """Where its KV is coming from, for a request that stopped moving (router/progress.py)."""
         return type(self).__name__
 
+    def pulse(self) -> object:
+        """What changes while its KV is being made (router/progress.py): nothing seen by default."""
+        return None
+
 
 class PrefillChain(KVSource):
     """Prefill on the routed worker; if it fails for a worker-side reason, once more on another.
@@ -145,6 +149,16 @@ class PrefillChain(KVSource):
             return DecodeLost(cause(failure), self.seed(), self.route.decode,
                               prefilled=failure.code() == grpc.StatusCode.ABORTED)
         return None
+
+    def pulse(self) -> object:
+        """While its prefill call is out, the prefill worker's forwarded prompt tokens as its last
+        polled load says: a long prompt prefilled chunk by chunk (or one queued behind others) is
+        moving while they grow; a prefill worker that hangs stops them. Fixed once the call ended."""
+        call, worker = self.call, self.route.prefill
+        if call is None or call.done():
+            return ("ended", self.tries)
+        load = worker.last_load
+        return (worker.view.address, self.tries, getattr(load, "prompt_tokens_forwarded", None))
 
     def describe(self) -> str:
         call = self.call

@@ -3,7 +3,10 @@
 A request waiting for a decode row, for its KV or for its next token normally moves within
 seconds; one that has not moved for `router.stall_log_s` is logged once (a WARNING naming where it
 waits and on which workers) and counted in `baton_router_stalled_requests`, so a hang shows in the
-logs before its deadline ends it. Plain Python: the dispatcher reports, a timer asks.
+logs before its deadline ends it. A stage may have a pulse, a sign of the work behind it that
+changes while that work advances (a long prompt's prefill: its worker's forwarded prompt tokens,
+a chunk at a time); while it changes, the request is moving. Plain Python: the dispatcher
+reports, a timer asks.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ class Progress:
     tokens: int = 0  # tokens sent to the caller so far
     detail: Callable[[], str] | None = field(default=None, repr=False)  # more, asked only when logged
     told: bool = False  # its current stall was logged
+    pulse: Callable[[], object] | None = field(default=None, repr=False)  # changes while the stage's work advances
+    beat: object = None  # the pulse's value when last read
 
 
 class InFlight:
@@ -44,14 +49,16 @@ class InFlight:
             self._requests[key] = Progress(key, label, stage, self._clock())
 
     def moved(self, key: str, stage: str | None = None, tokens: int | None = None,
-              detail: Callable[[], str] | None = None) -> None:
-        """The request got somewhere: a new stage, more tokens (None keeps the old)."""
+              detail: Callable[[], str] | None = None, pulse: Callable[[], object] | None = None) -> None:
+        """The request got somewhere: a new stage (with what describes it and its pulse), more
+        tokens (None keeps the old)."""
         with self._lock:
             progress = self._requests.get(key)
             if progress is None:
                 return
             if stage is not None:
-                progress.stage, progress.detail = stage, detail
+                progress.stage, progress.detail, progress.pulse = stage, detail, pulse
+                progress.beat = _read(pulse)
             if tokens is not None:
                 progress.tokens = tokens
             progress.since, progress.told = self._clock(), False
@@ -64,6 +71,9 @@ class InFlight:
         """Requests that have not moved for `after_s` seconds, longest first."""
         now = self._clock()
         with self._lock:
+            for p in self._requests.values():
+                if p.pulse is not None and (beat := _read(p.pulse)) != p.beat:  # its work went on
+                    p.beat, p.since, p.told = beat, now, False
             found = [p for p in self._requests.values() if now - p.since >= after_s]
         return sorted(found, key=lambda p: p.since)
 
@@ -84,6 +94,15 @@ class InFlight:
                 extra = f"; ({type(exc).__name__} describing it)"
         return (f"request {progress.label} ({progress.key}) has not moved for {self._clock() - progress.since:.0f} s: "
                 f"{progress.stage}, {progress.tokens} tokens sent{extra}")
+
+
+def _read(pulse: Callable[[], object] | None) -> object:
+    if pulse is None:
+        return None
+    try:
+        return pulse()
+    except Exception as exc:  # noqa: BLE001 - a pulse must never fail the timer: it reads as no change
+        return type(exc).__name__
 
 
 class StallWatch:

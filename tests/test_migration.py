@@ -463,14 +463,15 @@ class InProcessCluster:
     """Router, one prefill and two decode workers as servers in this process, so that a test can
     reach into a decode worker (its loop, its module's functions)."""
 
-    def __init__(self, max_rows: int = 4, **router_settings):
+    def __init__(self, max_rows: int = 4, prefill: dict | None = None, **router_settings):
         from baton.config import DecodeSettings, ModelSettings, PrefillSettings, RouterSettings
         from baton.decode_worker.service import serve as serve_decode
         from baton.prefill_worker.service import serve as serve_prefill
         from baton.router.service import serve as serve_router
 
         model = ModelSettings(name="tiny-random", dtype=TEST_DTYPE)
-        self.prefill_server, self.prefill = serve_prefill(model, PrefillSettings(host="127.0.0.1", port=0), block=False)
+        self.prefill_server, self.prefill = serve_prefill(model, PrefillSettings(host="127.0.0.1", port=0, **(prefill or {})),
+                                                       block=False)
         self.decode = [serve_decode(model, DecodeSettings(host="127.0.0.1", port=0, max_rows=max_rows), block=False)
                        for _ in range(2)]
         self.router_server, self.pool = serve_router(model, RouterSettings(
@@ -786,6 +787,37 @@ def test_a_request_that_stops_moving_is_logged_with_where_it_waits(caplog, tiny_
     assert "waiting for its first token from decode worker" in told[0], told[0]
     assert f"its KV from prefill worker 127.0.0.1:{cluster.prefill_server.port} (try 1: in flight)" in told[0]
     assert result["done"].token_ids == tiny_reference.greedy(prompt, 8)
+
+
+def test_a_long_prompt_prefilled_a_chunk_at_a_time_is_moving_not_stalled(caplog, monkeypatch, tiny_reference):
+    """A prompt whose prefill takes longer than router.stall_log_s, chunk by chunk, is moving: its
+    prefill worker's forwarded tokens grow each chunk, so nothing is logged (an 8,000-token prompt
+    on 2 CPU cores drew a WARNING every 30-40 s). The test above is the other side: no chunk, a stall."""
+    import logging
+
+    from baton.client import BatonClient
+    from baton.prefill_worker.core import PrefillCore
+
+    real = PrefillCore.advance
+
+    def slow(self, chunked, budget):
+        time.sleep(0.4)  # 8 chunks: 3.2 s against a 1 s stall threshold
+        return real(self, chunked, budget)
+
+    monkeypatch.setattr(PrefillCore, "advance", slow)
+    caplog.set_level(logging.WARNING, logger="baton.router.progress")
+    cluster = InProcessCluster(stall_log_s=1.0, prefill={"chunk_tokens": 16})
+    prompt = [500 + i for i in range(128)]
+    try:
+        with BatonClient(cluster.router_address, timeout=60) as client:
+            started = time.monotonic()
+            result = client.generate(token_ids=prompt, max_tokens=4, ignore_eos=True)
+            took = time.monotonic() - started
+    finally:
+        cluster.stop()
+    assert took > 3.2
+    assert "has not moved" not in caplog.text, caplog.text
+    assert result.token_ids == tiny_reference.greedy(prompt, 4)
 
 
 def test_a_decode_stream_that_breaks_after_its_last_token_is_not_sent_elsewhere(monkeypatch, tiny_reference):

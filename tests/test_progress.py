@@ -48,3 +48,36 @@ def test_the_description_says_what_is_known_and_never_fails():
     inflight.moved("k", stage="x", detail=lambda: 1 / 0)
     clock.now += 40
     assert "(ZeroDivisionError describing it)" in inflight.describe(inflight.stalled(30)[0])
+
+
+def test_a_stage_whose_pulse_changes_is_moving_and_a_still_pulse_is_a_stall():
+    """A long prompt's prefill: the prefill worker's forwarded tokens grow a chunk at a time, so
+    the request waiting for its KV is not stalled; once they stop (the worker hangs), it is."""
+    clock, forwarded = Clock(), [0]
+    inflight = InFlight(clock)
+    inflight.begin("k", "r", "routing")
+    inflight.moved("k", stage="waiting for its first token from decode worker d", pulse=lambda: forwarded[0])
+    for _ in range(5):  # 100 s, a chunk every 20 s
+        clock.now += 20
+        forwarded[0] += 256
+        assert inflight.newly_stalled(30) == []
+    clock.now += 31  # no chunk since
+    (told,) = inflight.newly_stalled(30)
+    assert "has not moved for 31 s" in inflight.describe(told)
+    forwarded[0] += 256  # it goes on: a later stall is told again
+    assert inflight.stalled(30) == []
+    clock.now += 30
+    assert len(inflight.newly_stalled(30)) == 1
+    inflight.moved("k", stage="decoding on decode worker d", tokens=1)  # a stage without a pulse
+    forwarded[0] += 256
+    clock.now += 30
+    assert len(inflight.stalled(30)) == 1
+
+
+def test_a_pulse_that_fails_reads_as_no_change():
+    clock = Clock()
+    inflight = InFlight(clock)
+    inflight.begin("k", "r", "routing")
+    inflight.moved("k", stage="waiting", pulse=lambda: 1 / 0)
+    clock.now += 31
+    assert len(inflight.stalled(30)) == 1
