@@ -238,8 +238,9 @@ def _load_quantized(name: str, dtype: str, device: str, module: bool, quantizati
         raise ModelLoadError(f"quantization {quantization!r} needs Baton's CPU kernels, which did not build here "
                              "(a C compiler is needed); use 'none'")
     if not cpu_kernels.fast_quantized():
-        log.warning("quantization %r: this CPU has neither AVX512-VNNI nor AVX2, so quantized GEMMs take a portable "
-                    "loop that runs slower than floats (docs/quantization.md); 'none' decodes faster here", quantization)
+        log.warning("quantization %r: the kernels built here have no byte dot products (AVX512-VNNI, AVX2, ARMv8.2 "
+                    "dotprod), so quantized GEMMs take a portable loop that runs slower than floats "
+                    "(docs/quantization.md); 'none' decodes faster here", quantization)
     torch_dtype = resolve_dtype(dtype, on)
     label = quantization if input_bits == QUANTIZED_INPUT_BITS[0] else f"{quantization}-i{input_bits}"
     if quantization == "int8":

@@ -172,6 +172,7 @@ int main(void) {
 
 
 ARM = "armv8-a"  # 64-bit ARM with NEON (Graviton, Ampere, Apple silicon under Linux)
+ARM_DOTS = "armv8.2-a+dotprod"  # and byte dot products (Graviton 2 onwards, Ampere Altra): quantized weights' sdot
 
 
 def run_built(program: str, march: str, tmp_path) -> str:
@@ -184,7 +185,8 @@ def run_built(program: str, march: str, tmp_path) -> str:
     from pathlib import Path
 
     run = []
-    if march == ARM and platform.machine() != "aarch64":
+    arm = march.startswith("armv")
+    if arm and platform.machine() != "aarch64":
         compiler, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
         if compiler is None or qemu is None:
             pytest.skip("an ARM build needs aarch64-linux-gnu-gcc and qemu-aarch64 "
@@ -192,7 +194,7 @@ def run_built(program: str, march: str, tmp_path) -> str:
         run = [qemu, "-L", "/usr/aarch64-linux-gnu"]
     else:
         compiler = shutil.which("cc") or shutil.which("gcc")
-        if compiler is None or platform.machine() != ("aarch64" if march == ARM else "x86_64"):
+        if compiler is None or platform.machine() != ("aarch64" if arm else "x86_64"):
             pytest.skip(f"a C compiler for {march} builds these")
     source = tmp_path / f"{march}.c"
     source.write_text(program)
@@ -202,12 +204,14 @@ def run_built(program: str, march: str, tmp_path) -> str:
     return subprocess.run([*run, str(binary)], check=True, capture_output=True, text=True, timeout=300).stdout.strip()
 
 
-@pytest.mark.parametrize("march,built_for", [("x86-64-v3", "8 1"), ("x86-64", "4 0"), (ARM, "4 0")])
+@pytest.mark.parametrize("march,built_for", [("x86-64-v3", "8 1"), ("x86-64", "4 0"), (ARM, "4 0"),
+                                             (ARM_DOTS, "4 1")])
 def test_prefill_gives_decodes_bits_on_cpus_without_avx512(march, built_for, tmp_path):
     """The machines CI runs on have AVX-512; these builds take the kernels' other paths, where the
     compiler, not an intrinsic, would choose which product a multiply-add fuses. Each build also
     says what it computes with (floats a vector; quantized dot products by instruction or not), which
-    kernels.py asks rather than the CPU: AVX2 with FMA; SSE2 without it; NEON."""
+    kernels.py asks rather than the CPU: AVX2 with FMA; SSE2 without it; NEON, with and without
+    byte dot products."""
     bad, floats_and_dots = run_built(EQUAL_BITS_C, march, tmp_path).splitlines()
     assert bad == "0"
     assert floats_and_dots == built_for
@@ -276,13 +280,13 @@ int main(void) {
 """
 
 
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v4", ARM])  # AVX2; AVX-512 without VNNI; NEON
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v4", ARM, ARM_DOTS])  # AVX2; AVX-512 without VNNI; NEON
 def test_an_avx2_or_arm_build_computes_the_bits_of_an_avx512_build(march, tmp_path, avx512_bits):
     """The kernels hold a 16-lane vector as the CPU's own vectors (one with AVX-512, two with AVX2,
     four with NEON) and add its lanes in one order, so a token's bits do not depend on which CPU of
     a cluster computed it: KV prefilled on one node and decoded on another is what that one would
     compute. Quantized weights' integer sums are exact on every path (VNNI, AVX2's byte
-    multiply-adds, a plain loop), so theirs too."""
+    multiply-adds, ARM's sdot, a plain loop), so theirs too."""
     assert run_built(SAME_BITS_C, march, tmp_path) == avx512_bits
 
 

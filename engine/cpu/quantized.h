@@ -147,6 +147,69 @@ static inline v16d minus_times(v16d v, int32_t a, int32_t b) {
   return (v16d){{_mm256_sub_epi32(v.h[0], c), _mm256_sub_epi32(v.h[1], c)}};
 }
 static inline v16d shift8(v16d v) { return (v16d){{_mm256_slli_epi32(v.h[0], 8), _mm256_slli_epi32(v.h[1], 8)}}; }
+#elif defined(__ARM_FEATURE_DOTPROD) && defined(__ARM_NEON)
+/* ARMv8.2's dot products (Graviton 2 onwards, Ampere Altra, Apple silicon): sdot takes signed bytes,
+ * so codes go in as nibbles (at most 15: the same as signed), a Q8_0 byte as 16 high + low, as on
+ * AVX2. Integer sums are exact, so the same integers as VNNI's and the same bits. */
+#include <arm_neon.h>
+#define QUANT_DOTS 1
+typedef struct { int32x4_t h[4]; } v16d; /* lanes 4h .. 4h + 3 */
+typedef struct { uint8x16_t h[4]; } v64b; /* bytes 16h .. 16h + 15 */
+static inline v64b low_nibbles(v64b v) {
+  for (int h = 0; h < 4; ++h) v.h[h] = vandq_u8(v.h[h], vdupq_n_u8(15));
+  return v;
+}
+static inline v64b high_nibbles(v64b v) {
+  for (int h = 0; h < 4; ++h) v.h[h] = vshrq_n_u8(v.h[h], 4);
+  return v;
+}
+static inline int8x16_t four_bytes(const int8_t *x) { /* x's four bytes in every lane */
+  int32_t four;
+  memcpy(&four, x, 4);
+  return vreinterpretq_s8_s32(vdupq_n_s32(four));
+}
+static inline v16d dot4(v16d acc, v64b w, const int8_t *x) { /* bytes of w at most 15 */
+  const int8x16_t xs = four_bytes(x);
+  for (int h = 0; h < 4; ++h) acc.h[h] = vdotq_s32(acc.h[h], vreinterpretq_s8_u8(w.h[h]), xs);
+  return acc;
+}
+static inline v16d dot4_bytes(v16d acc, v64b w, const int8_t *x) { /* any bytes of w: 16 high + low */
+  const int8x16_t xs = four_bytes(x);
+  const v64b high = high_nibbles(w), low = low_nibbles(w);
+  for (int h = 0; h < 4; ++h) {
+    const int32x4_t up = vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(high.h[h]), xs);
+    acc.h[h] = vaddq_s32(vdotq_s32(acc.h[h], vreinterpretq_s8_u8(low.h[h]), xs), vshlq_n_s32(up, 4));
+  }
+  return acc;
+}
+static inline v16d zero16d(void) {
+  v16d z;
+  for (int h = 0; h < 4; ++h) z.h[h] = vdupq_n_s32(0);
+  return z;
+}
+static inline v16d add16d(v16d a, v16d b) {
+  for (int h = 0; h < 4; ++h) a.h[h] = vaddq_s32(a.h[h], b.h[h]);
+  return a;
+}
+static inline v64b load64(const uint8_t *p) {
+  v64b v;
+  for (int h = 0; h < 4; ++h) v.h[h] = vld1q_u8(p + 16 * h);
+  return v;
+}
+static inline void ints_to_floats(v16d v, vn out[NH]) {
+  for (int h = 0; h < 4; ++h) {
+    const float32x4_t f = vcvtq_f32_s32(v.h[h]);
+    memcpy((float *)out + 4 * h, &f, sizeof(f));
+  }
+}
+static inline v16d minus_times(v16d v, int32_t a, int32_t b) {
+  for (int h = 0; h < 4; ++h) v.h[h] = vsubq_s32(v.h[h], vdupq_n_s32(a * b));
+  return v;
+}
+static inline v16d shift8(v16d v) {
+  for (int h = 0; h < 4; ++h) v.h[h] = vshlq_n_s32(v.h[h], 8);
+  return v;
+}
 #else
 #define QUANT_DOTS 0 /* the portable loop */
 typedef v16i v16d;
