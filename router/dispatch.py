@@ -251,12 +251,35 @@ class Dispatcher:
         finally:
             self.inflight.end(key)
 
+    def _route_around(self, prompt: list[int], pinned: str | None, avoid: set[str], allow_local: bool,
+                      deadline: float | None) -> Route:
+        """A route that avoids the decode workers this request lost; where every decode worker is
+        among them, the same ones again once the pool's polls count one healthy (a push that failed
+        is not a dead worker: a request with one decode worker to go to was lost to 'no healthy
+        decode worker' while that worker ran on). A worker really gone stays unhealthy: the request
+        then fails as before, within a few polls."""
+        try:
+            return self.route(prompt, pinned, avoid, allow_local=allow_local)
+        except DispatchError:
+            if not avoid or not any(v.address in avoid for v in self.pool.views("decode")):
+                raise
+        give_up = time.monotonic() + max(1.0, REVISIT_POLLS * self.pool.poll_seconds)
+        if deadline is not None:
+            give_up = min(give_up, deadline)
+        while True:
+            try:
+                return self.route(prompt, pinned, frozenset(), allow_local=allow_local)
+            except DispatchError:
+                if time.monotonic() >= give_up:
+                    raise
+                time.sleep(self.pool.poll_seconds / 2)
+
     def _attempts(self, request_id, key, prompt, sent, avoid, sampling, deadline, on_done, arrived, prefill_address,
                   pinned_tokens, span):
         for attempt in range(MAX_ATTEMPTS):
             routing = time.monotonic()
             pinned = prefill_address if attempt == 0 else None
-            route = self.route(prompt + sent, pinned, avoid, allow_local=pinned is None)
+            route = self._route_around(prompt + sent, pinned, avoid, allow_local=pinned is None, deadline=deadline)
             span.stage("route", routing, time.monotonic(), prefill_worker=route.prefill.view.address if route.prefill else "",
                        decode_worker=route.decode.view.address, predicted_cached_tokens=route.predicted_cached_tokens,
                        reason=route.reason)
@@ -422,6 +445,7 @@ class Dispatcher:
 
 
 MAX_ATTEMPTS = 3  # tries per request across workers
+REVISIT_POLLS = 5  # load polls a request waits for a decode worker it lost to be counted healthy again
 # The decode stream broke because its worker went away (not because of the request itself).
 DECODE_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 

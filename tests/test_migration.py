@@ -460,10 +460,10 @@ def test_handoff_refuses_bad_requests_with_clear_statuses():
 
 
 class InProcessCluster:
-    """Router, one prefill and two decode workers as servers in this process, so that a test can
-    reach into a decode worker (its loop, its module's functions)."""
+    """Router, one prefill and two decode workers (or `decode_workers`) as servers in this process,
+    so that a test can reach into a decode worker (its loop, its module's functions)."""
 
-    def __init__(self, max_rows: int = 4, prefill: dict | None = None, **router_settings):
+    def __init__(self, max_rows: int = 4, prefill: dict | None = None, decode_workers: int = 2, **router_settings):
         from baton.config import DecodeSettings, ModelSettings, PrefillSettings, RouterSettings
         from baton.decode_worker.service import serve as serve_decode
         from baton.prefill_worker.service import serve as serve_prefill
@@ -473,7 +473,7 @@ class InProcessCluster:
         self.prefill_server, self.prefill = serve_prefill(model, PrefillSettings(host="127.0.0.1", port=0, **(prefill or {})),
                                                        block=False)
         self.decode = [serve_decode(model, DecodeSettings(host="127.0.0.1", port=0, max_rows=max_rows), block=False)
-                       for _ in range(2)]
+                       for _ in range(decode_workers)]
         self.router_server, self.pool = serve_router(model, RouterSettings(
             host="127.0.0.1", port=0, prefill_workers=[f"127.0.0.1:{self.prefill_server.port}"],
             decode_workers=[f"127.0.0.1:{server.port}" for server, _ in self.decode], load_poll_seconds=0.1,
@@ -818,6 +818,37 @@ def test_a_long_prompt_prefilled_a_chunk_at_a_time_is_moving_not_stalled(caplog,
     assert took > 3.2
     assert "has not moved" not in caplog.text, caplog.text
     assert result.token_ids == tiny_reference.greedy(prompt, 4)
+
+
+def test_a_push_that_fails_to_the_only_decode_worker_is_prefilled_for_it_again(monkeypatch, tiny_reference):
+    """A prompt prefilled but whose KV could not be delivered (every push attempt failed: ABORTED)
+    goes to another decode worker; where there is none, to the same one again once its load polls
+    say it is up (a failed push is not a dead worker). Before, it failed at once with 'no healthy
+    decode worker', the message with which route's bench (one decode worker) twice lost a request
+    in CI around a prefill worker's restart."""
+    from baton.client import BatonClient
+    from baton.kvtransfer.errors import KVPushFailed
+    from baton.prefill_worker import delivery
+
+    real, failed = delivery.KVPusher.push, []
+
+    def fails_once(self, *args, **kwargs):
+        if not failed:
+            failed.append(True)
+            raise KVPushFailed("UNAVAILABLE", "injected: the push broke")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(delivery.KVPusher, "push", fails_once)
+    cluster = InProcessCluster(decode_workers=1)
+    prompt = [700 + i for i in range(9)]
+    try:
+        with BatonClient(cluster.router_address, timeout=60) as client:
+            result = client.generate(token_ids=prompt, max_tokens=6, ignore_eos=True)
+            again = client.generate(token_ids=prompt[::-1], max_tokens=6, ignore_eos=True)
+    finally:
+        cluster.stop()
+    assert failed and result.token_ids == tiny_reference.greedy(prompt, 6)
+    assert again.token_ids == tiny_reference.greedy(prompt[::-1], 6)
 
 
 def test_a_decode_stream_that_breaks_after_its_last_token_is_not_sent_elsewhere(monkeypatch, tiny_reference):
