@@ -405,7 +405,7 @@ static inline const float *NAME(block)(vn *buf, struct NAME(tokens) s, int64_t f
       for (int64_t g0 = 0, heads; g0 < group; g0 += heads) {                                        \
         heads = head_chunk(group, g0);                                                              \
         NAME(prefetch)(values, &ahead, (TILE_BLOCK * heads + group - 1) / group, n, D);             \
-        TILE_PVS[heads](p + g0, group, v, D, count, block, first, o + g0 * D);     \
+        TILE_PVS[heads](p + g0, group, v, D, count, block, first, o + g0 * D);                     \
       }                                                                                             \
     }                                                                                               \
     for (int64_t g = 0; g < group; ++g)                                                             \
