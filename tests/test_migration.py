@@ -851,6 +851,28 @@ def test_a_push_that_fails_to_the_only_decode_worker_is_prefilled_for_it_again(m
     assert again.token_ids == tiny_reference.greedy(prompt[::-1], 6)
 
 
+def test_a_request_whose_only_decode_worker_is_gone_still_fails_fast():
+    """The other side of the test above: a decode worker that is really gone stays unhealthy in
+    the load polls, so the request waits a few polls for it, then fails as before (UNAVAILABLE)."""
+    from baton.client import BatonClient
+    from baton.client.errors import Unavailable
+
+    cluster = InProcessCluster(decode_workers=1)
+    try:
+        with BatonClient(cluster.router_address, timeout=60) as client:
+            client.generate(token_ids=[5, 6, 7], max_tokens=2)
+            ((server, loop),) = cluster.decode
+            server.stop(0)
+            loop.stop()
+            started = time.monotonic()
+            with pytest.raises(Unavailable):
+                client.generate(token_ids=[8, 9, 10], max_tokens=2)
+            assert time.monotonic() - started < 10, time.monotonic() - started
+    finally:
+        cluster.decode = []
+        cluster.stop()
+
+
 def test_a_decode_stream_that_breaks_after_its_last_token_is_not_sent_elsewhere(monkeypatch, tiny_reference):
     """chaos, seed 8: a connection cut just after a request's last message (finish_reason and all)
     broke the stream before its end; the router took that for a lost decode worker and prefilled
