@@ -261,7 +261,8 @@ class Dispatcher:
         try:
             return self.route(prompt, pinned, avoid, allow_local=allow_local)
         except DispatchError:
-            if not avoid or not any(v.address in avoid for v in self.pool.views("decode")):
+            decode = self.pool.views("decode")
+            if not decode or not all(v.address in avoid for v in decode):
                 raise
         give_up = time.monotonic() + max(1.0, REVISIT_POLLS * self.pool.poll_seconds)
         if deadline is not None:
