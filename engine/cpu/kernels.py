@@ -40,6 +40,7 @@ SIXTEEN_BIT_INPUTS = 8  # added to a quantized format's code: its inputs go to 1
 
 
 @functools.cache
+@functools.cache  # asked on every fp32 linear call: the built library cannot change in a process
 def max_rows() -> int:
     """The most rows the panel GEMM takes for fp32 weights; past them MKL's blocked GEMM is faster
     (weights stored in bf16 or fp16 always take the panels: MKL has no fp32-by-bf16 GEMM). With AVX-512 (a
