@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.engine.cpu.huge_pages import copy_into_huge_pages
+
 QBLOCK = 32  # weights per block, along k
 PANEL = 16  # output features per panel, as the C GEMM reads them
 # format -> (the C kernels' code, the bytes of one block of 32 weights)
@@ -79,7 +81,7 @@ class BlockWeight:
         K / 32, panel block bytes], a panel's blocks in k order, each block its 16 features'
         scales (Q4_1: then minimums), then its codes in groups of four consecutive bytes, a group's
         16 features side by side (Q8_0's codes stored as the unsigned q + 128). Features past N are
-        zero (their outputs are 0)."""
+        zero (their outputs are 0). In 2 MB pages where the kernel gives them (engine/cpu/huge_pages.py)."""
         n, blocks, size = self._blocks().shape
         panels = (n + PANEL - 1) // PANEL
         padded = torch.zeros(panels * PANEL, blocks, size, dtype=torch.uint8)
@@ -91,7 +93,7 @@ class BlockWeight:
         codes = per_feature[..., head:].reshape(panels, blocks, PANEL, -1, 4).transpose(2, 3)  # [P, B, group, 16, 4]
         if self.format == "q8_0":
             codes = codes ^ 0x80
-        return torch.cat([*scales, codes.reshape(panels, blocks, -1)], dim=-1).contiguous()
+        return copy_into_huge_pages(torch.cat([*scales, codes.reshape(panels, blocks, -1)], dim=-1))
 
 
 def _head(format: str) -> int:

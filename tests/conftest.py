@@ -96,7 +96,7 @@ TIERS = {
     "engine": {  # loads a model and runs forwards in this process
         "test_engine_exact.py", "test_executor.py", "test_fp8.py", "test_kernels.py", "test_local_engine.py",
         "test_prefill_core.py", "test_triton_backend.py", "test_cuda.py", "test_batch_invariance.py",
-        "test_cpu_prefill_attention.py", "test_checkpoint.py", "test_quantized.py", "test_tensor_parallel.py",
+        "test_cpu_prefill_attention.py", "test_huge_pages.py", "test_checkpoint.py", "test_quantized.py", "test_tensor_parallel.py",
     },
     "cluster": {  # real gRPC servers, worker processes, redis-server, network namespaces
         "test_bench.py", "test_bench_chaos.py", "test_cli_batch.py", "test_client.py", "test_cluster.py",

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from baton.engine.cpu.huge_pages import copy_into_huge_pages
 from baton.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,6 @@ MARCH_ENV = "BATON_CPU_MARCH"  # the -march the kernels are built for (default n
 SIXTEEN_BIT_INPUTS = 8  # added to a quantized format's code: its inputs go to 16-bit codes (quantized.h)
 
 
-@functools.cache
 @functools.cache  # asked on every fp32 linear call: the built library cannot change in a process
 def max_rows() -> int:
     """The most rows the panel GEMM takes for fp32 weights; past them MKL's blocked GEMM is faster
@@ -90,12 +90,12 @@ PANEL = 16  # output features per panel: kernels.c's PANEL
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> panels [ceil(N / PANEL), K, PANEL] of PANEL output features, k-major, zero-padded,
-    in the weight's own dtype."""
+    in the weight's own dtype, in 2 MB pages where the kernel gives them (huge_pages.py)."""
     n, k = weight.shape
     panels = (n + PANEL - 1) // PANEL
     padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
     padded[:n] = weight
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    return copy_into_huge_pages(padded.view(panels, PANEL, k).transpose(1, 2))
 
 
 def small_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
