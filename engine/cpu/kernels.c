@@ -125,13 +125,27 @@ static inline void hsum16x16(const v16 *x, float scale, float *out, int64_t coun
 }
 #endif
 
+/* v > top ? v : top in each lane (top where v is NaN): one vmaxps with AVX-512. */
+static inline vn vmax(vn v, vn top) {
+#ifdef __AVX512F__
+  return (vn)_mm512_max_ps((__m512)v, (__m512)top);
+#else
+  const vni above = v > top;
+  return (vn)(((vni)v & above) | ((vni)top & ~above));
+#endif
+}
+
 /* e^x for each lane, x <= 88 (scores minus their maximum, SiLU's capped arguments): 2^n e^r with
  * |r| <= ln2 / 2 and Cephes' degree-6 polynomial for e^r, within 2 ulp of expf; below -87.3 it
  * gives ~1e-38, not 0. */
 static inline vn expn(vn x) {
   const vn lo = {0}, floor_x = lo - 87.3f;
+#ifdef __AVX512F__
+  x = (vn)_mm512_max_ps((__m512)floor_x, (__m512)x); /* floor_x > x ? floor_x : x, as below */
+#else
   const vni below = x < floor_x; /* all ones where x is below: take floor_x there */
   x = (vn)(((vni)floor_x & below) | ((vni)x & ~below));
+#endif
   const vn magic = lo + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
   vn t = x * 1.44269504088896341f + magic;
   const vni n = (vni)t - (vni)magic;
@@ -145,7 +159,12 @@ static inline vn expn(vn x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
+#ifdef __AVX512F__
+  (void)n;
+  return (vn)_mm512_scalef_ps((__m512)p, (__m512)t); /* p 2^t: one instruction, the same product */
+#else
   return p * (vn)((n + 127) << 23);
+#endif
 }
 
 /* Softmax of one head's scores in place (probabilities), returns its log-sum-exp. Softmax in fp32
@@ -160,8 +179,7 @@ static NOIPA float softmax(float *s, int64_t n) {
   for (; t + VW <= n; t += VW) {
     vn x;
     memcpy(&x, s + t, sizeof(vn));
-    const vni above = x > tops; /* never NaN: a NaN score compares false, as below */
-    tops = (vn)(((vni)x & above) | ((vni)tops & ~above));
+    tops = vmax(x, tops); /* never NaN: a NaN score compares false, as below */
   }
   float top = -__builtin_inff();
   for (int i = 0; i < VW; ++i) top = tops[i] > top ? tops[i] : top;
@@ -347,8 +365,7 @@ static vn tile_softmax(vn *s, int64_t stride, int64_t first, int64_t n) {
   int64_t x = 0;
   for (; x < all; ++x) {
     const vn v = s[x * stride];
-    const vni above = (vni)(v > top); /* never NaN, as in softmax */
-    top = (vn)(((vni)v & above) | ((vni)top & ~above));
+    top = vmax(v, top); /* never NaN, as in softmax */
   }
   for (; x < n; ++x) {
     const vn v = s[x * stride];
