@@ -13,7 +13,9 @@ tokens within 16x). Each prompt is then sent again through the OpenAI API (`/v1/
 its token ids, streamed): its TTFT there, and whether its text is the SDK's. The prefill worker's
 metrics say how each KV travelled (cuda_ipc, shm, nixl, grpc). With `--host-transport` the same
 prompts go again through a cluster whose KV goes over gRPC through host memory, and the tokens
-of both are compared (issue 47: identical).
+of both are compared (issue 47: identical). With `--against-generate`, once the clusters are
+stopped, each prompt goes through transformers' `generate` on the same weights in the same dtype
+(greedy, as many tokens): whether the served tokens are its (issue 46: in fp32, equal).
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="prompts of each length (default 3; --quick 1)")
     parser.add_argument("--host-transport", action="store_true",
                         help="send the same prompts through a cluster pushing KV over gRPC and compare the tokens")
+    parser.add_argument("--against-generate", action="store_true",
+                        help="afterwards, compare each prompt's served tokens with transformers' generate")
 
 
 def run(opts: BenchOptions) -> dict[str, Any]:
@@ -70,10 +74,36 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         same = sum(a["output"] == b["output"] for a, b in pairs)
         opts.say(f"tokens identical with the KV pushed over gRPC through host memory ({runs['grpc']['transports']}): "
                  f"{same} of {len(pairs)} requests")
+    as_generate = None
+    if opts.extra.get("against_generate"):
+        as_generate = _as_generate(opts, served)
+        opts.say(f"the served tokens are transformers' generate's ({opts.dtype}) for {as_generate} of "
+                 f"{len(served)} prompts")
     return {"model": opts.model, "dtype": opts.dtype, "lengths": list(lengths), "repeats": repeats,
             "by_length": {str(n): m for n, m in by_length.items()}, "ttft_growth": growth,
             "transports": runs["default"]["transports"], "identical_with_grpc": same,
-            "runs": runs, "plots": []}
+            "as_generate": as_generate, "runs": runs, "plots": []}
+
+
+def _as_generate(opts: BenchOptions, requests: list[dict[str, Any]]) -> int:
+    """How many requests' served tokens are what transformers' greedy `generate` gives their prompt on
+    the same weights and dtype (up to its own end where it meets an end-of-sequence token: the
+    requests ignored it)."""
+    import torch
+
+    from baton.engine.model import load_model
+
+    model = load_model(opts.model, dtype=opts.dtype).model
+    model.set_attn_implementation("sdpa")
+    same = 0
+    for i, request in enumerate(requests):
+        opts.progress(f"long: transformers' generate on prompt {i + 1} of {len(requests)} ({request['tokens']} tokens)")
+        with torch.no_grad():
+            out = model.generate(torch.tensor([request["prompt"]], device=model.device), do_sample=False,
+                                 max_new_tokens=len(request["output"]), pad_token_id=model.generation_config.pad_token_id)
+        expected = out[0, len(request["prompt"]):].tolist()
+        same += request["output"][:len(expected)] == expected
+    return same
 
 
 def _serve(opts: BenchOptions, lengths, repeats: int, transport_args: tuple[str, ...]) -> dict[str, Any]:
@@ -117,7 +147,7 @@ def _serve(opts: BenchOptions, lengths, repeats: int, transport_args: tuple[str,
                                          "temperature": 0, "ignore_eos": True, "stream": True}, "/v1/completions")
                 if api["error"] or not api["chunks"]:
                     raise RuntimeError(f"long: the OpenAI API failed on a {n}-token prompt: {api['error']}")
-                requests.append({"tokens": n, "ttft_s": first, "prefill_s": stages.get("prefill", 0.0),
+                requests.append({"tokens": n, "prompt": prompt, "ttft_s": first, "prefill_s": stages.get("prefill", 0.0),
                                  "transfer_s": stages.get("transfer", 0.0), "output": output, "text": "".join(text),
                                  "openai_ttft_s": api["chunks"][0] - api["sent"], "openai_text": api["text"]})
         after = _transports(metrics_port)

@@ -449,7 +449,7 @@ def test_local_quick_times_a_turn_prefilled_where_its_conversation_is(tmp_path, 
 
 
 def test_long_quick_times_new_prompts_through_a_cluster_and_compares_the_host_transport(tmp_path, capsys):
-    document, printed = run_suite("long", tmp_path, capsys)
+    document, printed = run_suite("long", tmp_path, capsys, "--against-generate")
     assert document["lengths"] == [64, 256] and set(document["runs"]) == {"default", "grpc"}
     for figures in document["by_length"].values():
         assert figures["ttft_s"] > 0 and figures["prefill_s"] > 0 and figures["transfer_s"] >= 0
@@ -459,6 +459,7 @@ def test_long_quick_times_new_prompts_through_a_cluster_and_compares_the_host_tr
     assert document["identical_with_grpc"] == 2
     assert all(r["openai_ttft_s"] > 0 and r["openai_text"] == r["text"] for r in document["runs"]["default"]["requests"])
     assert "TTFT of 256 tokens over 64" in printed and "the OpenAI API's text is the SDK's for 2 of 2" in printed
+    assert document["as_generate"] == 2 and "generate's (float32) for 2 of 2 prompts" in printed
 
 
 def test_quant_quick_races_quantized_weights_and_measures_what_they_lose(tmp_path, capsys):

@@ -4,7 +4,7 @@ A forward streams every weight once, 4 KB page after 4 KB page: a 135M-parameter
 104,000 pages, more than a core's TLB holds, so each page costs a walk of the page tables, and in
 a virtual machine a two-level one. Behind a long prompt's attention, whose keys and values have
 pushed those tables out of cache, the linear layers ran 12-18% slower (a C harness on SmolLM2's
-shapes, a 256-token chunk after 7,744 cached tokens: 118-139 GFLOP/s with 4 KB pages, 147-160
+shapes, a 256-token chunk after 7,744 cached tokens: 118-139 GFLOP/s with 4 KB pages, 147-163
 with 2 MB ones, as fast as at position 0; docs/bench.md). Linux backs a region with transparent
 huge pages when asked by `madvise` (its default mode here, `[madvise]`), so the packed weights are
 copied into an anonymous mapping so advised before anything touches it. Where the kernel has no
