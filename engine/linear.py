@@ -54,6 +54,8 @@ class Linear:
             self.packed = weight.panels()
         elif layout == "panels":
             self.packed = cpu_kernels.pack(weight)
+            if weight.dtype != torch.float32:  # read through the panels at any row count: a plain copy is only memory
+                self.weight = None
         elif layout == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_PACK_ROWS)
         elif layout == "triton":

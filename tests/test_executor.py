@@ -215,6 +215,17 @@ def test_small_row_gemm_equals_f_linear(rows):
                                rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(not cpu_kernels.stores(torch.bfloat16), reason="no C compiler for Baton's bf16 panels")
+def test_half_precision_panels_hold_no_plain_copy_of_the_weight():
+    weight = (torch.randn(40, 64) * 0.05).to(torch.bfloat16)
+    linear = Linear(weight, layout="panels")
+    assert linear.weight is None  # every row count reads the panels: the plain copy was only memory
+    for rows in (1, cpu_kernels.max_rows() + 1):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(linear(x), F.linear(x, weight.float()), rtol=1e-5, atol=1e-4)
+    assert Linear(weight.float(), layout="panels").weight is not None  # fp32: many rows go to MKL over it
+
+
 def paged(keys: torch.Tensor, values: torch.Tensor, lengths: list[int], page_size: int):
     """Rows' keys and values [rows, Hkv, T, D] scattered into shuffled pages of one layer of a paged
     KV: (k_pages, v_pages [pages, Hkv, P, D], table int64 [rows, width]); page 0 and every slot
