@@ -140,16 +140,10 @@ static inline vn vmax(vn v, vn top) {
  * gives ~1e-38, not 0. */
 static inline vn expn(vn x) {
   const vn lo = {0}, floor_x = lo - 87.3f;
-#ifdef __AVX512F__
-  x = (vn)_mm512_max_ps((__m512)floor_x, (__m512)x); /* floor_x > x ? floor_x : x, as below */
-#else
-  const vni below = x < floor_x; /* all ones where x is below: take floor_x there */
-  x = (vn)(((vni)floor_x & below) | ((vni)x & ~below));
-#endif
+  x = vmax(floor_x, x); /* floor_x where x is below it */
   const vn magic = lo + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
   vn t = x * 1.44269504088896341f + magic;
-  const vni n = (vni)t - (vni)magic;
-  t -= magic;
+  t -= magic; /* n, an integer */
   vn r = x - t * 0.693359375f;
   r = r - t * -2.12194440e-4f;
   vn p = lo + 1.9875691500e-4f;
@@ -160,10 +154,9 @@ static inline vn expn(vn x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
 #ifdef __AVX512F__
-  (void)n;
-  return (vn)_mm512_scalef_ps((__m512)p, (__m512)t); /* p 2^t: one instruction, the same product */
+  return (vn)_mm512_scalef_ps((__m512)p, (__m512)t); /* p 2^n: one instruction, the same product */
 #else
-  return p * (vn)((n + 127) << 23);
+  return p * (vn)((__builtin_convertvector(t, vni) + 127) << 23); /* 2^n built from its exponent bits */
 #endif
 }
 
@@ -329,16 +322,15 @@ TILE_QK_HELD(4, 2)
 TILE_QK_HELD(4, 3)
 TILE_QK_HELD(8, 1)
 #undef TILE_QK_HELD
-static void (*const TILE_QKS_4[5])(const vn *, const float *, int64_t, float, vn *, int64_t) = {
-    0, tile_qk_held_4_1, tile_qk_held_4_2, tile_qk_held_4_3, tile_qk_4_4};
-static void (*const TILE_QKS_8[5])(const vn *, const float *, int64_t, float, vn *, int64_t) = {
-    0, tile_qk_held_8_1, tile_qk_8_2, tile_qk_8_3, tile_qk_8_4};
+#define HELD(NV, G) tile_qk_held_##NV##_##G
 #else /* 16 registers: the queries cannot stay */
-static void (*const TILE_QKS_4[5])(const vn *, const float *, int64_t, float, vn *, int64_t) = {
-    0, tile_qk_4_1, tile_qk_4_2, tile_qk_4_3, tile_qk_4_4};
-static void (*const TILE_QKS_8[5])(const vn *, const float *, int64_t, float, vn *, int64_t) = {
-    0, tile_qk_8_1, tile_qk_8_2, tile_qk_8_3, tile_qk_8_4};
+#define HELD(NV, G) tile_qk_##NV##_##G
 #endif
+static void (*const TILE_QKS_4[5])(const vn *, const float *, int64_t, float, vn *, int64_t) = {
+    0, HELD(4, 1), HELD(4, 2), HELD(4, 3), tile_qk_4_4};
+static void (*const TILE_QKS_8[5])(const vn *, const float *, int64_t, float, vn *, int64_t) = {
+    0, HELD(8, 1), tile_qk_8_2, tile_qk_8_3, tile_qk_8_4};
+#undef HELD
 #undef TILE_QK
 #undef TILE_QK_BLOCK
 
