@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from baton import lifeline
 from baton.auth import ClusterTokenInterceptor, load_cluster_token, with_cluster_token
 from baton.config import ClusterSettings, TLSSettings
-from baton.transport import GRPC_OPTIONS, SERVER_OPTIONS
+from baton.transport import CHANNEL_OPTIONS, SERVER_OPTIONS, merge_options
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +33,14 @@ def channel(target: str, tls: TLSSettings | None = None, extra_options=(), clust
     extra_options are added to the channel's options (e.g. kvtransfer's push keepalive); with
     cluster_token, every call presents the cluster credential (calls to workers)."""
     if tls is None or not tls.enabled:
-        return with_cluster_token(grpc.insecure_channel(target, options=[*GRPC_OPTIONS, *extra_options]), cluster_token)
+        return with_cluster_token(grpc.insecure_channel(target, options=merge_options(CHANNEL_OPTIONS, extra_options)), cluster_token)
     tls.validate()
     creds = grpc.ssl_channel_credentials(
         root_certificates=_read_pem(tls.ca_file, "ca_file") if tls.ca_file else None,
         private_key=_read_pem(tls.key_file, "key_file"),
         certificate_chain=_read_pem(tls.cert_file, "cert_file"),
     )
-    return with_cluster_token(grpc.secure_channel(target, creds, options=[*tls_channel_options(tls), *extra_options]),
+    return with_cluster_token(grpc.secure_channel(target, creds, options=merge_options(tls_channel_options(tls), extra_options)),
                               cluster_token)
 
 
@@ -72,10 +72,10 @@ def is_loopback(host: str) -> bool:
 
 
 def tls_channel_options(tls: TLSSettings) -> list[tuple[str, object]]:
-    """GRPC_OPTIONS, plus the certificate name override when tls.server_name is set."""
+    """CHANNEL_OPTIONS, plus the certificate name override when tls.server_name is set."""
     if not tls.server_name:
-        return list(GRPC_OPTIONS)
-    return [*GRPC_OPTIONS, ("grpc.ssl_target_name_override", tls.server_name)]
+        return list(CHANNEL_OPTIONS)
+    return [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", tls.server_name)]
 
 
 def server_credentials(tls: TLSSettings, require_client_cert: bool = True) -> grpc.ServerCredentials:

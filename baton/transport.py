@@ -15,6 +15,27 @@ GRPC_OPTIONS = [
 # its workers as often, to notice a hung peer within about a second.
 SERVER_MIN_PING_INTERVAL_MS = 250
 SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS)]
+# A channel's peers are the cluster's own processes, and one that restarts comes back at its
+# address (a container restart keeps its pod IP). gRPC fails every call on a channel that was
+# refused, at once, until its reconnect backoff runs out: up to 120 s by default, so bounded to a
+# second here. And it shares one connection, backoff included, among a process's channels to the
+# same address, so a channel opened to a peer that has just come back would inherit another
+# channel's refusal: each channel keeps its own.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.use_local_subchannel_pool", 1),
+]
+CHANNEL_OPTIONS = [*GRPC_OPTIONS, *RECONNECT_OPTIONS]
+
+
+def merge_options(*groups) -> list[tuple[str, object]]:
+    """Channel or server options from `groups` in order, a later group's value winning for the same
+    option (gRPC would keep both and honour one of them)."""
+    merged: dict[str, object] = {}
+    for group in groups:
+        merged.update(group)
+    return list(merged.items())
 
 
 def keepalive_options(ping_every_ms: int, timeout_ms: int) -> list[tuple[str, int]]:

@@ -302,7 +302,7 @@ STALE_ATTEMPT_MARGIN_S = 0.2
 
 
 def push_kv_retrying(
-    channel_or_target: grpc.Channel | str,
+    channel_or_target: grpc.Channel | str | Callable[[], grpc.Channel],
     request_id: str,
     fingerprint: str,
     kv: SequenceKV,
@@ -320,10 +320,13 @@ def push_kv_retrying(
     ALREADY_EXISTS is retried too: the receiver still holds a broken attempt, ours or that of a
     worker that died mid-push and whose prompt we were given again, and drops it within
     CHUNK_IDLE_TIMEOUT_S. should_stop() (e.g. the request was cancelled) ends the retries;
-    on_retry(attempt, failure) is told before each retry. Raises the last KVPushFailed.
+    on_retry(attempt, failure) is told before each retry. A callable is asked for the channel before
+    each attempt: its owner may replace a channel that could not connect (gRPC fails calls on it at
+    once until its reconnect backoff ends) before the retry. Raises the last KVPushFailed.
     """
     owned = isinstance(channel_or_target, str)
     channel = kvtransfer_channel(channel_or_target) if owned else channel_or_target
+    channel_for_attempt = channel if callable(channel) else lambda: channel
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     failures: list[KVPushFailed] = []
     attempt = tries = 0  # tries: attempts that count against retry.attempts
@@ -337,7 +340,8 @@ def push_kv_retrying(
                 raise KVPushFailed("DEADLINE_EXCEEDED", f"the KV push of {request_id!r} ran out of time after "
                                    f"{attempt - 1} attempts") from (failures[-1] if failures else None)
             try:
-                reply = push_kv(channel, request_id, fingerprint, kv, metadata, chunk_bytes, remaining, push_token)
+                reply = push_kv(channel_for_attempt(), request_id, fingerprint, kv, metadata, chunk_bytes, remaining,
+                                push_token)
                 return PushOutcome(reply, attempt, tuple(failures))
             except KVPushFailed as failure:
                 failures.append(failure)

@@ -56,8 +56,8 @@ class KVPusher:
              on_retry: Callable[[int, KVPushFailed], None] | None = None, push_token: str = "",
              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> str:
         """Push kv to the decode worker at `target`; returns the transport that landed it ("cuda_ipc",
-        "shm", "nixl" or "grpc"). `channel()` gives the gRPC channel to `target` when gRPC is needed. Raises the
-        last KVPushFailed."""
+        "shm", "nixl" or "grpc"). `channel()` gives the gRPC channel to `target` when gRPC is needed, asked
+        again before each retry. Raises the last KVPushFailed."""
         deadline = time.monotonic() + timeout_s
         port = self._shm_port(target)
         if port is not None:
@@ -95,7 +95,7 @@ class KVPusher:
                     raise
                 if on_retry is not None:  # the library's attempt counts as the first
                     on_retry(1, failure)
-        push_kv_retrying(channel(), request_id, fingerprint, kv, metadata, chunk_bytes=chunk_bytes,
+        push_kv_retrying(channel, request_id, fingerprint, kv, metadata, chunk_bytes=chunk_bytes,
                          timeout_s=max(0.001, deadline - time.monotonic()), retry=retry, should_stop=should_stop,
                          on_retry=on_retry, push_token=push_token)
         return "grpc"

@@ -8,8 +8,8 @@ import torch
 
 # The size limits live with the other gRPC settings, which the configuration also checks against.
 from baton.transport import (  # noqa: F401 - part of the wire format's surface
-    _MESSAGE_OVERHEAD_BYTES, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_METADATA_BYTES, SERVER_MIN_PING_INTERVAL_MS,
-    grpc_message_limit, keepalive_options, max_chunk_bytes_within)
+    _MESSAGE_OVERHEAD_BYTES, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_METADATA_BYTES, RECONNECT_OPTIONS,
+    SERVER_MIN_PING_INTERVAL_MS, grpc_message_limit, keepalive_options, max_chunk_bytes_within)
 
 # The raw bytes are sent as this host holds them; every platform we run on is little-endian,
 # and the proto promises little-endian, so refuse to run rather than send misordered bytes.
@@ -77,8 +77,7 @@ def grpc_push_channel_options() -> list[tuple[str, int]]:
     return [
         *keepalive_options(PUSH_KEEPALIVE_MS, PUSH_KEEPALIVE_TIMEOUT_MS),
         ("grpc.min_reconnect_backoff_ms", PUSH_CONNECT_TIMEOUT_MS),  # also the connect deadline
-        ("grpc.initial_reconnect_backoff_ms", 200),
-        ("grpc.max_reconnect_backoff_ms", 2000),
+        *RECONNECT_OPTIONS,
     ]
 
 

@@ -68,6 +68,8 @@ class StreamedPush:
                            PUSH_TIMEOUT_SECONDS + 3600.0, job.push_token)  # bounded by the prefill, then the push
             self.outcome.set_result(True)
         except Exception as exc:  # noqa: BLE001 -- the KV goes the usual way instead
+            if isinstance(exc, KVPushFailed):
+                delivery._unreachable(job.decode_target, exc)
             log.info("streamed KV push of request %s to %s broke off (%s); the whole KV is pushed after its prefill",
                      job.request.request_id, job.decode_target, exc)
             self.outcome.set_result(False)
@@ -187,6 +189,15 @@ class KVDelivery:
                 self._channels.popitem(last=False)[1].close()
             return self._channels[target]
 
+    def _unreachable(self, target: str, failure: KVPushFailed) -> None:
+        """A push to `target` could not reach it: the next one (a retry, or a push after the decode
+        worker restarted at its address) opens a new channel and connects at once, where this one
+        would fail every call until its reconnect backoff ends. Calls still open on the old channel
+        keep it until they end."""
+        if failure.code == "UNAVAILABLE":
+            with self._lock:
+                self._channels.pop(target, None)
+
     def _push_counted(self, job: PrefillJob, prefilled, ready=None) -> None:
         try:
             with after(ready, prefilled.kv.data.device):  # not behind the compute thread's next forward
@@ -214,6 +225,7 @@ class KVDelivery:
         self._count_prompt(meta, len(job.request.prompt_token_ids), prefilled.cached_tokens)
 
         def retrying(attempt: int, failure: KVPushFailed) -> None:
+            self._unreachable(job.decode_target, failure)
             self.metrics.transfers.labels("retried").inc()
             log.warning("KV push of request %s to %s failed (attempt %d): %s; retrying", job.request.request_id,
                         job.decode_target, attempt, failure)
@@ -241,6 +253,8 @@ class KVDelivery:
             self.metrics.prefix_actual.inc(prefilled.cached_tokens)
             job.done.set_result(done)
         except Exception as exc:
+            if isinstance(exc, KVPushFailed):
+                self._unreachable(job.decode_target, exc)
             self.metrics.transfers.labels("cancelled" if job.cancelled else "failed").inc()
             # Its traceback's frames hold the KV; the Prefill call re-raises it and aborts, and
             # gRPC keeps an aborted call's traceback: hand over the error alone.

@@ -320,3 +320,41 @@ def test_a_stopped_server_process_exits_even_with_a_thread_still_blocked():
     assert time.monotonic() - started < 30
     assert "threads still running" in done.stderr and "Thread 0x" in done.stderr  # where each thread was
 
+
+
+def test_a_channel_to_a_peer_restarted_at_its_address_connects_at_once():
+    """A worker that restarts comes back at its address (a container restart keeps its pod IP). A
+    channel opened to it then connects on its first call, though another channel of this process
+    was refused there a moment ago: gRPC shares connections between channels by default, and a
+    refused one fails every call at once until its reconnect backoff ends."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from baton.server import channel
+
+    def serve(port: int) -> tuple[grpc.Server, int]:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+        port = server.add_insecure_port(f"127.0.0.1:{port}")
+        server.start()
+        return server, port
+
+    def check(ch: grpc.Channel) -> str:
+        try:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            return "served"
+        except grpc.RpcError as err:
+            return err.code().name
+
+    server, port = serve(0)
+    server.stop(None)
+    with channel(f"127.0.0.1:{port}") as refused:
+        assert check(refused) == "UNAVAILABLE"
+        server, _ = serve(port)
+        try:
+            with channel(f"127.0.0.1:{port}") as fresh:
+                assert check(fresh) == "served"
+        finally:
+            server.stop(None)

@@ -18,7 +18,8 @@ from conftest import TEST_DTYPE
 from baton.config import ModelSettings, PrefillSettings
 from baton.v1 import common_pb2, kvtransfer_pb2_grpc, workers_pb2, workers_pb2_grpc
 from baton.kvtransfer import Receiver, ReceiverConfig, StagingConfig, StagingPool
-from baton.kvtransfer.grpc_transport import KVTransferServicer
+from baton.kvtransfer.errors import KVPushFailed
+from baton.kvtransfer.grpc_transport import KVTransferServer, KVTransferServicer
 from baton.kvtransfer.wire import grpc_channel_options, grpc_server_ping_options
 from baton.engine.request import GenerationRequest
 from baton.engine.executors import make_runner
@@ -468,3 +469,37 @@ def test_a_streamed_push_sends_the_cached_prefix_first_and_skips_what_the_decode
     assert staged.kv.num_tokens == len(sharing) - 100
     torch.testing.assert_close(staged.kv.data, alone.kv.data[:, :, :, 100:].cpu(), rtol=1e-4, atol=1e-5)
     pool.take("first")
+
+
+def test_a_decode_worker_restarted_at_its_address_takes_the_next_push_at_once(prefill_worker):
+    """A decode worker that stopped and came back on the same address (a container restart keeps
+    its pod IP): the push after its return lands on its first attempt. gRPC would otherwise fail
+    every call on a channel that was refused, at once, until its reconnect backoff ran out."""
+    _, worker = prefill_worker
+    loaded = worker.runner.loaded
+
+    def receiver(port: int = 0) -> tuple[KVTransferServer, list[str]]:
+        landed: list[str] = []
+        pool = StagingPool(StagingConfig(capacity_bytes=64 << 20), on_landed=landed.append)
+        return KVTransferServer(Receiver(pool, ReceiverConfig(str(loaded.fingerprint), loaded.kv_shape)),
+                                port=port).start(), landed
+
+    loop = PrefillLoop(worker.runner, PrefillSettings(kv_transport="grpc")).start()
+    first, landed = receiver()
+    try:
+        def push(request_id: str):
+            job = PrefillJob(GenerationRequest(request_id, PROMPT[:200], SamplingParams(max_tokens=4)), first.target)
+            return loop.submit(job).exception(timeout=60)
+
+        assert push("before") is None and landed == ["before"]
+        first.stop(grace_s=None)
+        assert isinstance(push("while-down"), KVPushFailed)  # refused three times
+        again, landed = receiver(first.port)
+        try:
+            before = retried(loop)
+            assert push("after") is None and landed == ["after"]
+            assert retried(loop) == before, "the push after the restart was refused first"
+        finally:
+            again.stop(grace_s=None)
+    finally:
+        loop.stop()

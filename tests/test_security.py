@@ -384,7 +384,7 @@ def test_tls_cluster_dialled_by_ip_checks_certificates_for_the_server_name(pki, 
 
 
 def test_tls_server_name_is_validated_and_becomes_a_channel_option(pki):
-    from baton.server import GRPC_OPTIONS, tls_channel_options
+    from baton.server import CHANNEL_OPTIONS, tls_channel_options
 
     with pytest.raises(ValueError, match="tls.server_name applies to TLS channels only"):
         load_settings(env={"BATON_TLS_SERVER_NAME": DNS_ONLY_NAME})
@@ -395,7 +395,7 @@ def test_tls_server_name_is_validated_and_becomes_a_channel_option(pki):
     settings = load_settings(env={"BATON_TLS_CERT_FILE": "/c.pem", "BATON_TLS_KEY_FILE": "/k.pem",
                                   "BATON_TLS_SERVER_NAME": DNS_ONLY_NAME})
     assert ("grpc.ssl_target_name_override", DNS_ONLY_NAME) in tls_channel_options(settings.tls)
-    assert tls_channel_options(TLSSettings(cert_file="/c.pem", key_file="/k.pem")) == GRPC_OPTIONS
+    assert tls_channel_options(TLSSettings(cert_file="/c.pem", key_file="/k.pem")) == CHANNEL_OPTIONS
     from baton.cli import build_parser, load_role_settings
 
     args = build_parser().parse_args(["prefill", "--tls-cert", "/c.pem", "--tls-key", "/k.pem",
