@@ -134,11 +134,9 @@ def test_a_prefix_read_in_place_from_a_longer_buffer(dtype):
 
 
 EQUAL_BITS_C = r"""
-#include "kernels.c"
-#include <stdio.h>
 /* Prefill of 70 tokens (a partial last tile) against decode of each token alone over one page of
  * them, fp32 and bf16, head_dim 64 and 128, 6 query heads over 2: rows whose bits differ. */
-int main(void) {
+static void equal_bits(void) {
   const int64_t T = 70, Hq = 6, Hkv = 2;
   int bad = 0;
   for (int64_t D = 64; D <= 128; D += 64) {
@@ -166,7 +164,6 @@ int main(void) {
     }
   }
   printf("%d\n%d %d\n", bad, baton_vector_floats(), baton_quantized_dots());
-  return 0;
 }
 """
 
@@ -175,51 +172,20 @@ ARM = "armv8-a"  # 64-bit ARM with NEON (Graviton, Ampere, Apple silicon under L
 ARM_DOTS = "armv8.2-a+dotprod"  # and byte dot products (Graviton 2 onwards, Ampere Altra): quantized weights' sdot
 
 
-def run_built(program: str, march: str, tmp_path) -> str:
-    """`program` (C, including kernels.c) built for `march` and run: its output. x86-64 targets
-    build on an x86-64 machine; ARM ones with a cross compiler, run under qemu (`make test`
-    installs both where apt-get can)."""
-    import platform
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    run = []
-    arm = march.startswith("armv")
-    if arm and platform.machine() != "aarch64":
-        compiler, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
-        if compiler is None or qemu is None:
-            pytest.skip("an ARM build needs aarch64-linux-gnu-gcc and qemu-aarch64 "
-                        "(apt-get install gcc-aarch64-linux-gnu qemu-user)")
-        run = [qemu, "-L", "/usr/aarch64-linux-gnu"]
-    else:
-        compiler = shutil.which("cc") or shutil.which("gcc")
-        if compiler is None or platform.machine() != ("aarch64" if arm else "x86_64"):
-            pytest.skip(f"a C compiler for {march} builds these")
-    source = tmp_path / f"{march}.c"
-    source.write_text(program)
-    binary = tmp_path / march
-    subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-w", f"-I{Path(cpu_kernels.__file__).parent}",
-                    str(source), "-o", str(binary), "-lm"], check=True)
-    return subprocess.run([*run, str(binary)], check=True, capture_output=True, text=True, timeout=300).stdout.strip()
-
-
 @pytest.mark.parametrize("march,built_for", [("x86-64-v3", "8 1"), ("x86-64", "4 0"), (ARM, "4 0"),
                                              (ARM_DOTS, "4 1")])
-def test_prefill_gives_decodes_bits_on_cpus_without_avx512(march, built_for, tmp_path):
+def test_prefill_gives_decodes_bits_on_cpus_without_avx512(march, built_for, builds):
     """The machines CI runs on have AVX-512; these builds take the kernels' other paths, where the
     compiler, not an intrinsic, would choose which product a multiply-add fuses. Each build also
     says what it computes with (floats a vector; quantized dot products by instruction or not), which
     kernels.py asks rather than the CPU: AVX2 with FMA; SSE2 without it; NEON, with and without
     byte dot products."""
-    bad, floats_and_dots = run_built(EQUAL_BITS_C, march, tmp_path).splitlines()
+    bad, floats_and_dots = builds(march)[0].splitlines()
     assert bad == "0"
     assert floats_and_dots == built_for
 
 
 SAME_BITS_C = r"""
-#include "kernels.c"
-#include <stdio.h>
 /* A hash of the bits of each kernel's output on fixed inputs (sizes not multiples of 16 included). */
 static uint64_t hash(const float *x, int64_t n) {
   uint64_t h = 1469598103934665603ull;
@@ -235,7 +201,7 @@ static float *filled(int64_t n, float scale) {
   for (int64_t i = 0; i < n; ++i) x[i] = scale * (rand() / (float)RAND_MAX - 0.5f);
   return x;
 }
-int main(void) {
+static void same_bits(void) {
   srand(7);
   const int64_t M = 11, K = 200, N = 72, T = 45, Hq = 6, Hkv = 2;
   float *x = filled(M * K, 2), *w = filled(K * 80, 1), *out = malloc(4 * M * 2 * K);
@@ -275,25 +241,78 @@ int main(void) {
       printf("quant %ld %d %llx\n", F, precise, (unsigned long long)hash(out, 5 * QN));
     }
   }
-  return 0;
 }
 """
 
 
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v4", ARM, ARM_DOTS])  # AVX2; AVX-512 without VNNI; NEON
-def test_an_avx2_or_arm_build_computes_the_bits_of_an_avx512_build(march, tmp_path, avx512_bits):
+def test_an_avx2_or_arm_build_computes_the_bits_of_an_avx512_build(march, builds):
     """The kernels hold a 16-lane vector as the CPU's own vectors (one with AVX-512, two with AVX2,
     four with NEON) and add its lanes in one order, so a token's bits do not depend on which CPU of
     a cluster computed it: KV prefilled on one node and decoded on another is what that one would
     compute. Quantized weights' integer sums are exact on every path (VNNI, AVX2's byte
     multiply-adds, ARM's sdot, a plain loop), so theirs too."""
-    assert run_built(SAME_BITS_C, march, tmp_path) == avx512_bits
+    if not {"avx512f", "fma"} <= cpu_kernels._cpu_flags():
+        pytest.skip("compares with this CPU's AVX-512 build")
+    native = builds("native")[1]
+    assert len(native.splitlines()) == 18
+    assert builds(march)[1] == native
+
+
+BUILDS = ("native", "x86-64-v4", "x86-64-v3", "x86-64", ARM, ARM_DOTS)
+
+
+class Unbuildable(Exception):
+    """No compiler (or emulator) here for that instruction set."""
+
+
+def run_built(march: str, directory) -> tuple[str, str]:
+    """EQUAL_BITS_C's and SAME_BITS_C's outputs from one program (including kernels.c) built for
+    `march`. x86-64 targets build on an x86-64 machine; ARM ones with a cross compiler, run under
+    qemu (`make test` installs both where apt-get can)."""
+    import platform
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    run = []
+    arm = march.startswith("armv")
+    if arm and platform.machine() != "aarch64":
+        compiler, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+        if compiler is None or qemu is None:
+            raise Unbuildable("an ARM build needs aarch64-linux-gnu-gcc and qemu-aarch64 "
+                              "(apt-get install gcc-aarch64-linux-gnu qemu-user)")
+        run = [qemu, "-L", "/usr/aarch64-linux-gnu"]
+    else:
+        compiler = shutil.which("cc") or shutil.which("gcc")
+        if compiler is None or platform.machine() != ("aarch64" if arm else "x86_64"):
+            raise Unbuildable(f"a C compiler for {march} builds these")
+    source = directory / f"{march}.c"
+    source.write_text('#include "kernels.c"\n#include <stdio.h>\n' + EQUAL_BITS_C + SAME_BITS_C +
+                      'int main(void) { equal_bits(); printf("--\\n"); same_bits(); return 0; }\n')
+    binary = directory / march
+    subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-w", f"-I{Path(cpu_kernels.__file__).parent}",
+                    str(source), "-o", str(binary), "-lm"], check=True)
+    output = subprocess.run([*run, str(binary)], check=True, capture_output=True, text=True, timeout=300).stdout
+    equal, same = output.split("--\n")
+    return equal.strip(), same.strip()
 
 
 @pytest.fixture(scope="module")
-def avx512_bits(tmp_path_factory) -> str:
-    if not {"avx512f", "fma"} <= cpu_kernels._cpu_flags():
-        pytest.skip("compares with this CPU's AVX-512 build")
-    native = run_built(SAME_BITS_C, "native", tmp_path_factory.mktemp("native"))
-    assert len(native.splitlines()) == 18
-    return native
+def builds(tmp_path_factory):
+    """builds(march) -> (EQUAL_BITS_C's output, SAME_BITS_C's) of that build. Each instruction set
+    is compiled once, a build per core at a time (a build of kernels.c takes 10-20 s)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    directory = tmp_path_factory.mktemp("isa")
+    with ThreadPoolExecutor(max_workers=max(1, min(len(BUILDS), os.cpu_count() or 1))) as pool:
+        futures = {march: pool.submit(run_built, march, directory) for march in BUILDS}
+
+    def built(march: str) -> tuple[str, str]:
+        try:
+            return futures[march].result()
+        except Unbuildable as reason:
+            pytest.skip(str(reason))
+
+    return built
