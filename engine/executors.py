@@ -56,5 +56,7 @@ def load_runner(settings) -> Runner:
         loaded = load_model(settings.name, dtype=settings.dtype, device=settings.device)
     if loaded.tokenizer is not None:  # structured outputs' grammar tokenizer, off the serving path
         loaded.grammars.warm_up()
-    return make_runner(loaded, settings.executor, settings.attention_backend, settings.cuda_graphs,
-                       settings.batch_invariant)
+    runner = make_runner(loaded, settings.executor, settings.attention_backend, settings.cuda_graphs,
+                         settings.batch_invariant)
+    loaded.hand_over()
+    return runner

@@ -70,21 +70,23 @@ def unsupported_reason(loaded: LoadedModel) -> str | None:
 
 
 def _fused(loaded: LoadedModel, names: list[str]) -> torch.Tensor:
-    """One weight for several projections of the same input. Where transformers' module holds
-    them too, its weights become views of the fused one: the reference executor still runs and
-    the weights are held once."""
+    """One weight for several projections of the same input. The model's weights by those names
+    (and transformers' module's, where there is one) become views of the fused one, so the
+    weights are held once (an 8B model's q, k, v, gate and up projections are 9 GB), and the
+    reference executor still runs."""
     if any(isinstance(loaded.tensors[name], BlockWeight) for name in names):  # module-less: no views to make
         return quantized.cat([_blocks(loaded.tensors[name]) for name in names])
     if any(isinstance(loaded.tensors[name], fp8.Fp8Weight) for name in names):
         return fp8.cat([loaded.tensors[name] for name in names])
     parts = [loaded.tensors[name].detach() for name in names]
     fused = torch.cat(parts)
-    if loaded.model is not None:
-        at = 0
-        for name, part in zip(names, parts):
-            projection = loaded.model.get_submodule(name.removesuffix(".weight"))
-            projection.weight = torch.nn.Parameter(fused[at:at + part.shape[0]], requires_grad=False)
-            at += part.shape[0]
+    at = 0
+    for name, part in zip(names, parts):
+        view = fused[at:at + part.shape[0]]
+        loaded.tensors[name] = view
+        if loaded.model is not None:
+            loaded.model.get_submodule(name.removesuffix(".weight")).weight = torch.nn.Parameter(view, requires_grad=False)
+        at += part.shape[0]
     return fused
 
 
@@ -118,6 +120,8 @@ class LlamaRunner:
         reason = unsupported_reason(loaded)
         if reason:
             raise ValueError(f"the Baton executor cannot run {loaded.name}: {reason}")
+        if loaded.handed_over is not None:
+            raise ValueError(f"{loaded.name}'s weights were handed over to a runner already: load it again")
         self.loaded = loaded
         self.backend = attention.resolve_backend(attention_backend, loaded.device)
         cfg, model = loaded.config, loaded.model

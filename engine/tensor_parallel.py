@@ -299,7 +299,9 @@ def _load_rank(settings, rank: int, size: int, port: int):
                         quantization=settings.quantization, quantized_inputs=settings.quantized_inputs,
                         rank=(rank, size))
     group = Group(rank, size, port, loaded.device, int(os.environ.get(SHM_BYTES_ENV, SHM_SLOT_BYTES)))
-    return LlamaRunner(loaded, settings.attention_backend, settings.cuda_graphs, settings.batch_invariant, tp=group)
+    runner = LlamaRunner(loaded, settings.attention_backend, settings.cuda_graphs, settings.batch_invariant, tp=group)
+    loaded.hand_over()
+    return runner
 
 
 def start(settings) -> TensorParallelRunner:

@@ -408,3 +408,28 @@ def test_paged_kv_writes_and_reads_any_span_of_a_rows_pages(page_size):
     assert not kv.pages[:, :, untouched].any()  # the null page and others' pages stay zero
     with pytest.raises(ValueError, match="do not fit"):
         kv.write(table, SequenceKV(data[:, :, :, :10]), start=len(table) * page_size - 5)
+
+
+def test_fused_projections_and_a_workers_hand_over_leave_one_copy_of_each_weight():
+    """The q, k, v and gate, up projections Baton's executor fuses become views of the fused weight
+    (not a second copy: an 8B model's are 9 GB); a worker's model then lets go of its weights, so
+    the runner's (fused, or packed for the CPU kernels) are the only ones left."""
+    from baton.config import ModelSettings
+    from baton.engine.executors import load_runner
+    from baton.engine.model import load_model
+
+    loaded = load_model("tiny-random", dtype="float32", module=False)
+    runner = make_runner(loaded)
+    for fused, names in ((runner.layers[1].qkv, [f"self_attn.{p}_proj" for p in "qkv"]),
+                         (runner.layers[1].gate_up, ["mlp.gate_proj", "mlp.up_proj"])):
+        for name in names:
+            part = loaded.tensors[f"model.layers.1.{name}.weight"]
+            assert part.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr(), name
+    prompt = [5, 6, 7, 8, 9]
+    held = loaded.weight_bytes
+    worker = load_runner(ModelSettings(name="tiny-random", dtype="float32"))
+    assert worker.loaded.tensors == {} and worker.loaded.weight_bytes == held
+    assert worker.loaded.dtype == torch.float32 and worker.loaded.device.type == "cpu"
+    assert torch.equal(worker.prefill(prompt).logits, runner.prefill(prompt).logits)
+    with pytest.raises(ValueError, match="handed over to a runner already"):
+        make_runner(worker.loaded)
