@@ -40,6 +40,22 @@ class Reference:
         return torch.log_softmax(logits.float(), dim=-1).cpu()
 
 
+@pytest.fixture(autouse=True)
+def _cores_and_threads_as_they_were():
+    """A test that loads a worker's runner in this process (a tensor-parallel rank 0 binds itself to
+    its share of the cores) leaves the cores and torch threads it found: the tests after it, and the
+    worker processes they start, which inherit the binding, would otherwise run on one core."""
+    from baton.engine import threads
+
+    cores, count, chosen = os.sched_getaffinity(0), torch.get_num_threads(), threads._chosen
+    yield
+    if os.sched_getaffinity(0) != cores:
+        os.sched_setaffinity(0, cores)
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+    threads._chosen = chosen
+
+
 @pytest.fixture(scope="session")
 def default_model() -> LoadedModel:
     return load_model("default", dtype=TEST_DTYPE)
