@@ -192,6 +192,11 @@ def measure_mode(opts: BenchOptions, shape: str, mode: str, weights, invariant: 
     kv_token = weights.kv_shape.bytes_per_token()
     linear_params = sum(t.shape[0] * t.shape[1] for n, t in weights.tensors.items() if n.endswith("proj.weight"))
     runner = LlamaRunner(weights, cuda_graphs=device.type == "cuda", batch_invariant=invariant)
+    if device.type == "cuda":  # the weights held once (fused projections are views): about 1.0x
+        import torch
+
+        opts.say(f"{shape} {mode}: {torch.cuda.memory_allocated(device) / 1e9:.2f} GB allocated beside the runner, "
+                 f"{torch.cuda.memory_allocated(device) / weights.weight_bytes:.2f}x its weights' bytes")
     for n in rows:
         for context in contexts:
             if n > 1 and context > contexts[0] and n not in (1, 64):  # long contexts at 1 and 64 rows
