@@ -33,15 +33,16 @@ def channel(target: str, tls: TLSSettings | None = None, extra_options=(), clust
     extra_options are added to the channel's options (e.g. kvtransfer's push keepalive); with
     cluster_token, every call presents the cluster credential (calls to workers)."""
     if tls is None or not tls.enabled:
-        return with_cluster_token(grpc.insecure_channel(target, options=merge_options(CHANNEL_OPTIONS, extra_options)), cluster_token)
+        options = merge_options(CHANNEL_OPTIONS, extra_options)
+        return with_cluster_token(grpc.insecure_channel(target, options=options), cluster_token)
     tls.validate()
     creds = grpc.ssl_channel_credentials(
         root_certificates=_read_pem(tls.ca_file, "ca_file") if tls.ca_file else None,
         private_key=_read_pem(tls.key_file, "key_file"),
         certificate_chain=_read_pem(tls.cert_file, "cert_file"),
     )
-    return with_cluster_token(grpc.secure_channel(target, creds, options=merge_options(tls_channel_options(tls), extra_options)),
-                              cluster_token)
+    options = merge_options(tls_channel_options(tls), extra_options)
+    return with_cluster_token(grpc.secure_channel(target, creds, options=options), cluster_token)
 
 
 def cluster_token(cluster: ClusterSettings | None, role: str, host: str = "127.0.0.1") -> str | None:

@@ -85,7 +85,8 @@ def _fused(loaded: LoadedModel, names: list[str]) -> torch.Tensor:
         view = fused[at:at + part.shape[0]]
         loaded.tensors[name] = view
         if loaded.model is not None:
-            loaded.model.get_submodule(name.removesuffix(".weight")).weight = torch.nn.Parameter(view, requires_grad=False)
+            projection = loaded.model.get_submodule(name.removesuffix(".weight"))
+            projection.weight = torch.nn.Parameter(view, requires_grad=False)
         at += part.shape[0]
     return fused
 
