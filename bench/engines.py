@@ -89,7 +89,8 @@ def hf_greedy(loaded, prompt: list[int], max_tokens: int) -> list[int]:
     """transformers' own generate on one prompt: the reference every engine must reproduce."""
     model = loaded.model
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        out = model.generate(torch.tensor([prompt], device=model.device),
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
                              max_new_tokens=max_tokens, do_sample=False, pad_token_id=_pad_id(loaded))
     return cut_at_eos(out[0, len(prompt):].tolist(), max_tokens, loaded.eos_token_ids)
 

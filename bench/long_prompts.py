@@ -89,19 +89,15 @@ def _as_generate(opts: BenchOptions, requests: list[dict[str, Any]]) -> int:
     """How many requests' served tokens are what transformers' greedy `generate` gives their prompt on
     the same weights and dtype (up to its own end where it meets an end-of-sequence token: the
     requests ignored it)."""
-    import torch
-
+    from baton.bench.engines import hf_greedy
     from baton.engine.model import load_model
 
-    model = load_model(opts.model, dtype=opts.dtype).model
-    model.set_attn_implementation("sdpa")
+    loaded = load_model(opts.model, dtype=opts.dtype)
+    loaded.model.set_attn_implementation("sdpa")
     same = 0
     for i, request in enumerate(requests):
         opts.progress(f"long: transformers' generate on prompt {i + 1} of {len(requests)} ({request['tokens']} tokens)")
-        with torch.no_grad():
-            out = model.generate(torch.tensor([request["prompt"]], device=model.device), do_sample=False,
-                                 max_new_tokens=len(request["output"]), pad_token_id=model.generation_config.pad_token_id)
-        expected = out[0, len(request["prompt"]):].tolist()
+        expected = hf_greedy(loaded, request["prompt"], len(request["output"]))
         same += request["output"][:len(expected)] == expected
     return same
 
