@@ -4,6 +4,15 @@ in this folder; `make test-fast` runs the unit tier)."""
 from __future__ import annotations
 
 import os
+import platform
+
+# The Triton kernels' tests run them under the interpreter, whose dot is numpy's matmul. OpenBLAS's
+# AVX2 (Haswell, Zen) sgemm rounds a row by its place in the tile (60 of 64 places differed for one
+# row here, an AMD EPYC without AVX-512), which a GPU's MMA does not: the batch-invariance tests
+# would measure numpy. Its AVX kernel gives every row its own bits; set before torch loads numpy.
+if platform.machine() == "x86_64":
+    os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+
 from concurrent import futures
 
 import grpc
