@@ -39,6 +39,7 @@ def run(opts: BenchOptions) -> dict[str, Any]:
         opts.say(f"isa: skipped: {reason}")
         return {"skipped": reason}
     opts.say("isa: Baton's CPU kernels built for each instruction set, one thread, one process each")
+    _build_side_by_side([march for march, _, _ in BUILDS])
     builds = {}
     for march, what, mkl in BUILDS:
         opts.progress(f"{march} ({what})")
@@ -64,6 +65,19 @@ def run(opts: BenchOptions) -> dict[str, Any]:
     opts.say("bits as the native build's: " + ", ".join(f"{m} {'yes' if f['bits_as_native'] else 'no'}"
                                                         for m, f in builds.items()))
     return {"builds": builds, "plots": []}
+
+
+def _build_side_by_side(marches: list[str]) -> None:
+    """Each build into the kernels' cache, a core each at a time (a build takes 10-30 s; built
+    already, it is found there), so that the timings after, one at a time, only load them."""
+    build = "from baton.engine.cpu import kernels; raise SystemExit(0 if kernels.available() else 1)"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    for start in range(0, len(marches), cores):
+        running = [subprocess.Popen([sys.executable, "-c", build], env={**os.environ, "BATON_CPU_MARCH": march},
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   for march in marches[start:start + cores]]
+        for process in running:  # a failed build says so in its measurement below
+            process.wait(timeout=600)
 
 
 def measure(quick: bool) -> dict[str, Any]:
