@@ -13,6 +13,14 @@ import platform
 if platform.machine() == "x86_64":
     os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 
+# Under pytest-xdist (`make test` runs a worker per core) each worker and the processes its tests
+# start keep to a share of the cores: their torch/OpenMP threads spin-wait, and two workers' threads
+# on the same cores slowed the suite 2x. Set before torch starts its thread pool.
+_worker, _workers = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _worker.startswith("gw") and _workers > 1 and hasattr(os, "sched_setaffinity"):
+    _cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, _cores[int(_worker[2:]) % len(_cores)::_workers] or _cores)
+
 from concurrent import futures
 
 import grpc
