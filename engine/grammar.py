@@ -66,8 +66,11 @@ class Grammars:
             return self._lltokenizer
 
     def warm_up(self) -> threading.Thread:
-        """Build the llguidance tokenizer on a thread of its own, now."""
-        thread = threading.Thread(target=lambda: self.lltokenizer, name="grammar-warm-up", daemon=True)
+        """Build the llguidance tokenizer on a thread of its own, now. Not a daemon: the interpreter
+        waits for it at exit (under a second), where a daemon thread still inside llguidance is
+        unwound through its Rust frames by pthread_exit and the process dies of SIGSEGV (3 exits
+        in 8 on one core)."""
+        thread = threading.Thread(target=lambda: self.lltokenizer, name="grammar-warm-up")
         thread.start()
         return thread
 
