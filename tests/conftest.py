@@ -58,13 +58,16 @@ class Reference:
 
 
 @pytest.fixture(autouse=True)
-def _cores_and_threads_as_they_were():
+def _cores_and_threads_as_they_were(request):
     """A test that loads a worker's runner in this process (a tensor-parallel rank 0 binds itself to
     its share of the cores) leaves the cores and torch threads it found: the tests after it, and the
-    worker processes they start, which inherit the binding, would otherwise run on one core."""
+    worker processes they start, which inherit the binding, would otherwise run on one core. A test
+    marked `all_cores` (it needs more than a pinned worker's share) runs on every core."""
     from baton.engine import threads
 
     cores, count, chosen = os.sched_getaffinity(0), torch.get_num_threads(), threads._chosen
+    if request.node.get_closest_marker("all_cores"):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
     yield
     if os.sched_getaffinity(0) != cores:
         os.sched_setaffinity(0, cores)

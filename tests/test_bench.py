@@ -474,6 +474,7 @@ def test_quant_quick_races_quantized_weights_and_measures_what_they_lose(tmp_pat
     assert "accuracy against the float model" in printed
 
 
+@pytest.mark.all_cores  # two ranks, a core each
 def test_tp_quick_times_tp1_and_tp2_on_the_same_cores_and_compares_their_bits(tmp_path, capsys):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("tp compares two ranks on two cores")

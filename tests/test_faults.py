@@ -325,6 +325,7 @@ OVERLOAD_TOKENS = 96
 RSS_GROWTH_LIMIT = 200 << 20
 
 
+@pytest.mark.all_cores  # clients sharing one core with the cluster could not offer twice its load (CI, pinned)
 def test_twice_what_the_workers_hold_gets_resource_exhausted_and_memory_stays_bounded(tiny_reference):
     """The router would admit 1024 requests, but the decode worker holds 2 rows and 4 requests
     waiting for KV, and the prefill worker queues 1 prompt. Twice what they hold, sent for
