@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from baton.bench.common import BenchOptions, ratio, table
+from baton.resources import cpus_usable
 
 # (-march, what it is, the instruction set MKL is held to: None = its own choice)
 BUILDS = (("native", "this CPU", None), ("x86-64-v3", "AVX2 + FMA", "AVX2"), ("x86-64", "SSE2", "SSE4_2"))
@@ -71,7 +72,7 @@ def _build_side_by_side(marches: list[str]) -> None:
     """Each build into the kernels' cache, a core each at a time (a build takes 10-30 s; built
     already, it is found there), so that the timings after, one at a time, only load them."""
     build = "from baton.engine.cpu import kernels; raise SystemExit(0 if kernels.available() else 1)"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = cpus_usable().value
     for start in range(0, len(marches), cores):
         running = [subprocess.Popen([sys.executable, "-c", build], env={**os.environ, "BATON_CPU_MARCH": march},
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

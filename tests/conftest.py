@@ -16,10 +16,10 @@ if platform.machine() == "x86_64":
 # Under pytest-xdist (`make test` runs a worker per core) each worker and the processes its tests
 # start keep to a share of the cores: their torch/OpenMP threads spin-wait, and two workers' threads
 # on the same cores slowed the suite 2x. Set before torch starts its thread pool.
+ALL_CORES = sorted(os.sched_getaffinity(0))  # what the runner was given: `all_cores` tests get it back
 _worker, _workers = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _worker.startswith("gw") and _workers > 1 and hasattr(os, "sched_setaffinity"):
-    _cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, _cores[int(_worker[2:]) % len(_cores)::_workers] or _cores)
+if _worker.startswith("gw") and _workers > 1:
+    os.sched_setaffinity(0, ALL_CORES[int(_worker[2:]) % len(ALL_CORES)::_workers] or ALL_CORES)
 
 from concurrent import futures
 
@@ -67,7 +67,7 @@ def _cores_and_threads_as_they_were(request):
 
     cores, count, chosen = os.sched_getaffinity(0), torch.get_num_threads(), threads._chosen
     if request.node.get_closest_marker("all_cores"):
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        os.sched_setaffinity(0, ALL_CORES)
     yield
     if os.sched_getaffinity(0) != cores:
         os.sched_setaffinity(0, cores)

@@ -168,6 +168,7 @@ static void equal_bits(void) {
 """
 
 
+AVX512 = {"avx512f", "fma"} <= cpu_kernels._cpu_flags()  # this CPU runs the native AVX-512 build
 ARM = "armv8-a"  # 64-bit ARM with NEON (Graviton, Ampere, Apple silicon under Linux)
 ARM_DOTS = "armv8.2-a+dotprod"  # and byte dot products (Graviton 2 onwards, Ampere Altra): quantized weights' sdot
 
@@ -252,7 +253,7 @@ def test_an_avx2_or_arm_build_computes_the_bits_of_an_avx512_build(march, builds
     a cluster computed it: KV prefilled on one node and decoded on another is what that one would
     compute. Quantized weights' integer sums are exact on every path (VNNI, AVX2's byte
     multiply-adds, ARM's sdot, a plain loop), so theirs too."""
-    if not {"avx512f", "fma"} <= cpu_kernels._cpu_flags():
+    if not AVX512:
         pytest.skip("compares with this CPU's AVX-512 build")
     native = builds("native")[1]
     assert len(native.splitlines()) == 18
@@ -307,8 +308,7 @@ def builds(tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("isa")
     # the native and AVX-512 builds are compared only on a CPU that runs AVX-512 (the test skips elsewhere)
-    avx512 = {"avx512f", "fma"} <= cpu_kernels._cpu_flags()
-    wanted = [march for march in BUILDS if avx512 or march not in ("native", "x86-64-v4")]
+    wanted = [march for march in BUILDS if AVX512 or march not in ("native", "x86-64-v4")]
     with ThreadPoolExecutor(max_workers=max(1, min(len(wanted), len(os.sched_getaffinity(0))))) as pool:
         futures = {march: pool.submit(run_built, march, directory) for march in wanted}
 

@@ -1,7 +1,6 @@
 """Workers killed with SIGKILL under load: requests move on, none hangs, no token is lost or repeated."""
 from __future__ import annotations
 
-import re
 import signal
 import threading
 import time
@@ -197,6 +196,7 @@ def test_twice_the_load_gets_resource_exhausted_not_timeouts():
             assert decode["staged_bytes"] <= decode["staging_capacity_bytes"]
 
 
+@pytest.mark.all_cores  # its decode worker's rows are chosen per torch thread, a thread per core
 def test_every_process_serves_prometheus_metrics():
     import urllib.request
 
@@ -230,8 +230,7 @@ def test_every_process_serves_prometheus_metrics():
     assert set(decoded) == {"max_rows", "kv_budget_bytes", "staging_bytes", "threads", "tensor_parallel_size"}
     assert set(prefilled) == {"threads", "tensor_parallel_size"}
     assert decoded["tensor_parallel_size"].value == prefilled["tensor_parallel_size"].value == 1
-    # 4 rows per torch thread, at least 8 (a worker on one core: the floor)
-    assert decoded["max_rows"].value >= 8 and re.match("4 per torch thread|at least 8", decoded["max_rows"].chosen_by)
+    assert decoded["max_rows"].value >= 8 and "per torch thread" in decoded["max_rows"].chosen_by
     assert "MemAvailable" in decoded["kv_budget_bytes"].chosen_by or "cgroup" in decoded["kv_budget_bytes"].chosen_by
     assert decoded["staging_bytes"].value >= 512 << 20 and "prompts of" in decoded["staging_bytes"].chosen_by
     for role, workers_chosen in (("decode", decoded), ("prefill", prefilled)):
