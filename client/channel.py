@@ -10,6 +10,8 @@ from pathlib import Path
 
 import grpc
 
+from baton.transport import RECONNECT_OPTIONS
+
 LOAD_BALANCING = (None, "pick_first", "round_robin")  # gRPC's policies (None: its default, pick_first)
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # A call left without a deadline waits forever on a router that froze; this one ends it.
@@ -84,6 +86,10 @@ class ConnectionConfig:
         options: list[tuple[str, object]] = [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
+            # A router that restarts (a rolling update, a crash) comes back at its address: calls
+            # made then reach it within about a second, where gRPC's own backoff would refuse
+            # them at once for up to two minutes, and a new client would inherit that refusal.
+            *RECONNECT_OPTIONS,
         ]
         if self.tls_server_name:
             options.append(("grpc.ssl_target_name_override", self.tls_server_name))

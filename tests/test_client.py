@@ -134,11 +134,11 @@ class ScriptedRouter(router_pb2_grpc.RouterServicer):
 
 
 @contextlib.contextmanager
-def serving(servicer: ScriptedRouter, credentials: grpc.ServerCredentials | None = None):
+def serving(servicer: ScriptedRouter, credentials: grpc.ServerCredentials | None = None, port: int = 0):
     server = grpc.server(ThreadPoolExecutor(max_workers=32))
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
-    port = (server.add_secure_port("127.0.0.1:0", credentials) if credentials
-            else server.add_insecure_port("127.0.0.1:0"))
+    port = (server.add_secure_port(f"127.0.0.1:{port}", credentials) if credentials
+            else server.add_insecure_port(f"127.0.0.1:{port}"))
     server.start()
     try:
         yield f"127.0.0.1:{port}"
@@ -317,6 +317,37 @@ def test_wait_ready_raises_a_refusal_at_once():
 def test_wait_ready_without_a_router_says_so():
     with BatonClient("127.0.0.1:1") as client, pytest.raises(Unavailable, match="no connection to the router"):
         client.wait_ready(timeout=0.5)
+
+
+def test_a_router_back_at_its_address_serves_a_client_that_kept_calling_and_a_new_one_at_once():
+    """A router that restarts (a rolling update, a crash) comes back at its address. A client whose
+    calls were refused while it was down reaches it again within about a second of its return (gRPC's
+    own backoff grows to two minutes: after 6 s down it waits about 3 s more), and a client made
+    then is served on its first call (gRPC would hand it the other client's refused connection)."""
+    with serving(ScriptedRouter()) as target:
+        pass
+    port = int(target.rsplit(":", 1)[1])
+    with BatonClient(target, timeout=5) as client:
+        down_until, refused = time.monotonic() + 6, 0
+        while time.monotonic() < down_until:
+            with pytest.raises(Unavailable):
+                client.generate("hi", max_tokens=1)
+            refused += 1
+            time.sleep(0.1)
+        with serving(ScriptedRouter(), port=port):
+            back = time.monotonic()
+            with BatonClient(target, timeout=5) as fresh:
+                check_result(fresh.generate(token_ids=[5, 6, 7]), [5, 6, 7])
+            while True:
+                try:
+                    check_result(client.generate(token_ids=[5, 6, 7]), [5, 6, 7])
+                    break
+                except Unavailable:
+                    assert time.monotonic() - back < 30, "the client never reached the router again"
+                    time.sleep(0.05)
+            waited = time.monotonic() - back
+    assert refused >= 10
+    assert waited < 2.5, f"the client reached the router {waited:.2f} s after it was back"
 
 
 # --- errors ---
