@@ -52,7 +52,7 @@ def apply_fault(fault: Fault, cluster, rng: random.Random, kv_shape, problems: l
 
 def _kill(cluster, fault: Fault) -> str:
     killed_at = time.monotonic()
-    cluster.restart_worker(fault.target, RESTART_TIMEOUT_S)
+    cluster.restart(fault.target, RESTART_TIMEOUT_S)
     return f"restarted, serving again after {time.monotonic() - killed_at:.1f} s"
 
 
@@ -72,7 +72,7 @@ def _drain(cluster, fault: Fault, problems: list[str]) -> str:
     exited = time.monotonic() - drained_at
     if status != 0:
         problems.append(f"drain: {fault.role} {fault.target} exited with {status}")
-    cluster.restart_worker(fault.target, RESTART_TIMEOUT_S)
+    cluster.restart(fault.target, RESTART_TIMEOUT_S)
     return f"drained, exited {status} after {exited:.1f} s; serving again after {time.monotonic() - drained_at:.1f} s"
 
 

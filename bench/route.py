@@ -144,7 +144,7 @@ def run_cluster(opts: BenchOptions, model: str, prompts, router_config: dict, ro
                     victim = cluster.prefill_addrs[1]
                     opts.progress(f"restarting prefill worker {victim} after {len(prompts) // 2} requests")
                     restarted_at = time.monotonic() - started
-                    cluster.restart_worker(victim)
+                    cluster.restart(victim)
             wall = time.monotonic() - started
             status = client.cluster_status()
     ok = [r for r in results if not isinstance(r, Exception)]

@@ -251,6 +251,14 @@ class LocalCluster:
             args += ["--max-rows", str(self.max_rows)]
         return args + [*self.worker_args[index], *(self.prefill_args if role == "prefill" else self.decode_args)]
 
+    def _router_command(self, address: str) -> list[str]:
+        """The `baton.cli` arguments of the router serving `address` (the first serves the HTTP API)."""
+        workers = (("--discovery", "file", "--workers-file", self.workers_file) if self.workers_file else
+                   ("--prefill-workers", ",".join(self.prefill_addrs), "--decode-workers", ",".join(self.decode_addrs)))
+        first = address == self.router_addresses[0]
+        return ["router", "--host", _host(address), "--port", address.split(":")[1], "--model", self.model, *workers,
+                "--http-port", str(self.http_port if first else 0), *self.router_args]
+
     def _write_workers(self) -> None:
         write_workers_file(self.workers_file, {"prefill": self.prefill_addrs, "decode": self.decode_addrs})
 
@@ -311,16 +319,20 @@ class LocalCluster:
         del self.worker_args[index]
         self.procs = [(a, p) for a, p in self.procs if a != address]
 
-    def restart_worker(self, address: str, timeout: float = STARTUP_TIMEOUT_S) -> subprocess.Popen:
-        """SIGKILL the worker at `address` and start it again on the same port (a crashed pod coming
-        back); returns once it serves. Call it from the thread that started the cluster: a child
-        dies with the thread that spawned it (die_with_parent)."""
+    def restart(self, address: str, timeout: float = STARTUP_TIMEOUT_S) -> subprocess.Popen:
+        """SIGKILL the worker or router at `address` and start it again on the same port (a crashed
+        pod coming back); returns once it serves (a router: once it routes to every worker). Call
+        it from the thread that started the cluster: a child dies with the thread that spawned it
+        (die_with_parent)."""
         old = dict(self.procs)[address]
         old.send_signal(signal.SIGKILL)
         old.wait()
-        proc = self._spawn(address, *self.worker_command(address))
+        proc = self._spawn(address, *(self._router_command(address) if address in self.router_addresses
+                                      else self.worker_command(address)))
         self.procs = [(a, proc if a == address else p) for a, p in self.procs]
         wait_serving(address, proc, timeout, self.tls)
+        if address in self.router_addresses:
+            wait_routed(address, proc, self.prefill_addrs + self.decode_addrs, timeout, self.tls, self.auth_token_file)
         return proc
 
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> "LocalCluster":
@@ -331,13 +343,8 @@ class LocalCluster:
             for addr in self.prefill_addrs + self.decode_addrs:
                 self.procs.append((addr, self._spawn(addr, *self.worker_command(addr))))
             routers = []
-            for i, address in enumerate(self.router_addresses):
-                workers = (("--discovery", "file", "--workers-file", self.workers_file) if self.workers_file else
-                           ("--prefill-workers", ",".join(self.prefill_addrs),
-                            "--decode-workers", ",".join(self.decode_addrs)))
-                router = self._spawn(address, "router", "--host", _host(address), "--port", address.split(":")[1],
-                                     "--model", self.model, *workers,
-                                     "--http-port", str(self.http_port if i == 0 else 0), *self.router_args)
+            for address in self.router_addresses:
+                router = self._spawn(address, *self._router_command(address))
                 self.procs.append((address, router))
                 routers.append((address, router))
             for addr, proc in self.procs:

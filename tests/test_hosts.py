@@ -248,7 +248,7 @@ def test_a_decode_host_drained_or_killed_loses_no_request(make_hosts, tiny_refer
             run = drain_one_mid_stream(cluster, client, prompts, max_tokens, how)
             time.sleep(1.0)  # a load poll after the last request finished
             moved_in = {w.address: w for w in client.cluster_status().workers}[run["target"]].decode["migrations_in"]
-            cluster.restart_worker(run["drained"])
+            cluster.restart(run["drained"])
             assert_each_process_in_its_host(cluster, hosts)
     for i, prompt in enumerate(prompts):
         assert run["outcome"].get(i) == "length", f"request {i}: {run['outcome'].get(i)!r}"

@@ -58,6 +58,48 @@ def test_router_sigterm_mid_stream_finishes_every_stream_exactly(tiny_reference)
         assert results.get(i) == tiny_reference.greedy(prompt, STREAM_TOKENS), f"stream {i}"
 
 
+def test_a_router_killed_mid_stream_leaves_nothing_on_the_workers_and_is_served_again_at_its_address(tiny_reference):
+    """A router SIGKILLed (a crashed pod) while it streams: its streams end with an error (they do
+    not hang), the workers let go of their rows and KV, and the router started again at its address
+    (a pod coming back) serves the same client's next requests exactly, its prefix index rebuilt
+    from the workers' caches."""
+    prompts = [[500 + 11 * i + j for j in range(6)] for i in range(3)]
+    decode_idle = ("rows_in_use", "waiting_for_kv", "staged", "staged_bytes", "parked_bytes")
+    with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=4) as cluster:
+        with BatonClient(cluster.router_address, timeout=120) as client:
+            started, ended = threading.Barrier(len(prompts) + 1), {}
+
+            def run(i: int) -> None:
+                try:
+                    for n, _ in enumerate(client.stream(token_ids=prompts[i], max_tokens=STREAM_TOKENS,
+                                                        ignore_eos=True)):
+                        if n == 0:
+                            started.wait(timeout=60)
+                    ended[i] = "finished"
+                except BatonError as err:
+                    ended[i] = err.code
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            started.wait(timeout=60)
+            cluster.restart(cluster.router_address)  # SIGKILL, then the same command on the same port
+            for t in threads:
+                t.join(timeout=60)
+            assert ended == {i: "UNAVAILABLE" for i in range(len(prompts))}, ended
+            deadline = time.monotonic() + 30
+            while True:
+                status = client.cluster_status()
+                held = {w.address: {f: w.decode[f] for f in decode_idle if w.decode[f]}
+                        for w in status.workers if w.role == "decode"}
+                if not any(held.values()) and all(w.cache_synced for w in status.workers if w.role == "prefill"):
+                    break
+                assert time.monotonic() < deadline, f"the workers still hold {held}"
+                time.sleep(0.25)
+            again = client.generate(token_ids=prompts[0], max_tokens=8, ignore_eos=True)
+            assert again.token_ids == tiny_reference.greedy(prompts[0], 8)
+
+
 def test_a_batch_takes_no_more_router_slots_than_it_has_members():
     """A 3-request batch asking for max_concurrency 1024 leaves the router's other slots free."""
     with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=4,
