@@ -18,8 +18,9 @@ import grpc
 import grpc.aio
 
 from baton.v1 import router_pb2, router_pb2_grpc
-from baton.client.channel import (DEFAULT_KEEPALIVE_S, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_READY_TIMEOUT_S,
-                                  DEFAULT_TIMEOUT_S, READY_POLL_S, ConnectionConfig, PemSource)
+from baton.client.channel import (DEFAULT_KEEPALIVE_S, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_RETRIES,
+                                  DEFAULT_READY_TIMEOUT_S, DEFAULT_TIMEOUT_S, READY_POLL_S, ConnectionConfig,
+                                  PemSource)
 from baton.client.convert import (ResultAssembler, build_request, chunk_from_proto, cluster_status_from_proto,
                             model_info_from_proto)
 from baton.client.errors import BatonError, DeadlineExceeded, Unavailable, error_from_rpc
@@ -97,11 +98,13 @@ class AsyncBatonClient:
                  root_certificates: PemSource = None, client_cert: PemSource = None,
                  client_key: PemSource = None, token: str | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls_server_name: str | None = None,
-                 keepalive_s: float | None = DEFAULT_KEEPALIVE_S, load_balancing: str | None = None):
+                 keepalive_s: float | None = DEFAULT_KEEPALIVE_S, load_balancing: str | None = None,
+                 max_retries: int = DEFAULT_MAX_RETRIES):
         self._config = ConnectionConfig.from_args(
             target, timeout=timeout, tls=tls, root_certificates=root_certificates, client_cert=client_cert,
             client_key=client_key, token=token, max_message_bytes=max_message_bytes,
-            tls_server_name=tls_server_name, keepalive_s=keepalive_s, load_balancing=load_balancing)
+            tls_server_name=tls_server_name, keepalive_s=keepalive_s, load_balancing=load_balancing,
+            max_retries=max_retries)
         credentials = self._config.credentials()
         options = self._config.options()
         self._channel = (grpc.aio.secure_channel(self._config.target, credentials, options=options) if credentials

@@ -4,6 +4,7 @@ Checked once when a client is made; the sync and asyncio clients build their cha
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,14 @@ DEFAULT_TIMEOUT_S = 600.0
 # noticed in seconds, not at the deadline. The router permits pings every 0.25 s.
 DEFAULT_KEEPALIVE_S = 10.0
 KEEPALIVE_TIMEOUT_S = 5.0
+# A call the router never started on (no connection, a router draining or still loading, a
+# worker that just left) is made again, by gRPC's own retry policy, up to this many more times
+# (gRPC allows 4) with a growing, jittered pause, within the call's deadline. A stream that has
+# sent a token is never started again: it fails as it is.
+DEFAULT_MAX_RETRIES = 2
+MAX_RETRIES = 4
+RETRY_BACKOFF_S = (0.2, 2.0)
+RETRIED_METHODS = ("Generate", "GenerateBatch", "GetModelInfo")
 # wait_ready: long enough for a large model's workers to load; it says what it still waits for.
 DEFAULT_READY_TIMEOUT_S = 300.0
 READY_POLL_S = 0.25
@@ -43,6 +52,7 @@ class ConnectionConfig:
     # "round_robin": spread calls over every address the target resolves to (a headless Service,
     # dns:///baton-router-headless.<namespace>.svc:50051) instead of pinning the first one
     load_balancing: str | None = None
+    max_retries: int = DEFAULT_MAX_RETRIES  # calls refused UNAVAILABLE before any answer are made again
 
     @classmethod
     def from_args(cls, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S, tls: bool = False,
@@ -51,7 +61,7 @@ class ConnectionConfig:
                   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                   tls_server_name: str | None = None,
                   keepalive_s: float | None = DEFAULT_KEEPALIVE_S,
-                  load_balancing: str | None = None) -> "ConnectionConfig":
+                  load_balancing: str | None = None, max_retries: int = DEFAULT_MAX_RETRIES) -> "ConnectionConfig":
         if not isinstance(target, str) or not target.strip():
             raise ValueError(f"target must be 'host:port' of a Baton router (got {target!r})")
         check_timeout(timeout)
@@ -66,6 +76,8 @@ class ConnectionConfig:
             raise ValueError(f"keepalive_s must be seconds >= 0.25 between pings, or None for none (got {keepalive_s!r})")
         if load_balancing not in LOAD_BALANCING:
             raise ValueError(f"load_balancing must be one of {LOAD_BALANCING} (got {load_balancing!r})")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or not 0 <= max_retries <= MAX_RETRIES:
+            raise ValueError(f"max_retries must be an integer from 0 to {MAX_RETRIES} (got {max_retries!r})")
         if not isinstance(max_message_bytes, int) or max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be an integer >= 1024 (got {max_message_bytes!r})")
         return cls(target=target.strip(), timeout=timeout, tls=tls,
@@ -73,7 +85,7 @@ class ConnectionConfig:
                    client_cert=_read_pem(client_cert, "client_cert"),
                    client_key=_read_pem(client_key, "client_key"),
                    token=token, max_message_bytes=max_message_bytes, tls_server_name=tls_server_name,
-                   keepalive_s=keepalive_s, load_balancing=load_balancing)
+                   keepalive_s=keepalive_s, load_balancing=load_balancing, max_retries=max_retries)
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         """TLS channel credentials, or None for a plaintext channel."""
@@ -101,6 +113,17 @@ class ConnectionConfig:
                         # a ping in flight for flow control must not hold the keepalive ping back
                         ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
                         ("grpc.http2.max_pings_without_data", 0)]
+        if self.max_retries:
+            options.append(("grpc.service_config", json.dumps({"methodConfig": [{
+                # not GetClusterStatus: it reports the cluster as it is (wait_ready polls it)
+                "name": [{"service": "baton.v1.Router", "method": m} for m in RETRIED_METHODS],
+                "retryPolicy": {"maxAttempts": 1 + self.max_retries, "initialBackoff": f"{RETRY_BACKOFF_S[0]}s",
+                                "maxBackoff": f"{RETRY_BACKOFF_S[1]}s", "backoffMultiplier": 2,
+                                "retryableStatusCodes": ["UNAVAILABLE"]}}],
+                # while most calls fail (a router down for long) retries stop, instead of tripling the load
+                "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1}})))
+        else:
+            options.append(("grpc.enable_retries", 0))
         return options
 
     def metadata(self) -> tuple[tuple[str, str], ...]:

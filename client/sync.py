@@ -17,8 +17,9 @@ from typing import Any
 import grpc
 
 from baton.v1 import router_pb2, router_pb2_grpc
-from baton.client.channel import (DEFAULT_KEEPALIVE_S, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_READY_TIMEOUT_S,
-                                  DEFAULT_TIMEOUT_S, READY_POLL_S, ConnectionConfig, PemSource)
+from baton.client.channel import (DEFAULT_KEEPALIVE_S, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_RETRIES,
+                                  DEFAULT_READY_TIMEOUT_S, DEFAULT_TIMEOUT_S, READY_POLL_S, ConnectionConfig,
+                                  PemSource)
 from baton.client.convert import (ResultAssembler, build_request, chunk_from_proto, cluster_status_from_proto,
                             model_info_from_proto)
 from baton.client.errors import BatonError, DeadlineExceeded, Unavailable, error_from_rpc
@@ -99,18 +100,23 @@ class BatonClient:
     load_balancing="round_robin" spreads calls over every router a `dns:///` target resolves to
     (the chart's headless `<release>-router-headless` Service); the default pins one. When the
     application traces with OpenTelemetry, each call carries its current span's context.
-    Failed calls raise client.errors.BatonError subclasses; bad arguments raise ValueError
-    before anything is sent."""
+    max_retries: a call refused UNAVAILABLE before any answer (no connection yet, a router
+    draining or still loading, a worker that just left) is made again up to this many times
+    (default 2, at most 4; 0: never), after 0.2 s growing to 2 s, within its deadline; a stream
+    that has sent a token is not. Failed calls raise client.errors.BatonError subclasses; bad
+    arguments raise ValueError before anything is sent."""
 
     def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S, tls: bool = False,
                  root_certificates: PemSource = None, client_cert: PemSource = None,
                  client_key: PemSource = None, token: str | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls_server_name: str | None = None,
-                 keepalive_s: float | None = DEFAULT_KEEPALIVE_S, load_balancing: str | None = None):
+                 keepalive_s: float | None = DEFAULT_KEEPALIVE_S, load_balancing: str | None = None,
+                 max_retries: int = DEFAULT_MAX_RETRIES):
         self._config = ConnectionConfig.from_args(
             target, timeout=timeout, tls=tls, root_certificates=root_certificates, client_cert=client_cert,
             client_key=client_key, token=token, max_message_bytes=max_message_bytes,
-            tls_server_name=tls_server_name, keepalive_s=keepalive_s, load_balancing=load_balancing)
+            tls_server_name=tls_server_name, keepalive_s=keepalive_s, load_balancing=load_balancing,
+            max_retries=max_retries)
         credentials = self._config.credentials()
         options = self._config.options()
         self._channel = (grpc.secure_channel(self._config.target, credentials, options=options) if credentials

@@ -46,13 +46,15 @@ def chat_ids(prompt: str) -> list[int]:
 class ScriptedRouter(router_pb2_grpc.RouterServicer):
     """Behaviour chosen by the prompt: "slow ..." streams a token every 50 ms; "abort CODE words"
     fails with that status (RESOURCE_EXHAUSTED adds retry-after-s 2.5); "midstream CODE" fails
-    after two tokens; "noend" closes without a finish_reason; anything else streams max_tokens
-    (default 4) tokens sum(prompt_ids) % 1000 + step and finishes "length"."""
+    after two tokens; "noend" closes without a finish_reason; "flaky N" fails UNAVAILABLE the
+    first N times its request id is asked; anything else streams max_tokens (default 4) tokens
+    sum(prompt_ids) % 1000 + step and finishes "length"."""
 
     def __init__(self, required_token: str | None = None):
         self.required_token = required_token
         self.lock = threading.Lock()
         self.requests: dict[str, router_pb2.GenerateRequest] = {}
+        self.attempts: dict[str, int] = {}  # Generate calls by request id
         self.authorization: dict[str, str | None] = {}
         self.cancelled: set[str] = set()  # cancelled by the client before the stream finished
         self.expired: set[str] = set()  # stopped unfinished because the deadline passed
@@ -72,6 +74,7 @@ class ScriptedRouter(router_pb2_grpc.RouterServicer):
         request_id = request.request_id or f"router-{next(self._ids)}"
         with self.lock:
             self.requests[request_id] = request
+            attempt = self.attempts[request_id] = self.attempts.get(request_id, 0) + 1
         authorization = self._check_token(context)
         with self.lock:
             self.authorization[request_id] = authorization
@@ -82,6 +85,8 @@ class ScriptedRouter(router_pb2_grpc.RouterServicer):
             if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
                 context.set_trailing_metadata((("retry-after-s", "2.5"),))
             context.abort(code, " ".join(words[2:]))
+        if words[:1] == ["flaky"] and attempt <= int(words[1]):
+            context.abort(grpc.StatusCode.UNAVAILABLE, "a chosen worker just left; retry")
         finished = threading.Event()
         context.add_callback(lambda: self._ended(request_id, finished, context))
         with self.lock:
@@ -346,8 +351,40 @@ def test_a_router_back_at_its_address_serves_a_client_that_kept_calling_and_a_ne
                     assert time.monotonic() - back < 30, "the client never reached the router again"
                     time.sleep(0.05)
             waited = time.monotonic() - back
-    assert refused >= 10
+    assert refused >= 3
     assert waited < 2.5, f"the client reached the router {waited:.2f} s after it was back"
+
+
+def test_calls_refused_before_any_answer_are_made_again_and_a_started_stream_is_not(router):
+    """A call refused UNAVAILABLE before its first token (a worker that just left, a router still
+    loading or draining) is made again, up to max_retries more times; one that has streamed a token
+    fails as it is, since the tokens it sent cannot be taken back; and retries stop while most
+    calls fail."""
+    servicer, target = router
+    with BatonClient(target) as client:
+        check_result(client.generate("flaky 2", raw=True, request_id="twice"), [ord(c) for c in "flaky 2"])
+        with pytest.raises(Unavailable, match="just left"):
+            client.generate("flaky 3", raw=True, request_id="thrice")
+        with pytest.raises(Unavailable, match="mid-stream"):
+            client.generate("midstream UNAVAILABLE", raw=True, request_id="cut")
+        assert client.model_info().name == "scripted"
+    with BatonClient(target, max_retries=0) as client, pytest.raises(Unavailable):
+        client.generate("flaky 1", raw=True, request_id="never")
+
+    async def scenario():
+        async with AsyncBatonClient(target, max_retries=1) as client:
+            check_result(await client.generate("flaky 1", raw=True, request_id="async"), [ord(c) for c in "flaky 1"])
+
+    asyncio.run(scenario())
+    assert servicer.attempts == {"twice": 3, "thrice": 3, "cut": 1, "never": 1, "async": 2}
+    # While most calls fail (a router down for long), a client stops retrying rather than triple its load
+    down = ScriptedRouter()
+    with serving(down) as other, BatonClient(other) as client:
+        for i in range(8):
+            with pytest.raises(Unavailable):
+                client.generate("flaky 9", raw=True, request_id=f"down{i}")
+    attempts = [down.attempts[f"down{i}"] for i in range(8)]
+    assert attempts[0] == 3 and attempts[-3:] == [1, 1, 1], attempts
 
 
 # --- errors ---
@@ -453,6 +490,9 @@ def test_bad_client_settings_and_unknown_options_fail_early(router):
         BatonClient(target, tls=True, root_certificates="/nonexistent/ca.pem")
     with pytest.raises(ValueError, match="load_balancing must be one of"):
         BatonClient(target, load_balancing="random")
+    for retries in (-1, 5, 1.5, True):
+        with pytest.raises(ValueError, match="max_retries must be an integer from 0 to 4"):
+            BatonClient(target, max_retries=retries)
 
 
 # --- asyncio ---
