@@ -61,7 +61,11 @@ class PagePool:
             raise ValueError(f"a page pool needs the null page and at least one more (got {num_pages} pages)")
         self.page_size = page_size
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, NULL_PAGE, -1))  # a stack: low page ids go first
+        # Pages given back, a stack (the last given back goes first), then pages never given out,
+        # low ids first: a pool of millions of pages starts without listing them.
+        self._free: list[int] = []
+        self._never_used = num_pages - 1
+        self._high_first = False
         self._refs = [0] * num_pages
         # Kept as holds change: a load report (5 a second) must not scan a million pages.
         self._shared = 0  # pages held by more than one request
@@ -77,8 +81,20 @@ class PagePool:
         self._tail_after: dict[int, set[str]] = {}  # the page before an entry's last page -> those entries
 
     def reverse_order(self) -> None:
-        """Give out high page ids first (tests and benchmarks: pages not in address order)."""
-        self._free.reverse()
+        """Give out high page ids first (tests and benchmarks: pages not in address order); before
+        any page is given out."""
+        if self._never_used != self.num_pages - 1:
+            raise RuntimeError("reverse_order() after pages were given out")
+        self._high_first = True
+
+    def _num_free(self) -> int:
+        return len(self._free) + self._never_used
+
+    def _take_free(self) -> int:
+        if self._free:
+            return self._free.pop()
+        self._never_used -= 1
+        return self._never_used + 1 if self._high_first else self.num_pages - 1 - self._never_used
 
     # -- sizes --------------------------------------------------------------------------------
 
@@ -86,7 +102,7 @@ class PagePool:
         return -(-num_tokens // self.page_size)
 
     def num_free_pages(self) -> int:
-        return len(self._free)
+        return self._num_free()
 
     @property
     def total_pages(self) -> int:
@@ -114,11 +130,11 @@ class PagePool:
                 table = []
         tokens = self._tokens.get(request_id, 0) + num_new_tokens
         need = self.pages_for(tokens) - len(table)
-        if need > len(self._free):
+        if need > self._num_free():
             if fresh:
                 self.free(request_id)  # the shared pages it was to start with
             return None
-        new = [self._free.pop() for _ in range(max(0, need))]
+        new = [self._take_free() for _ in range(max(0, need))]
         for page in new:
             self._refs[page] = 1
         table.extend(new)
@@ -268,7 +284,7 @@ class PagePool:
         """Release retained entries, least recently used first, until `num_pages` pages are free
         (or none is left). Returns the released entries."""
         released = []
-        while len(self._free) < num_pages and self._retained:
+        while self._num_free() < num_pages and self._retained:
             key = next(iter(self._retained))
             released.append((key, self.release(key)))
         return released
@@ -299,7 +315,7 @@ class PagePool:
 
     def num_available_pages(self) -> int:
         """Pages free now or once every retained entry is released."""
-        return len(self._free) + self._retained_only
+        return self._num_free() + self._retained_only
 
     @property
     def num_retained(self) -> int:
@@ -310,7 +326,7 @@ class PagePool:
 
     def usage(self) -> PageUsage:
         tokens = sum(self._tokens.values()) - self._extra_holders * self.page_size  # shared pages are full
-        return PageUsage(self.total_pages, self.total_pages - len(self._free) - self._retained_only, self._shared,
+        return PageUsage(self.total_pages, self.total_pages - self._num_free() - self._retained_only, self._shared,
                          tokens, self.page_size, self._retained_only)
 
 
