@@ -87,9 +87,6 @@ class PagePool:
             raise RuntimeError("reverse_order() after pages were given out")
         self._high_first = True
 
-    def _num_free(self) -> int:
-        return len(self._free) + self._never_used
-
     def _take_free(self) -> int:
         if self._free:
             return self._free.pop()
@@ -102,7 +99,7 @@ class PagePool:
         return -(-num_tokens // self.page_size)
 
     def num_free_pages(self) -> int:
-        return self._num_free()
+        return len(self._free) + self._never_used
 
     @property
     def total_pages(self) -> int:
@@ -130,7 +127,7 @@ class PagePool:
                 table = []
         tokens = self._tokens.get(request_id, 0) + num_new_tokens
         need = self.pages_for(tokens) - len(table)
-        if need > self._num_free():
+        if need > self.num_free_pages():
             if fresh:
                 self.free(request_id)  # the shared pages it was to start with
             return None
@@ -284,7 +281,7 @@ class PagePool:
         """Release retained entries, least recently used first, until `num_pages` pages are free
         (or none is left). Returns the released entries."""
         released = []
-        while self._num_free() < num_pages and self._retained:
+        while self.num_free_pages() < num_pages and self._retained:
             key = next(iter(self._retained))
             released.append((key, self.release(key)))
         return released
@@ -315,7 +312,7 @@ class PagePool:
 
     def num_available_pages(self) -> int:
         """Pages free now or once every retained entry is released."""
-        return self._num_free() + self._retained_only
+        return self.num_free_pages() + self._retained_only
 
     @property
     def num_retained(self) -> int:
@@ -326,7 +323,7 @@ class PagePool:
 
     def usage(self) -> PageUsage:
         tokens = sum(self._tokens.values()) - self._extra_holders * self.page_size  # shared pages are full
-        return PageUsage(self.total_pages, self.total_pages - self._num_free() - self._retained_only, self._shared,
+        return PageUsage(self.total_pages, self.total_pages - self.num_free_pages() - self._retained_only, self._shared,
                          tokens, self.page_size, self._retained_only)
 
 

@@ -63,8 +63,9 @@ def test_a_router_killed_mid_stream_leaves_nothing_on_the_workers_and_is_served_
     not hang), the workers let go of their rows and KV, and the router started again at its address
     (a pod coming back) serves the same client's next requests exactly, its prefix index rebuilt
     from the workers' caches."""
+    from baton.bench.chaos import DECODE_IDLE  # what a decode worker holds for a request
+
     prompts = [[500 + 11 * i + j for j in range(6)] for i in range(3)]
-    decode_idle = ("rows_in_use", "waiting_for_kv", "staged", "staged_bytes", "parked_bytes")
     with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=4) as cluster:
         with BatonClient(cluster.router_address, timeout=120) as client:
             started, ended = threading.Barrier(len(prompts) + 1), {}
@@ -90,7 +91,7 @@ def test_a_router_killed_mid_stream_leaves_nothing_on_the_workers_and_is_served_
             deadline = time.monotonic() + 30
             while True:
                 status = client.cluster_status()
-                held = {w.address: {f: w.decode[f] for f in decode_idle if w.decode[f]}
+                held = {w.address: {f: w.decode[f] for f in DECODE_IDLE if w.decode[f]}
                         for w in status.workers if w.role == "decode"}
                 if not any(held.values()) and all(w.cache_synced for w in status.workers if w.role == "prefill"):
                     break
