@@ -258,16 +258,19 @@ class GrpcServer:
 
     `interceptors` run before every call (the router's bearer-token check), then CallConventions;
     with `cluster_token` (a worker's port), every call but health must carry the cluster credential;
-    `require_client_cert` (with tls.ca_file) turns mutual TLS on for this port."""
+    `require_client_cert` (with tls.ca_file) turns mutual TLS on for this port; `options` add to or
+    override SERVER_OPTIONS (a KV receiver's keepalive pings)."""
 
     def __init__(self, host: str, port: int, *, long_calls: int = 32, tls: TLSSettings | None = None,
-                 require_client_cert: bool = True, interceptors=(), cluster_token: str | None = None):
+                 require_client_cert: bool = True, interceptors=(), cluster_token: str | None = None,
+                 options=()):
         # A call holds a thread for its whole life. `long_calls` bounds those that last (a client's
         # request, a decode stream, a queued prompt); the role refuses more. The short ones get
         # threads of their own: a decode worker full of streams waiting for KV must still take
         # the KV pushes they wait for, and answer load polls and health checks.
         workers = long_calls + SHORT_CALL_THREADS
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
+                                  options=merge_options(SERVER_OPTIONS, options),
                                   interceptors=[*interceptors, *([ClusterTokenInterceptor(cluster_token)] if cluster_token
                                                                  else []), CallConventions()])
         self.health = health.HealthServicer()

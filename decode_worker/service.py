@@ -42,7 +42,7 @@ from baton.kvtransfer.sender import encode
 from baton.kvtransfer.staging import StagingConfig, StagingPool
 from baton.kvtransfer.nixl import NixlWrites
 from baton.kvtransfer.shm import ShmKVServer
-from baton.kvtransfer.wire import grpc_push_channel_options
+from baton.kvtransfer.wire import grpc_push_channel_options, grpc_server_ping_options
 
 log = logging.getLogger(__name__)
 started_log = logging.getLogger(STARTUP_LOGGER)
@@ -215,7 +215,8 @@ def serve(model: ModelSettings, settings: DecodeSettings, tls: TLSSettings | Non
           cluster: ClusterSettings | None = None, block: bool = True):
     token = cluster_token(cluster, "decode", settings.host)
     server = GrpcServer(settings.host, settings.port, tls=tls,
-                        long_calls=settings.max_pending + (settings.max_rows or GPU_ROWS), cluster_token=token)
+                        long_calls=settings.max_pending + (settings.max_rows or GPU_ROWS), cluster_token=token,
+                        options=grpc_server_ping_options())
     decode_api, kv_api = NotReady(), NotReady()
     workers_pb2_grpc.add_DecodeWorkerServicer_to_server(decode_api, server.server)
     kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(kv_api, server.server)

@@ -31,6 +31,7 @@ from baton.kvtransfer.sender import SpanAborted, SpanSource, encode, encode_span
 from baton.kvtransfer.wire import (
     CHUNK_IDLE_TIMEOUT_S,
     DEFAULT_CHUNK_BYTES,
+    STALE_ATTEMPT_HELD_S,
     STREAM_IDLE_TIMEOUT_S,
     grpc_channel_options,
     grpc_push_channel_options,
@@ -319,7 +320,7 @@ def push_kv_retrying(
     timeout_s bounds the whole push, retries included. A push that finds the request id
     ALREADY_EXISTS is retried too: the receiver still holds a broken attempt, ours or that of a
     worker that died mid-push and whose prompt we were given again, and drops it within
-    CHUNK_IDLE_TIMEOUT_S. should_stop() (e.g. the request was cancelled) ends the retries;
+    STALE_ATTEMPT_HELD_S. should_stop() (e.g. the request was cancelled) ends the retries;
     on_retry(attempt, failure) is told before each retry. A callable is asked for the channel before
     each attempt: its owner may replace a channel that could not connect (gRPC fails calls on it at
     once until its reconnect backoff ends) before the retry. Raises the last KVPushFailed.
@@ -350,10 +351,12 @@ def push_kv_retrying(
                 retryable = failure.code in RETRYABLE_PUSH_CODES
                 pause = retry.backoff_s * 3 ** (tries - 1)
                 if failure.code == "ALREADY_EXISTS":
-                    # A broken attempt is still held there: the receiver drops it at the latest
-                    # CHUNK_IDLE_TIMEOUT_S after the break. Wait that out; it costs no try.
+                    # A broken attempt is still held there: the receiver drops a whole push's
+                    # CHUNK_IDLE_TIMEOUT_S after the break, any at the latest STALE_ATTEMPT_HELD_S
+                    # after it. Wait that out, asking again every backoff; it costs no try.
                     ready_at = first_failed_at + CHUNK_IDLE_TIMEOUT_S + STALE_ATTEMPT_MARGIN_S
-                    retryable = now < ready_at + CHUNK_IDLE_TIMEOUT_S
+                    dropped_by = first_failed_at + STALE_ATTEMPT_HELD_S + STALE_ATTEMPT_MARGIN_S
+                    retryable = now < dropped_by + CHUNK_IDLE_TIMEOUT_S
                     pause, tries = max(retry.backoff_s, ready_at - now), tries - 1
                 out_of_time = deadline is not None and now + pause >= deadline
                 if not retryable or tries >= retry.attempts or out_of_time or should_stop():

@@ -64,6 +64,14 @@ CHUNK_IDLE_TIMEOUT_S = 1.0
 # A streamed push (layout TOKEN_SPANS) pauses while its sender prefills the next chunk of the
 # prompt: a pause is allowed this long (a sender that died resets the connection at once anyway).
 STREAM_IDLE_TIMEOUT_S = 30.0
+# A sender cut off by the network (no reset reaches the receiver) would hold a streamed push's
+# staging room for STREAM_IDLE_TIMEOUT_S: the receiver pings its senders while pushes are open and
+# drops the connection, with its pushes, when a ping goes unanswered.
+RECEIVER_KEEPALIVE_MS = 1000
+RECEIVER_KEEPALIVE_TIMEOUT_MS = 1000
+# So a broken attempt is still held by its receiver at most this long after the break: a retry
+# that finds it (ALREADY_EXISTS) waits this out.
+STALE_ATTEMPT_HELD_S = max(CHUNK_IDLE_TIMEOUT_S, (RECEIVER_KEEPALIVE_MS + RECEIVER_KEEPALIVE_TIMEOUT_MS) / 1000)
 # ...and a stream that keeps sending, but slower than this once PUSH_RATE_GRACE_S have passed,
 # is cut too: a sender holding the KV in memory streams it at memory or network speed, while a
 # trickle would hold its staging room (and starve every other push) for as long as it liked.
@@ -82,5 +90,7 @@ def grpc_push_channel_options() -> list[tuple[str, int]]:
 
 
 def grpc_server_ping_options() -> list[tuple[str, int]]:
-    """What a server receiving KV pushes needs so that senders' keepalive pings are welcome."""
-    return [("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS)]
+    """What a server receiving KV pushes needs: senders' keepalive pings are welcome, and it pings
+    them in turn (RECEIVER_KEEPALIVE_MS), to drop a push whose sender went silent."""
+    return [("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS),
+            *keepalive_options(RECEIVER_KEEPALIVE_MS, RECEIVER_KEEPALIVE_TIMEOUT_MS)]

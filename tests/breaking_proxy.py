@@ -1,6 +1,7 @@
 """A loopback TCP proxy that breaks connections the way networks and peers do: for fault tests."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -54,6 +55,10 @@ class BreakingProxy:
                     if self.mode == "reset":
                         for sock in (src, dst):
                             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                            # The other pump blocks in recv() on one of them, and Linux closes a
+                            # socket (the reset) only once no call uses it: wake that pump first.
+                            with contextlib.suppress(OSError):
+                                sock.shutdown(socket.SHUT_RDWR)
                             sock.close()
                         return
                 if state["broken"]:

@@ -47,6 +47,8 @@ from baton.kvtransfer.wire import (
     PUSH_CONNECT_TIMEOUT_MS,
     PUSH_KEEPALIVE_MS,
     SERVER_MIN_PING_INTERVAL_MS,
+    STALE_ATTEMPT_HELD_S,
+    STREAM_IDLE_TIMEOUT_S,
     grpc_channel_options,
     grpc_server_ping_options,
 )
@@ -770,6 +772,31 @@ def test_a_connection_broken_mid_push_is_noticed_within_a_second_and_the_retry_l
     pool.release("r")
     # The broken attempt left nothing behind on the receiver (a freeze: cut off by its idle deadline).
     wait_until(lambda: pool.stats().entries == 0, timeout_s=10)
+    assert_pool_empty(pool)
+
+
+def test_a_streamed_push_whose_sender_is_cut_off_is_dropped_by_the_receivers_pings(kv_server):
+    """A streamed push may pause for STREAM_IDLE_TIMEOUT_S between spans (its sender prefills), so
+    a sender cut off by the network mid-stream (nothing resets the connection) is noticed by the
+    receiver's own keepalive pings: its staging room is free again within seconds, not 30."""
+    pool, receiver, _ = big_receiver()
+    proxy = BreakingProxy(kv_server(KVTransferServicer(receiver)), "freeze", after_bytes=256 << 10)
+    kv = random_kv(SHAPES["float32"], BIG_TOKENS, seed=7)
+    source = SpanSource(kv.num_tokens)
+    source.put(SequenceKV(kv.data[:, :, :, :BIG_TOKENS // 2].contiguous()))  # then no end: still prefilling
+    with kvtransfer_channel(proxy.target) as channel:
+        call = pb_grpc.KVTransferStub(channel).Push.future(encode_spans("r", FINGERPRINT, SHAPES["float32"],
+                                                                        source, 64 << 10), timeout=60)
+        try:
+            wait_until(lambda: proxy.broken_at is not None and pool.stats().reserved_entries == 1, timeout_s=10)
+            wait_until(lambda: pool.stats().entries == 0, timeout_s=STREAM_IDLE_TIMEOUT_S / 3)
+            freed = time.monotonic() - proxy.broken_at
+        finally:
+            source.abort("test over")
+            call.cancel()
+            proxy.close()
+    print(f"\nthe cut-off stream's staging room was freed {freed:.2f}s after the break")
+    assert freed <= STALE_ATTEMPT_HELD_S + 1.0
     assert_pool_empty(pool)
 
 

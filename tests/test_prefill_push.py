@@ -396,12 +396,15 @@ def test_a_chunked_prompt_streams_its_kv_while_it_prefills(prefill_worker, decod
 
 
 @pytest.mark.slow
-def test_a_stream_that_breaks_mid_prefill_is_pushed_whole_after_it(prefill_worker, decode_receiver):
-    """The proxy resets the streamed push part-way through the prompt's chunks: the prefill goes
+@pytest.mark.parametrize("mode", ["reset", "freeze"])
+def test_a_stream_that_breaks_mid_prefill_is_pushed_whole_after_it(prefill_worker, decode_receiver, mode):
+    """The proxy resets the streamed push part-way through the prompt's chunks, or stops passing
+    its bytes either way (a partition: nothing tells the decode worker, which would hold the
+    stream's staging room for STREAM_IDLE_TIMEOUT_S but for its keepalive pings): the prefill goes
     on, and its whole KV is pushed after it the usual way (with retries), landing once, exact."""
     _, worker = prefill_worker
     target, pool, landed = decode_receiver()
-    proxy = BreakingProxy(target, "reset", after_bytes=BREAK_AFTER)
+    proxy = BreakingProxy(target, mode, after_bytes=BREAK_AFTER)
     loop = PrefillLoop(worker.runner, PrefillSettings(chunk_tokens=256, kv_transport="grpc",
                                                       kv_chunk_bytes=32 << 10)).start()
     before = transports(loop)
@@ -411,6 +414,7 @@ def test_a_stream_that_breaks_mid_prefill_is_pushed_whole_after_it(prefill_worke
     finally:
         loop.stop()
         proxy.close()
+    print(f"\n{mode}: the stream broke, then the whole KV landed {done.transfer_seconds:.2f}s after the prefill")
     assert proxy.broken_at is not None and landed == ["rebuilt"]
     used = {name: count - before[name] for name, count in transports(loop).items()}
     assert used == {"grpc": 1, "grpc_stream": 0}
