@@ -330,9 +330,10 @@ RSS_GROWTH_LIMIT = 200 << 20
 
 @pytest.mark.all_cores  # clients sharing one core with the cluster could not offer twice its load (CI, pinned)
 def test_twice_what_the_workers_hold_gets_resource_exhausted_and_memory_stays_bounded(tiny_reference):
-    """The router would admit 1024 requests, but the decode worker holds 2 rows and 4 requests
-    waiting for KV, and the prefill worker queues 1 prompt. Twice what they hold, sent for
-    seconds: the excess is refused at once with RESOURCE_EXHAUSTED and the router's retry hint
+    """The router lets every request through (its own bound, router.decode_queue_per_worker, off: it
+    would hold the excess before the workers, and a slow router then sends them one at a time), but
+    the decode worker holds 2 rows and 4 requests waiting for KV, and the prefill worker queues 1
+    prompt. Twice what they hold, sent for seconds: the excess is refused at once with RESOURCE_EXHAUSTED and the router's retry hint
     (never a timeout), served requests are exact, worker memory and staging stay bounded, and
     afterwards nothing is left behind and a new wave is served normally."""
     hold = OVERLOAD_ROWS + OVERLOAD_PENDING
@@ -341,7 +342,8 @@ def test_twice_what_the_workers_hold_gets_resource_exhausted_and_memory_stays_bo
     expected = [tiny_reference.greedy(p, OVERLOAD_TOKENS) for p in prompts]
     with LocalCluster(prefill=1, decode=1, model="tiny-random", max_rows=OVERLOAD_ROWS,
                       prefill_args=("--max-queue", str(OVERLOAD_QUEUE)),
-                      extra_env={"BATON_DECODE_MAX_PENDING": str(OVERLOAD_PENDING)}) as cluster:
+                      extra_env={"BATON_DECODE_MAX_PENDING": str(OVERLOAD_PENDING),
+                                 "BATON_ROUTER_DECODE_QUEUE_PER_WORKER": "-1"}) as cluster:
         procs = {address: proc for address, proc in cluster.procs}
         workers = {a: procs[a].pid for a in cluster.prefill_addrs + cluster.decode_addrs}
         with BatonClient(cluster.router_address, timeout=120) as client:
