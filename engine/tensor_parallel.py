@@ -28,7 +28,7 @@ from collections import OrderedDict
 
 import torch
 
-from baton.engine.collectives import SHM_SLOT_BYTES, Group, free_port
+from baton.engine.collectives import SHM_SLOT_BYTES, Group, host_store
 from baton.engine.kv import KVShape, SequenceKV
 from baton.engine.paged_kv import PagedKV, pages_within
 
@@ -284,8 +284,9 @@ def _core_shares(settings, size: int) -> list[str]:
     return threads.split_cores(size, cores)
 
 
-def _load_rank(settings, rank: int, size: int, port: int):
-    """Rank `rank`'s threads, part of the model and runner; joins the group once loaded."""
+def _load_rank(settings, rank: int, size: int, port: int, store=None):
+    """Rank `rank`'s threads, part of the model and runner; joins the group once loaded (rank 0
+    with the group's `store`, the others at its `port`)."""
     from baton.engine import threads
     from baton.engine.llama import LlamaRunner
     from baton.engine.model import load_model
@@ -298,7 +299,7 @@ def _load_rank(settings, rank: int, size: int, port: int):
     loaded = load_model(settings.name, dtype=settings.dtype, device=device, module=False,
                         quantization=settings.quantization, quantized_inputs=settings.quantized_inputs,
                         rank=(rank, size))
-    group = Group(rank, size, port, loaded.device, int(os.environ.get(SHM_BYTES_ENV, SHM_SLOT_BYTES)))
+    group = Group(rank, size, port, loaded.device, int(os.environ.get(SHM_BYTES_ENV, SHM_SLOT_BYTES)), store)
     runner = LlamaRunner(loaded, settings.attention_backend, settings.cuda_graphs, settings.batch_invariant, tp=group)
     loaded.hand_over()
     return runner
@@ -310,15 +311,22 @@ def start(settings) -> TensorParallelRunner:
     size = settings.tensor_parallel_size
     if settings.executor == "transformers":
         raise ValueError("tensor parallelism runs on Baton's executor; model.executor 'transformers' cannot")
-    port = free_port()
+    store = host_store(size)
     env = {**os.environ, SETTINGS_ENV: json.dumps(dataclasses.asdict(settings)),
            LOG_LEVEL_ENV: logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()}
     ranks = [subprocess.Popen([sys.executable, "-m", "baton.engine.tensor_parallel", "--rank", str(rank),
-                               "--size", str(size), "--port", str(port)], env=env)
+                               "--size", str(size), "--port", str(store.port)], env=env)
              for rank in range(1, size)]
     stopping = threading.Event()
     threading.Thread(target=_supervise, args=(ranks, stopping), name="tp-ranks", daemon=True).start()
-    runner = _load_rank(settings, 0, size, port)
+    try:
+        runner = _load_rank(settings, 0, size, store.port, store)
+    except BaseException:  # a worker that failed to start leaves no rank behind, waiting for it
+        stopping.set()
+        for process in ranks:
+            process.kill()
+            process.wait()
+        raise
     if runner.loaded.tokenizer is not None:  # structured outputs' grammar tokenizer, off the serving path
         runner.loaded.grammars.warm_up()
     log.info("tensor-parallel worker of %d ranks ready", size, extra={"tensor_parallel_size": size})

@@ -176,3 +176,28 @@ def test_a_split_the_model_cannot_take_is_refused():
         ModelSettings(tensor_parallel_size=3).validate()
     with pytest.raises(ValueError, match="Baton's executor"):
         ModelSettings(tensor_parallel_size=2, executor="transformers").validate()
+
+
+def test_a_worker_whose_rank_0_fails_to_load_leaves_no_rank_behind(monkeypatch):
+    """Rank 0 starts the other ranks, then loads its own part: if that fails, the ranks it started
+    (waiting at its store for up to collectives.TIMEOUT) end too, rather than linger and knock at
+    a port that something else may hold next."""
+    import subprocess
+
+    from baton.engine import tensor_parallel
+
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("rank 0 could not load its part")
+
+    monkeypatch.setattr(tensor_parallel.subprocess, "Popen", popen)
+    monkeypatch.setattr(tensor_parallel, "_load_rank", fails)
+    with pytest.raises(RuntimeError, match="could not load its part"):
+        tensor_parallel.start(ModelSettings(name="tiny-random", dtype="float32", tensor_parallel_size=2))
+    assert len(started) == 1 and started[0].poll() is not None
