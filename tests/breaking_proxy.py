@@ -72,6 +72,8 @@ class BreakingProxy:
 
     def close(self) -> None:
         self._closed.set()
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
         self.listener.close()
         for sock in self._sockets:
             try:
