@@ -64,6 +64,11 @@ CHUNK_IDLE_TIMEOUT_S = 1.0
 # A streamed push (layout TOKEN_SPANS) pauses while its sender prefills the next chunk of the
 # prompt: a pause is allowed this long (a sender that died resets the connection at once anyway).
 STREAM_IDLE_TIMEOUT_S = 30.0
+# ...and a stream that keeps sending, but slower than this once PUSH_RATE_GRACE_S have passed,
+# is cut too: a sender holding the KV in memory streams it at memory or network speed, while a
+# trickle would hold its staging room (and starve every other push) for as long as it liked.
+MIN_PUSH_BYTES_PER_S = 4 << 20
+PUSH_RATE_GRACE_S = 2.0
 # A sender cut off by the network (no reset reaches the receiver) would hold a streamed push's
 # staging room for STREAM_IDLE_TIMEOUT_S: the receiver pings its senders while pushes are open and
 # drops the connection, with its pushes, when a ping goes unanswered.
@@ -72,11 +77,6 @@ RECEIVER_KEEPALIVE_TIMEOUT_MS = 1000
 # So a broken attempt is still held by its receiver at most this long after the break: a retry
 # that finds it (ALREADY_EXISTS) waits this out.
 STALE_ATTEMPT_HELD_S = max(CHUNK_IDLE_TIMEOUT_S, (RECEIVER_KEEPALIVE_MS + RECEIVER_KEEPALIVE_TIMEOUT_MS) / 1000)
-# ...and a stream that keeps sending, but slower than this once PUSH_RATE_GRACE_S have passed,
-# is cut too: a sender holding the KV in memory streams it at memory or network speed, while a
-# trickle would hold its staging room (and starve every other push) for as long as it liked.
-MIN_PUSH_BYTES_PER_S = 4 << 20
-PUSH_RATE_GRACE_S = 2.0
 
 
 def grpc_push_channel_options() -> list[tuple[str, int]]:
