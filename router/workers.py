@@ -23,7 +23,12 @@ ROLES = ("prefill", "decode")
 # streams within about a second, and the router moves them (UNAVAILABLE is a lost decode worker).
 # The router's connection is the one that notices: a KV push into a stopped decode worker fills
 # its socket and flow-control window, and then its own pings cannot even be written.
-WORKER_KEEPALIVE_OPTIONS = keepalive_options(ping_every_ms=500, timeout_ms=500)
+# A connection that does not complete its handshake (a worker's address black-holed by the network,
+# or its port taken by something that never answers) is given up after this, not gRPC's 20 s
+# minimum: a request is not held that long on its way to a worker that is gone.
+WORKER_CONNECT_TIMEOUT_MS = 2000
+WORKER_CHANNEL_OPTIONS = [*keepalive_options(ping_every_ms=500, timeout_ms=500),
+                          ("grpc.min_reconnect_backoff_ms", WORKER_CONNECT_TIMEOUT_MS)]  # also the connect deadline
 LEFT_GRACE_S = 1.0  # a worker that left keeps its channel this long after its last call ended
 
 
@@ -78,7 +83,7 @@ class WorkerPool:
             gone = [current.pop(address) for address in set(current) - set(addresses)]
             joined = []
             for address in set(addresses) - set(current):
-                ch = channel(address, self.tls, extra_options=WORKER_KEEPALIVE_OPTIONS, cluster_token=self.cluster_token)
+                ch = channel(address, self.tls, extra_options=WORKER_CHANNEL_OPTIONS, cluster_token=self.cluster_token)
                 # Not healthy until its first load report says it serves our model.
                 current[address] = Worker(role, WorkerView(address, healthy=False), ch, stub_class(ch))
                 joined.append(current[address])

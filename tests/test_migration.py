@@ -851,24 +851,36 @@ def test_a_push_that_fails_to_the_only_decode_worker_is_prefilled_for_it_again(m
     assert again.token_ids == tiny_reference.greedy(prompt[::-1], 6)
 
 
-def test_a_request_whose_only_decode_worker_is_gone_still_fails_fast():
+@pytest.mark.parametrize("port_after", ["closed", "taken by a silent listener"])
+def test_a_request_whose_only_decode_worker_is_gone_still_fails_fast(port_after):
     """The other side of the test above: a decode worker that is really gone stays unhealthy in
-    the load polls, so the request waits a few polls for it, then fails as before (UNAVAILABLE)."""
+    the load polls, so the request waits a few polls for it, then fails as before (UNAVAILABLE).
+    Also when its port is taken at once by something that accepts connections and never answers
+    (another process's listener; an address black-holed by the network): the router's channel
+    gives up a connection that does not complete its handshake within WORKER_CONNECT_TIMEOUT_MS
+    (gRPC's own minimum is 20 s, which once let this request wait out its 60 s deadline in CI)."""
+    import socket
+
     from baton.client import BatonClient
     from baton.client.errors import Unavailable
 
     cluster = InProcessCluster(decode_workers=1)
+    silent = None
     try:
         with BatonClient(cluster.router_address, timeout=60) as client:
             client.generate(token_ids=[5, 6, 7], max_tokens=2)
             ((server, loop),) = cluster.decode
             server.stop(0)
             loop.stop()
+            if port_after != "closed":
+                silent = socket.create_server(("127.0.0.1", server.port), backlog=64)
             started = time.monotonic()
             with pytest.raises(Unavailable):
                 client.generate(token_ids=[8, 9, 10], max_tokens=2)
             assert time.monotonic() - started < 10, time.monotonic() - started
     finally:
+        if silent is not None:
+            silent.close()
         cluster.decode = []
         cluster.stop()
 
