@@ -9,7 +9,8 @@ import torch
 # The size limits live with the other gRPC settings, which the configuration also checks against.
 from baton.transport import (  # noqa: F401 - part of the wire format's surface
     _MESSAGE_OVERHEAD_BYTES, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_METADATA_BYTES, RECONNECT_OPTIONS,
-    SERVER_MIN_PING_INTERVAL_MS, grpc_message_limit, keepalive_options, max_chunk_bytes_within)
+    SERVER_MIN_PING_INTERVAL_MS, connect_deadline_options, grpc_message_limit, keepalive_options,
+    max_chunk_bytes_within)
 
 # The raw bytes are sent as this host holds them; every platform we run on is little-endian,
 # and the proto promises little-endian, so refuse to run rather than send misordered bytes.
@@ -84,7 +85,7 @@ def grpc_push_channel_options() -> list[tuple[str, int]]:
     reconnects to a restarted receiver); add them to the channel's message-size options."""
     return [
         *keepalive_options(PUSH_KEEPALIVE_MS, PUSH_KEEPALIVE_TIMEOUT_MS),
-        ("grpc.min_reconnect_backoff_ms", PUSH_CONNECT_TIMEOUT_MS),  # also the connect deadline
+        *connect_deadline_options(PUSH_CONNECT_TIMEOUT_MS),
         *RECONNECT_OPTIONS,
     ]
 

@@ -11,7 +11,7 @@ import grpc
 
 from baton.config import TLSSettings
 from baton.server import channel
-from baton.transport import keepalive_options
+from baton.transport import connect_deadline_options, keepalive_options
 from baton.v1 import common_pb2, workers_pb2_grpc
 from baton.router.policy import WorkerView
 
@@ -23,12 +23,11 @@ ROLES = ("prefill", "decode")
 # streams within about a second, and the router moves them (UNAVAILABLE is a lost decode worker).
 # The router's connection is the one that notices: a KV push into a stopped decode worker fills
 # its socket and flow-control window, and then its own pings cannot even be written.
-# A connection that does not complete its handshake (a worker's address black-holed by the network,
-# or its port taken by something that never answers) is given up after this, not gRPC's 20 s
-# minimum: a request is not held that long on its way to a worker that is gone.
+# A connection that does not complete its handshake is given up after WORKER_CONNECT_TIMEOUT_MS:
+# a request is not held on its way to a worker that is gone.
 WORKER_CONNECT_TIMEOUT_MS = 2000
 WORKER_CHANNEL_OPTIONS = [*keepalive_options(ping_every_ms=500, timeout_ms=500),
-                          ("grpc.min_reconnect_backoff_ms", WORKER_CONNECT_TIMEOUT_MS)]  # also the connect deadline
+                          *connect_deadline_options(WORKER_CONNECT_TIMEOUT_MS)]
 LEFT_GRACE_S = 1.0  # a worker that left keeps its channel this long after its last call ended
 
 
