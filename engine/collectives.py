@@ -49,24 +49,25 @@ def _pause(started: float, limit: float | None = None) -> None:
 
 def host_store(size: int) -> dist.TCPStore:
     """Rank 0's rendezvous store for `size` ranks, listening from now on at a port the kernel chose
-    (`.port`, for the other ranks). A port found free and bound only later may be taken in between;
-    and a rank of a group that never formed, still knocking at its old port, would then reach
-    whatever holds it, such as a new group's gloo socket, and hang that group."""
+    (`.port`, for the other ranks: join_store). A port found free and bound only later may be taken
+    in between; and a rank of a group that never formed, still knocking at its old port, would then
+    reach whatever holds it, such as a new group's gloo socket, and hang that group."""
     return dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
 
 
-class Group:
-    """This process's place among `size` ranks that rendezvous at rank 0's store: `store` on rank 0
-    (host_store), 127.0.0.1:`port` on the others."""
+def join_store(port: int, size: int) -> dist.TCPStore:
+    """The other ranks' way to rank 0's store (host_store) at 127.0.0.1:`port`."""
+    return dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=TIMEOUT)
 
-    def __init__(self, rank: int, size: int, port: int, device: torch.device, shm_bytes: int = SHM_SLOT_BYTES,
-                 store: dist.TCPStore | None = None):
-        if (store is None) == (rank == 0):
-            raise ValueError("rank 0 hosts the group's store (host_store); the other ranks reach it at `port`")
-        self.rank, self.size, self.device = rank, size, device
+
+class Group:
+    """This process's place among `size` ranks that rendezvous at rank 0's `store`."""
+
+    def __init__(self, rank: int, size: int, store: dist.TCPStore, device: torch.device,
+                 shm_bytes: int = SHM_SLOT_BYTES):
+        self.rank, self.size, self.device, self.store = rank, size, device, store
         backend = "nccl" if device.type == "cuda" else "gloo"
-        self.store = store or dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=TIMEOUT)
-        dist.init_process_group(backend, store=self.store, rank=rank, world_size=size, timeout=TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=TIMEOUT)
         self.group = dist.group.WORLD
         self.shm = ShmLink.join(self, shm_bytes) if device.type == "cpu" and size > 1 and shm_bytes else None
 

@@ -28,7 +28,7 @@ from collections import OrderedDict
 
 import torch
 
-from baton.engine.collectives import SHM_SLOT_BYTES, Group, host_store
+from baton.engine.collectives import SHM_SLOT_BYTES, Group, host_store, join_store
 from baton.engine.kv import KVShape, SequenceKV
 from baton.engine.paged_kv import PagedKV, pages_within
 
@@ -284,9 +284,8 @@ def _core_shares(settings, size: int) -> list[str]:
     return threads.split_cores(size, cores)
 
 
-def _load_rank(settings, rank: int, size: int, port: int, store=None):
-    """Rank `rank`'s threads, part of the model and runner; joins the group once loaded (rank 0
-    with the group's `store`, the others at its `port`)."""
+def _load_rank(settings, rank: int, size: int, store):
+    """Rank `rank`'s threads, part of the model and runner; joins the group at `store` once loaded."""
     from baton.engine import threads
     from baton.engine.llama import LlamaRunner
     from baton.engine.model import load_model
@@ -299,7 +298,7 @@ def _load_rank(settings, rank: int, size: int, port: int, store=None):
     loaded = load_model(settings.name, dtype=settings.dtype, device=device, module=False,
                         quantization=settings.quantization, quantized_inputs=settings.quantized_inputs,
                         rank=(rank, size))
-    group = Group(rank, size, port, loaded.device, int(os.environ.get(SHM_BYTES_ENV, SHM_SLOT_BYTES)), store)
+    group = Group(rank, size, store, loaded.device, int(os.environ.get(SHM_BYTES_ENV, SHM_SLOT_BYTES)))
     runner = LlamaRunner(loaded, settings.attention_backend, settings.cuda_graphs, settings.batch_invariant, tp=group)
     loaded.hand_over()
     return runner
@@ -320,7 +319,7 @@ def start(settings) -> TensorParallelRunner:
     stopping = threading.Event()
     threading.Thread(target=_supervise, args=(ranks, stopping), name="tp-ranks", daemon=True).start()
     try:
-        runner = _load_rank(settings, 0, size, store.port, store)
+        runner = _load_rank(settings, 0, size, store)
     except BaseException:  # a worker that failed to start leaves no rank behind, waiting for it
         stopping.set()
         for process in ranks:
@@ -407,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     logs.configure(os.environ.get(LOG_LEVEL_ENV, "warning"), start_lines=False)
     _end_with_parent()
     settings = ModelSettings(**json.loads(os.environ[SETTINGS_ENV]))
-    runner = _load_rank(settings, args.rank, args.size, args.port)
+    runner = _load_rank(settings, args.rank, args.size, join_store(args.port, args.size))
     follow(runner, runner.tp)
     runner.tp.close()
 
