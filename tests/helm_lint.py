@@ -135,23 +135,22 @@ def load_values(path: str | None) -> dict:
     return data
 
 
-def lint_case(chart: Path, override: dict, workdir: Path) -> dict:
+async def lint_case(chart: Path, override: dict, workdir: Path) -> dict:
     copy = workdir / chart.name
-    shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(chart, copy)
     merged = merge_values(yaml.safe_load((chart / "values.yaml").read_text()) or {}, override)
     (copy / "values.yaml").write_text(yaml.safe_dump(merged, sort_keys=False))
-    result = asyncio.run(helm_sdkpy.Lint(helm_sdkpy.Configuration(namespace="lint")).run(str(copy)))
+    result = await helm_sdkpy.Lint(helm_sdkpy.Configuration(namespace="lint")).run(str(copy))
     messages = [{"severity": SEVERITY.get(m.get("Severity"), str(m.get("Severity"))), "path": m.get("Path", "")}
                 for m in result.get("Messages") or []]
     return {"messages": messages, "errors": len(result.get("Errors") or []),
             "ok": not result.get("Errors") and all(m["severity"] == "INFO" for m in messages)}
 
 
-def render_case(chart: Path, values: dict, kubeconfig: str, release: str, namespace: str) -> dict:
+async def render_case(chart: Path, values: dict, kubeconfig: str, release: str, namespace: str) -> dict:
     config = helm_sdkpy.Configuration(namespace=namespace, kubeconfig=kubeconfig)
     try:
-        result = asyncio.run(helm_sdkpy.Install(config).run(release, str(chart), values=values, wait=False))
+        result = await helm_sdkpy.Install(config).run(release, str(chart), values=values, wait=False)
     except helm_sdkpy.HelmError as exc:
         return {"ok": False, "error": str(exc), "manifest": "", "notes": ""}
     return {"ok": True, "error": "", "manifest": result.get("manifest", ""),
@@ -190,12 +189,22 @@ def main(argv: list[str] | None = None) -> int:
         cases = [("default", "")]
 
     server, kubeconfig = start_server()
-    report = {}
+
+    async def check(path: str, workdir: Path) -> dict:
+        override = load_values(path)
+        workdir.mkdir()
+        lint, render = await asyncio.gather(lint_case(args.chart, override, workdir),
+                                            render_case(args.chart, override, kubeconfig, args.release, args.namespace))
+        return {"values_file": path, "lint": lint, "render": render}
+
+    async def check_all(workdir: Path) -> dict:
+        # Every case at once, in one event loop: Helm's calls run on threads, and a loop per call
+        # waited about 0.4 s for them to wind down (half of a case's time, the CPU idle).
+        checked = await asyncio.gather(*(check(path, workdir / str(i)) for i, (_, path) in enumerate(cases)))
+        return dict(zip((name for name, _ in cases), checked))
+
     with tempfile.TemporaryDirectory(prefix="helm-lint-chart-") as workdir:
-        for name, path in cases:
-            override = load_values(path)
-            report[name] = {"values_file": path, "lint": lint_case(args.chart, override, Path(workdir)),
-                            "render": render_case(args.chart, override, kubeconfig, args.release, args.namespace)}
+        report = asyncio.run(check_all(Path(workdir)))
     server.shutdown()
     if os.environ.get("BATON_HELM_SCRATCH"):
         shutil.rmtree(os.environ["BATON_HELM_SCRATCH"], ignore_errors=True)
