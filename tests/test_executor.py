@@ -201,6 +201,26 @@ def test_a_triton_kernel_that_cannot_run_falls_back_to_torch_with_a_warning(tiny
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for Baton's CPU kernels")
+def test_processes_starting_together_build_the_cpu_kernels_once(tmp_path):
+    """A prefill and a decode worker started at once both want the kernels: one compiles, the other
+    waits for it and loads the same file. The compiler here is a stand-in that logs each call and
+    hands over the library already built (a real build takes 10-40 CPU-seconds)."""
+    built = cpu_kernels._build(os.environ.get("CC") or "cc")
+    compiler = tmp_path / "cc"
+    compiler.write_text(f'#!/bin/sh\necho "$$" >> {tmp_path}/calls\nsleep 1\n'
+                        f'while [ "$#" -gt 1 ]; do [ "$1" = -o ] && cp {built} "$2"; shift; done\n')
+    compiler.chmod(0o755)
+    probe = ("import sys; from baton.engine.cpu import kernels; "
+             "print(kernels._library() is not None, kernels._build(sys.argv[1]))")
+    env = {**os.environ, "BATON_CACHE_DIR": str(tmp_path / "cache"), "CC": str(compiler)}
+    starting = [subprocess.Popen([sys.executable, "-c", probe, str(compiler)], env=env, stdout=subprocess.PIPE,
+                                 text=True) for _ in range(2)]
+    answers = {process.communicate(timeout=120)[0] for process in starting}
+    assert len(answers) == 1 and answers.pop().startswith("True "), "each process loaded the same library"
+    assert len((tmp_path / "calls").read_text().split()) == 1, "the kernels were compiled more than once"
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for Baton's small-row GEMM")
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 100])  # 100: a prefill's rows, where AVX-512 takes panels
 def test_small_row_gemm_equals_f_linear(rows):

@@ -16,6 +16,7 @@ build fails, `available()` is False, with one log line, and linear layers use on
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -339,11 +340,17 @@ def _build(compiler: str) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed into place
-        built = Path(tmp) / target.name
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
-                       text=True, timeout=120)
-        os.replace(built, target)
+    # Processes starting together (a prefill and a decode worker, test workers) wait for one build
+    # rather than each compiling the same library (10-40 CPU-seconds).
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed into place
+            built = Path(tmp) / target.name
+            subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
+                           text=True, timeout=120)
+            os.replace(built, target)
     log.info("built Baton's CPU kernels at %s", target)
     return target
 
