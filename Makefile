@@ -24,11 +24,13 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # A pytest worker per core (at most 4: each loads the models), each kept to its own cores
-# (tests/conftest.py), a test file to one worker; `make test TEST_JOBS=1` runs them one at a time.
+# (tests/conftest.py), a test file to one worker, the longest files first (conftest's
+# LONGEST_FIRST; xdist would otherwise order them by their number of tests); `make test
+# TEST_JOBS=1` runs them one at a time.
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
 test: setup arm-toolchain
-	$(BIN)/python -m pytest -q --durations=30 -n $(TEST_JOBS) --dist loadfile
+	$(BIN)/python -m pytest -q --durations=30 -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 # A cross compiler and qemu let the tests build Baton's CPU kernels for 64-bit ARM and run them
 # (they must compute x86's bits); without them (no root for apt-get) those few tests skip.
