@@ -211,12 +211,17 @@ def test_processes_starting_together_build_the_cpu_kernels_once(tmp_path):
     compiler.write_text(f'#!/bin/sh\necho "$$" >> {tmp_path}/calls\nsleep 1\n'
                         f'while [ "$#" -gt 1 ]; do [ "$1" = -o ] && cp {built} "$2"; shift; done\n')
     compiler.chmod(0o755)
-    probe = ("import sys; from baton.engine.cpu import kernels; "
+    # Each probe imports the kernels' module, says so, and builds once told to: both build at once.
+    probe = ("import sys; from baton.engine.cpu import kernels; print('ready', flush=True); sys.stdin.read(); "
              "print(kernels._library() is not None, kernels._build(sys.argv[1]))")
     env = {**os.environ, "BATON_CACHE_DIR": str(tmp_path / "cache"), "CC": str(compiler)}
-    starting = [subprocess.Popen([sys.executable, "-c", probe, str(compiler)], env=env, stdout=subprocess.PIPE,
-                                 text=True) for _ in range(2)]
-    answers = {process.communicate(timeout=120)[0] for process in starting}
+    starting = [subprocess.Popen([sys.executable, "-c", probe, str(compiler)], env=env, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    assert [process.stdout.readline() for process in starting] == ["ready\n"] * 2
+    for process in starting:
+        process.stdin.close()
+    answers = {process.stdout.read() for process in starting}
+    assert [process.wait(timeout=120) for process in starting] == [0, 0]
     assert len(answers) == 1 and answers.pop().startswith("True "), "each process loaded the same library"
     assert len((tmp_path / "calls").read_text().split()) == 1, "the kernels were compiled more than once"
 
