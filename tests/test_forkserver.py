@@ -74,3 +74,31 @@ def test_children_die_with_the_process_that_started_them():
     if alive:
         os.kill(child, signal.SIGKILL)
     assert not alive, "a forked router outlived the process that started it"
+
+
+def test_the_default_tokenizer_read_before_forking_goes_to_the_first_caller_alone(monkeypatch, tmp_path):
+    """The fork server reads the default tokenizer once (half a CPU-second each process would
+    spend): a forked process's first default_tokenizer() gets that copy, later callers and a process
+    whose default model lives elsewhere (another cache directory) read their own."""
+    import shutil
+
+    from baton.engine import model_files
+
+    monkeypatch.setattr(model_files, "_preloaded_tokenizer", None)
+    directory = model_files.default_model_dir()
+    model_files.preload_default_tokenizer()
+    preloaded = model_files._preloaded_tokenizer[1]
+    assert model_files.default_tokenizer() is preloaded
+    again = model_files.default_tokenizer()
+    assert again is not preloaded and again.get_vocab() == preloaded.get_vocab()
+
+    model_files.preload_default_tokenizer()
+    elsewhere = tmp_path / "model"
+    elsewhere.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (directory / name).is_file():
+            shutil.copy(directory / name, elsewhere / name)
+    monkeypatch.setattr(model_files, "default_model_dir", lambda: elsewhere)
+    own = model_files.default_tokenizer()
+    assert own is not model_files._preloaded_tokenizer[1] and own.name_or_path == str(elsewhere)
+
