@@ -174,6 +174,10 @@ def _quiet_progress():
             hf_logging.enable_progress_bar()
 
 
+# (directory, tokenizer) read by the fork server before it forks (launch/forkserver.py)
+_preloaded_tokenizer: tuple[Path, object] | None = None
+
+
 def default_tokenizer():
     """The default model's tokenizer (tiny-random's too). Its tokenizer_config.json names the plain
     tokenizers backend, which AutoTokenizer picks only after importing the model's config classes
@@ -192,10 +196,6 @@ def _read_default_tokenizer(directory: Path):
     return PreTrainedTokenizerFast.from_pretrained(directory)
 
 
-# (directory, tokenizer) read by the fork server before it forks (launch/forkserver.py)
-_preloaded_tokenizer: tuple[Path, object] | None = None
-
-
 def preload_default_tokenizer() -> None:
     """Read the default tokenizer now, for the first default_tokenizer() call of each process forked
     from this one: reading it takes half a CPU-second, which every worker and router of a local
@@ -203,11 +203,10 @@ def preload_default_tokenizer() -> None:
     seconds a cluster of another model never needed)."""
     global _preloaded_tokenizer
     try:
-        converted = (_default_model_target() / "config.json").is_file()
+        directory = _default_model_target()
     except ModelLoadError:  # the default model is not installed
         return
-    if converted:
-        directory = default_model_dir()
+    if (directory / "config.json").is_file():
         _preloaded_tokenizer = (directory, _read_default_tokenizer(directory))
 
 
